@@ -1,0 +1,169 @@
+"""The family contract: what a model-family plugin provides to turbospark.
+
+Read this file first. A family is a pluggy plugin (a module or object with
+``@hookimpl`` functions) registered under the entry-point group ``turbospark``.
+A runner builds its own plugin manager holding exactly one family plugin, so
+family hooks take no "which family" argument and are all ``firstresult``.
+
+Lifecycle, in the order a runner calls the hooks:
+
+1. declare   -- :func:`turbospark_family`, :func:`turbospark_pool_capability`
+2. load      -- :func:`turbospark_load_model`
+3. serve     -- :func:`turbospark_new_state`, :func:`turbospark_forward`
+4. persist   -- :func:`turbospark_snapshot_state`, :func:`turbospark_restore_state`
+5. tooling   -- :func:`turbospark_build_synthetic_install`
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import pluggy
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from turbospark.state import State
+    from turbospark.vision import VisionMap
+
+hookspec = pluggy.HookspecMarker("turbospark")
+hookimpl = pluggy.HookimplMarker("turbospark")
+
+LogitsWanted = Literal["last", "all", "none"]
+
+
+class ArchConfig(BaseModel):
+    """A family's architecture, read from the Hugging Face ``config.json``.
+
+    Subclasses add fields under the checkpoint's own key names (rule: config
+    fields use the checkpoint's names) so ``config.json`` validates directly.
+    ``family`` is ours: it is written into the manifest, never into config.json.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    family: str
+    model_type: str
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    eos_token_id: int | list[int] | None = None
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` this arch writes: every field but ``family``."""
+        return self.model_dump(mode="json", exclude={"family"}, exclude_none=True)
+
+
+class ComponentSpec(BaseModel):
+    """One kind of per-session state and what the runner may do with it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    description: str
+    swappable: bool = Field(description="may be parked in a pool slot and resumed later")
+    rewindable: bool | Literal["window"] = Field(
+        description="may be truncated in place; 'window' means only within its ring's headroom"
+    )
+    persistable: bool = Field(description="snapshot()/restore() round-trip through arrays")
+
+
+class FamilySpec(BaseModel):
+    """What :func:`turbospark_family` returns: the family's name, types and state."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    name: str
+    model_types: list[str] = Field(description="Hugging Face model_type values this family loads")
+    arch_config: type[ArchConfig]
+    components: list[ComponentSpec]
+    state_source: str = Field(description="the file defining the state, named in refusals")
+
+    def component(self, name: str) -> ComponentSpec:
+        for spec in self.components:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+# -- 1. declare ---------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def turbospark_family() -> FamilySpec:
+    """Declare the family: name, accepted HF ``model_type`` values, arch config
+    class and every state component with its capabilities."""
+
+
+@hookspec(firstresult=True)
+def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
+    """Names of the components this *arch* can park and resume.
+
+    The runner refuses ``session_slots > 1`` by name when any component of a
+    fresh state is missing from this list.
+    """
+
+
+# -- 2. load ------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def turbospark_load_model(arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype) -> nn.Module:
+    """Build the MLX module and load *weights* (Hugging Face tensor names).
+
+    Use :func:`turbospark.install.load_checked` so a missing or mis-shaped
+    tensor is refused by name.
+    """
+
+
+# -- 3. serve -----------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int) -> State:
+    """A fresh, empty session state: component name -> state component."""
+
+
+@hookspec(firstresult=True)
+def turbospark_forward(
+    model: nn.Module,
+    tokens: mx.array,
+    start: int,
+    state: State,
+    vision: VisionMap | None,
+    logits: LogitsWanted,
+) -> mx.array | None:
+    """Advance *state* over ``tokens`` (shape ``(L,)``) at absolute positions
+    ``start .. start+L-1``; every component's position is ``start`` on entry
+    and must be ``start + L`` on return.
+
+    Return float32 logits of shape ``(vocab,)`` for ``"last"``, ``(L, vocab)``
+    for ``"all"``, and ``None`` for ``"none"`` (the head may be skipped).
+    """
+
+
+# -- 4. persist ---------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def turbospark_snapshot_state(state: State) -> dict[str, dict[str, mx.array]]:
+    """Arrays-only copies of every persistable component (references to
+    immutable MLX arrays are enough). Core provides a default."""
+
+
+@hookspec(firstresult=True)
+def turbospark_restore_state(state: State, snapshot: dict[str, dict[str, mx.array]]) -> bool:
+    """Put a :func:`turbospark_snapshot_state` result back. Core provides a default."""
+
+
+# -- 5. tooling ---------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
+    """Write a random-weight install at *path* with real HF tensor names, through
+    :func:`turbospark.install.write_install` (the writer a real import uses).
+    *dims* holds the keyword arguments of ``build_synthetic_install``."""

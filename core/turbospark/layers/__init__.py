@@ -1,0 +1,1 @@
+"""Layers shared by families: attention over the KV components, norms, RoPE variants."""

@@ -1,0 +1,1 @@
+"""The gemma4 family for turbospark."""

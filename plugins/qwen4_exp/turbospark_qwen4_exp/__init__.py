@@ -1,0 +1,1 @@
+"""The qwen4_exp family for turbospark."""

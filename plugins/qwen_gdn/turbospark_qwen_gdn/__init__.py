@@ -1,0 +1,1 @@
+"""The qwen_gdn family for turbospark."""
