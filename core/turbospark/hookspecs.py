@@ -111,7 +111,9 @@ def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
 
 
 @hookspec(firstresult=True)
-def turbospark_load_model(arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype) -> nn.Module:
+def turbospark_load_model(
+    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+) -> nn.Module:
     """Build the MLX module and load *weights* (Hugging Face tensor names).
 
     Use :func:`turbospark.install.load_checked` so a missing or mis-shaped

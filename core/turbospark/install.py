@@ -88,7 +88,9 @@ def validate_arch(manifest: Manifest, arch_cls: type[ArchConfig], source: str) -
     try:
         arch = arch_cls.model_validate({**manifest.arch, "family": manifest.family})
     except ValidationError as exc:
-        raise InstallError(f"{source}: arch does not fit family '{manifest.family}': {_describe(exc)}") from exc
+        raise InstallError(
+            f"{source}: arch does not fit family '{manifest.family}': {_describe(exc)}"
+        ) from exc
     return arch
 
 
@@ -153,7 +155,9 @@ def load_checked(model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype
                 f"tensor {name} has shape {tuple(value.shape)}, config.json implies "
                 f"{tuple(expected[name].shape)}; the checkpoint does not match its config"
             )
-    cast = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    cast = {
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
+    }
     model.load_weights(list(cast.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())

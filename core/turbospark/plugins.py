@@ -74,7 +74,9 @@ class FamilyRegistry:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must not stop the others
                 registry.broken.append(
-                    BrokenPlugin(ep.name, source, f"import of {ep.value} failed: {type(exc).__name__}: {exc}")
+                    BrokenPlugin(
+                        ep.name, source, f"import of {ep.value} failed: {type(exc).__name__}: {exc}"
+                    )
                 )
                 continue
             registry._add(plugin, ep.name, source)
@@ -82,7 +84,9 @@ class FamilyRegistry:
 
     def register(self, plugin: Any, name: str | None = None) -> Family:
         """Add an in-process plugin (tests, notebooks); raises :class:`PluginError` if invalid."""
-        family = self._add(plugin, name or getattr(plugin, "__name__", repr(plugin)), "<registered>")
+        family = self._add(
+            plugin, name or getattr(plugin, "__name__", repr(plugin)), "<registered>"
+        )
         if family is None:
             raise PluginError(self.broken[-1].error)
         return family
@@ -99,7 +103,11 @@ class FamilyRegistry:
         if spec.name in self.families:
             other = self.families[spec.name].source
             self.broken.append(
-                BrokenPlugin(ep_name, source, f"family '{spec.name}' is already provided by {other}; uninstall one")
+                BrokenPlugin(
+                    ep_name,
+                    source,
+                    f"family '{spec.name}' is already provided by {other}; uninstall one",
+                )
             )
             return None
         family = Family(spec.name, plugin, spec, source)
@@ -109,7 +117,9 @@ class FamilyRegistry:
     def get(self, name: str) -> Family:
         if name in self.families:
             return self.families[name]
-        raise FamilyNotFound(f"no installed plugin provides family '{name}'; {self.describe_installed()}")
+        raise FamilyNotFound(
+            f"no installed plugin provides family '{name}'; {self.describe_installed()}"
+        )
 
     def for_model_type(self, model_type: str) -> Family:
         for family in self.families.values():
@@ -121,10 +131,16 @@ class FamilyRegistry:
 
     def describe_installed(self) -> str:
         if not self.families:
-            hint = f" ({ALLOWLIST_ENV}={os.environ[ALLOWLIST_ENV]!r})" if ALLOWLIST_ENV in os.environ else ""
+            hint = (
+                f" ({ALLOWLIST_ENV}={os.environ[ALLOWLIST_ENV]!r})"
+                if ALLOWLIST_ENV in os.environ
+                else ""
+            )
             text = f"no family plugins are installed{hint}"
         else:
-            listed = ", ".join(f"{f.name} ({', '.join(f.spec.model_types)})" for f in self.families.values())
+            listed = ", ".join(
+                f"{f.name} ({', '.join(f.spec.model_types)})" for f in self.families.values()
+            )
             text = f"installed: {listed}"
         if self.broken:
             text += "; broken: " + "; ".join(f"{b.name}: {b.error}" for b in self.broken)
@@ -152,7 +168,9 @@ def _validate(plugin: Any, name: str) -> FamilySpec:
         raise PluginError(f"plugin '{name}' does not fit the family contract: {exc}") from exc
     spec = pm.hook.turbospark_family()
     if not isinstance(spec, FamilySpec):
-        raise PluginError(f"plugin '{name}': turbospark_family() returned {type(spec).__name__}, not FamilySpec")
+        raise PluginError(
+            f"plugin '{name}': turbospark_family() returned {type(spec).__name__}, not FamilySpec"
+        )
     return spec
 
 

@@ -159,7 +159,11 @@ class LayerKV:
         rows starting at absolute position ``key_start``."""
         if queries == 1 and (self.window is None or keys <= self.window):
             return None
-        if key_start == 0 and keys == self.position and (self.window is None or keys <= self.window):
+        if (
+            key_start == 0
+            and keys == self.position
+            and (self.window is None or keys <= self.window)
+        ):
             return "causal"  # bottom-right aligned: the fused kernel's own mask
         q_pos = mx.arange(self.position - queries, self.position)[:, None]
         k_pos = mx.arange(key_start, key_start + keys)[None]

@@ -62,7 +62,9 @@ class VisionMap:
             )
         for start, end in positions.spans:
             if not 0 <= start < end <= prompt_len:
-                raise VisionMapError(f"image span ({start}, {end}) lies outside the {prompt_len}-token prompt")
+                raise VisionMapError(
+                    f"image span ({start}, {end}) lies outside the {prompt_len}-token prompt"
+                )
         for inj in injections:
             if inj.embeddings.ndim != 2 or inj.embeddings.shape[1] != hidden_size:
                 raise VisionMapError(

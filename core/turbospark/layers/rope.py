@@ -5,7 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def rope_freqs(dims: int, base: float, rotated_dims: int | None = None, factor: float = 1.0) -> mx.array:
+def rope_freqs(
+    dims: int, base: float, rotated_dims: int | None = None, factor: float = 1.0
+) -> mx.array:
     """Frequencies for ``mx.fast.rope(..., base=None, freqs=...)``.
 
     With ``rotated_dims < dims`` this is Gemma's *proportional* partial RoPE:
@@ -14,11 +16,11 @@ def rope_freqs(dims: int, base: float, rotated_dims: int | None = None, factor: 
     """
     rotated = dims if rotated_dims is None else rotated_dims
     exponents = mx.arange(0, rotated, 2, dtype=mx.float32) / dims
-    return mx.concatenate(
-        [factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)]
-    )
+    return mx.concatenate([factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)])
 
 
 def apply_rope(x: mx.array, offset: int, dims: int, freqs: mx.array) -> mx.array:
     """Rotate ``(1, heads, L, head_dim)`` at absolute positions ``offset..``."""
-    return mx.fast.rope(x, dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs)
+    return mx.fast.rope(
+        x, dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs
+    )

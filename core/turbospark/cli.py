@@ -1,0 +1,42 @@
+"""The ``turbospark`` command: one subcommand per module in :mod:`turbospark.commands`.
+
+Each command module exposes ``register(subparsers)``, which adds its parser and
+sets ``func`` (taking the parsed namespace, returning an exit code). Modules
+are imported lazily by name so ``turbospark --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from turbospark.errors import TurbosparkError
+
+COMMANDS = ["demo", "families"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="turbospark",
+        description="Run LLM families on MLX and keep many conversations warm on one model.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"turbospark.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TurbosparkError as exc:
+        print(f"turbospark: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

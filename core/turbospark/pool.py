@@ -1,0 +1,95 @@
+"""Sessions and the pool of parked ones.
+
+A :class:`Session` is a whole conversation's state: every state component,
+its prefix record and its checkpoints. Parking and promoting move these
+objects between the live slot and the pool; nothing is ever copied. Recency
+is a monotonic tick, not wall time, so behaviour is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from turbospark.prefix import PrefixRecord
+from turbospark.state import Snapshot, State, state_nbytes, state_position
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Snapshots of a session's non-rewindable components at ``position``:
+    held references to immutable arrays, so taking one costs no copy."""
+
+    position: int
+    snapshots: dict[str, Snapshot]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for snap in self.snapshots.values() for a in snap.values())
+
+
+@dataclass(eq=False)
+class Session:
+    state: State
+    record: PrefixRecord = field(default_factory=PrefixRecord)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    tick: int = 0
+
+    @property
+    def position(self) -> int:
+        return state_position(self.state)
+
+    @property
+    def has_content(self) -> bool:
+        return self.position > 0 or len(self.record) > 0
+
+    @property
+    def nbytes(self) -> int:
+        return state_nbytes(self.state) + sum(c.nbytes for c in self.checkpoints)
+
+    def clear(self) -> None:
+        self.record.clear()
+        self.checkpoints.clear()
+        for component in self.state.values():
+            component.reset()
+
+    def drop_checkpoints_after(self, position: int) -> None:
+        self.checkpoints = [c for c in self.checkpoints if c.position <= position]
+
+
+class SessionPool:
+    """The ``session_slots - 1`` parked sessions beside the live one."""
+
+    def __init__(self, parked: list[Session]) -> None:
+        self.parked = parked
+        self._clock = 0
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def best_match(self, prompt: Sequence[int]) -> tuple[int, int] | None:
+        """``(index, score)`` of the parked session sharing the longest prefix
+        with *prompt* (ties: most recently parked), or None if none shares any."""
+        best: tuple[int, int, int] | None = None
+        for index, session in enumerate(self.parked):
+            score = session.record.common_prefix(prompt)
+            if score and (best is None or (score, session.tick) > (best[1], best[2])):
+                best = (index, score, session.tick)
+        return None if best is None else best[:2]
+
+    def swap(self, index: int, live: Session) -> Session:
+        """Promote parked session *index*; park *live* in its place as the newest."""
+        promoted = self.parked[index]
+        live.tick = self._tick()
+        self.parked[index] = live
+        return promoted
+
+    def rotate_lru(self, live: Session) -> tuple[Session, bool]:
+        """Park *live* in place of the least recently used slot, which is
+        returned to become live; the flag says whether it held real content."""
+        index = min(range(len(self.parked)), key=lambda i: self.parked[i].tick)
+        promoted = self.parked[index]
+        live.tick = self._tick()
+        self.parked[index] = live
+        return promoted, promoted.has_content

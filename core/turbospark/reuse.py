@@ -1,0 +1,151 @@
+"""Prefix reuse: which session serves a prompt, and how much of it is already in state.
+
+:func:`plan_reuse` applies SEMANTICS.md's rules and commits the outcome
+(swap, rewind or checkpoint restore). Every outcome, including every refusal,
+is a :class:`ReuseReport` with its own reason, so a miss is never silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+from turbospark.hookspecs import FamilySpec
+from turbospark.pool import Checkpoint, Session, SessionPool
+
+
+class ReuseReason(StrEnum):
+    DISABLED = "disabled"  # prefix reuse is off
+    EMPTY_PROMPT = "empty_prompt"
+    NO_HISTORY = "no_history"  # the live session is empty and nothing parked matched
+    TAINTED = "tainted"  # the live record cannot vouch for its ids (vision map, failed call)
+    NO_MATCH = "no_match"  # the first token already differs
+    EXTENDS = "extends"  # the whole record is a prefix of the prompt: nothing to rewind
+    REWOUND = "rewound"  # rewound in place to the common prefix
+    CHECKPOINT = "checkpoint"  # restored a prompt-boundary checkpoint of non-rewindable state
+    NOT_REWINDABLE = "not_rewindable"  # a component cannot rewind at all (recurrent state)
+    BEYOND_WINDOW = "beyond_window"  # the rewind exceeds a sliding-window ring's headroom
+    SHALLOW_MATCH = "shallow_match"  # rewinding would destroy more than it keeps; park instead
+
+
+class ReuseReport(BaseModel):
+    """What :meth:`Runner.try_reuse_prefix` decided: ``kept`` leading prompt tokens
+    are in state, ``swapped`` says a parked session was promoted, ``reason`` why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kept: int
+    swapped: bool
+    reason: ReuseReason
+    detail: str
+    prompt_tokens: int = 0
+
+
+def plan_reuse(
+    live: Session,
+    pool: SessionPool | None,
+    prompt: Sequence[int],
+    spec: FamilySpec,
+    vision_active: bool,
+) -> tuple[Session, ReuseReport]:
+    """Choose and prepare the session for *prompt*; returns the (maybe new) live one."""
+
+    def report(kept: int, reason: ReuseReason, detail: str) -> tuple[Session, ReuseReport]:
+        return live, ReuseReport(
+            kept=kept, swapped=swapped, reason=reason, detail=detail, prompt_tokens=len(prompt)
+        )
+
+    swapped = False
+    if not prompt:
+        return report(0, ReuseReason.EMPTY_PROMPT, "the prompt is empty")
+    if pool is not None and not vision_active:
+        # An image prompt may not select parked state: placeholder ids prove nothing.
+        best = pool.best_match(prompt)
+        if best is not None and best[1] > live.record.common_prefix(prompt):
+            live = pool.swap(best[0], live)
+            swapped = True
+
+    keep = live.record.common_prefix(prompt)
+    if keep == 0:
+        if live.record.tainted:
+            why = "a vision map is active" if vision_active else "its record is tainted"
+            return report(0, ReuseReason.TAINTED, f"the live session cannot be reused: {why}")
+        if len(live.record) == 0:
+            return report(0, ReuseReason.NO_HISTORY, "no session holds any of this prompt")
+        return report(
+            0, ReuseReason.NO_MATCH, "the prompt shares no leading token with any session"
+        )
+
+    back = live.position - keep
+    if back == 0:
+        return report(
+            keep, ReuseReason.EXTENDS, f"the session's {keep} tokens are a prefix of the prompt"
+        )
+
+    target, checkpoint = keep, None
+    blockers = {
+        name: c.max_safe_rewind for name, c in live.state.items() if c.max_safe_rewind < back
+    }
+    if blockers:
+        checkpoint = _usable_checkpoint(live, keep)
+        if checkpoint is None:
+            return report(0, *_refusal(spec, blockers, back))
+        target = checkpoint.position
+
+    lost = live.position - target
+    if pool is not None and not swapped and lost > target:
+        return report(
+            0,
+            ReuseReason.SHALLOW_MATCH,
+            f"only {target} token(s) match but reusing them would overwrite {lost} of the live "
+            "conversation; it will be parked instead",
+        )
+
+    if checkpoint is not None:
+        for name, snapshot in checkpoint.snapshots.items():
+            live.state[name].restore(snapshot)
+    for name, component in live.state.items():
+        if checkpoint is None or name not in checkpoint.snapshots:
+            component.rewind(component.position - target)
+    live.record.truncate(target)
+    live.drop_checkpoints_after(target)
+    if checkpoint is not None:
+        return report(
+            target,
+            ReuseReason.CHECKPOINT,
+            f"{', '.join(blockers)} cannot rewind {back} token(s); resumed from the prompt-boundary "
+            f"checkpoint at {target} of {keep} matching tokens",
+        )
+    return report(
+        target, ReuseReason.REWOUND, f"rewound {back} token(s) in place to the common prefix"
+    )
+
+
+def _usable_checkpoint(live: Session, keep: int) -> Checkpoint | None:
+    """The newest checkpoint at or below *keep* that every other component can rewind to."""
+    for checkpoint in reversed(live.checkpoints):
+        if not 0 < checkpoint.position <= keep:
+            continue
+        back = live.position - checkpoint.position
+        others = (c for n, c in live.state.items() if n not in checkpoint.snapshots)
+        if all(c.max_safe_rewind >= back for c in others):
+            return checkpoint
+    return None
+
+
+def _refusal(spec: FamilySpec, blockers: dict[str, int], back: int) -> tuple[ReuseReason, str]:
+    rigid = [name for name in blockers if spec.component(name).rewindable is False]
+    if rigid:
+        return (
+            ReuseReason.NOT_REWINDABLE,
+            f"{', '.join(rigid)} cannot rewind (the prompt diverges {back} token(s) before the "
+            "session's end) and no checkpoint covers the match; the prompt is prefilled again",
+        )
+    limits = ", ".join(f"{name} at most {limit}" for name, limit in blockers.items())
+    return (
+        ReuseReason.BEYOND_WINDOW,
+        f"a rewind of {back} token(s) exceeds the sliding-window headroom ({limits}); "
+        "the prompt is prefilled again",
+    )

@@ -1,0 +1,354 @@
+"""The runner: one loaded model, a live session, and (optionally) a pool of parked ones.
+
+Everything that is not family math lives here: opening an install, validating
+every input before any state changes, feeding tokens through the family's
+forward hook, keeping the prefix record honest, and delegating reuse
+decisions to :mod:`turbospark.reuse`. See SEMANTICS.md for the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import pluggy
+
+from turbospark.errors import (
+    ContextOverflow,
+    InstallError,
+    InvalidInput,
+    RewindError,
+    SessionPoolUnsupported,
+    TurbosparkError,
+)
+from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted
+from turbospark.install import (
+    MANIFEST,
+    Manifest,
+    load_weights,
+    read_manifest,
+    validate_arch,
+    verify_files,
+)
+from turbospark.plugins import FamilyRegistry, default_registry
+from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
+from turbospark.pool import Checkpoint, Session, SessionPool
+from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse
+from turbospark.state import State
+from turbospark.vision import MropePositions, VisionInjection, VisionMap
+
+MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
+
+
+class Runner:
+    """Serve one model to many conversations. Build with :meth:`open`."""
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        manifest: Manifest,
+        arch: ArchConfig,
+        spec: FamilySpec,
+        pm: pluggy.PluginManager,
+        model: object,
+        context_length: int,
+        session_slots: int,
+        expert_cache: ExpertCacheSlots,
+        draft: DraftPolicies,
+        steering: SteeringPolicy,
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.arch = arch
+        self.family = spec
+        self.model = model
+        self.context_length = context_length
+        self.expert_cache = expert_cache
+        self.draft = draft
+        self.steering = steering
+        self._hook = pm.hook
+        self._live = Session(self._new_state())
+        self._pool = (
+            SessionPool([Session(self._new_state()) for _ in range(session_slots - 1)])
+            if session_slots > 1
+            else None
+        )
+        self._reuse_enabled = False
+        self._evicted = False
+        self._vision: VisionMap | None = None
+        self.last_reuse = ReuseReport(
+            kept=0, swapped=False, reason=ReuseReason.NO_HISTORY, detail="no prompt yet"
+        )
+
+    # -- opening ---------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        arch: ArchConfig | None = None,
+        context_length: int = 4096,
+        expert_cache: ExpertCacheSlots | None = None,
+        draft: DraftPolicies | None = None,
+        steering: SteeringPolicy | None = None,
+        session_slots: int = 1,
+        *,
+        dtype: str | mx.Dtype | None = None,
+        registry: FamilyRegistry | None = None,
+    ) -> Runner:
+        """Open an install. Cheap checks (manifest, arch, pool capability,
+        policies) run before any weight is read, so refusals are instant."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        family = (registry or default_registry()).get(manifest.family)
+        spec = family.spec
+        installed = validate_arch(manifest, spec.arch_config, str(path / MANIFEST))
+        if arch is not None and arch != installed:
+            raise InstallError(
+                f"the arch passed to Runner.open does not match {path / MANIFEST}; "
+                "pass arch=None or peek_manifest_arch(path)"
+            )
+        if context_length <= 0:
+            raise InvalidInput(f"context_length must be positive, got {context_length}")
+        if session_slots < 0:
+            raise InvalidInput(f"session_slots must be 0 or more, got {session_slots}")
+        expert_cache = expert_cache or ExpertCacheSlots.fixed(16)
+        _check_expert_cache(installed, expert_cache)
+        pm = family.manager()
+        if session_slots > 1:
+            _check_pool_capability(
+                spec, pm.hook.turbospark_pool_capability(arch=installed), session_slots
+            )
+        verify_files(path, manifest)
+        model = pm.hook.turbospark_load_model(
+            arch=installed,
+            weights=load_weights(path, manifest),
+            dtype=_dtype(dtype or manifest.dtype),
+        )
+        return cls(
+            path=path,
+            manifest=manifest,
+            arch=installed,
+            spec=spec,
+            pm=pm,
+            model=model,
+            context_length=context_length,
+            session_slots=session_slots,
+            expert_cache=expert_cache,
+            draft=draft or DraftPolicies.off(),
+            steering=steering or SteeringPolicy.off(),
+        )
+
+    def _new_state(self) -> State:
+        return self._hook.turbospark_new_state(
+            arch=self.arch, model=self.model, context_length=self.context_length
+        )
+
+    # -- introspection -----------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def position(self) -> int:
+        """The live session's next write position."""
+        return self._live.position
+
+    @property
+    def session_pool_size(self) -> int:
+        """Slots including the live one (1 when there is no pool)."""
+        return 1 if self._pool is None else len(self._pool.parked) + 1
+
+    def session_nbytes(self) -> list[int]:
+        """Bytes held by each session, live first, then parked slots."""
+        parked = [] if self._pool is None else [s.nbytes for s in self._pool.parked]
+        return [self._live.nbytes, *parked]
+
+    def session_slot_evicted(self) -> bool:
+        """Whether the last :meth:`reset` discarded a parked session with real content."""
+        return self._evicted
+
+    # -- feeding -----------------------------------------------------------------
+
+    def produce(self, token: int, position: int) -> mx.array:
+        """Feed one token at *position*; float32 logits ``(vocab,)`` for the next."""
+        return self._feed([token], position, "last")
+
+    def produce_prefill(self, token: int, position: int) -> None:
+        """Feed one prompt token whose logits nobody reads (the head is skipped)."""
+        self._feed([token], position, "none")
+
+    def prefill_chunk(
+        self, tokens: Sequence[int], start: int, logits: bool = True
+    ) -> mx.array | None:
+        """Feed *tokens* at ``start..`` in one forward; logits after the last one."""
+        return self._feed(list(tokens), start, "last" if logits else "none")
+
+    def _feed(self, tokens: list[int], start: int, want: LogitsWanted) -> mx.array | None:
+        self._validate_write(tokens, start)
+        live = self._live
+        if start < live.position:
+            self._rewind_live(live.position - start)
+        try:
+            out = self._hook.turbospark_forward(
+                model=self.model,
+                tokens=mx.array(tokens, dtype=mx.int32),
+                start=start,
+                state=live.state,
+                vision=self._vision,
+                logits=want,
+            )
+            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
+        except Exception:
+            self._recover(start)
+            raise
+        live.record.write(start, tokens, taint=self._vision is not None)
+        return out
+
+    def _validate_write(self, tokens: list[int], start: int) -> None:
+        if not tokens:
+            raise InvalidInput("no tokens to feed: pass at least one token id")
+        for token in tokens:
+            if (
+                isinstance(token, bool)
+                or not isinstance(token, int)
+                or not 0 <= token < self.vocab_size
+            ):
+                raise InvalidInput(
+                    f"token id {token!r} is outside this model's vocabulary (0..{self.vocab_size - 1}); "
+                    "check the tokenizer matches the install"
+                )
+        position = self._live.position
+        if start < 0 or start > position:
+            raise InvalidInput(
+                f"position gap: a write at {start} but the live session is at {position}; "
+                f"feed from position {position} (or an earlier one), or call reset() first"
+            )
+        if start + len(tokens) > self.context_length:
+            raise ContextOverflow(
+                f"writing {len(tokens)} token(s) at {start} would reach {start + len(tokens)}, past the "
+                f"context length {self.context_length}; shorten the prompt or open the runner with "
+                "a larger context_length"
+            )
+
+    def _rewind_live(self, back: int) -> None:
+        """Rewind every component by *back*, all or nothing."""
+        state = self._live.state
+        blocked = {n: c.max_safe_rewind for n, c in state.items() if c.max_safe_rewind < back}
+        if blocked:
+            limits = ", ".join(f"'{n}' at most {m}" for n, m in blocked.items())
+            raise RewindError(
+                f"a write {back} token(s) before the session's end needs a rewind this state cannot "
+                f"make ({limits}); call try_reuse_prefix() or reset() and prefill again"
+            )
+        for component in state.values():
+            component.rewind(back)
+        self._live.record.truncate(self._live.position)
+        self._live.drop_checkpoints_after(self._live.position)
+
+    def _recover(self, start: int) -> None:
+        """After a forward failed midway: put state back at *start*, or clear it."""
+        live = self._live
+        live.record.taint()
+        try:
+            for component in live.state.values():
+                if component.position > start:
+                    component.rewind(component.position - start)
+            live.position  # noqa: B018 -- raises if components now disagree
+        except (TurbosparkError, RuntimeError):
+            live.clear()
+            live.record.taint()
+
+    # -- sessions ----------------------------------------------------------------
+
+    def set_prefix_reuse(self, enabled: bool) -> None:
+        self._reuse_enabled = bool(enabled)
+
+    def try_reuse_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading *tokens* are already in the (possibly swapped-in) live
+        session; commits the swap/rewind. See ``last_reuse`` for why."""
+        prompt = [int(t) for t in tokens]
+        if not self._reuse_enabled:
+            self.last_reuse = ReuseReport(
+                kept=0,
+                swapped=False,
+                reason=ReuseReason.DISABLED,
+                detail="prefix reuse is off; runner.set_prefix_reuse(True) turns it on",
+                prompt_tokens=len(prompt),
+            )
+        else:
+            self._live, self.last_reuse = plan_reuse(
+                self._live, self._pool, prompt, self.family, self._vision is not None
+            )
+        return self.last_reuse.kept
+
+    def reset(self) -> None:
+        """Start a new conversation: park the live one (evicting the LRU slot
+        when full) if there is a pool, then clear the live session."""
+        self._evicted = False
+        if self._pool is not None and self._live.has_content:
+            self._live, self._evicted = self._pool.rotate_lru(self._live)
+        self._live.clear()
+
+    def checkpoint(self) -> None:
+        """Remember the non-rewindable components at the current position (the
+        generation loop calls this where the prompt ends). Held references only."""
+        live = self._live
+        names = [c.name for c in self.family.components if c.rewindable is False]
+        if not names or live.position == 0 or live.record.tainted:
+            return
+        live.drop_checkpoints_after(live.position - 1)
+        live.checkpoints.append(
+            Checkpoint(live.position, {n: live.state[n].snapshot() for n in names})
+        )
+        del live.checkpoints[:-MAX_CHECKPOINTS]
+
+    # -- vision ------------------------------------------------------------------
+
+    def set_prompt_vision(
+        self, injections: Sequence[VisionInjection], positions: MropePositions, prompt_len: int
+    ) -> None:
+        """Install a vision map for the next prompt; validated first, so a bad
+        map changes nothing. Taints the live record (ids cannot prove a match)."""
+        self._vision = VisionMap.validated(
+            list(injections), positions, prompt_len, self.arch.hidden_size
+        )
+        self._live.record.taint()
+
+    def clear_prompt_vision(self) -> None:
+        self._vision = None
+
+
+def _state_arrays(state: State) -> list[mx.array]:
+    return [a for component in state.values() for a in component.arrays()]
+
+
+def _dtype(value: str | mx.Dtype) -> mx.Dtype:
+    if isinstance(value, mx.Dtype):
+        return value
+    dtype = getattr(mx, str(value).removeprefix("mlx.core."), None)
+    if not isinstance(dtype, mx.Dtype):
+        raise InvalidInput(f"unknown dtype {value!r}; use bfloat16, float16 or float32")
+    return dtype
+
+
+def _check_pool_capability(spec: FamilySpec, swappable: list[str], slots: int) -> None:
+    missing = [c.name for c in spec.components if c.name not in swappable]
+    if missing:
+        raise SessionPoolUnsupported(
+            f"--session-slots {slots} needs every state component of family '{spec.name}' to be "
+            f"swappable, but {', '.join(missing)} cannot be parked (see {spec.state_source}); "
+            "run with --session-slots 1"
+        )
+
+
+def _check_expert_cache(arch: ArchConfig, slots: ExpertCacheSlots) -> None:
+    top_k = getattr(arch, "top_k_experts", None) if getattr(arch, "num_experts", None) else None
+    if top_k and slots.slots < top_k:
+        raise InvalidInput(
+            f"ExpertCacheSlots.fixed({slots.slots}) holds fewer experts than a token routes to "
+            f"(top_k_experts={top_k}); use at least {top_k}"
+        )

@@ -1,0 +1,431 @@
+"""The Gemma 4 text decoder, computed exactly as mlx-lm's ``gemma4_text`` does.
+
+One layer stack with two kinds of attention layer (``layer_types``):
+
+- ``sliding_attention``: ``head_dim``, default RoPE (theta 10k), a window of
+  ``sliding_window`` tokens;
+- ``full_attention``: ``global_head_dim``, *proportional* partial RoPE (only a
+  quarter of the pairs rotate; the rest pass through unchanged).
+
+Both norm q and k (RMSNorm with a scale) and v (RMSNorm without one), and use
+attention scale 1.0 (the norms already fix the logit size). The last
+``num_kv_shared_layers`` layers own no K/V: each attends over the K/V of the
+last earlier layer of its own type, and gets a double-wide MLP instead. The
+E-sized models add per-layer input embeddings (PLE), the MoE models an expert
+block beside the dense MLP. Every layer ends with a learned ``layer_scalar``;
+the head is the tied embedding followed by a tanh logit softcap.
+
+Shapes: the module runs one sequence, so hidden states are ``(L, hidden)``;
+attention adds the batch axis MLX's fused kernel wants.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from turbospark.hookspecs import ArchConfig
+from turbospark.layers.attention import cached_attention, shared_attention
+from turbospark.layers.norms import rms_norm_no_scale
+from turbospark.layers.rope import apply_rope, rope_freqs
+from turbospark.state import LayerKV, State
+from turbospark.vision import VisionMap
+from turbospark_gemma4.state import COMPONENTS, kv_slots
+
+LayerType = Literal["sliding_attention", "full_attention"]
+
+
+class RopeParameters(BaseModel):
+    """One entry of ``rope_parameters`` (per layer type), as HF writes it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rope_type: Literal["default", "proportional"] = "default"
+    rope_theta: float = 10000.0
+    # Only "proportional" reads these two; "default" rotates the whole head.
+    partial_rotary_factor: float = Field(1.0, gt=0.0, le=1.0)
+    factor: float = 1.0
+
+
+def _gemma4_rope() -> dict[LayerType, RopeParameters]:
+    # The Gemma 4 release values, used by mlx-lm when config.json has no rope_parameters.
+    return {
+        "full_attention": RopeParameters(
+            rope_type="proportional", rope_theta=1_000_000.0, partial_rotary_factor=0.25
+        ),
+        "sliding_attention": RopeParameters(rope_type="default", rope_theta=10_000.0),
+    }
+
+
+class Gemma4Config(ArchConfig):
+    """``config.json`` of a ``gemma4_text`` checkpoint (defaults are mlx-lm's, so a
+    key missing from config.json means the same thing to both)."""
+
+    model_type: Literal["gemma4_text"] = "gemma4_text"
+    intermediate_size: int = Field(6144, gt=0)
+    num_attention_heads: int = Field(8, gt=0)
+    head_dim: int = Field(256, gt=0)
+    # Full-attention layers use wider heads; None/0 means "same as head_dim".
+    global_head_dim: int | None = 512
+    rms_norm_eps: float = 1e-6
+    vocab_size_per_layer_input: int = 262144
+    num_key_value_heads: int = Field(1, gt=0)
+    # Only read by full layers when attention_k_eq_v is on (26B/31B checkpoints).
+    num_global_key_value_heads: int | None = None
+    # The default of 20 fits the 35-layer E-models only; synthetic and other
+    # checkpoints always write their own value.
+    num_kv_shared_layers: int = Field(20, ge=0)
+    pad_token_id: int = 0
+    # 0 disables per-layer input embeddings (the MoE checkpoints have none).
+    hidden_size_per_layer_input: int = Field(256, ge=0)
+    rope_parameters: dict[LayerType, RopeParameters] = Field(default_factory=_gemma4_rope)
+    sliding_window: int = Field(512, gt=0)
+    # Only used to derive layer_types: (pattern - 1) sliding layers, then one full.
+    sliding_window_pattern: int = Field(5, gt=0)
+    max_position_embeddings: int = 131072
+    # Full layers take values from the key projection (before k_norm and RoPE).
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float | None = 30.0
+    # Only KV-shared layers are double wide, and only when this is on.
+    use_double_wide_mlp: bool = True
+    enable_moe_block: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    layer_types: list[LayerType] | None = None
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> Gemma4Config:
+        if self.layer_types is None:
+            pattern = ["sliding_attention"] * (self.sliding_window_pattern - 1) + ["full_attention"]
+            repeats = self.num_hidden_layers // len(pattern) + 1
+            # Frozen model: set the derived default once, here, before anyone reads it.
+            object.__setattr__(self, "layer_types", (pattern * repeats)[: self.num_hidden_layers])
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        owners = self.first_kv_shared_layer
+        if owners == 0:
+            raise ValueError(
+                f"num_kv_shared_layers={self.num_kv_shared_layers} leaves no layer that owns K/V"
+            )
+        for i in range(owners, self.num_hidden_layers):
+            if self.layer_types[i] not in self.layer_types[:owners]:
+                raise ValueError(
+                    f"KV-shared layer {i} is {self.layer_types[i]} but no earlier layer of that "
+                    "type owns K/V to share"
+                )
+        if self.enable_moe_block:
+            if not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
+                raise ValueError(
+                    "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
+                )
+            if not 1 <= self.top_k_experts <= self.num_experts:
+                raise ValueError(f"top_k_experts={self.top_k_experts} not in 1..{self.num_experts}")
+        return self
+
+    @property
+    def first_kv_shared_layer(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def owns_kv(self, layer: int) -> bool:
+        return layer < self.first_kv_shared_layer
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V *layer* attends over: itself, or for a KV-shared
+        layer the last K/V-owning layer of the same type."""
+        if self.owns_kv(layer):
+            return layer
+        kind = self.layer_types[layer]
+        return max(i for i in range(self.first_kv_shared_layer) if self.layer_types[i] == kind)
+
+    def is_full(self, layer: int) -> bool:
+        return self.layer_types[layer] == "full_attention"
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.global_head_dim if self.is_full(layer) and self.global_head_dim else self.head_dim
+
+    def k_eq_v(self, layer: int) -> bool:
+        return self.attention_k_eq_v and self.is_full(layer)
+
+    def layer_kv_heads(self, layer: int) -> int:
+        if self.k_eq_v(layer) and self.num_global_key_value_heads is not None:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        double = self.use_double_wide_mlp and not self.owns_kv(layer)
+        return self.intermediate_size * (2 if double else 1)
+
+
+# -- weights ------------------------------------------------------------------
+
+# Buffers and calibration statistics some exports carry; they are not parameters.
+_DROPPED = ("self_attn.rotary_emb", "input_max", "input_min", "output_max", "output_min")
+_SHARED_DROPPED = (".self_attn.k_proj.", ".self_attn.v_proj.", ".self_attn.k_norm.")
+
+
+def sanitize(weights: dict[str, mx.array], arch: Gemma4Config) -> dict[str, mx.array]:
+    """HF tensor names -> this module's parameter names (pure: returns a new dict).
+
+    - drops rotary buffers and quantisation statistics;
+    - drops k/v projections and k_norm of KV-shared layers (checkpoints keep
+      them, but those layers never compute K/V);
+    - splits the fused ``experts.gate_up_proj`` ``(E, 2I, H)`` into
+      ``experts.gate_proj`` and ``experts.up_proj`` ``(E, I, H)`` each.
+    """
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        if any(part in name for part in _DROPPED):
+            continue
+        if any(part in name for part in _SHARED_DROPPED):
+            layer = int(name.split("layers.")[1].split(".")[0])
+            if not arch.owns_kv(layer):
+                continue
+        if name.endswith(".experts.gate_up_proj"):
+            base = name.removesuffix(".gate_up_proj")
+            gate, up = mx.split(value, 2, axis=-2)  # (E, 2I, H) -> 2 x (E, I, H)
+            out[f"{base}.gate_proj"] = mx.contiguous(gate)
+            out[f"{base}.up_proj"] = mx.contiguous(up)
+            continue
+        out[name] = value
+    return out
+
+
+# -- blocks -------------------------------------------------------------------
+
+
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
+Attended = tuple[mx.array, mx.array, mx.array | str | None]
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: Gemma4Config, layer: int):
+        super().__init__()
+        self.head_dim = arch.layer_head_dim(layer)
+        self.n_heads = arch.num_attention_heads
+        self.n_kv_heads = arch.layer_kv_heads(layer)
+        self.owns_kv = arch.owns_kv(layer)
+        self.k_eq_v = arch.k_eq_v(layer)
+        self.eps = arch.rms_norm_eps
+        hidden = arch.hidden_size
+        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=False)
+        if self.owns_kv:
+            self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=False)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=False)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        rope = arch.rope_parameters.get(arch.layer_types[layer], RopeParameters())
+        if rope.rope_type == "proportional":
+            rotated = int(self.head_dim * rope.partial_rotary_factor)
+            self._freqs = rope_freqs(self.head_dim, rope.rope_theta, rotated, rope.factor)
+        else:
+            self._freqs = rope_freqs(self.head_dim, rope.rope_theta)
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        return x.reshape(1, x.shape[0], n, self.head_dim)  # (L, n*D) -> (1, L, n, D)
+
+    def __call__(
+        self, x: mx.array, start: int, kv: LayerKV | None, shared: Attended | None
+    ) -> tuple[mx.array, Attended]:
+        length = x.shape[0]
+        queries = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
+        queries = apply_rope(queries.transpose(0, 2, 1, 3), start, self.head_dim, self._freqs)
+        if self.owns_kv:
+            keys = self._heads(self.k_proj(x), self.n_kv_heads)
+            # k_eq_v: values are the raw key projection (no k_norm, no RoPE).
+            values = keys if self.k_eq_v else self._heads(self.v_proj(x), self.n_kv_heads)
+            keys = apply_rope(self.k_norm(keys).transpose(0, 2, 1, 3), start, self.head_dim, self._freqs)
+            values = rms_norm_no_scale(values, self.eps).transpose(0, 2, 1, 3)  # (1, kv, L, D)
+            out, attended = cached_attention(queries, keys, values, kv, scale=1.0)
+        else:
+            attended = shared
+            out = shared_attention(queries, shared, scale=1.0)
+        out = out.transpose(0, 2, 1, 3).reshape(length, -1)  # (1, heads, L, D) -> (L, heads*D)
+        return self.o_proj(out), attended
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """Scale-normed input -> expert scores -> top-k, softmax over the chosen k,
+    times a learned per-expert scale."""
+
+    def __init__(self, arch: Gemma4Config):
+        super().__init__()
+        self.top_k = arch.top_k_experts
+        self.eps = arch.rms_norm_eps
+        self.root_size = arch.hidden_size**-0.5
+        self.proj = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.scale = mx.ones((arch.hidden_size,))
+        self.per_expert_scale = mx.ones((arch.num_experts,))
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        scores = self.proj(mx.fast.rms_norm(x, self.scale * self.root_size, self.eps))  # (L, E)
+        chosen = mx.argpartition(scores, kth=-self.top_k, axis=-1)[..., -self.top_k :]  # (L, k)
+        weights = mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), axis=-1)
+        return chosen, weights * self.per_expert_scale[chosen]
+
+
+class Experts(nn.Module):
+    """GeGLU experts as stacked ``(E, out, in)`` matrices, applied with ``gather_mm``."""
+
+    def __init__(self, arch: Gemma4Config):
+        super().__init__()
+        experts, hidden, inner = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        self.gate_proj = mx.zeros((experts, inner, hidden))
+        self.up_proj = mx.zeros((experts, inner, hidden))
+        self.down_proj = mx.zeros((experts, hidden, inner))
+
+    def __call__(self, x: mx.array, chosen: mx.array, weights: mx.array) -> mx.array:
+        x = x[:, None, None, :]  # (L, H) -> (L, 1, 1, H): one row per chosen expert
+        gate = mx.gather_mm(x, self.gate_proj.swapaxes(-1, -2), rhs_indices=chosen)  # (L, k, 1, I)
+        up = mx.gather_mm(x, self.up_proj.swapaxes(-1, -2), rhs_indices=chosen)
+        y = mx.gather_mm(geglu(gate, up), self.down_proj.swapaxes(-1, -2), rhs_indices=chosen)
+        y = y.squeeze(-2)  # (L, k, 1, H) -> (L, k, H)
+        return (weights[..., None] * y).sum(axis=-2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: Gemma4Config, layer: int):
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.self_attn = Attention(arch, layer)
+        self.mlp = MLP(hidden, arch.layer_intermediate_size(layer))
+        self.input_layernorm = nn.RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(hidden, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(hidden, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(hidden, eps=eps)
+        self.moe = arch.enable_moe_block
+        if self.moe:
+            self.router = Router(arch)
+            self.experts = Experts(arch)
+            self.post_feedforward_layernorm_1 = nn.RMSNorm(hidden, eps=eps)
+            self.post_feedforward_layernorm_2 = nn.RMSNorm(hidden, eps=eps)
+            self.pre_feedforward_layernorm_2 = nn.RMSNorm(hidden, eps=eps)
+        self.ple = arch.hidden_size_per_layer_input > 0
+        if self.ple:
+            self.per_layer_input_gate = nn.Linear(hidden, arch.hidden_size_per_layer_input, bias=False)
+            self.per_layer_projection = nn.Linear(arch.hidden_size_per_layer_input, hidden, bias=False)
+            self.post_per_layer_input_norm = nn.RMSNorm(hidden, eps=eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(
+        self,
+        h: mx.array,
+        start: int,
+        kv: LayerKV | None,
+        shared: Attended | None,
+        per_layer_input: mx.array | None,
+    ) -> tuple[mx.array, Attended]:
+        attn, attended = self.self_attn(self.input_layernorm(h), start, kv, shared)
+        h = h + self.post_attention_layernorm(attn)
+
+        if self.moe:
+            # Dense MLP and expert block side by side, both reading the same residual.
+            dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+            chosen, weights = self.router(h)
+            sparse = self.experts(self.pre_feedforward_layernorm_2(h), chosen, weights)
+            ff = dense + self.post_feedforward_layernorm_2(sparse)
+        else:
+            ff = self.mlp(self.pre_feedforward_layernorm(h))
+        h = h + self.post_feedforward_layernorm(ff)
+
+        if self.ple:
+            gate = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return h * self.layer_scalar, attended
+
+
+class Gemma4TextModel(nn.Module):
+    """Embeddings, the layer stack and the final norm (HF prefix ``model.``)."""
+
+    def __init__(self, arch: Gemma4Config):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = [DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)]
+        self.norm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.ple_dim = arch.hidden_size_per_layer_input
+        if self.ple_dim:
+            n = arch.num_hidden_layers
+            self.embed_tokens_per_layer = nn.Embedding(arch.vocab_size_per_layer_input, n * self.ple_dim)
+            self.per_layer_model_projection = nn.Linear(arch.hidden_size, n * self.ple_dim, bias=False)
+            self.per_layer_projection_norm = nn.RMSNorm(self.ple_dim, eps=arch.rms_norm_eps)
+        self._slots = kv_slots(arch)
+        self._sources = [arch.kv_source(i) for i in range(arch.num_hidden_layers)]
+
+    def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
+        """``(L, layers, ple_dim)``: a per-layer token embedding mixed with a
+        projection of the (scaled) input embedding."""
+        n, length = self.arch.num_hidden_layers, tokens.shape[0]
+        # Ids past the PLE table (multimodal placeholders) read row 0, as in HF.
+        ids = mx.where(tokens < self.arch.vocab_size_per_layer_input, tokens, 0)
+        table = self.embed_tokens_per_layer(ids) * self.ple_dim**0.5
+        table = table.reshape(length, n, self.ple_dim)  # (L, n*P) -> (L, n, P)
+        proj = self.per_layer_model_projection(h) * self.arch.hidden_size**-0.5
+        proj = self.per_layer_projection_norm(proj.reshape(length, n, self.ple_dim))
+        return (proj + table) * 2.0**-0.5
+
+    def __call__(self, tokens: mx.array, start: int, state: State, vision: VisionMap | None) -> mx.array:
+        embeddings = self.embed_tokens(tokens)  # (L, H)
+        if vision is not None:
+            # Image features replace the raw (unscaled) rows, as mlx-lm's input_embeddings.
+            embeddings = vision.inject(embeddings, start)
+        h = embeddings * self.arch.hidden_size**0.5
+        per_layer = self._per_layer_inputs(tokens, h) if self.ple_dim else None
+
+        attended: list[Attended | None] = [None] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            slot = self._slots.get(i)
+            kv = state[slot[0]][slot[1]] if slot else None
+            shared = None if slot else attended[self._sources[i]]
+            layer_input = per_layer[:, i] if per_layer is not None else None
+            h, attended[i] = layer(h, start, kv, shared, layer_input)
+        # Once per call, whether or not this arch has layers of that kind.
+        for spec in COMPONENTS:
+            state[spec.name].advance(tokens.shape[0])
+        return self.norm(h)
+
+
+class Gemma4(nn.Module):
+    """The decoder plus its head; parameter names are the HF checkpoint's."""
+
+    def __init__(self, arch: Gemma4Config):
+        super().__init__()
+        self.arch = arch
+        self.model = Gemma4TextModel(arch)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, start: int, state: State, vision: VisionMap | None) -> mx.array:
+        """Final-normed hidden states ``(L, hidden)`` for ``tokens`` at ``start..``."""
+        return self.model(tokens, start, state, vision)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """``(L, hidden)`` -> softcapped logits ``(L, vocab)``."""
+        if self.arch.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else mx.tanh(logits / cap) * cap
