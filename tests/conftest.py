@@ -1,0 +1,37 @@
+"""Fixtures for runner-level tests: synthetic installs built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from turbospark import build_synthetic_install
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="session")
+def gemma4_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seed's install: 2 layers, 16 experts (top 4), sliding window 8."""
+    path = tmp_path_factory.mktemp("gemma4")
+    build_synthetic_install(
+        "gemma4", path, vocab_size=VOCAB, num_layers=2, num_experts=16, top_k_experts=4,
+        sliding_window=8, model_id="tiny-gemma4-session-pool", seed=0,
+    )  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_gdn_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen_gdn")
+    build_synthetic_install(
+        "qwen_gdn", path, vocab_size=VOCAB, num_layers=4, model_id="tiny-bonsai-session-pool"
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen4_exp_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen4_exp")
+    build_synthetic_install("qwen4_exp", path, vocab_size=VOCAB, model_id="qwen4-pool")
+    return path

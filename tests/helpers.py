@@ -1,0 +1,46 @@
+"""Small drivers shared by the runner-level tests: the seed file's `feed` shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+from turbospark import MropePositions, Runner
+
+
+def feed(runner: Runner, tokens: Sequence[int]) -> mx.array:
+    """The sequential path: every token but the last through ``produce_prefill``,
+    the last through ``produce`` (the seed's `feed`)."""
+    last = len(tokens) - 1
+    for position, token in enumerate(tokens[:-1]):
+        runner.produce_prefill(token, position)
+    return runner.produce(tokens[last], last)
+
+
+def feed_chunked(runner: Runner, prompt: Sequence[int], reply: Sequence[int]) -> mx.array:
+    """The server's path: the prompt as one chunk, then the reply token by token."""
+    logits = runner.prefill_chunk(prompt, 0)
+    for i, token in enumerate(reply):
+        logits = runner.produce(token, len(prompt) + i)
+    return logits
+
+
+def serve_turn(runner: Runner, prompt: Sequence[int]) -> tuple[int, mx.array]:
+    """The caller contract: reuse what matches, else reset; feed the rest from ``kept``."""
+    kept = runner.try_reuse_prefix(prompt)
+    if kept == 0:
+        runner.reset()
+    logits = runner.prefill_chunk(prompt[kept:], kept)
+    runner.checkpoint()
+    return kept, logits
+
+
+def text_positions(length: int) -> MropePositions:
+    return MropePositions(triples=[(i, i, i) for i in range(length)], rope_delta=0, spans=[])
+
+
+def open_runner(path, session_slots: int) -> Runner:
+    """A runner as the server opens one: reuse on, 4096 context."""
+    runner = Runner.open(path, context_length=4096, session_slots=session_slots)
+    runner.set_prefix_reuse(True)
+    return runner
