@@ -26,13 +26,13 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention, shared_attention
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import LayerKV, State
 from turbospark.vision import VisionMap
+
 from turbospark_gemma4.state import COMPONENTS, kv_slots
 
 LayerType = Literal["sliding_attention", "full_attention"]
@@ -148,7 +148,9 @@ class Gemma4Config(ArchConfig):
         return self.layer_types[layer] == "full_attention"
 
     def layer_head_dim(self, layer: int) -> int:
-        return self.global_head_dim if self.is_full(layer) and self.global_head_dim else self.head_dim
+        return (
+            self.global_head_dim if self.is_full(layer) and self.global_head_dim else self.head_dim
+        )
 
     def k_eq_v(self, layer: int) -> bool:
         return self.attention_k_eq_v and self.is_full(layer)
@@ -245,7 +247,9 @@ class Attention(nn.Module):
             keys = self._heads(self.k_proj(x), self.n_kv_heads)
             # k_eq_v: values are the raw key projection (no k_norm, no RoPE).
             values = keys if self.k_eq_v else self._heads(self.v_proj(x), self.n_kv_heads)
-            keys = apply_rope(self.k_norm(keys).transpose(0, 2, 1, 3), start, self.head_dim, self._freqs)
+            keys = apply_rope(
+                self.k_norm(keys).transpose(0, 2, 1, 3), start, self.head_dim, self._freqs
+            )
             values = rms_norm_no_scale(values, self.eps).transpose(0, 2, 1, 3)  # (1, kv, L, D)
             out, attended = cached_attention(queries, keys, values, kv, scale=1.0)
         else:
@@ -297,7 +301,8 @@ class Experts(nn.Module):
         self.down_proj = mx.zeros((experts, hidden, inner))
 
     def __call__(self, x: mx.array, chosen: mx.array, weights: mx.array) -> mx.array:
-        x = x[:, None, None, :]  # (L, H) -> (L, 1, 1, H): one row per chosen expert
+        # (L, H) -> (L, 1, 1, H): batch dims (L, 1) broadcast against the (L, k) indices.
+        x = x[:, None, None, :]
         gate = mx.gather_mm(x, self.gate_proj.swapaxes(-1, -2), rhs_indices=chosen)  # (L, k, 1, I)
         up = mx.gather_mm(x, self.up_proj.swapaxes(-1, -2), rhs_indices=chosen)
         y = mx.gather_mm(geglu(gate, up), self.down_proj.swapaxes(-1, -2), rhs_indices=chosen)
@@ -324,8 +329,12 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = nn.RMSNorm(hidden, eps=eps)
         self.ple = arch.hidden_size_per_layer_input > 0
         if self.ple:
-            self.per_layer_input_gate = nn.Linear(hidden, arch.hidden_size_per_layer_input, bias=False)
-            self.per_layer_projection = nn.Linear(arch.hidden_size_per_layer_input, hidden, bias=False)
+            self.per_layer_input_gate = nn.Linear(
+                hidden, arch.hidden_size_per_layer_input, bias=False
+            )
+            self.per_layer_projection = nn.Linear(
+                arch.hidden_size_per_layer_input, hidden, bias=False
+            )
             self.post_per_layer_input_norm = nn.RMSNorm(hidden, eps=eps)
         self.layer_scalar = mx.ones((1,))
 
@@ -368,8 +377,12 @@ class Gemma4TextModel(nn.Module):
         self.ple_dim = arch.hidden_size_per_layer_input
         if self.ple_dim:
             n = arch.num_hidden_layers
-            self.embed_tokens_per_layer = nn.Embedding(arch.vocab_size_per_layer_input, n * self.ple_dim)
-            self.per_layer_model_projection = nn.Linear(arch.hidden_size, n * self.ple_dim, bias=False)
+            self.embed_tokens_per_layer = nn.Embedding(
+                arch.vocab_size_per_layer_input, n * self.ple_dim
+            )
+            self.per_layer_model_projection = nn.Linear(
+                arch.hidden_size, n * self.ple_dim, bias=False
+            )
             self.per_layer_projection_norm = nn.RMSNorm(self.ple_dim, eps=arch.rms_norm_eps)
         self._slots = kv_slots(arch)
         self._sources = [arch.kv_source(i) for i in range(arch.num_hidden_layers)]
@@ -386,7 +399,9 @@ class Gemma4TextModel(nn.Module):
         proj = self.per_layer_projection_norm(proj.reshape(length, n, self.ple_dim))
         return (proj + table) * 2.0**-0.5
 
-    def __call__(self, tokens: mx.array, start: int, state: State, vision: VisionMap | None) -> mx.array:
+    def __call__(
+        self, tokens: mx.array, start: int, state: State, vision: VisionMap | None
+    ) -> mx.array:
         embeddings = self.embed_tokens(tokens)  # (L, H)
         if vision is not None:
             # Image features replace the raw (unscaled) rows, as mlx-lm's input_embeddings.
@@ -417,7 +432,9 @@ class Gemma4(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
-    def __call__(self, tokens: mx.array, start: int, state: State, vision: VisionMap | None) -> mx.array:
+    def __call__(
+        self, tokens: mx.array, start: int, state: State, vision: VisionMap | None
+    ) -> mx.array:
         """Final-normed hidden states ``(L, hidden)`` for ``tokens`` at ``start..``."""
         return self.model(tokens, start, state, vision)
 

@@ -1,0 +1,86 @@
+"""The gemma4 family's hook implementations (entry point ``turbospark:gemma4``)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from turbospark.errors import InvalidInput
+from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.install import load_checked
+from turbospark.state import State
+from turbospark.vision import VisionMap
+
+from turbospark_gemma4 import synthetic
+from turbospark_gemma4.model import Gemma4, Gemma4Config, sanitize
+from turbospark_gemma4.state import COMPONENTS, new_state
+
+
+@hookimpl
+def turbospark_family() -> FamilySpec:
+    return FamilySpec(
+        name="gemma4",
+        model_types=["gemma4_text"],
+        arch_config=Gemma4Config,
+        components=COMPONENTS,
+        state_source="plugins/gemma4/turbospark_gemma4/state.py",
+    )
+
+
+@hookimpl
+def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
+    return [spec.name for spec in COMPONENTS if spec.swappable]
+
+
+@hookimpl
+def turbospark_load_model(
+    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+) -> nn.Module:
+    assert isinstance(arch, Gemma4Config)
+    return load_checked(Gemma4(arch), sanitize(weights, arch), dtype)
+
+
+@hookimpl
+def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int) -> State:
+    assert isinstance(arch, Gemma4Config)
+    return new_state(arch)
+
+
+@hookimpl
+def turbospark_forward(
+    model: nn.Module,
+    tokens: mx.array,
+    start: int,
+    state: State,
+    vision: VisionMap | None,
+    logits: LogitsWanted,
+) -> mx.array | None:
+    hidden = model(tokens, start, state, vision)  # (L, hidden)
+    arrays = [a for component in state.values() for a in component.arrays()]
+    if logits == "none":
+        # Materialise the K/V now so the lazy graph does not grow across calls.
+        mx.eval(arrays)
+        return None
+    rows = hidden[-1:] if logits == "last" else hidden  # the head only where it is read
+    out = model.head(rows).astype(mx.float32)  # (rows, vocab)
+    if logits == "last":
+        out = out[0]
+    mx.eval(out, arrays)
+    return out
+
+
+_DIMS = set(inspect.signature(synthetic.build).parameters) - {"path"}
+
+
+@hookimpl
+def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
+    unknown = sorted(set(dims) - _DIMS)
+    if unknown:
+        raise InvalidInput(
+            f"gemma4 synthetic installs have no dim(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(_DIMS))}"
+        )
+    return synthetic.build(path, **dims)
