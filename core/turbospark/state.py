@@ -124,10 +124,7 @@ class LayerKV:
             self.values = self.values[:, :, drop : self.fill]
             self.base += drop
             self.fill -= drop
-        capacity = 0 if self.keys is None else self.keys.shape[2]
-        if self.fill + length <= capacity:
-            return
-        grow = ((self.fill + length - capacity + self.step - 1) // self.step) * self.step
+        grow = ((length + self.step - 1) // self.step) * self.step
         k_new = mx.zeros((1, n_heads, grow, keys.shape[3]), keys.dtype)
         v_new = mx.zeros((1, n_heads, grow, values.shape[3]), values.dtype)
         if self.keys is None:
