@@ -165,7 +165,7 @@ def test_sha256_mismatch_is_refused(gemma4_install, tmp_path):
 def test_missing_file_is_refused(gemma4_install, tmp_path):
     path = copy_install(gemma4_install, tmp_path)
     (path / "config.json").unlink()
-    with pytest.raises(InstallError, match="config.json is listed in manifest.json but missing"):
+    with pytest.raises(InstallError, match=r"config\.json is listed in manifest\.json but missing"):
         Runner.open(path)
 
 

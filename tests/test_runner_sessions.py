@@ -1,0 +1,148 @@
+"""Runner-level behaviour beyond the seed: exact resumes, checkpoints, every reason.
+
+Logits equality between two paths (parked-and-resumed vs uninterrupted,
+chunked vs sequential) is the main check: it fails on any cross-talk.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import feed, open_runner, serve_turn, text_positions
+from turbospark import ReuseReason, Runner
+
+
+def fresh_logits(path, history: list[int], chunks: list[int]) -> mx.array:
+    """Logits after feeding *history* in chunks of the given sizes on a fresh runner."""
+    runner = Runner.open(path)
+    start = 0
+    for size in chunks:
+        logits = runner.prefill_chunk(history[start : start + size], start)
+        start += size
+    assert start == len(history)
+    return logits
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_interleaved_conversations_resume_exactly(family, request):
+    install = request.getfixturevalue(f"{family}_install")
+    runner = open_runner(install, 3)
+    conversations = {
+        "a": [1, 3, 20, 21, 40, 41, 42, 43, 44, 45, 46],
+        "b": [1, 3, 20, 21, 60, 61, 62, 63, 64, 65, 66],
+        "c": [1, 3, 20, 21, 80, 81, 82, 83, 84, 85, 86],
+    }
+    sizes: dict[str, list[int]] = {name: [] for name in conversations}
+    for turn in range(3):
+        for name in conversations:
+            extra = [30 + turn, 31 + turn, 32 + turn]
+            prompt = conversations[name] + extra
+            kept, logits = serve_turn(runner, prompt)
+            if turn:
+                assert kept == len(conversations[name]), runner.last_reuse
+                assert runner.last_reuse.reason == ReuseReason.EXTENDS
+            sizes[name].append(len(prompt) - kept)
+            assert not runner.session_slot_evicted()
+            conversations[name] = prompt
+            expected = fresh_logits(install, prompt, sizes[name])
+            assert mx.allclose(logits, expected, atol=1e-5), f"{family} conversation {name} turn {turn}"
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_sequential_path_equals_chunked_path(family, request):
+    install = request.getfixturevalue(f"{family}_install")
+    tokens = [5, 17, 3, 99, 42, 8, 1, 77, 23, 64, 12, 90, 33]
+    sequential = feed(Runner.open(install), tokens)
+    chunked = fresh_logits(install, tokens, [4, 1, 8])
+    assert mx.allclose(sequential, chunked, atol=1e-4)
+
+
+def test_gdn_prompt_equal_to_history_is_refused_with_a_reason(qwen_gdn_install):
+    runner = open_runner(qwen_gdn_install, 1)
+    history = [1, 3, 20, 21, 40, 41, 42]
+    runner.prefill_chunk(history, 0)
+    assert runner.try_reuse_prefix(history) == 0
+    assert runner.last_reuse.reason == ReuseReason.NOT_REWINDABLE
+    assert "gdn" in runner.last_reuse.detail
+
+
+def test_gdn_checkpoint_serves_a_reply_that_retokenises_differently(qwen_gdn_install):
+    """The next prompt carries the reply as the chat template re-tokenises it,
+    not the ids generated: the prompt-boundary checkpoint still saves the prompt."""
+    runner = open_runner(qwen_gdn_install, 2)
+    prompt = [1, 3, 20, 21, 40, 41, 42, 43, 44]
+    serve_turn(runner, prompt)
+    generated = [50, 51, 52, 53]
+    logits = None
+    for i, token in enumerate(generated):
+        logits = runner.produce(token, len(prompt) + i)
+    mx.eval(logits)
+    retokenised = [50, 55, 52, 53]  # the reply as the template re-tokenises it: differs at 1
+    next_prompt = prompt + retokenised + [60, 61]
+    kept, logits = serve_turn(runner, next_prompt)
+    assert kept == len(prompt), runner.last_reuse
+    assert runner.last_reuse.reason == ReuseReason.CHECKPOINT
+    expected = fresh_logits(qwen_gdn_install, next_prompt, [len(prompt), len(next_prompt) - len(prompt)])
+    assert mx.allclose(logits, expected, atol=1e-5)
+
+
+def test_gdn_checkpoint_travels_with_its_parked_session(qwen_gdn_install):
+    runner = open_runner(qwen_gdn_install, 2)
+    a = [1, 3, 20, 21, 40, 41, 42, 43, 44]
+    b = [1, 3, 20, 21, 70, 71, 72, 73, 74]
+    serve_turn(runner, a)
+    runner.produce(50, len(a))
+    serve_turn(runner, b)  # parks a together with its checkpoint
+    kept, logits = serve_turn(runner, [*a, 51, 52])  # reply re-tokenised differently
+    assert runner.last_reuse.swapped and kept == len(a), runner.last_reuse
+    assert runner.last_reuse.reason == ReuseReason.CHECKPOINT
+    assert mx.allclose(logits, fresh_logits(qwen_gdn_install, [*a, 51, 52], [len(a), 2]), atol=1e-5)
+
+
+def test_attention_family_rewinds_an_exact_repeat_by_one(gemma4_install):
+    runner = open_runner(gemma4_install, 1)
+    history = [1, 3, 20, 21, 40, 41, 42]
+    runner.prefill_chunk(history, 0)
+    assert runner.try_reuse_prefix(history) == len(history) - 1
+    assert runner.last_reuse.reason == ReuseReason.REWOUND
+
+
+def test_window_rewind_past_headroom_is_refused_with_a_reason(tmp_path):
+    from turbospark import build_synthetic_install
+
+    build_synthetic_install("gemma4", tmp_path, vocab_size=128, num_layers=2, sliding_window=4, seed=1)
+    runner = open_runner(tmp_path, 1)
+    history = [(7 * i) % 120 + 5 for i in range(300)]
+    for start in range(0, 300, 100):  # three chunks: the ring trims old rows
+        runner.prefill_chunk(history[start : start + 100], start)
+    diverged = [*history[:100], 3, 3, 3]
+    assert runner.try_reuse_prefix(diverged) == 0
+    assert runner.last_reuse.reason == ReuseReason.BEYOND_WINDOW
+    assert "window" in runner.last_reuse.detail
+    assert runner.position == 300  # refused: nothing rewound
+
+
+def test_reuse_is_off_by_default_and_says_so(gemma4_install):
+    runner = Runner.open(gemma4_install)
+    runner.prefill_chunk([1, 2, 3, 4], 0)
+    assert runner.try_reuse_prefix([1, 2, 3, 4, 5]) == 0
+    assert runner.last_reuse.reason == ReuseReason.DISABLED
+
+
+def test_clearing_the_vision_map_reverts_to_plain_positions(gemma4_install):
+    tokens = [5, 6, 7, 8, 9]
+    plain = Runner.open(gemma4_install).prefill_chunk(tokens, 0)
+    runner = Runner.open(gemma4_install)
+    runner.set_prompt_vision([], text_positions(len(tokens)), len(tokens))
+    runner.clear_prompt_vision()
+    assert mx.array_equal(runner.prefill_chunk(tokens, 0), plain)
+
+
+def test_session_memory_is_reported_per_slot(gemma4_install):
+    runner = open_runner(gemma4_install, 3)
+    assert runner.session_nbytes() == [0, 0, 0]
+    serve_turn(runner, [1, 2, 3, 4, 5, 6])
+    live, *parked = runner.session_nbytes()
+    assert live > 0 and parked == [0, 0]
+    serve_turn(runner, [9, 9, 9, 9, 9, 9])
+    assert sorted(runner.session_nbytes()) == [0, live, live]
