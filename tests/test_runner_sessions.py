@@ -146,3 +146,18 @@ def test_session_memory_is_reported_per_slot(gemma4_install):
     assert live > 0 and parked == [0, 0]
     serve_turn(runner, [9, 9, 9, 9, 9, 9])
     assert sorted(runner.session_nbytes()) == [0, live, live]
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_snapshot_restore_rolls_the_live_session_back(family, request):
+    install = request.getfixturevalue(f"{family}_install")
+    runner = open_runner(install, 1)
+    prompt = [1, 3, 20, 21, 40, 41, 42]
+    runner.prefill_chunk(prompt, 0)
+    snap = runner.snapshot()
+    runner.prefill_chunk([9, 9, 9], len(prompt))  # a speculative continuation, rejected
+    runner.restore(snap)
+    assert runner.position == len(prompt)
+    assert runner.try_reuse_prefix([*prompt, 5]) == len(prompt)
+    logits = runner.prefill_chunk([5], len(prompt))
+    assert mx.allclose(logits, fresh_logits(install, [*prompt, 5], [len(prompt), 1]), atol=1e-5)

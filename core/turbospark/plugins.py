@@ -18,7 +18,7 @@ from typing import Any
 
 import pluggy
 
-from turbospark import hookspecs
+from turbospark import defaults, hookspecs
 from turbospark.errors import FamilyNotFound, PluginError
 from turbospark.hookspecs import FamilySpec
 
@@ -45,6 +45,7 @@ class Family:
     def manager(self) -> pluggy.PluginManager:
         """A fresh manager holding only this family (a runner adds its own extensions)."""
         pm = new_manager()
+        pm.register(defaults, name="turbospark.defaults")
         pm.register(self.plugin, name=self.name)
         return pm
 

@@ -9,6 +9,7 @@ decisions to :mod:`turbospark.reuse`. See SEMANTICS.md for the rules.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,8 +36,16 @@ from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.pool import Checkpoint, Session, SessionPool
 from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse
-from turbospark.state import State
+from turbospark.state import Snapshot, State
 from turbospark.vision import MropePositions, VisionInjection, VisionMap
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    tokens: list[int]
+    tainted: bool
+    arrays: dict[str, Snapshot]
+
 
 MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
 
@@ -305,6 +314,23 @@ class Runner:
             Checkpoint(live.position, {n: live.state[n].snapshot() for n in names})
         )
         del live.checkpoints[:-MAX_CHECKPOINTS]
+
+    def snapshot(self) -> SessionSnapshot:
+        """The live session as arrays plus its record (speculative rollback, disk spill)."""
+        live = self._live
+        return SessionSnapshot(
+            tokens=list(live.record.tokens),
+            tainted=live.record.tainted,
+            arrays=self._hook.turbospark_snapshot_state(state=live.state),
+        )
+
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        """Make the live session exactly what :meth:`snapshot` captured."""
+        live = self._live
+        self._hook.turbospark_restore_state(state=live.state, snapshot=snapshot.arrays)
+        live.record.clear()
+        live.record.write(0, snapshot.tokens, taint=snapshot.tainted)
+        live.drop_checkpoints_after(live.position)
 
     # -- vision ------------------------------------------------------------------
 
