@@ -65,17 +65,11 @@ def turbospark_forward(
             "rewind or reset the session first"
         )
     hidden = model(tokens, start, state, vision)  # (L, hidden)
-    arrays = [a for component in state.values() for a in component.arrays()]
     if logits == "none":
-        # Materialise the state now so the lazy graph does not grow across calls.
-        mx.eval(arrays)
-        return None
+        return None  # the runner evaluates the state arrays (asynchronously)
     rows = hidden[-1:] if logits == "last" else hidden  # the head only where it is read
     out = model.head(rows).astype(mx.float32)  # (rows, vocab)
-    if logits == "last":
-        out = out[0]
-    mx.eval(out, arrays)
-    return out
+    return out[0] if logits == "last" else out
 
 
 _DIMS = set(inspect.signature(synthetic.build).parameters) - {"path"}
