@@ -161,3 +161,25 @@ def test_snapshot_restore_rolls_the_live_session_back(family, request):
     assert runner.try_reuse_prefix([*prompt, 5]) == len(prompt)
     logits = runner.prefill_chunk([5], len(prompt))
     assert mx.allclose(logits, fresh_logits(install, [*prompt, 5], [len(prompt), 1]), atol=1e-5)
+
+
+def test_qwen4_exp_reuse_follows_the_non_rewindable_rule(qwen4_exp_install):
+    runner = open_runner(qwen4_exp_install, 1)
+    history = [1, 3, 20, 21, 40, 41, 42, 43]
+    serve_turn(runner, history)
+    assert runner.try_reuse_prefix([*history, 7]) == len(history)
+    assert runner.last_reuse.reason == ReuseReason.EXTENDS
+    runner.prefill_chunk([7], len(history))
+
+    assert runner.try_reuse_prefix([*history, 9, 9]) == len(history)  # back to the checkpoint
+    assert runner.last_reuse.reason == ReuseReason.CHECKPOINT
+    for name in ("gdn", "ngram_context", "ple_conv_tail"):
+        assert name in runner.last_reuse.detail
+    logits = runner.prefill_chunk([9, 9], len(history))
+    expected = fresh_logits(qwen4_exp_install, [*history, 9, 9], [len(history), 2])
+    assert mx.allclose(logits, expected, atol=1e-5)
+
+    runner.reset()
+    runner.prefill_chunk(history, 0)  # no checkpoint this time
+    assert runner.try_reuse_prefix(history) == 0
+    assert runner.last_reuse.reason == ReuseReason.NOT_REWINDABLE
