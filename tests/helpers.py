@@ -30,6 +30,7 @@ def serve_turn(runner: Runner, prompt: Sequence[int]) -> tuple[int, mx.array]:
     kept = runner.try_reuse_prefix(prompt)
     if kept == 0:
         runner.reset()
+        kept = runner.share_prefix(prompt)
     logits = runner.prefill_chunk(prompt[kept:], kept)
     runner.checkpoint()
     return kept, logits

@@ -41,11 +41,20 @@ def test_interleaved_conversations_resume_exactly(family, request):
             if turn:
                 assert kept == len(conversations[name]), runner.last_reuse
                 assert runner.last_reuse.reason == ReuseReason.EXTENDS
+            elif name != "a" and family == "gemma4":
+                # b and c open like the parked a: they start from that shared opening.
+                assert kept == 4 and runner.last_reuse.reason == ReuseReason.SHARED_PREFIX
+                sizes[name].append(kept)
+            elif name != "a":
+                # a GDN state cannot be cut back to the opening (no checkpoint there)
+                assert kept == 0, runner.last_reuse
             sizes[name].append(len(prompt) - kept)
             assert not runner.session_slot_evicted()
             conversations[name] = prompt
             expected = fresh_logits(install, prompt, sizes[name])
-            assert mx.allclose(logits, expected, atol=1e-5), f"{family} conversation {name} turn {turn}"
+            assert mx.allclose(logits, expected, atol=1e-5), (
+                f"{family} conversation {name} turn {turn}"
+            )
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
@@ -82,7 +91,9 @@ def test_gdn_checkpoint_serves_a_reply_that_retokenises_differently(qwen_gdn_ins
     kept, logits = serve_turn(runner, next_prompt)
     assert kept == len(prompt), runner.last_reuse
     assert runner.last_reuse.reason == ReuseReason.CHECKPOINT
-    expected = fresh_logits(qwen_gdn_install, next_prompt, [len(prompt), len(next_prompt) - len(prompt)])
+    expected = fresh_logits(
+        qwen_gdn_install, next_prompt, [len(prompt), len(next_prompt) - len(prompt)]
+    )
     assert mx.allclose(logits, expected, atol=1e-5)
 
 
@@ -110,7 +121,9 @@ def test_attention_family_rewinds_an_exact_repeat_by_one(gemma4_install):
 def test_window_rewind_past_headroom_is_refused_with_a_reason(tmp_path):
     from turbospark import build_synthetic_install
 
-    build_synthetic_install("gemma4", tmp_path, vocab_size=128, num_layers=2, sliding_window=4, seed=1)
+    build_synthetic_install(
+        "gemma4", tmp_path, vocab_size=128, num_layers=2, sliding_window=4, seed=1
+    )
     runner = open_runner(tmp_path, 1)
     history = [(7 * i) % 120 + 5 for i in range(300)]
     for start in range(0, 300, 100):  # three chunks: the ring trims old rows

@@ -13,7 +13,7 @@ import sys
 
 from turbospark.errors import TurbosparkError
 
-COMMANDS = ["demo", "families"]
+COMMANDS = ["demo", "families", "generate", "chat", "serve", "import_", "conformance"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ class ReuseReason(StrEnum):
     NOT_REWINDABLE = "not_rewindable"  # a component cannot rewind at all (recurrent state)
     BEYOND_WINDOW = "beyond_window"  # the rewind exceeds a sliding-window ring's headroom
     SHALLOW_MATCH = "shallow_match"  # rewinding would destroy more than it keeps; park instead
+    SHARED_PREFIX = "shared_prefix"  # after reset: the opening taken from a parked conversation
 
 
 class ReuseReport(BaseModel):
@@ -84,15 +85,9 @@ def plan_reuse(
             keep, ReuseReason.EXTENDS, f"the session's {keep} tokens are a prefix of the prompt"
         )
 
-    target, checkpoint = keep, None
-    blockers = {
-        name: c.max_safe_rewind for name, c in live.state.items() if c.max_safe_rewind < back
-    }
-    if blockers:
-        checkpoint = _usable_checkpoint(live, keep)
-        if checkpoint is None:
-            return report(0, *_refusal(spec, blockers, back))
-        target = checkpoint.position
+    target, checkpoint, blockers = _reachable(live, keep)
+    if target == 0:
+        return report(0, *_refusal(spec, blockers, back))
 
     lost = live.position - target
     if pool is not None and not swapped and lost > target:
@@ -103,14 +98,7 @@ def plan_reuse(
             "conversation; it will be parked instead",
         )
 
-    if checkpoint is not None:
-        for name, snapshot in checkpoint.snapshots.items():
-            live.state[name].restore(snapshot)
-    for name, component in live.state.items():
-        if checkpoint is None or name not in checkpoint.snapshots:
-            component.rewind(component.position - target)
-    live.record.truncate(target)
-    live.drop_checkpoints_after(target)
+    _rewind_to(live, target, checkpoint)
     if checkpoint is not None:
         return report(
             target,
@@ -121,6 +109,63 @@ def plan_reuse(
     return report(
         target, ReuseReason.REWOUND, f"rewound {back} token(s) in place to the common prefix"
     )
+
+
+def plan_share(
+    live: Session, pool: SessionPool | None, prompt: Sequence[int], vision_active: bool
+) -> ReuseReport | None:
+    """Seed an empty live session with the longest prefix a parked one shares.
+
+    Conversations that open alike (a chat template, a shared system prompt) need
+    not recompute the opening: the donor's state is restored by reference into
+    the live session and cut back to the shared prefix; the donor stays parked
+    and unchanged (state arrays are never written in place once shared).
+    """
+    if pool is None or vision_active or live.has_content:
+        return None
+    best = pool.best_match(prompt)
+    if best is None:
+        return None
+    donor = pool.parked[best[0]]
+    target, checkpoint, _ = _reachable(donor, best[1])
+    if target == 0:
+        return None
+    for name, component in live.state.items():
+        component.restore(donor.state[name].snapshot())
+    live.record.write(0, donor.record.tokens)
+    live.checkpoints = list(donor.checkpoints)
+    _rewind_to(live, target, checkpoint)
+    return ReuseReport(
+        kept=target,
+        swapped=False,
+        reason=ReuseReason.SHARED_PREFIX,
+        detail=f"the first {target} token(s) are shared with a parked conversation, which "
+        "stays parked; its state up to there was taken by reference",
+        prompt_tokens=len(prompt),
+    )
+
+
+def _reachable(session: Session, keep: int) -> tuple[int, Checkpoint | None, dict[str, int]]:
+    """Where *session* can be cut back to, at most *keep*: ``(target, checkpoint
+    to restore or None, components that cannot rewind that far)``; target 0 = nowhere."""
+    back = session.position - keep
+    blockers = {n: c.max_safe_rewind for n, c in session.state.items() if c.max_safe_rewind < back}
+    if not blockers:
+        return keep, None, {}
+    checkpoint = _usable_checkpoint(session, keep)
+    return (0 if checkpoint is None else checkpoint.position), checkpoint, blockers
+
+
+def _rewind_to(session: Session, target: int, checkpoint: Checkpoint | None) -> None:
+    """Cut *session* back to *target*: restore the checkpoint's components, rewind the rest."""
+    restored = {} if checkpoint is None else checkpoint.snapshots
+    for name, snapshot in restored.items():
+        session.state[name].restore(snapshot)
+    for name, component in session.state.items():
+        if name not in restored:
+            component.rewind(component.position - target)
+    session.record.truncate(target)
+    session.drop_checkpoints_after(target)
 
 
 def _usable_checkpoint(live: Session, keep: int) -> Checkpoint | None:

@@ -35,7 +35,7 @@ from turbospark.install import (
 from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.pool import Checkpoint, Session, SessionPool
-from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse
+from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse, plan_share
 from turbospark.state import Snapshot, State
 from turbospark.vision import MropePositions, VisionInjection, VisionMap
 
@@ -293,6 +293,21 @@ class Runner:
                 self._live, self._pool, prompt, self.family, self._vision is not None
             )
         return self.last_reuse.kept
+
+    def share_prefix(self, tokens: Sequence[int]) -> int:
+        """After :meth:`reset`, start the fresh live session from the longest
+        prefix of *tokens* a parked conversation holds (say, a shared system
+        prompt), leaving that conversation parked. Returns the tokens now in
+        state (0: nothing shared; ``last_reuse`` is then unchanged)."""
+        if not self._reuse_enabled:
+            return 0
+        report = plan_share(
+            self._live, self._pool, [int(t) for t in tokens], self._vision is not None
+        )
+        if report is None:
+            return 0
+        self.last_reuse = report
+        return report.kept
 
     def reset(self) -> None:
         """Start a new conversation: park the live one (evicting the LRU slot

@@ -1,0 +1,98 @@
+"""``turbospark chat MODEL``: a REPL that shows what prefix reuse did on every turn.
+
+Each line you type is a user turn; the reply streams back and a status line
+(on stderr) says how many prompt tokens were reused and why. ``/switch NAME``
+moves to another conversation (created on first use), so with
+``--session-slots N`` you can watch parked sessions being resumed; ``/quit``
+or end of input leaves. Works with piped stdin (one turn per line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from turbospark.commands.generate import add_sampling_args, generation_config, print_text
+from turbospark.errors import TurbosparkError
+from turbospark.generate import (
+    Completion,
+    GenerationConfig,
+    check_prompt,
+    collect,
+    stream_generate,
+)
+from turbospark.runner import Runner
+from turbospark.text import TextCodec, load_text
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "chat",
+        help="chat with an install, showing prefix reuse per turn",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
+    parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
+    parser.add_argument("--system", help="a system message opening every conversation")
+    add_sampling_args(parser, max_tokens=256)
+    parser.set_defaults(func=run)
+
+
+def read_line(interactive: bool, name: str) -> str | None:
+    """The next user line, or None at end of input."""
+    if interactive:
+        try:
+            return input(f"{name}> ")
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
+def turn(
+    runner: Runner, codec: TextCodec, messages: list[dict[str, str]], config: GenerationConfig
+) -> Completion:
+    """Stream one reply to stdout; a bad prompt is refused before any output."""
+    ids = codec.encode_chat(messages)
+    check_prompt(runner, ids)
+    reply = collect(stream_generate(runner, codec, ids, config), on_text=print_text)
+    print(flush=True)
+    return reply
+
+
+def run(args: argparse.Namespace) -> int:
+    codec = load_text(args.model)
+    config = generation_config(args)
+    runner = Runner.open(
+        args.model, context_length=args.context_length, session_slots=args.session_slots
+    )
+    runner.set_prefix_reuse(True)
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    conversations: dict[str, list[dict[str, str]]] = {"main": list(opening)}
+    current = "main"
+    interactive = sys.stdin.isatty()
+    while (line := read_line(interactive, current)) is not None:
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/quit":
+            break
+        if text.startswith("/switch"):
+            current = text.removeprefix("/switch").strip() or "main"
+            conversations.setdefault(current, list(opening))
+            print(f"[conversation {current!r}]", file=sys.stderr)
+            continue
+        messages = conversations[current]
+        try:
+            reply = turn(runner, codec, [*messages, {"role": "user", "content": text}], config)
+        except TurbosparkError as exc:  # e.g. the conversation outgrew the context
+            print(f"[{current}] refused: {exc}", file=sys.stderr, flush=True)
+            continue
+        print(f"[{current}] {reply.stats.describe()}", file=sys.stderr, flush=True)
+        messages += [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": reply.text},
+        ]
+    return 0

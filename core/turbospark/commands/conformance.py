@@ -1,0 +1,55 @@
+"""``turbospark conformance FAMILY``: the conformance kit from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from turbospark.conformance.run import KitReport, run_kit
+
+MARKS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "conformance",
+        help="run the conformance kit against an installed family",
+        description="Run every conformance check the family's declared capabilities call for "
+        "(session pool, reuse, vision taint, rewind, snapshots, nbytes) on a synthetic install "
+        "built by the family's own hook. Exit status 0 when every check passed or was skipped.",
+    )
+    parser.add_argument("family", help="the family name, as `turbospark families` lists it")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument(
+        "--examples",
+        type=positive,
+        metavar="N",
+        help="hypothesis schedules per interleaving check (default 15)",
+    )
+    parser.set_defaults(func=run)
+
+
+def positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_kit(args.family, examples=args.examples)
+    print(report.model_dump_json(indent=2) if args.json else render(report))
+    return 0 if report.passed else 1
+
+
+def render(report: KitReport) -> str:
+    lines = [f"conformance of family '{report.family}' ({report.source})"]
+    for check in report.checks:
+        lines.append(f"  {MARKS[check.outcome]:<5} {check.check}")
+        if check.detail:
+            reason = check.detail if check.outcome != "skipped" else f"skipped: {check.detail}"
+            lines.append(textwrap.indent(reason, " " * 10))
+    counts = ", ".join(f"{n} {o}" for o, n in report.counts.items() if n)
+    lines.append(f"{'PASSED' if report.passed else 'FAILED'}: {counts or 'no checks ran'}")
+    if report.pytest_output and not report.checks:
+        lines.append(report.pytest_output)
+    return "\n".join(lines)

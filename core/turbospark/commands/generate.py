@@ -1,0 +1,81 @@
+"""``turbospark generate MODEL --prompt TEXT``: one completion, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from turbospark.generate import GenerationConfig, collect, stream_generate
+from turbospark.runner import Runner
+from turbospark.text import TextCodec, load_text
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The sampling flags ``generate`` and ``chat`` share."""
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None, help="reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--context-length", type=int, default=4096)
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "generate",
+        help="generate one completion from an install",
+        description="Generate from MODEL (an install directory). The prompt is sent as one user "
+        "message through the install's chat template unless --raw is given.",
+    )
+    parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--raw", action="store_true", help="skip the chat template")
+    add_sampling_args(parser, max_tokens=128)
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.set_defaults(func=run)
+
+
+def prompt_ids(codec: TextCodec, prompt: str, raw: bool) -> list[int]:
+    if raw or codec.chat_template is None:
+        return codec.encode(prompt, add_special_tokens=True)
+    return codec.encode_chat([{"role": "user", "content": prompt}])
+
+
+def run(args: argparse.Namespace) -> int:
+    codec = load_text(args.model)
+    config = generation_config(args)  # refuse bad flags before loading weights
+    runner = Runner.open(args.model, context_length=args.context_length)
+    ids = prompt_ids(codec, args.prompt, args.raw)
+    show = None if args.json else print_text
+    done = collect(stream_generate(runner, codec, ids, config), on_text=show)
+    if args.json:
+        record = {
+            "text": done.text,
+            "tokens": done.tokens,
+            "finish_reason": done.finish_reason,
+            "stats": done.stats.summary(),
+        }
+        print(json.dumps(record))
+    else:
+        print()
+        print(done.stats.describe(), file=sys.stderr)
+    return 0
+
+
+def print_text(text: str) -> None:
+    """Stream text to stdout as it arrives."""
+    print(text, end="", flush=True)

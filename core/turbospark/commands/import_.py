@@ -1,0 +1,35 @@
+"""``turbospark import HF_DIR OUT``: a Hugging Face checkpoint directory -> an install."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from turbospark.importer import DTYPES, import_checkpoint
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "import",
+        help="import a Hugging Face checkpoint directory as a turbospark install",
+        description="Copy a Hugging Face checkpoint (config.json, safetensors shards, tokenizer "
+        "files) into OUT, validated by its family, with every file's sha256 in manifest.json.",
+    )
+    parser.add_argument("hf_dir", type=Path, metavar="HF_DIR")
+    parser.add_argument("out", type=Path, metavar="OUT", help="a new (or empty) directory")
+    parser.add_argument("--dtype", choices=DTYPES, help="cast floating weights (default: keep)")
+    parser.add_argument("--family", help="the family to use (default: found by model_type)")
+    parser.add_argument("--model-id", help="the id served as `model` (default: HF_DIR's name)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = import_checkpoint(
+        args.hf_dir, args.out, dtype=args.dtype, family=args.family, model_id=args.model_id
+    )
+    size = sum(entry.size for entry in manifest.files.values())
+    print(
+        f"imported {manifest.model_id} ({manifest.family}, {manifest.dtype}, "
+        f"{len(manifest.files)} files, {size / 1e6:.1f} MB) into {args.out}"
+    )
+    return 0

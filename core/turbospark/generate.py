@@ -1,0 +1,263 @@
+"""Prompt in, tokens out: the generation loop the server, the CLI and the API share.
+
+One request runs the caller contract of SEMANTICS.md, then decodes::
+
+    kept = runner.try_reuse_prefix(prompt)        # swap / rewind, or 0
+    if kept == 0:
+        runner.reset()                            # park the live session
+        kept = runner.share_prefix(prompt)        # a parked conversation's shared opening
+    prefill prompt[kept:] from kept in chunks     # logits only for the last chunk
+    runner.checkpoint()                           # non-rewindable state at the prompt end
+    decode with runner.produce(...)               # until a stop token/string or max_tokens
+
+Decoding is pipelined: as soon as a token id is known it is fed back and the
+next token is queued with ``mx.async_eval``, and only *then* is the first one
+detokenised and yielded, so text work and the consumer overlap the next
+forward. The last token of a completion is never fed (nothing would read its
+logits), so the session's record ends one token before the reply does and the
+next turn's prompt rewinds nothing it does not have to.
+
+A consumer may stop iterating :func:`stream_generate` at any time (a client
+that hung up): every yield happens after a finished ``produce`` call, so the
+runner's state and its record always agree and the session stays reusable.
+
+Public names:
+
+* :class:`GenerationConfig` -- max tokens, stop strings/ids, chunk size, sampling.
+* :func:`stream_generate` -- a generator of :class:`Chunk` (one per token, then a
+  final one carrying ``finish_reason`` and :class:`GenerationStats`).
+* :func:`generate` -- the same, collected into a :class:`Completion` (:func:`collect`).
+* :func:`encode_prompt` / :func:`check_prompt` -- text to ids, and the up-front
+  validation that refuses bad input before any session is touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import mlx.core as mx
+from pydantic import BaseModel, ConfigDict, Field
+
+from turbospark.errors import ContextOverflow, InvalidInput
+from turbospark.runner import Runner
+from turbospark.sampling import Sampler, SamplingParams
+from turbospark.text import StopStrings, TextCodec
+
+FinishReason = Literal["stop", "length"]
+
+
+class GenerationConfig(SamplingParams):
+    """One request's knobs: sampling (inherited), limits and stops."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="tokens to generate; None = until a stop or the context ends",
+    )
+    stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="stop ids; None = the install's eos ids"
+    )
+    chunk_size: int = Field(default=512, gt=0, description="prefill tokens per forward")
+
+
+class GenerationStats(BaseModel):
+    """Per-request numbers: what reuse did and how fast each phase ran."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    generated_tokens: int
+    reuse_reason: str
+    reuse_detail: str
+    swapped: bool
+    evicted: bool
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        fed = self.prompt_tokens - self.reused_tokens
+        return fed / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        """One line for people: reuse first (the point of this runtime), then speed."""
+        moved = ", swapped in a parked session" if self.swapped else ""
+        lost = ", evicted a parked session" if self.evicted else ""
+        return (
+            f"reused {self.reused_tokens}/{self.prompt_tokens} prompt tokens "
+            f"({self.reuse_reason}: {self.reuse_detail}{moved}{lost}); "
+            f"prefill {self.prefill_seconds * 1e3:.1f} ms "
+            f"({self.prefill_tokens_per_second:.0f} tok/s), "
+            f"decode {self.generated_tokens} tokens at {self.decode_tokens_per_second:.0f} tok/s"
+        )
+
+    def summary(self) -> dict[str, object]:
+        """The stats plus both rates, for JSON output."""
+        return {
+            **self.model_dump(),
+            "prefill_tokens_per_second": self.prefill_tokens_per_second,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+        }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One step of a stream. ``text`` is new, stop-string-safe text (may be
+    empty while a partial stop match or an incomplete character is held back).
+    The final chunk has ``token=None``, ``finish_reason`` and ``stats``."""
+
+    text: str
+    token: int | None = None
+    finish_reason: FinishReason | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+
+def encode_prompt(codec: TextCodec, prompt: str | Sequence[int]) -> list[int]:
+    """Ids as given, or a raw text prompt through the tokenizer's own specials
+    (e.g. a leading ``<bos>``). Chat prompts come from ``codec.encode_chat``."""
+    if isinstance(prompt, str):
+        return codec.encode(prompt, add_special_tokens=True)
+    return [int(t) for t in prompt]
+
+
+def check_prompt(runner: Runner, prompt: Sequence[int]) -> None:
+    """Refuse a prompt the runner could not take, before reuse or reset touch
+    any session (a refusal after ``reset()`` would have parked the live one)."""
+    if not prompt:
+        raise InvalidInput("the prompt is empty: it needs at least one token")
+    bad = [t for t in prompt if not 0 <= t < runner.vocab_size]
+    if bad:
+        raise InvalidInput(
+            f"token id {bad[0]} is outside this model's vocabulary (0..{runner.vocab_size - 1}); "
+            "check the tokenizer matches the install"
+        )
+    if len(prompt) > runner.context_length:
+        raise ContextOverflow(
+            f"the prompt is {len(prompt)} tokens but the context length is "
+            f"{runner.context_length}; shorten the prompt or serve with a larger --context-length"
+        )
+
+
+def stream_generate(
+    runner: Runner,
+    codec: TextCodec,
+    prompt: str | Sequence[int],
+    config: GenerationConfig | None = None,
+) -> Iterator[Chunk]:
+    """Run one request on *runner*, yielding a :class:`Chunk` per generated token
+    and a final chunk with the finish reason and stats. See the module docstring."""
+    config = config or GenerationConfig()
+    ids = encode_prompt(codec, prompt)
+    check_prompt(runner, ids)
+    stop_ids = frozenset(
+        codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
+    )
+    sampler = Sampler(config)
+
+    started = time.perf_counter()
+    kept = runner.try_reuse_prefix(ids)
+    report = runner.last_reuse
+    evicted = False
+    if kept == 0:
+        runner.reset()
+        evicted = runner.session_slot_evicted()
+        kept = runner.share_prefix(ids)
+        report = runner.last_reuse if kept else report
+    logits = _prefill(runner, ids, kept, config.chunk_size)
+    runner.checkpoint()
+    token = sampler(logits)
+    mx.eval(token)
+    prefilled = time.perf_counter()
+
+    decoder = codec.stream_decoder()
+    stops = StopStrings(config.stop)
+    limit = config.max_tokens
+    position = len(ids)
+    generated: list[int] = []
+    finish: FinishReason = "length"
+    while limit is None or len(generated) < limit:
+        tok = int(token.item())
+        if tok in stop_ids:
+            finish = "stop"
+            break
+        generated.append(tok)
+        last = len(generated) == limit or position >= runner.context_length
+        if not last:
+            # Queue the next forward before detokenising this token.
+            token = sampler(runner.produce(tok, position))
+            mx.async_eval(token)
+            position += 1
+        text = stops.feed(decoder.add(tok))
+        if stops.stopped is not None:
+            finish = "stop"
+            yield Chunk(text=text, token=tok)
+            break
+        yield Chunk(text=text, token=tok)
+        if last:
+            break
+
+    tail = "" if stops.stopped is not None else stops.feed(decoder.flush()) + stops.flush()
+    stats = GenerationStats(
+        prompt_tokens=len(ids),
+        reused_tokens=kept,
+        generated_tokens=len(generated),
+        reuse_reason=str(report.reason),
+        reuse_detail=report.detail,
+        swapped=report.swapped,
+        evicted=evicted,
+        prefill_seconds=prefilled - started,
+        decode_seconds=time.perf_counter() - prefilled,
+    )
+    yield Chunk(text=tail, finish_reason=finish, stats=stats)
+
+
+def generate(
+    runner: Runner,
+    codec: TextCodec,
+    prompt: str | Sequence[int],
+    config: GenerationConfig | None = None,
+) -> Completion:
+    """:func:`stream_generate`, collected."""
+    return collect(stream_generate(runner, codec, prompt, config))
+
+
+def collect(chunks: Iterable[Chunk], on_text: Callable[[str], None] | None = None) -> Completion:
+    """Gather a stream into a :class:`Completion`, handing each piece of text to
+    *on_text* as it arrives (the CLI prints it)."""
+    parts: list[str] = []
+    tokens: list[int] = []
+    final = Chunk(text="")
+    for final in chunks:
+        parts.append(final.text)
+        if on_text is not None and final.text:
+            on_text(final.text)
+        if final.token is not None:
+            tokens.append(final.token)
+    if final.finish_reason is None or final.stats is None:
+        raise ValueError("the stream ended without its final chunk")
+    return Completion("".join(parts), tokens, final.finish_reason, final.stats)
+
+
+def _prefill(runner: Runner, ids: list[int], start: int, chunk_size: int) -> mx.array:
+    """Feed ``ids[start:]`` from *start*; only the last chunk computes logits."""
+    last = start + (len(ids) - start - 1) // chunk_size * chunk_size  # the last chunk's start
+    for begin in range(start, last, chunk_size):
+        runner.prefill_chunk(ids[begin : begin + chunk_size], begin, logits=False)
+    return runner.prefill_chunk(ids[last:], last)
