@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from turbospark import build_synthetic_install
 
 VOCAB = 128

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+
 from turbospark import MropePositions, Runner
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+
 from helpers import open_runner, text_positions
 from turbospark import (
     ContextOverflow,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+
 from helpers import feed, open_runner, serve_turn, text_positions
 from turbospark import ReuseReason, Runner
 

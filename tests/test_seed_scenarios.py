@@ -8,6 +8,7 @@ chunked `prefill_chunk`), on real synthetic installs.
 from __future__ import annotations
 
 import pytest
+
 from helpers import feed, feed_chunked, open_runner, text_positions
 from turbospark import (
     DraftPolicies,

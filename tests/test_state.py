@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from turbospark.errors import RewindError
 from turbospark.layers.attention import cached_attention
 from turbospark.state import KVComponent

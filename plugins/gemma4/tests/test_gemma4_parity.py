@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.utils import load_model
+
 from turbospark.install import (
     build_synthetic_install,
     load_weights,

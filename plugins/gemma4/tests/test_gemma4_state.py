@@ -11,6 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from pydantic import ValidationError
+
 from turbospark.errors import InstallError, InvalidInput, RewindError
 from turbospark.install import (
     build_synthetic_install,

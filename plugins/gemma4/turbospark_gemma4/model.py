@@ -26,13 +26,13 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention, shared_attention
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import LayerKV, State
 from turbospark.vision import VisionMap
-
 from turbospark_gemma4.state import COMPONENTS, kv_slots
 
 LayerType = Literal["sliding_attention", "full_attention"]

@@ -8,12 +8,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
 from turbospark.errors import InvalidInput
 from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.state import State
 from turbospark.vision import VisionMap
-
 from turbospark_gemma4 import synthetic
 from turbospark_gemma4.model import Gemma4, Gemma4Config, sanitize
 from turbospark_gemma4.state import COMPONENTS, new_state

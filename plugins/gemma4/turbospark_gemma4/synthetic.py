@@ -12,10 +12,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
 from turbospark.errors import InvalidInput
 from turbospark.install import write_install
 from turbospark.text import EOS_ID, PAD_ID, synthetic_text_files
-
 from turbospark_gemma4.model import Gemma4Config
 
 _DTYPES = ("float32", "float16", "bfloat16")

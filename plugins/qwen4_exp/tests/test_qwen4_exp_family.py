@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+
 from turbospark.errors import InvalidInput
 from turbospark.install import build_synthetic_install, load_weights, read_manifest
 from turbospark.plugins import default_registry

@@ -25,12 +25,12 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 from pydantic import Field, model_validator
+
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNDims
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import LayerKV, State
 from turbospark.vision import VisionMap
-
 from turbospark_qwen4_exp.qsa import QSABudget, qsa_attention
 from turbospark_qwen4_exp.state import LayerIndex
 

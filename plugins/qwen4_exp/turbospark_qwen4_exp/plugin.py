@@ -8,12 +8,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
 from turbospark.errors import InvalidInput
 from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.state import State, state_position
 from turbospark.vision import VisionMap
-
 from turbospark_qwen4_exp import synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig, sanitize
 from turbospark_qwen4_exp.state import COMPONENTS, new_state

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
 from turbospark.hookspecs import ComponentSpec
 from turbospark.layers.gated_delta import GDNComponent
 from turbospark.state import KVComponent, Snapshot, State, refuse_rewind

@@ -18,10 +18,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+
 from turbospark.errors import InvalidInput
 from turbospark.install import write_install
 from turbospark.text import EOS_ID, synthetic_text_files
-
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig
 
 _DTYPES = ("float32", "float16", "bfloat16")
