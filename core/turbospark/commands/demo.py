@@ -3,7 +3,8 @@
 Builds (once, cached) a synthetic install, then serves the same workload of K
 conversations × T turns, round-robin, with ``session_slots=K`` and with
 ``session_slots=1``, and prints per-turn reuse, prefill time, reason and
-evictions, then the totals. Each conversation opens with the same
+evictions, then the totals. Turns run through ``turbospark.generate``, the
+loop the server uses. Each conversation opens with the same
 chat-template-like tokens, so the shallow-match rule is exercised too.
 """
 
@@ -12,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import mlx.core as mx
-
+from turbospark.generate import GenerationConfig, generate
 from turbospark.install import MANIFEST, build_synthetic_install
 from turbospark.runner import Runner
+from turbospark.text import TextCodec, load_text
 
 # Per-family sizes for the demo: large enough that prefill time is visible.
 DEMO_DIMS: dict[str, dict[str, int]] = {
@@ -78,44 +78,37 @@ def demo_install(family: str, cache_dir: Path) -> Path:
     return path
 
 
-def run_workload(runner: Runner, args: argparse.Namespace, mode: str) -> list[Turn]:
+def run_workload(
+    runner: Runner, codec: TextCodec, args: argparse.Namespace, mode: str
+) -> list[Turn]:
+    """K conversations × T turns, round-robin, through the server's generation loop."""
     rng = random.Random(0)
     histories = [list(OPENING) for _ in range(args.conversations)]
-    vocab = runner.vocab_size
+    config = GenerationConfig(max_tokens=args.reply_tokens, stop_token_ids=[])
     turns: list[Turn] = []
     for turn in range(args.turns):
         for conv in range(args.conversations):
-            prompt = histories[conv] + [rng.randrange(32, vocab) for _ in range(args.turn_tokens)]
-            kept = runner.try_reuse_prefix(prompt)
-            report = runner.last_reuse
-            if kept == 0:
-                runner.reset()
-            evicted = kept == 0 and runner.session_slot_evicted()
-            t0 = time.perf_counter()
-            logits = runner.prefill_chunk(prompt[kept:], kept)
-            mx.eval(logits)
-            prefill_ms = (time.perf_counter() - t0) * 1e3
-            runner.checkpoint()
-            reply = []
-            for i in range(args.reply_tokens):
-                token = int(mx.argmax(logits).item())
-                reply.append(token)
-                logits = runner.produce(token, len(prompt) + i)
-            histories[conv] = prompt + reply
+            new = [rng.randrange(32, runner.vocab_size) for _ in range(args.turn_tokens)]
+            prompt = histories[conv] + new
+            done = generate(runner, codec, prompt, config)
+            stats = done.stats
+            histories[conv] = prompt + done.tokens
             turns.append(
-                Turn(mode, conv, turn, len(prompt), kept, len(prompt) - kept, prefill_ms,
-                     report.reason.value, report.swapped, evicted)
+                Turn(mode, conv, turn, len(prompt), stats.reused_tokens,
+                     len(prompt) - stats.reused_tokens, stats.prefill_seconds * 1e3,
+                     stats.reuse_reason, stats.swapped, stats.evicted)
             )  # fmt: skip
     return turns
 
 
 def run(args: argparse.Namespace) -> int:
     path = demo_install(args.family, args.cache_dir)
+    codec = load_text(path)
     results: list[Turn] = []
     for mode, slots in (("pool", args.conversations), ("no-pool", 1)):
         runner = Runner.open(path, session_slots=slots)
         runner.set_prefix_reuse(True)
-        results += run_workload(runner, args, mode)
+        results += run_workload(runner, codec, args, mode)
     if args.json:
         print(json.dumps([asdict(t) for t in results], indent=2))
         return 0
