@@ -12,6 +12,7 @@ import mlx.nn as nn
 from turbospark.errors import InvalidInput
 from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
+from turbospark.layers.logits import logits_for
 from turbospark.state import State
 from turbospark.vision import VisionMap
 from turbospark_gemma4 import synthetic
@@ -59,11 +60,7 @@ def turbospark_forward(
     logits: LogitsWanted,
 ) -> mx.array | None:
     hidden = model(tokens, start, state, vision)  # (L, hidden)
-    if logits == "none":
-        return None  # the runner evaluates the state arrays (asynchronously)
-    rows = hidden[-1:] if logits == "last" else hidden  # the head only where it is read
-    out = model.head(rows).astype(mx.float32)  # (rows, vocab)
-    return out[0] if logits == "last" else out
+    return logits_for(hidden, model.head, logits)
 
 
 _DIMS = set(inspect.signature(synthetic.build).parameters) - {"path"}

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from turbospark.errors import InvalidInput
 from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
+from turbospark.layers.logits import logits_for
 from turbospark.state import State, state_position
 from turbospark.vision import VisionMap
 from turbospark_qwen4_exp import synthetic
@@ -65,11 +66,7 @@ def turbospark_forward(
             "rewind or reset the session first"
         )
     hidden = model(tokens, start, state, vision)  # (L, hidden)
-    if logits == "none":
-        return None  # the runner evaluates the state arrays (asynchronously)
-    rows = hidden[-1:] if logits == "last" else hidden  # the head only where it is read
-    out = model.head(rows).astype(mx.float32)  # (rows, vocab)
-    return out[0] if logits == "last" else out
+    return logits_for(hidden, model.head, logits)
 
 
 _DIMS = set(inspect.signature(synthetic.build).parameters) - {"path"}

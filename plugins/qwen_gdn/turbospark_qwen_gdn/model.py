@@ -1,0 +1,340 @@
+"""The Qwen3.5 dense hybrid text model, computed exactly as mlx-lm's ``qwen3_5`` does.
+
+A stack of pre-norm residual layers; every ``full_attention_interval``-th layer
+(1-based) is gated full attention, the others are gated DeltaNet linear
+attention (:mod:`turbospark.layers.gated_delta`):
+
+- linear: ``in_proj_qkv`` -> depthwise causal conv (K taps, continuing from
+  the session's conv tail) -> SiLU -> l2-normalised q/k -> gated delta rule
+  (decay from ``A_log``/``dt_bias``/``in_proj_a``, step size from
+  ``in_proj_b``) -> RMSNorm gated by ``silu(in_proj_z x)`` -> ``out_proj``;
+- full: ``q_proj`` emits queries *and* an output gate (twice the width),
+  RMSNorm on q and k per head, partial RoPE on the first
+  ``head_dim * partial_rotary_factor`` dims, and ``o_proj(attn * sigmoid(gate))``.
+
+Multimodal RoPE: with a vision map the full layers rotate by per-token
+(t, h, w) positions; Qwen3.5 interleaves the three over the rotated
+frequencies (``mrope_section``). For text the three are equal and this is
+plain RoPE, which is what mlx-lm (text only) computes.
+
+Shapes: the module runs one sequence; hidden states are ``(1, L, hidden)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from turbospark.hookspecs import ArchConfig
+from turbospark.layers.attention import cached_attention
+from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
+from turbospark.state import KVComponent, LayerKV, State
+from turbospark.vision import VisionMap
+
+
+class RopeParameters(BaseModel):
+    """``rope_parameters`` as Qwen3.5 checkpoints write it (defaults are mlx-lm's)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rope_type: Literal["default", "mrope"] = "default"
+    rope_theta: float = 100000.0
+    partial_rotary_factor: float = Field(0.25, gt=0.0, le=1.0)
+    # Frequencies per (t, h, w) axis, meant to sum to the rotated dims / 2 (HF
+    # does not check, so neither do we: t takes whatever h and w do not). Qwen3.5
+    # always interleaves them (HF ignores ``mrope_interleaved``), so we do too.
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_alias(cls, data: Any) -> Any:
+        # mlx-lm accepts the older "type" key for "rope_type".
+        if isinstance(data, dict) and "type" in data and "rope_type" not in data:
+            data = {**data, "rope_type": data["type"]}
+        return data
+
+
+class QwenGdnConfig(ArchConfig):
+    """``config.json`` of a ``qwen3_5`` checkpoint (HF key names, mlx-lm's defaults).
+
+    A real checkpoint nests the text model under ``text_config``; mlx-lm reads
+    only that sub-config, so we flatten it the same way (keeping the outer
+    ``model_type``) and write the flat form, which mlx-lm also loads.
+    """
+
+    model_type: Literal["qwen3_5"] = "qwen3_5"
+    intermediate_size: int = Field(14336, gt=0)
+    num_attention_heads: int = Field(32, gt=0)
+    num_key_value_heads: int = Field(8, gt=0)
+    # None in config.json means hidden_size // num_attention_heads (filled in below).
+    head_dim: int = Field(0, ge=0)
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 131072
+    linear_num_value_heads: int = Field(64, gt=0)
+    linear_num_key_heads: int = Field(16, gt=0)
+    linear_key_head_dim: int = Field(192, gt=0)
+    linear_value_head_dim: int = Field(128, gt=0)
+    linear_conv_kernel_dim: int = Field(4, ge=2)
+    # Layer i is full attention when (i + 1) % full_attention_interval == 0.
+    full_attention_interval: int = Field(4, gt=0)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_parameters: RopeParameters = Field(default_factory=RopeParameters)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flatten_text_config(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("text_config"), dict):
+            keep = {k: data[k] for k in ("family", "model_type", "eos_token_id") if k in data}
+            data = {**data["text_config"], **keep}
+        if isinstance(data, dict) and not data.get("head_dim") and "hidden_size" in data:
+            heads = data.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
+            data = {**data, "head_dim": data["hidden_size"] // heads}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> QwenGdnConfig:
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        return self
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.rope_parameters.partial_rotary_factor)
+
+    def is_linear(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attention_interval != 0
+
+    def gdn_dims(self) -> GDNDims:
+        return GDNDims(
+            hidden_size=self.hidden_size,
+            num_key_heads=self.linear_num_key_heads,
+            num_value_heads=self.linear_num_value_heads,
+            key_head_dim=self.linear_key_head_dim,
+            value_head_dim=self.linear_value_head_dim,
+            conv_kernel=self.linear_conv_kernel_dim,
+            eps=self.rms_norm_eps,
+        )
+
+
+# -- weights ------------------------------------------------------------------
+
+# RMSNorms that Qwen3.5 stores zero-centred (the model computes ``1 + w``); the
+# gated norm inside the linear layers is not one of them.
+_SHIFTED_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+def _text_name(name: str) -> str | None:
+    """A checkpoint name -> this module's name; None for vision-tower tensors."""
+    if name.startswith(("vision_tower", "model.visual")):
+        return None
+    if name.startswith("model.language_model."):  # HF multimodal checkpoint
+        return "model." + name.removeprefix("model.language_model.")
+    return name.removeprefix("language_model.")  # mlx-community exports; HF text-only as is
+
+
+def sanitize(weights: dict[str, mx.array], arch: QwenGdnConfig) -> dict[str, mx.array]:
+    """Checkpoint tensors -> this module's parameters (pure: returns a new dict).
+
+    Mirrors mlx-lm's ``qwen3_5`` sanitize: drops the vision tower and the
+    multi-token-prediction head (``mtp.``), drops ``lm_head`` when embeddings
+    are tied, and — only for an HF-layout checkpoint, recognised by a conv1d
+    weight stored ``(C, 1, K)`` — moves the conv to mlx's ``(C, K, 1)`` and
+    shifts the zero-centred RMSNorm weights by +1. An mlx-converted checkpoint
+    has both done already and passes through unchanged.
+    """
+    hf_layout = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        target = _text_name(name)
+        if target is None or "mtp." in target:
+            continue
+        if arch.tie_word_embeddings and target == "lm_head.weight":
+            continue
+        if "conv1d.weight" in target and value.shape[-1] != 1:
+            value = mx.moveaxis(value, 2, 1)  # (C, 1, K) -> (C, K, 1)
+        if hf_layout and value.ndim == 1 and target.endswith(_SHIFTED_NORMS):
+            value = value + 1.0
+        out[target] = value
+    return out
+
+
+# -- rope -----------------------------------------------------------------------
+
+
+class QwenRope:
+    """Partial RoPE (non-traditional halves) on the first ``rotary_dims`` of each head."""
+
+    def __init__(self, arch: QwenGdnConfig):
+        self.dims = arch.rotary_dims
+        self.base = arch.rope_parameters.rope_theta
+        half = self.dims // 2
+        index = mx.arange(half)
+        t_sec, h_sec, w_sec = arch.rope_parameters.mrope_section
+        del t_sec  # t takes every frequency that h and w do not
+        # Interleaved layout: frequency j reads h when j % 3 == 1 (j < 3*h_sec),
+        # w when j % 3 == 2 (j < 3*w_sec), t otherwise (HF's recomposition).
+        self.axis = mx.where(
+            (index % 3 == 1) & (index < 3 * h_sec),
+            1,
+            mx.where((index % 3 == 2) & (index < 3 * w_sec), 2, 0),
+        )  # (half,)
+        self.inv_freq = self.base ** (-mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
+
+    def __call__(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
+        """Rotate ``(1, heads, L, head_dim)``; ``positions`` is ``(3, L)`` (t, h, w) or None."""
+        if positions is None:
+            return mx.fast.rope(
+                x, self.dims, traditional=False, base=self.base, scale=1.0, offset=offset
+            )
+        per_freq = positions[self.axis].T.astype(mx.float32)  # (L, half): each freq's position
+        angles = per_freq * self.inv_freq
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        half = self.dims // 2
+        x1, x2, rest = x[..., :half], x[..., half : self.dims], x[..., self.dims :]
+        rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest]
+        return mx.concatenate(rotated, axis=-1).astype(x.dtype)
+
+
+# -- blocks -------------------------------------------------------------------
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, arch: QwenGdnConfig):
+        super().__init__()
+        heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim
+        self.scale = dim**-0.5
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(arch.hidden_size, heads * dim * 2, bias=bias)  # queries + gate
+        self.k_proj = nn.Linear(arch.hidden_size, kv_heads * dim, bias=bias)
+        self.v_proj = nn.Linear(arch.hidden_size, kv_heads * dim, bias=bias)
+        self.o_proj = nn.Linear(heads * dim, arch.hidden_size, bias=bias)
+        self.q_norm = nn.RMSNorm(dim, eps=arch.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(dim, eps=arch.rms_norm_eps)
+
+    def __call__(
+        self, x: mx.array, kv: LayerKV, rope: QwenRope, offset: int, positions: mx.array | None
+    ) -> mx.array:
+        _, length, _ = x.shape
+        # (1, L, heads, 2 * dim) -> queries and gate, each (1, L, heads, dim)
+        queries, gate = mx.split(self.q_proj(x).reshape(1, length, self.heads, -1), 2, axis=-1)
+        gate = gate.reshape(1, length, -1)
+        keys = self.k_proj(x).reshape(1, length, self.kv_heads, self.head_dim)
+        values = self.v_proj(x).reshape(1, length, self.kv_heads, self.head_dim)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # (1, heads, L, dim)
+        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
+        values = values.transpose(0, 2, 1, 3)
+        queries = rope(queries, offset, positions)
+        keys = rope(keys, offset, positions)
+        out, _ = cached_attention(queries, keys, values, kv, self.scale)
+        out = out.transpose(0, 2, 1, 3).reshape(1, length, -1)  # (1, L, heads * dim)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: QwenGdnConfig, layer: int, slot: int):
+        super().__init__()
+        self.is_linear = arch.is_linear(layer)
+        self.slot = slot  # index of this layer inside its state component
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(arch.gdn_dims())
+        else:
+            self.self_attn = GatedAttention(arch)
+        self.input_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+
+    def __call__(
+        self,
+        x: mx.array,
+        kv: KVComponent,
+        gdn: GDNComponent,
+        rope: QwenRope,
+        offset: int,
+        positions: mx.array | None,
+    ) -> mx.array:
+        normed = self.input_layernorm(x)
+        if self.is_linear:
+            mixed = self.linear_attn(normed, gdn, self.slot)
+        else:
+            mixed = self.self_attn(normed, kv[self.slot], rope, offset, positions)
+        h = x + mixed
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextStack(nn.Module):
+    """``model.*``: embeddings, layers and the final norm."""
+
+    def __init__(self, arch: QwenGdnConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        slots = {True: 0, False: 0}
+        self.layers = []
+        for i in range(arch.num_hidden_layers):
+            kind = arch.is_linear(i)
+            self.layers.append(DecoderLayer(arch, i, slots[kind]))
+            slots[kind] += 1
+        self.norm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+
+
+class QwenGdn(nn.Module):
+    def __init__(self, arch: QwenGdnConfig):
+        super().__init__()
+        self.arch = arch
+        self.model = TextStack(arch)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self._rope = QwenRope(arch)
+
+    def __call__(
+        self, tokens: mx.array, start: int, state: State, vision: VisionMap | None
+    ) -> mx.array:
+        """Advance *state* over ``tokens`` ``(L,)`` at positions ``start..``; returns
+        the final-normed hidden states ``(L, hidden)``. Every component ends at ``start + L``."""
+        length = tokens.shape[0]
+        h = self.model.embed_tokens(tokens)  # (L, hidden)
+        positions = None
+        if vision is not None:
+            h = vision.inject(h, start)
+            positions = vision.rope_positions(start, length)  # (3, L)
+        h = h[None]  # (1, L, hidden)
+        kv, gdn = state["kv"], state["gdn"]
+        for layer in self.model.layers:
+            h = layer(h, kv, gdn, self._rope, start, positions)
+        kv.advance(length)
+        gdn.advance(length)
+        return self.model.norm(h[0])
+
+    def head(self, hidden: mx.array) -> mx.array:
+        if self.arch.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)

@@ -1,0 +1,78 @@
+"""The qwen_gdn family's hook implementations (entry point ``turbospark:qwen_gdn``)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from turbospark.errors import InvalidInput
+from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.install import load_checked
+from turbospark.layers.logits import logits_for
+from turbospark.state import State
+from turbospark.vision import VisionMap
+from turbospark_qwen_gdn import synthetic
+from turbospark_qwen_gdn.model import QwenGdn, QwenGdnConfig, sanitize
+from turbospark_qwen_gdn.state import COMPONENTS, new_state
+
+
+@hookimpl
+def turbospark_family() -> FamilySpec:
+    return FamilySpec(
+        name="qwen_gdn",
+        # HF's text sub-config is "qwen3_5_text", but checkpoints (and mlx-lm) use "qwen3_5".
+        model_types=["qwen3_5"],
+        arch_config=QwenGdnConfig,
+        components=COMPONENTS,
+        state_source="plugins/qwen_gdn/turbospark_qwen_gdn/state.py",
+    )
+
+
+@hookimpl
+def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
+    return [spec.name for spec in COMPONENTS if spec.swappable]
+
+
+@hookimpl
+def turbospark_load_model(
+    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+) -> nn.Module:
+    assert isinstance(arch, QwenGdnConfig)
+    return load_checked(QwenGdn(arch), sanitize(weights, arch), dtype)
+
+
+@hookimpl
+def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int) -> State:
+    assert isinstance(arch, QwenGdnConfig)
+    return new_state(arch)
+
+
+@hookimpl
+def turbospark_forward(
+    model: nn.Module,
+    tokens: mx.array,
+    start: int,
+    state: State,
+    vision: VisionMap | None,
+    logits: LogitsWanted,
+) -> mx.array | None:
+    hidden = model(tokens, start, state, vision)  # (L, hidden)
+    return logits_for(hidden, model.head, logits)
+
+
+_DIMS = set(inspect.signature(synthetic.build).parameters) - {"path"}
+
+
+@hookimpl
+def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
+    unknown = sorted(set(dims) - _DIMS)
+    if unknown:
+        raise InvalidInput(
+            f"qwen_gdn synthetic installs have no dim(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(_DIMS))}"
+        )
+    return synthetic.build(path, **dims)

@@ -1,0 +1,44 @@
+"""Qwen3.5's per-session state: attention K/V plus the gated-DeltaNet state.
+
+- ``kv``: one :class:`~turbospark.state.LayerKV` per full-attention layer; it
+  keeps every token, so it rewinds without limit.
+- ``gdn``: per linear layer, the conv tail and the float32 recurrent matrix
+  (:class:`~turbospark.layers.gated_delta.GDNComponent`). It can be parked and
+  snapshotted, but not rewound: the recurrence cannot be run backwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from turbospark.hookspecs import ComponentSpec
+from turbospark.layers.gated_delta import GDNComponent
+from turbospark.state import KVComponent, State
+
+if TYPE_CHECKING:
+    from turbospark_qwen_gdn.model import QwenGdnConfig
+
+COMPONENTS = [
+    ComponentSpec(
+        name="kv",
+        description="keys/values of the full-attention layers",
+        swappable=True,
+        rewindable=True,
+        persistable=True,
+    ),
+    ComponentSpec(
+        name="gdn",
+        description="conv tail and float32 recurrent matrix of each gated-DeltaNet layer",
+        swappable=True,
+        rewindable=False,
+        persistable=True,
+    ),
+]
+
+
+def new_state(arch: QwenGdnConfig) -> State:
+    linear = sum(arch.is_linear(i) for i in range(arch.num_hidden_layers))
+    return {
+        "kv": KVComponent(arch.num_hidden_layers - linear),
+        "gdn": GDNComponent(linear),
+    }
