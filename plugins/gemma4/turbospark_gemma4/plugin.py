@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.errors import InvalidInput
 from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import logits_for
 from turbospark.state import State
+from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
 from turbospark_gemma4 import synthetic
 from turbospark_gemma4.model import Gemma4, Gemma4Config, sanitize
@@ -63,15 +62,6 @@ def turbospark_forward(
     return logits_for(hidden, model.head, logits)
 
 
-_DIMS = set(inspect.signature(synthetic.build).parameters) - {"path"}
-
-
 @hookimpl
 def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
-    unknown = sorted(set(dims) - _DIMS)
-    if unknown:
-        raise InvalidInput(
-            f"gemma4 synthetic installs have no dim(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(_DIMS))}"
-        )
-    return synthetic.build(path, **dims)
+    return build_checked("gemma4", synthetic.build, path, dims)

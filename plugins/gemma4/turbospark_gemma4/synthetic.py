@@ -10,31 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
-from turbospark.errors import InvalidInput
-from turbospark.install import write_install
-from turbospark.text import EOS_ID, PAD_ID, synthetic_text_files
+from turbospark.synthetic import RandomWeights, write_synthetic
+from turbospark.text import EOS_ID, PAD_ID
 from turbospark_gemma4.model import Gemma4Config
-
-_DTYPES = ("float32", "float16", "bfloat16")
-
-
-class _Weights:
-    """Named random tensors from one seeded generator."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.tensors: dict[str, np.ndarray] = {}
-
-    def linear(self, name: str, shape: tuple[int, ...]) -> None:
-        """``(..., out, in)`` with unit-variance outputs for unit-variance inputs."""
-        self.tensors[name] = self.rng.normal(0.0, shape[-1] ** -0.5, shape)
-
-    def scale(self, name: str, shape: tuple[int, ...], spread: float = 0.2) -> None:
-        """A positive scale around 1 (norm weights, router scales, layer scalars)."""
-        self.tensors[name] = 1.0 + self.rng.uniform(-spread, spread, shape)
 
 
 def build(
@@ -67,8 +45,6 @@ def build(
     ``num_experts > 0`` enables the MoE block; ``hidden_size_per_layer_input=0``
     disables PLE.
     """
-    if dtype not in _DTYPES:
-        raise InvalidInput(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     if num_kv_shared_layers is None:
         num_kv_shared_layers = num_layers // 2 if num_layers >= 4 else 0
     moe = num_experts > 0
@@ -98,7 +74,7 @@ def build(
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
-    w = _Weights(seed)
+    w = RandomWeights(seed)
     n, hidden, ple = num_layers, hidden_size, hidden_size_per_layer_input
     # Embedding rows of norm ~1: after the sqrt(hidden) embed scale, unit-variance entries.
     w.linear("model.embed_tokens.weight", (vocab_size, hidden))
@@ -142,15 +118,4 @@ def build(
             w.scale(f"{p}.post_per_layer_input_norm.weight", (hidden,))
         w.scale(f"{p}.layer_scalar", (1,), spread=0.5)
 
-    target = getattr(mx, dtype)
-    weights = {
-        name: mx.array(value.astype(np.float32)).astype(target) for name, value in w.tensors.items()
-    }
-    write_install(
-        path,
-        arch=arch,
-        model_id=model_id,
-        weights=weights,
-        extra_files=synthetic_text_files(arch),
-    )
-    return arch
+    return write_synthetic(path, arch, model_id, w.tensors, dtype)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import logits_for
 from turbospark.state import State, state_position
+from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
 from turbospark_qwen4_exp import synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig, sanitize
@@ -69,15 +69,6 @@ def turbospark_forward(
     return logits_for(hidden, model.head, logits)
 
 
-_DIMS = set(inspect.signature(synthetic.build).parameters) - {"path"}
-
-
 @hookimpl
 def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
-    unknown = sorted(set(dims) - _DIMS)
-    if unknown:
-        raise InvalidInput(
-            f"qwen4_exp synthetic installs have no dim(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(_DIMS))}"
-        )
-    return synthetic.build(path, **dims)
+    return build_checked("qwen4_exp", synthetic.build, path, dims)

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from turbospark.errors import InvalidInput
-from turbospark.install import write_install
-from turbospark.text import EOS_ID, synthetic_text_files
+from turbospark.synthetic import write_synthetic
+from turbospark.text import EOS_ID
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig
 
-_DTYPES = ("float32", "float16", "bfloat16")
 _DEPTHWISE = ("conv1d.weight", "ple_conv.weight")
 
 
@@ -72,8 +69,6 @@ def build(
     tie_word_embeddings: bool = False,
 ) -> Qwen4ExpConfig:
     """Write a synthetic install at *path* and return its arch."""
-    if dtype not in _DTYPES:
-        raise InvalidInput(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     arch = Qwen4ExpConfig(
         family="qwen4_exp",
         vocab_size=vocab_size,
@@ -106,14 +101,10 @@ def build(
         ple_conv_dilation=ple_conv_dilation,
     )
     rng = np.random.default_rng(seed)
-    target = getattr(mx, dtype)
-    weights: dict[str, mx.array] = {}
+    tensors: dict[str, np.ndarray] = {}
     for name, param in sorted(tree_flatten(Qwen4Exp(arch).parameters())):
-        value = mx.array(_draw(rng, name, tuple(param.shape)).astype(np.float32)).astype(target)
+        value = _draw(rng, name, tuple(param.shape))
         if name.endswith(_DEPTHWISE):
-            value = mx.moveaxis(value, 1, 2)  # MLX (C, K, 1) -> PyTorch (C, 1, K)
-        weights[name] = value
-    write_install(
-        path, arch=arch, model_id=model_id, weights=weights, extra_files=synthetic_text_files(arch)
-    )
-    return arch
+            value = np.moveaxis(value, 1, 2)  # MLX (C, K, 1) -> PyTorch (C, 1, K)
+        tensors[name] = value
+    return write_synthetic(path, arch, model_id, tensors, dtype)

@@ -13,35 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
-from turbospark.errors import InvalidInput
-from turbospark.install import write_install
-from turbospark.text import EOS_ID, synthetic_text_files
+from turbospark.synthetic import RandomWeights, write_synthetic
+from turbospark.text import EOS_ID
 from turbospark_qwen_gdn.model import QwenGdnConfig, RopeParameters
-
-_DTYPES = ("float32", "float16", "bfloat16")
-
-
-class _Weights:
-    """Named random tensors from one seeded generator."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.tensors: dict[str, np.ndarray] = {}
-
-    def linear(self, name: str, shape: tuple[int, ...]) -> None:
-        """``(out, in)`` with unit-variance outputs for unit-variance inputs."""
-        self.tensors[name] = self.rng.normal(0.0, shape[-1] ** -0.5, shape)
-
-    def centred(self, name: str, shape: tuple[int, ...], spread: float = 0.2) -> None:
-        """A zero-centred norm weight (the model multiplies by ``1 + w``)."""
-        self.tensors[name] = self.rng.uniform(-spread, spread, shape)
-
-    def scale(self, name: str, shape: tuple[int, ...], spread: float = 0.2) -> None:
-        """A norm weight used as is, around 1."""
-        self.tensors[name] = 1.0 + self.rng.uniform(-spread, spread, shape)
 
 
 def _mrope_section(rotary_dims: int) -> tuple[int, int, int]:
@@ -80,8 +56,6 @@ def build(
     (layers 0-2 linear and 3 full by default). Key and value head dims differ
     on purpose, so a transposed recurrent state cannot go unnoticed.
     """
-    if dtype not in _DTYPES:
-        raise InvalidInput(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     rotary = int(head_dim * partial_rotary_factor)
     arch = QwenGdnConfig(
         family="qwen_gdn",
@@ -107,7 +81,7 @@ def build(
         ),
         eos_token_id=EOS_ID,
     )
-    w = _Weights(seed)
+    w = RandomWeights(seed)
     hidden, root = hidden_size, "model.language_model"
     w.linear(f"{root}.embed_tokens.weight", (vocab_size, hidden))
     w.centred(f"{root}.norm.weight", (hidden,))
@@ -143,15 +117,4 @@ def build(
         w.centred(f"{p}.input_layernorm.weight", (hidden,))
         w.centred(f"{p}.post_attention_layernorm.weight", (hidden,))
 
-    target = getattr(mx, dtype)
-    weights = {
-        name: mx.array(value.astype(np.float32)).astype(target) for name, value in w.tensors.items()
-    }
-    write_install(
-        path,
-        arch=arch,
-        model_id=model_id,
-        weights=weights,
-        extra_files=synthetic_text_files(arch),
-    )
-    return arch
+    return write_synthetic(path, arch, model_id, w.tensors, dtype)
