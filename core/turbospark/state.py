@@ -8,7 +8,7 @@ state (recurrent matrices, conv tails) implement the same protocol.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import mlx.core as mx
 
@@ -195,18 +195,43 @@ class LayerKV:
         self.fill = self.keys.shape[2]
 
 
-class KVComponent:
-    """The attention KV state of a group of layers (full, or all sliding-window).
+class LayerPart(Protocol):
+    """One layer's share of a :class:`LayeredComponent`."""
 
-    Rewindable without limit when full; within the ring's headroom when windowed.
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def max_safe_rewind(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def rewind(self, n: int) -> None: ...
+
+    def arrays(self) -> list[mx.array]: ...
+
+    def snapshot(self, prefix: str) -> Snapshot: ...
+
+    def restore(self, snapshot: Snapshot, prefix: str) -> None: ...
+
+
+Part = TypeVar("Part", bound=LayerPart)
+
+
+class LayeredComponent(Generic[Part]):
+    """A state component made of one part per layer, advancing together.
+
+    The family's forward updates each layer's part, then calls :meth:`advance`
+    once; the component's position is therefore well defined even over zero
+    layers (a config with no layer of this kind).
     """
 
-    def __init__(self, num_layers: int, window: int | None = None, headroom: int = 0):
-        self.layers = [LayerKV(window, headroom) for _ in range(num_layers)]
-        self.window = window
+    def __init__(self, name: str, layers: list[Part]) -> None:
+        self.name = name
+        self.layers = layers
         self._position = 0
 
-    def __getitem__(self, index: int) -> LayerKV:
+    def __getitem__(self, index: int) -> Part:
         return self.layers[index]
 
     @property
@@ -214,7 +239,7 @@ class KVComponent:
         return self._position
 
     def advance(self, n: int) -> None:
-        """Called by the family once per forward (layers may be skipped by KV sharing)."""
+        """Called by the family once per forward, after every layer has run."""
         self._position += n
 
     @property
@@ -232,7 +257,7 @@ class KVComponent:
 
     def rewind(self, n: int) -> None:
         if n < 0 or n > self.max_safe_rewind:
-            raise refuse_rewind("kv" if self.window is None else "window", n, self.max_safe_rewind)
+            raise refuse_rewind(self.name, n, self.max_safe_rewind)
         for layer in self.layers:
             layer.rewind(n)
         self._position -= n
@@ -250,3 +275,15 @@ class KVComponent:
         for i, layer in enumerate(self.layers):
             layer.restore(snapshot, str(i))
         self._position = int(snapshot["position"].item())
+
+
+class KVComponent(LayeredComponent[LayerKV]):
+    """The attention KV state of a group of layers (full, or all sliding-window).
+
+    Rewindable without limit when full; within the ring's headroom when windowed.
+    """
+
+    def __init__(self, num_layers: int, window: int | None = None, headroom: int = 0):
+        name = "kv" if window is None else "window"
+        super().__init__(name, [LayerKV(window, headroom) for _ in range(num_layers)])
+        self.window = window

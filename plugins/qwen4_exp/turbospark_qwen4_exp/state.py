@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from turbospark.hookspecs import ComponentSpec
 from turbospark.layers.gated_delta import GDNComponent
-from turbospark.state import KVComponent, Snapshot, State, refuse_rewind
+from turbospark.state import KVComponent, LayeredComponent, Snapshot, State, refuse_rewind
 
 if TYPE_CHECKING:
     from turbospark_qwen4_exp.model import Qwen4ExpConfig
@@ -97,6 +97,10 @@ class LayerIndex:
         self.keys = self.pooled = None
         self.fill = 0
 
+    @property
+    def max_safe_rewind(self) -> int:
+        return self.fill  # every raw key is kept
+
     def rewind(self, n: int) -> None:
         # Pooled rows of blocks that are no longer complete are simply ignored
         # (``blocks`` shrinks with ``fill``) and overwritten when they complete again.
@@ -152,63 +156,15 @@ class LayerIndex:
         self.fill = 0 if self.keys is None else self.keys.shape[0]
 
 
-class QSAComponent:
+class QSAComponent(LayeredComponent[LayerIndex]):
     """The query-sparse-attention indexer state of every QSA layer.
 
     Rewindable without limit: raw keys are kept for every token, and the
     pooled mean of a block that is still complete after a rewind is unchanged.
     """
 
-    name = "qsa"
-
     def __init__(self, num_layers: int, block_size: int):
-        self.layers = [LayerIndex(block_size) for _ in range(num_layers)]
-        self._position = 0
-
-    def __getitem__(self, index: int) -> LayerIndex:
-        return self.layers[index]
-
-    @property
-    def position(self) -> int:
-        return self._position
-
-    def advance(self, n: int) -> None:
-        """Called by the family once per forward, after every layer appended."""
-        self._position += n
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def max_safe_rewind(self) -> int:
-        return self._position
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()
-        self._position = 0
-
-    def rewind(self, n: int) -> None:
-        if n < 0 or n > self.max_safe_rewind:
-            raise refuse_rewind(self.name, n, self.max_safe_rewind)
-        for layer in self.layers:
-            layer.rewind(n)
-        self._position -= n
-
-    def arrays(self) -> list[mx.array]:
-        return [a for layer in self.layers for a in layer.arrays()]
-
-    def snapshot(self) -> Snapshot:
-        snap = {"position": mx.array(self._position)}
-        for i, layer in enumerate(self.layers):
-            snap.update(layer.snapshot(str(i)))
-        return snap
-
-    def restore(self, snapshot: Snapshot) -> None:
-        for i, layer in enumerate(self.layers):
-            layer.restore(snapshot, str(i))
-        self._position = int(snapshot["position"].item())
+        super().__init__("qsa", [LayerIndex(block_size) for _ in range(num_layers)])
 
 
 class StreamTail:
