@@ -20,15 +20,18 @@ from turbospark import (
     VisionMapError,
 )
 from turbospark.errors import FamilyNotFound, RewindError
+from turbospark.hookspecs import hookimpl
 from turbospark.install import MANIFEST, sha256_file
+from turbospark.plugins import FamilyRegistry
+from turbospark.reuse import ReuseReason
 
 A = [100, 101, 5, 9, 2, 7, 1, 3, 8, 4, 6, 0, 11]
 A_MORE = [99, 98, 97]
 B = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
 
 
-def uninterrupted(path: Path, chunks: list[list[int]]) -> mx.array:
-    runner = Runner.open(path)
+def uninterrupted(path: Path, chunks: list[list[int]], registry=None) -> mx.array:
+    runner = Runner.open(path, registry=registry)
     start, logits = 0, None
     for chunk in chunks:
         logits = runner.prefill_chunk(chunk, start)
@@ -210,3 +213,80 @@ def test_every_refusal_is_a_turbospark_error():
         FamilyNotFound,
     ):
         assert issubclass(cls, TurbosparkError)
+
+
+def test_numpy_integer_tokens_are_accepted_and_floats_refused(gemma4_install):
+    import numpy as np
+
+    runner = Runner.open(gemma4_install)
+    logits = runner.prefill_chunk(list(np.array(A, dtype=np.int64)), 0)
+    assert mx.allclose(logits, uninterrupted(gemma4_install, [A]), atol=1e-6)
+    with pytest.raises(InvalidInput, match="outside this model's vocabulary"):
+        runner.produce(3.0, len(A))
+    with pytest.raises(InvalidInput, match="outside this model's vocabulary"):
+        runner.produce(True, len(A))
+
+
+class ExplodingForward:
+    """A throwaway family: gemma4, except that token 127 makes the forward fail
+    after every layer has written its K/V (the worst place to fail)."""
+
+    def __init__(self, family):
+        self.family = family
+
+    @hookimpl
+    def turbospark_family(self):
+        return self.family.spec.model_copy(update={"name": "exploding"})
+
+    @hookimpl
+    def turbospark_pool_capability(self, arch):
+        return self.family.manager().hook.turbospark_pool_capability(arch=arch)
+
+    @hookimpl
+    def turbospark_load_model(self, arch, weights, dtype):
+        return self.family.manager().hook.turbospark_load_model(
+            arch=arch, weights=weights, dtype=dtype
+        )
+
+    @hookimpl
+    def turbospark_new_state(self, arch, model, context_length):
+        hook = self.family.manager().hook
+        return hook.turbospark_new_state(arch=arch, model=model, context_length=context_length)
+
+    @hookimpl
+    def turbospark_forward(self, model, tokens, start, state, vision, logits):
+        out = self.family.manager().hook.turbospark_forward(
+            model=model, tokens=tokens, start=start, state=state, vision=vision, logits=logits
+        )
+        if 127 in tokens.tolist():
+            raise RuntimeError("kernel failure")
+        return out
+
+
+@pytest.fixture
+def exploding_install(gemma4_install, tmp_path):
+    path = copy_install(gemma4_install, tmp_path)
+    rewrite_manifest(path, lambda m: m.update(family="exploding"))
+    registry = FamilyRegistry.discover()
+    registry.register(ExplodingForward(registry.get("gemma4")), name="exploding")
+    return path, registry
+
+
+def test_a_failed_forward_taints_the_record_and_restores_the_position(exploding_install):
+    path, registry = exploding_install
+    runner = Runner.open(path, session_slots=2, registry=registry)
+    runner.set_prefix_reuse(True)
+    runner.prefill_chunk(B, 0)  # parked below
+    runner.reset()
+    runner.prefill_chunk(A, 0)
+    with pytest.raises(RuntimeError, match="kernel failure"):
+        runner.prefill_chunk([5, 127, 6], len(A))
+    assert runner.position == len(A), "state is put back where the failed call started"
+    # The live record is tainted: its ids can no longer vouch for the state.
+    assert runner.try_reuse_prefix([*A, 1]) == 0
+    assert runner.last_reuse.reason == ReuseReason.TAINTED
+    # The parked conversation is untouched and still found by content.
+    kept = runner.try_reuse_prefix([*B, 20, 21])
+    assert kept == len(B)
+    logits = runner.prefill_chunk([20, 21], len(B))
+    assert mx.allclose(logits, uninterrupted(path, [B, [20, 21]], registry), atol=1e-5)

@@ -8,6 +8,7 @@ decisions to :mod:`turbospark.reuse`. See SEMANTICS.md for the rules.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,7 +198,7 @@ class Runner:
         return self._feed(list(tokens), start, "last" if logits else "none")
 
     def _feed(self, tokens: list[int], start: int, want: LogitsWanted) -> mx.array | None:
-        self._validate_write(tokens, start)
+        tokens = self._validate_write(tokens, start)
         live = self._live
         if start < live.position:
             self._rewind_live(live.position - start)
@@ -217,19 +218,22 @@ class Runner:
         live.record.write(start, tokens, taint=self._vision is not None)
         return out
 
-    def _validate_write(self, tokens: list[int], start: int) -> None:
+    def _validate_write(self, tokens: list[int], start: int) -> list[int]:
+        """The token ids as plain ints, once every check passed (nothing fed yet)."""
         if not tokens:
             raise InvalidInput("no tokens to feed: pass at least one token id")
+        ids = []
         for token in tokens:
-            if (
-                isinstance(token, bool)
-                or not isinstance(token, int)
-                or not 0 <= token < self.vocab_size
-            ):
+            try:
+                value = operator.index(token)  # ints and numpy integers, not floats or bools
+            except TypeError:
+                value = None
+            if value is None or isinstance(token, bool) or not 0 <= value < self.vocab_size:
                 raise InvalidInput(
                     f"token id {token!r} is outside this model's vocabulary (0..{self.vocab_size - 1}); "
                     "check the tokenizer matches the install"
                 )
+            ids.append(value)
         position = self._live.position
         if start < 0 or start > position:
             raise InvalidInput(
@@ -242,6 +246,7 @@ class Runner:
                 f"context length {self.context_length}; shorten the prompt or open the runner with "
                 "a larger context_length"
             )
+        return ids
 
     def _rewind_live(self, back: int) -> None:
         """Rewind every component by *back*, all or nothing."""
