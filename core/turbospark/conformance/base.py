@@ -1,0 +1,50 @@
+"""The aggregate base class a family author subclasses.
+
+::
+
+    from turbospark.conformance import FamilyConformance
+
+    class TestMyFamily(FamilyConformance):
+        family = "myfamily"
+        synthetic_dims = {"num_layers": 2}   # optional
+
+pytest then runs every check below against a synthetic install built by the
+family's own ``turbospark_build_synthetic_install`` hook; the fixtures come
+from :mod:`turbospark.conformance.pytest_plugin` (installed with turbospark as
+a ``pytest11`` plugin). What runs follows from the family's declaration: pool
+checks skip ("not swappable: ...") for a family that refuses a pool,
+snapshot checks skip for a component that is not persistable, and so on.
+Checks are ``@final``: override the class attributes and fixtures, not them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from turbospark.conformance.interleave_checks import InterleavingChecks
+from turbospark.conformance.pool_checks import PoolChecks
+from turbospark.conformance.state_checks import StateChecks
+from turbospark.conformance.vision_checks import VisionChecks
+from turbospark.plugins import FamilyRegistry
+
+
+# pytest collects base classes last-first: state checks run first, the property test last.
+class FamilyConformance(InterleavingChecks, VisionChecks, PoolChecks, StateChecks):
+    """Every check a family plugin must pass. Set :attr:`family`; tune the rest."""
+
+    family: ClassVar[str]
+    """The family name, as ``turbospark_family()`` declares it."""
+
+    synthetic_dims: ClassVar[dict[str, Any]] = {}
+    """Keyword arguments for ``build_synthetic_install`` (keep the model tiny)."""
+
+    registry: ClassVar[FamilyRegistry | None] = None
+    """Where the family is found; None means the installed plugins (entry points)."""
+
+    atol: ClassVar[float] = 1e-4
+    rtol: ClassVar[float] = 1e-4
+    """Tolerance for logits compared across two paths (float32)."""
+
+    max_examples: ClassVar[int] = 15
+    """Hypothesis schedules per interleaving check
+    (the environment variable ``TURBOSPARK_CONFORMANCE_EXAMPLES`` overrides it)."""

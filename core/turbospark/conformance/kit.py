@@ -1,0 +1,179 @@
+"""The harness every conformance check works through: one family, one install.
+
+A :class:`FamilyKit` drives the family two ways. Session checks go through
+:class:`~turbospark.Runner`, the path users take. Component checks call the
+family's hooks directly (load, new state, forward), so a fault is pinned on
+the family rather than on the runner. References ("a fresh single-session run
+of this history") come from the hooks too, and are cached per history.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark.conformance.diagnose import session_states, shared_components
+from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
+from turbospark.install import MANIFEST, load_weights, read_manifest, validate_arch
+from turbospark.plugins import Family, FamilyRegistry, default_registry
+from turbospark.runner import Runner
+from turbospark.state import State
+
+EXAMPLES_ENV = "TURBOSPARK_CONFORMANCE_EXAMPLES"
+
+
+def examples_from_env(default: int) -> int:
+    """Hypothesis examples per interleaving check: ``TURBOSPARK_CONFORMANCE_EXAMPLES``
+    overrides the class's ``max_examples`` (CI keeps it small, a soak raises it)."""
+    value = os.environ.get(EXAMPLES_ENV)
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{EXAMPLES_ENV} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclass
+class FamilyKit:
+    """A family, an install of it, and the tolerances its logits are compared with."""
+
+    family: Family
+    registry: FamilyRegistry
+    install: Path
+    atol: float = 1e-4
+    rtol: float = 1e-4
+    examples: int = 15
+    context_length: int = 1024
+    _references: dict[tuple[int, ...], mx.array] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        family: str,
+        install: str | Path,
+        registry: FamilyRegistry | None = None,
+        **options: Any,
+    ) -> FamilyKit:
+        registry = registry or default_registry()
+        return cls(registry.get(family), registry, Path(install), **options)
+
+    # -- what the family declares ------------------------------------------------
+
+    @property
+    def spec(self) -> FamilySpec:
+        return self.family.spec
+
+    def component(self, name: str) -> ComponentSpec:
+        return self.spec.component(name)
+
+    @cached_property
+    def arch(self) -> ArchConfig:
+        manifest = read_manifest(self.install)
+        return validate_arch(manifest, self.spec.arch_config, str(self.install / MANIFEST))
+
+    @cached_property
+    def hook(self) -> Any:
+        return self.family.manager().hook
+
+    @cached_property
+    def swappable(self) -> list[str]:
+        """What ``turbospark_pool_capability`` says this install's arch can park."""
+        return list(self.hook.turbospark_pool_capability(arch=self.arch))
+
+    @property
+    def not_swappable(self) -> list[str]:
+        return [c.name for c in self.spec.components if c.name not in self.swappable]
+
+    def require_pool(self) -> None:
+        """Skip a pool check for a family that (rightly) refuses a pool."""
+        if self.not_swappable:
+            pytest.skip(f"not swappable: {', '.join(self.not_swappable)}")
+
+    # -- driving the hooks directly -----------------------------------------------
+
+    @cached_property
+    def model(self) -> Any:
+        manifest = read_manifest(self.install)
+        return self.hook.turbospark_load_model(
+            arch=self.arch, weights=load_weights(self.install, manifest), dtype=mx.float32
+        )
+
+    def new_state(self) -> State:
+        return self.hook.turbospark_new_state(
+            arch=self.arch, model=self.model, context_length=self.context_length
+        )
+
+    def forward(
+        self, state: State, tokens: Sequence[int], start: int, logits: LogitsWanted = "last"
+    ) -> mx.array | None:
+        out = self.hook.turbospark_forward(
+            model=self.model,
+            tokens=mx.array(list(tokens), dtype=mx.int32),
+            start=start,
+            state=state,
+            vision=None,
+            logits=logits,
+        )
+        mx.eval(*([] if out is None else [out]), *(a for c in state.values() for a in c.arrays()))
+        return out
+
+    def fresh_logits(self, history: Sequence[int]) -> mx.array:
+        """Logits after *history* fed in one chunk to a fresh state: the reference."""
+        key = tuple(int(t) for t in history)
+        if key not in self._references:
+            out = self.forward(self.new_state(), key, 0)
+            assert out is not None
+            self._references[key] = out
+        return self._references[key]
+
+    def fresh_state(self, history: Sequence[int]) -> State:
+        state = self.new_state()
+        self.forward(state, history, 0, "none")
+        return state
+
+    # -- the user's path --------------------------------------------------------
+
+    def open(self, session_slots: int = 1, *, reuse: bool = True, context: str = "") -> Runner:
+        """A runner over the install; fails first if its sessions share a component."""
+        runner = Runner.open(
+            self.install,
+            context_length=self.context_length,
+            session_slots=session_slots,
+            registry=self.registry,
+            dtype=mx.float32,
+        )
+        runner.set_prefix_reuse(reuse)
+        self.check_apart(runner, f"{context}Runner.open(session_slots={session_slots}): ")
+        return runner
+
+    def check_apart(self, runner: Runner, context: str) -> None:
+        """No component object may be held by two sessions, or handed out again by
+        ``turbospark_new_state``: it would corrupt the reference run too, so no
+        logits comparison could say what leaked."""
+        shared = shared_components([*session_states(runner), ("a new state", self.new_state())])
+        if shared:
+            raise AssertionError(context + "; ".join(shared))
+
+    # -- inputs and comparisons ----------------------------------------------------
+
+    def tokens(self, seed: int, n: int) -> list[int]:
+        """*n* reproducible token ids of this install's vocabulary."""
+        rng = np.random.default_rng(seed)
+        return [int(t) for t in rng.integers(0, self.arch.vocab_size, n)]
+
+    def logits_gap(self, actual: mx.array | None, expected: mx.array) -> float | None:
+        """None when the logits agree within tolerance, else the largest difference."""
+        if actual is None:
+            return float("inf")
+        a, e = np.asarray(actual, dtype=np.float32), np.asarray(expected, dtype=np.float32)
+        if a.shape == e.shape and np.allclose(a, e, atol=self.atol, rtol=self.rtol):
+            return None
+        return float(np.max(np.abs(a - e))) if a.shape == e.shape else float("inf")

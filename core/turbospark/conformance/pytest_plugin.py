@@ -1,0 +1,85 @@
+"""pytest fixtures for :class:`~turbospark.conformance.FamilyConformance`.
+
+Registered with pytest through turbospark's ``pytest11`` entry point, so a
+family's test module needs no conftest. Fixtures (override any of them in
+your own conftest or test class, keeping the shape documented here):
+
+``family_registry``  a :class:`~turbospark.plugins.FamilyRegistry` that holds the
+                     class's ``family``. Default: the class's ``registry``
+                     attribute, else the installed plugins.
+``family_install``   a :class:`~pathlib.Path` to an install directory of that
+                     family (``manifest.json``, ``config.json``, safetensors).
+                     Default: a synthetic install built once per class by the
+                     family's own hook with the class's ``synthetic_dims``.
+``kit``              the :class:`~turbospark.conformance.FamilyKit` every check
+                     takes, built from the two above and the class's tolerances.
+``component``        not a fixture: checks that take it are parametrized with
+                     every component name the family declares.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from turbospark.conformance.base import FamilyConformance
+from turbospark.conformance.kit import FamilyKit, examples_from_env
+from turbospark.install import build_synthetic_install
+from turbospark.plugins import FamilyRegistry, default_registry
+
+
+def conformance_class(cls: type | None) -> type[FamilyConformance]:
+    if cls is None or not issubclass(cls, FamilyConformance):
+        raise pytest.UsageError(
+            "turbospark's conformance fixtures serve FamilyConformance subclasses only"
+        )
+    if not isinstance(getattr(cls, "family", None), str):
+        raise pytest.UsageError(
+            f'{cls.__name__} subclasses FamilyConformance but sets no `family = "<name>"`'
+        )
+    return cls
+
+
+@pytest.fixture(scope="class")
+def family_registry(request: pytest.FixtureRequest) -> FamilyRegistry:
+    return conformance_class(request.cls).registry or default_registry()
+
+
+@pytest.fixture(scope="class")
+def family_install(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    family_registry: FamilyRegistry,
+) -> Path:
+    cls = conformance_class(request.cls)
+    path = tmp_path_factory.mktemp(f"{cls.family}-install")
+    build_synthetic_install(cls.family, path, registry=family_registry, **cls.synthetic_dims)
+    return path
+
+
+@pytest.fixture(scope="class")
+def kit(
+    request: pytest.FixtureRequest, family_registry: FamilyRegistry, family_install: Path
+) -> FamilyKit:
+    cls = conformance_class(request.cls)
+    return FamilyKit.create(
+        cls.family,
+        family_install,
+        family_registry,
+        atol=cls.atol,
+        rtol=cls.rtol,
+        examples=examples_from_env(cls.max_examples),
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One test per declared component for checks that take ``component``."""
+    cls = metafunc.cls
+    if "component" not in metafunc.fixturenames or cls is None:
+        return
+    if not issubclass(cls, FamilyConformance):
+        return
+    cls = conformance_class(cls)
+    spec = (cls.registry or default_registry()).get(cls.family).spec
+    metafunc.parametrize("component", [c.name for c in spec.components])

@@ -1,0 +1,50 @@
+"""tinyllama against mlx-lm's ``llama.py`` on the same install directory.
+
+The install is a valid Hugging Face checkpoint, so ``mlx_lm.utils.load_model``
+loads it unchanged; every prompt position's logits and a few decode steps
+must match ours (float32, tight tolerance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark import Runner, build_synthetic_install
+
+mlx_lm_utils = pytest.importorskip("mlx_lm.utils", reason="mlx-lm is the parity oracle")
+mlx_lm_cache = pytest.importorskip("mlx_lm.models.cache")
+
+PROMPT = [1, 17, 42, 5, 9, 88, 3, 61, 27, 14, 70, 2, 33]
+DECODE = [19, 4, 77]
+ATOL = 1e-4
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [
+        {"num_key_value_heads": 2},  # grouped-query attention, separate lm_head
+        {"num_key_value_heads": 4, "tie_word_embeddings": True},  # one K/V per head, tied head
+    ],
+    ids=["gqa", "mha_tied"],
+)
+def test_matches_mlx_lm(tmp_path: Path, dims: dict[str, object]) -> None:
+    build_synthetic_install("tinyllama", tmp_path, vocab_size=96, num_layers=2, **dims)
+    reference, _ = mlx_lm_utils.load_model(tmp_path)
+    cache = mlx_lm_cache.make_prompt_cache(reference)
+    expected = reference(mx.array(PROMPT)[None], cache=cache)[0]  # (L, vocab)
+
+    runner = Runner.open(tmp_path, dtype=mx.float32)
+    for position, token in enumerate(PROMPT):
+        ours = runner.produce(token, position)
+        np.testing.assert_allclose(ours, expected[position], atol=ATOL, rtol=ATOL)
+    chunked = Runner.open(tmp_path, dtype=mx.float32).prefill_chunk(PROMPT, 0)
+    np.testing.assert_allclose(chunked, expected[-1], atol=ATOL, rtol=ATOL)
+
+    for step, token in enumerate(DECODE):
+        expected_step = reference(mx.array([[token]]), cache=cache)[0, -1]
+        ours = runner.produce(token, len(PROMPT) + step)
+        np.testing.assert_allclose(ours, expected_step, atol=ATOL, rtol=ATOL)

@@ -1,0 +1,1 @@
+"""tinyllama: an example third-party turbospark family (a plain Llama-style decoder)."""

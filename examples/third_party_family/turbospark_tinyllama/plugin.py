@@ -1,0 +1,78 @@
+"""tinyllama's hook implementations: the whole contract with turbospark.
+
+The entry point ``turbospark:tinyllama`` in ``pyproject.toml`` names this
+module; turbospark registers it in a plugin manager of its own and calls the
+hooks below (see ``turbospark.hookspecs`` for what each must do).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from turbospark.errors import InvalidInput
+from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.install import load_checked
+from turbospark.layers.logits import logits_for
+from turbospark.state import KVComponent, State
+from turbospark.synthetic import build_checked
+from turbospark.vision import VisionMap
+from turbospark_tinyllama import synthetic
+from turbospark_tinyllama.model import Llama, LlamaConfig, sanitize
+from turbospark_tinyllama.state import COMPONENTS, new_state
+
+NAME = "tinyllama"
+
+
+@hookimpl
+def turbospark_family() -> FamilySpec:
+    return FamilySpec(
+        name=NAME,
+        model_types=["llama"],
+        arch_config=LlamaConfig,
+        components=COMPONENTS,
+        state_source="turbospark_tinyllama/state.py",
+    )
+
+
+@hookimpl
+def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
+    return [spec.name for spec in COMPONENTS if spec.swappable]
+
+
+@hookimpl
+def turbospark_load_model(
+    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+) -> nn.Module:
+    if not isinstance(arch, LlamaConfig):
+        raise InvalidInput(f"tinyllama cannot load a {type(arch).__name__}")
+    return load_checked(Llama(arch), sanitize(weights, arch), dtype)
+
+
+@hookimpl
+def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int) -> State:
+    return new_state(arch.num_hidden_layers)
+
+
+@hookimpl
+def turbospark_forward(
+    model: nn.Module,
+    tokens: mx.array,
+    start: int,
+    state: State,
+    vision: VisionMap | None,
+    logits: LogitsWanted,
+) -> mx.array | None:
+    kv = state["kv"]
+    assert isinstance(kv, KVComponent)
+    hidden = model(tokens, start, kv, vision)  # (L, hidden)
+    # The head runs only where logits are read; the runner evaluates state arrays.
+    return logits_for(hidden, model.head, logits)
+
+
+@hookimpl
+def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
+    return build_checked(NAME, synthetic.build, path, dims)  # unknown dims refused by name

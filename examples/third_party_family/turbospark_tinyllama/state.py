@@ -1,0 +1,26 @@
+"""tinyllama's per-session state: one component, the attention K/V of every layer.
+
+The core's :class:`~turbospark.state.KVComponent` already implements the whole
+state protocol (position, nbytes, rewind, snapshot/restore), so a plain
+decoder declares it and is done: K/V keeps every token, so it rewinds without
+limit, parks in a pool slot by reference, and snapshots to arrays.
+"""
+
+from __future__ import annotations
+
+from turbospark.hookspecs import ComponentSpec
+from turbospark.state import KVComponent, State
+
+COMPONENTS = [
+    ComponentSpec(
+        name="kv",
+        description="keys/values of every attention layer",
+        swappable=True,
+        rewindable=True,
+        persistable=True,
+    ),
+]
+
+
+def new_state(num_layers: int) -> State:
+    return {"kv": KVComponent(num_layers)}

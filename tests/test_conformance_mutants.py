@@ -1,0 +1,268 @@
+"""The conformance kit catches broken families and says what leaked.
+
+Each mutant is a throwaway plugin wrapping the real gemma4 family through
+``FamilyRegistry.register``, with one fault: a state component object shared
+between sessions (only the KV is really swapped), a KV whose ``reset()``
+forgets its position but keeps its rows, or a KV whose snapshots hold the
+buffers the forward writes in place. The kit's checks are run
+programmatically on the mutant and must fail naming the component; the
+unmutated wrapper passes the same checks, so the failures are the fault's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from turbospark.cli import main
+from turbospark.conformance import FamilyConformance, FamilyKit
+from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.install import MANIFEST, read_manifest
+from turbospark.plugins import FamilyRegistry, default_registry
+from turbospark.state import KVComponent, Snapshot, State
+from turbospark.vision import VisionMap
+
+Mutation = Callable[[State], State]
+
+
+class LeakyResetKV(KVComponent):
+    """Forgets its position on ``reset()`` but keeps every layer's rows."""
+
+    def reset(self) -> None:
+        self._position = 0
+
+
+def leak_across_reset(state: State) -> State:
+    return {**state, "kv": LeakyResetKV(len(state["kv"].layers))}
+
+
+class AliasingSnapshotKV(KVComponent):
+    """Snapshots hold the live buffers themselves, which the forward writes in place."""
+
+    def snapshot(self) -> Snapshot:
+        snap = {"position": mx.array(self.position)}
+        for i, layer in enumerate(self.layers):
+            if layer.keys is not None:
+                snap.update({f"{i}.keys": layer.keys, f"{i}.values": layer.values})
+                snap[f"{i}.fill"] = mx.array(layer.fill)
+        return snap
+
+    def restore(self, snapshot: Snapshot) -> None:
+        for i, layer in enumerate(self.layers):
+            layer.keys, layer.values = snapshot.get(f"{i}.keys"), snapshot.get(f"{i}.values")
+            layer.fill = int(snapshot[f"{i}.fill"].item()) if layer.keys is not None else 0
+        self._position = int(snapshot["position"].item())
+
+
+def alias_snapshots(state: State) -> State:
+    return {**state, "kv": AliasingSnapshotKV(len(state["kv"].layers))}
+
+
+class ShareWindow:
+    """Hands every session the same ``window`` object: only ``kv`` is really swapped."""
+
+    def __init__(self) -> None:
+        self.shared: Any = None
+
+    def __call__(self, state: State) -> State:
+        self.shared = self.shared or state["window"]
+        return {**state, "window": self.shared}
+
+
+class MutantGemma4:
+    """gemma4 (the plugin module *base*) under another family name, with
+    *mutation* applied to every new state."""
+
+    def __init__(self, name: str, mutation: Mutation | None, base: Any) -> None:
+        self.name = name
+        self.mutation = mutation
+        self.base = base
+
+    @hookimpl
+    def turbospark_family(self) -> FamilySpec:
+        spec = self.base.turbospark_family()
+        return spec.model_copy(update={"name": self.name, "model_types": [f"{self.name}_text"]})
+
+    @hookimpl
+    def turbospark_pool_capability(self, arch: ArchConfig) -> list[str]:
+        return self.base.turbospark_pool_capability(arch=arch)
+
+    @hookimpl
+    def turbospark_load_model(
+        self, arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+    ) -> nn.Module:
+        return self.base.turbospark_load_model(arch=arch, weights=weights, dtype=dtype)
+
+    @hookimpl
+    def turbospark_new_state(
+        self, arch: ArchConfig, model: nn.Module, context_length: int
+    ) -> State:
+        state = self.base.turbospark_new_state(
+            arch=arch, model=model, context_length=context_length
+        )
+        return state if self.mutation is None else self.mutation(state)
+
+    @hookimpl
+    def turbospark_forward(
+        self,
+        model: nn.Module,
+        tokens: mx.array,
+        start: int,
+        state: State,
+        vision: VisionMap | None,
+        logits: LogitsWanted,
+    ) -> mx.array | None:
+        return self.base.turbospark_forward(
+            model=model, tokens=tokens, start=start, state=state, vision=vision, logits=logits
+        )
+
+    @hookimpl
+    def turbospark_build_synthetic_install(self, path: Path, dims: dict[str, Any]) -> ArchConfig:
+        arch = self.base.turbospark_build_synthetic_install(path=path, dims=dims)
+        manifest = read_manifest(path).model_copy(update={"family": self.name})
+        (path / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+        return arch.model_copy(update={"family": self.name})
+
+
+@pytest.fixture
+def mutant_kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FamilyKit]:
+    """A kit over a freshly registered mutant, unregistered afterwards."""
+    name, mutation = request.param
+    registry = FamilyRegistry()
+    registry.register(
+        MutantGemma4(name, mutation, default_registry().get("gemma4").plugin), name=name
+    )
+    try:
+        arch = (
+            registry.get(name)
+            .manager()
+            .hook.turbospark_build_synthetic_install(
+                path=tmp_path, dims={"num_layers": 2, "sliding_window": 8}
+            )
+        )
+        assert arch.family == name
+        yield FamilyKit.create(name, tmp_path, registry, examples=10)
+    finally:
+        registry.unregister(name)
+
+
+CHECKS = FamilyConformance()
+
+# (check, arguments, pattern its failure message must match)
+SHARED_WINDOW_FAILURES = [
+    (CHECKS.test_state_matches_declaration, (), r"component 'window' .* same object .*'window'"),
+    (
+        CHECKS.test_parked_sessions_resume_exactly,
+        (),
+        r"Runner.open\(session_slots=3\): component 'window' of parked slot 0 is the same object",
+    ),
+    (
+        CHECKS.test_interleaved_conversations_never_cross_talk,
+        (),
+        r"(?s)Schedule\(slots=\d.*component 'window' .* same object",
+    ),
+]
+LEAKY_RESET_FAILURES = [
+    (
+        CHECKS.test_nbytes_honest,
+        ("kv",),
+        r"component 'kv' after reset\(\) .* reset\(\) leaks state",
+    ),
+    (
+        CHECKS.test_reset_forgets_the_conversation,
+        (),
+        r"what leaked across reset\(\): component 'kv' entry '\d+\.keys' has shape",
+    ),
+    (
+        CHECKS.test_pool_of_one_is_a_no_op,
+        (),
+        r"session_slots=0, turn 3: C .* logits differ(.|\n)*component 'kv' entry",
+    ),
+]
+
+
+ALIASING_SNAPSHOT_FAILURES = [
+    (
+        CHECKS.test_snapshot_round_trip,
+        ("kv",),
+        r"snapshot of 'kv' changed when the state was written \('0\.keys'\): it aliases",
+    ),
+]
+
+
+@pytest.mark.parametrize("mutant_kit", [("gemma4_shared_window", ShareWindow())], indirect=True)
+@pytest.mark.parametrize("check, args, pattern", SHARED_WINDOW_FAILURES)
+def test_shared_component_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
+@pytest.mark.parametrize("mutant_kit", [("gemma4_leaky_reset", leak_across_reset)], indirect=True)
+@pytest.mark.parametrize("check, args, pattern", LEAKY_RESET_FAILURES)
+def test_leak_across_reset_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
+@pytest.mark.parametrize("mutant_kit", [("gemma4_aliasing", alias_snapshots)], indirect=True)
+@pytest.mark.parametrize("check, args, pattern", ALIASING_SNAPSHOT_FAILURES)
+def test_aliasing_snapshot_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
+@pytest.mark.parametrize("mutant_kit", [("gemma4_unmutated", None)], indirect=True)
+@pytest.mark.parametrize(
+    "check, args, pattern",
+    SHARED_WINDOW_FAILURES + LEAKY_RESET_FAILURES + ALIASING_SNAPSHOT_FAILURES,
+)
+def test_the_wrapper_alone_passes(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    check(mutant_kit, *args)
+
+
+def test_conformance_command_fails_a_mutant_naming_the_leak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``turbospark conformance`` on an installed mutant (a throwaway
+    distribution whose entry point is the leaky-reset wrapper) exits 1 and
+    reports each failed check with what leaked."""
+    info = tmp_path / "turbospark_leaky-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: turbospark-leaky\nVersion: 0.1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[turbospark]\ngemma4_leaky_cli = turbospark_leaky_cli:plugin\n"
+    )
+    (tmp_path / "turbospark_leaky_cli.py").write_text(
+        "import importlib\n\n"
+        "from turbospark_gemma4 import plugin as gemma4\n\n"
+        f"mutants = importlib.import_module({__name__!r})  # this test module, already imported\n"
+        "plugin = mutants.MutantGemma4('gemma4_leaky_cli', mutants.leak_across_reset, gemma4)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TURBOSPARK_PLUGINS", f"gemma4_leaky_cli,{tmp_path.name}")
+    assert main(["conformance", "gemma4_leaky_cli", "--examples", "3"]) == 1
+    report = capsys.readouterr().out
+    assert "conformance of family 'gemma4_leaky_cli' (turbospark-leaky==0.1.0)" in report
+    assert "  FAIL  nbytes_honest[kv]\n" in report
+    assert "reset() leaks state" in report
+    assert "  PASS  nbytes_honest[window]\n" in report
+    assert report.rstrip().splitlines()[-1].startswith("FAILED: ")
