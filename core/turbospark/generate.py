@@ -256,8 +256,11 @@ def collect(chunks: Iterable[Chunk], on_text: Callable[[str], None] | None = Non
 
 
 def _prefill(runner: Runner, ids: list[int], start: int, chunk_size: int) -> mx.array:
-    """Feed ``ids[start:]`` from *start*; only the last chunk computes logits."""
-    last = start + (len(ids) - start - 1) // chunk_size * chunk_size  # the last chunk's start
+    """Feed ``ids[start:]`` from *start*: every token but the last in chunks
+    without logits, then the last one alone for its logits (as mlx-lm does).
+    Layers that write no state (Gemma's KV-shared tail) then run only for the
+    row whose logits are read; MLX never evaluates them for the others."""
+    last = len(ids) - 1
     for begin in range(start, last, chunk_size):
-        runner.prefill_chunk(ids[begin : begin + chunk_size], begin, logits=False)
+        runner.prefill_chunk(ids[begin : min(begin + chunk_size, last)], begin, logits=False)
     return runner.prefill_chunk(ids[last:], last)

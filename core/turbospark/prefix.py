@@ -46,7 +46,17 @@ class PrefixRecord:
         if self.tainted or not self.tokens or not prompt:
             return 0
         limit = min(len(self.tokens), len(prompt) - 1)
-        n = 0
-        while n < limit and self.tokens[n] == prompt[n]:
-            n += 1
-        return n
+        tokens, prompt = self.tokens, list(prompt)
+        if tokens[:limit] == prompt[:limit]:  # the common case, compared in C
+            return limit
+        # Narrow the first mismatch with slice comparisons, then step to it.
+        lo, hi = 0, limit
+        while hi - lo > 32:
+            mid = (lo + hi) // 2
+            if tokens[lo:mid] == prompt[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        while tokens[lo] == prompt[lo]:
+            lo += 1
+        return lo

@@ -172,6 +172,12 @@ class Runner:
         """Slots including the live one (1 when there is no pool)."""
         return 1 if self._pool is None else len(self._pool.parked) + 1
 
+    def session_states(self) -> list[State]:
+        """Every session's state, live first, then parked slots: for inspection
+        (the conformance kit names leaks with it), never to feed directly."""
+        parked = [] if self._pool is None else [s.state for s in self._pool.parked]
+        return [self._live.state, *parked]
+
     def session_nbytes(self) -> list[int]:
         """Bytes held by each session, live first, then parked slots."""
         parked = [] if self._pool is None else [s.nbytes for s in self._pool.parked]
@@ -284,7 +290,7 @@ class Runner:
     def try_reuse_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading *tokens* are already in the (possibly swapped-in) live
         session; commits the swap/rewind. See ``last_reuse`` for why."""
-        prompt = [int(t) for t in tokens]
+        prompt = list(tokens)
         if not self._reuse_enabled:
             self.last_reuse = ReuseReport(
                 kept=0,
@@ -306,9 +312,7 @@ class Runner:
         state (0: nothing shared; ``last_reuse`` is then unchanged)."""
         if not self._reuse_enabled:
             return 0
-        report = plan_share(
-            self._live, self._pool, [int(t) for t in tokens], self._vision is not None
-        )
+        report = plan_share(self._live, self._pool, list(tokens), self._vision is not None)
         if report is None:
             return 0
         self.last_reuse = report

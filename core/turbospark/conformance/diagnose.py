@@ -27,16 +27,13 @@ def fail(message: str) -> NoReturn:
 
 
 def live_state(runner: Runner) -> State:
-    return runner._live.state
+    return runner.session_states()[0]
 
 
 def session_states(runner: Runner) -> list[tuple[str, State]]:
     """``(label, state)`` for the live session and every parked slot."""
-    pool = runner._pool
-    parked = (
-        [] if pool is None else [(f"parked slot {i}", s.state) for i, s in enumerate(pool.parked)]
-    )
-    return [("the live session", runner._live.state), *parked]
+    live, *parked = runner.session_states()
+    return [("the live session", live), *((f"parked slot {i}", s) for i, s in enumerate(parked))]
 
 
 def shared_components(sessions: Sequence[tuple[str, State]]) -> list[str]:

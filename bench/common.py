@@ -1,0 +1,205 @@
+"""What every benchmark shares: the machine record, model sizes, cached installs, timing.
+
+Benchmarks compare two engines on the *same* install directory and the same
+process settings, so the only thing that differs between two timed runs is the
+engine. The machine record (cores, CPU model, device, BLAS) travels with every
+result, because a number without it cannot be compared with anything.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from turbospark.install import MANIFEST, build_synthetic_install
+
+FAMILIES = ("gemma4", "qwen_gdn")
+DEFAULT_CACHE = Path.home() / ".cache" / "turbospark" / "bench"
+
+# Model sizes per family. "tiny" is the smoke test's; "small" and "medium" are
+# the forward benchmark's; "chat" serves the interleaved and HTTP workloads:
+# its vocabulary is exactly the synthetic tokenizer's specials plus its 96
+# characters, so every generated id decodes to text (or stops) and a streamed
+# first token is never an invisible <extra_N> on one server and not the other.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "gemma4": {
+        "tiny": {"vocab_size": 128, "num_layers": 2, "sliding_window": 16},
+        "small": {
+            "vocab_size": 1024,
+            "num_layers": 4,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "global_head_dim": 128,
+            "intermediate_size": 1024,
+            "hidden_size_per_layer_input": 32,
+            "sliding_window": 128,
+        },
+        "medium": {
+            "vocab_size": 8192,
+            "num_layers": 8,
+            "hidden_size": 1024,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "global_head_dim": 256,
+            "intermediate_size": 4096,
+            "hidden_size_per_layer_input": 64,
+            "sliding_window": 512,
+        },
+        "chat": {
+            "vocab_size": 102,
+            "num_layers": 4,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "global_head_dim": 128,
+            "intermediate_size": 1024,
+            "hidden_size_per_layer_input": 32,
+            "sliding_window": 128,
+        },
+    },
+    "qwen_gdn": {
+        "tiny": {"vocab_size": 128, "num_layers": 4},
+        "small": {
+            "vocab_size": 1024,
+            "num_layers": 4,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "intermediate_size": 768,
+            "linear_num_value_heads": 8,
+            "linear_num_key_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+        },
+        "medium": {
+            "vocab_size": 8192,
+            "num_layers": 8,
+            "hidden_size": 1024,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "intermediate_size": 3072,
+            "linear_num_value_heads": 16,
+            "linear_num_key_heads": 8,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+        },
+        "chat": {
+            "vocab_size": 102,
+            "num_layers": 4,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "intermediate_size": 768,
+            "linear_num_value_heads": 8,
+            "linear_num_key_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+        },
+    },
+}
+
+
+def default_dtype() -> str:
+    """bfloat16 where a GPU runs the model; float32 on the CPU, where MLX's
+    bfloat16 matmul has no BLAS path (~10x slower) and ``gather_mm`` (MoE)
+    only supports float32."""
+    return "bfloat16" if mx.default_device() == mx.gpu else "float32"
+
+
+def install(family: str, size: str, dtype: str, cache_dir: Path) -> Path:
+    """The cached random-weight install of *family* at *size* (built on first use)."""
+    dims = SIZES[family][size]
+    path = cache_dir / f"{family}-{size}-{dtype}"
+    if not (path / MANIFEST).is_file():
+        build_synthetic_install(
+            family, path, model_id=f"bench-{family}-{size}", dtype=dtype, seed=0, **dims
+        )
+    return path
+
+
+def blas_setting() -> str:
+    """Which BLAS MLX's CPU matmuls use: an ``LD_PRELOAD``-ed one, or the wheel's own.
+
+    The Linux ``mlx[cpu]`` wheel bundles the reference BLAS; preloading an
+    optimised one (OpenBLAS) replaces its symbols for every engine in the
+    process and in the server subprocesses, which inherit the environment.
+    """
+    preload = os.environ.get("LD_PRELOAD", "")
+    libs = [p for p in preload.split(":") if "blas" in p.lower()]
+    return f"LD_PRELOAD={','.join(libs)}" if libs else "bundled reference BLAS (no LD_PRELOAD)"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """The record that makes a result comparable: where and how it ran."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": _version("mlx-lm"),
+        "device": str(mx.default_device()),
+        "blas": blas_setting(),
+        "load_average_at_start": [round(x, 2) for x in load],
+    }
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def interleaved(
+    engines: dict[str, Callable[[], dict[str, float]]], reps: int
+) -> dict[str, list[dict[str, float]]]:
+    """Run each engine once as warm-up, then *reps* rounds alternating which
+    engine goes first, so slow drift (other load, thermal) hits both equally."""
+    names = list(engines)
+    for name in names:
+        engines[name]()
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for rep in range(reps):
+        order = names if rep % 2 == 0 else names[::-1]
+        for name in order:
+            results[name].append(engines[name]())
+    return results
+
+
+def median_of(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.median(row[key] for row in rows)
+
+
+def random_tokens(n: int, vocab: int, seed: int, low: int = 6) -> list[int]:
+    """*n* reproducible token ids above the specials."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(low, vocab) for _ in range(n)]

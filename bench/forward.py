@@ -1,0 +1,155 @@
+"""Forward speed against mlx-lm: prefill and decode tokens per second, same install.
+
+Both engines load the same install directory (it is a valid Hugging Face
+checkpoint, so ``mlx_lm.utils.load_model`` reads it unchanged) and run the
+same loop: prefill the prompt in chunks of the same size, then greedy-decode
+one token at a time, reading each token id back (``.item()``) before feeding
+it. That loop is what a forward costs with nothing hidden by pipelining.
+
+Each library's own generation loop is timed too (``mlx_lm.generate.generate_step``
+against :func:`turbospark.generate.stream_generate`): both overlap the next
+forward with the host work of the current token via ``mx.async_eval``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+from bench.common import interleaved, median_of, random_tokens
+from turbospark.generate import GenerationConfig, stream_generate
+from turbospark.runner import Runner
+from turbospark.text import load_text
+
+Sample = dict[str, float]
+
+
+def _ours_loop(runner: Runner, prompt: list[int], decode: int, chunk: int) -> Callable[[], Sample]:
+    def run() -> Sample:
+        runner.reset()
+        n = len(prompt)
+        start = time.perf_counter()
+        for begin in range(0, n, chunk):
+            end = min(begin + chunk, n)
+            logits = runner.prefill_chunk(prompt[begin:end], begin, logits=end == n)
+        token = int(mx.argmax(logits).item())
+        prefilled = time.perf_counter()
+        for i in range(decode):
+            token = int(mx.argmax(runner.produce(token, n + i)).item())
+        return {"prefill_s": prefilled - start, "decode_s": time.perf_counter() - prefilled}
+
+    return run
+
+
+def _theirs_loop(
+    model: nn.Module, prompt: list[int], decode: int, chunk: int
+) -> Callable[[], Sample]:
+    def run() -> Sample:
+        cache = model.make_cache()
+        n = len(prompt)
+        start = time.perf_counter()
+        for begin in range(0, n, chunk):
+            end = min(begin + chunk, n)
+            out = model(mx.array(prompt[begin:end])[None], cache=cache)  # (1, L, vocab)
+            if end < n:
+                mx.eval([c.state for c in cache])  # as generate_step's prefill does
+        token = int(mx.argmax(out[0, -1]).item())
+        prefilled = time.perf_counter()
+        for _ in range(decode):
+            out = model(mx.array([[token]]), cache=cache)
+            token = int(mx.argmax(out[0, -1]).item())
+        return {"prefill_s": prefilled - start, "decode_s": time.perf_counter() - prefilled}
+
+    return run
+
+
+def _ours_generate(
+    runner: Runner, path: Path, prompt: list[int], decode: int, chunk: int
+) -> Callable[[], Sample]:
+    codec = load_text(path)
+    config = GenerationConfig(max_tokens=decode + 1, stop_token_ids=[], chunk_size=chunk)
+
+    def run() -> Sample:
+        start = time.perf_counter()
+        first = None
+        for _step in stream_generate(runner, codec, prompt, config):
+            if first is None:
+                first = time.perf_counter()
+        return {"prefill_s": first - start, "decode_s": time.perf_counter() - first}
+
+    return run
+
+
+def _theirs_generate(
+    model: nn.Module, prompt: list[int], decode: int, chunk: int
+) -> Callable[[], Sample]:
+    def run() -> Sample:
+        cache = model.make_cache()
+        start = time.perf_counter()
+        first = None
+        steps = generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=decode + 1,
+            prompt_cache=cache,
+            prefill_step_size=chunk,
+        )
+        for token, _ in steps:
+            int(token)  # the caller reads every id, as a detokeniser would
+            if first is None:
+                first = time.perf_counter()
+        return {"prefill_s": first - start, "decode_s": time.perf_counter() - first}
+
+    return run
+
+
+def bench_forward(
+    path: Path,
+    *,
+    prompt_tokens: int,
+    decode_tokens: int,
+    chunk: int,
+    reps: int,
+    library_loops: bool,
+) -> dict[str, Any]:
+    """Prefill and decode tok/s of both engines on *path*, medians over *reps*
+    interleaved repetitions (after one warm-up each); ratios are ours ÷ theirs."""
+    runner = Runner.open(path, context_length=prompt_tokens + decode_tokens + 2)
+    model, _ = load_model(path)
+    prompt = random_tokens(prompt_tokens, runner.vocab_size, seed=1)
+    engines = {
+        "ours": _ours_loop(runner, prompt, decode_tokens, chunk),
+        "mlx_lm": _theirs_loop(model, prompt, decode_tokens, chunk),
+    }
+    if library_loops:
+        engines["ours_generate"] = _ours_generate(runner, path, prompt, decode_tokens, chunk)
+        engines["mlx_lm_generate_step"] = _theirs_generate(model, prompt, decode_tokens, chunk)
+    samples = interleaved(engines, reps)
+    rates: dict[str, dict[str, float]] = {}
+    for name, rows in samples.items():
+        rates[name] = {
+            "prefill_tok_s": prompt_tokens / median_of(rows, "prefill_s"),
+            "decode_tok_s": decode_tokens / median_of(rows, "decode_s"),
+        }
+    result: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "chunk": chunk,
+        "reps": reps,
+        "engines": rates,
+        "prefill_ratio_vs_mlx_lm": rates["ours"]["prefill_tok_s"]
+        / rates["mlx_lm"]["prefill_tok_s"],
+        "decode_ratio_vs_mlx_lm": rates["ours"]["decode_tok_s"] / rates["mlx_lm"]["decode_tok_s"],
+    }
+    if library_loops:
+        ours, theirs = rates["ours_generate"], rates["mlx_lm_generate_step"]
+        result["generate_decode_ratio_vs_mlx_lm"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+        result["generate_prefill_ratio_vs_mlx_lm"] = ours["prefill_tok_s"] / theirs["prefill_tok_s"]
+    return result

@@ -1,0 +1,175 @@
+"""Run every turbospark benchmark, print a table, write JSON and a plot.
+
+    uv run python bench/run.py [--quick] [--json] [--family F ...] [--out DIR]
+
+Sections (``--only`` picks some): ``forward`` (prefill/decode tok/s against
+mlx-lm on the same install), ``interleaved`` (K conversations round-robin,
+pool against no pool, in process), ``serving`` (the same chats over HTTP,
+``turbospark serve`` against ``mlx_lm.server``), ``swap`` (swap cost against
+history length, pool memory), ``dispatch`` (the hook path's per-token cost).
+Benchmarks never decide whether the test suite passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    # Run as a script: make the repository root importable so `bench.*` resolves.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine
+from bench.dispatch import bench_dispatch
+from bench.forward import bench_forward
+from bench.interleaved import bench_interleaved
+from bench.report import headline, print_table
+from bench.serving import bench_servers
+from bench.swap import bench_swap
+from bench.workload import ChatWorkload
+
+SECTIONS = ("forward", "interleaved", "serving", "swap", "dispatch")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much of each benchmark to run: ``--quick`` fits in two minutes on two cores."""
+
+    forward_sizes: tuple[str, ...]
+    prompt_tokens: int
+    decode_tokens: int
+    chunk: int
+    reps: int
+    library_loops: bool
+    chat: ChatWorkload
+    swap_size: str
+    swap_lengths: tuple[int, ...]
+    swap_reps: int
+    swap_vs_mlx_lm: bool
+    dispatch_tokens: int
+
+
+QUICK = Plan(
+    forward_sizes=("small",),
+    prompt_tokens=512,
+    decode_tokens=32,
+    chunk=256,
+    reps=5,
+    library_loops=True,
+    chat=ChatWorkload(conversations=3, turns=4, user_chars=96, reply_chars=24, max_tokens=8),
+    swap_size="tiny",
+    swap_lengths=(1024, 4096, 16384),
+    swap_reps=8,
+    swap_vs_mlx_lm=False,
+    dispatch_tokens=128,
+)
+FULL = Plan(
+    forward_sizes=("small", "medium"),
+    prompt_tokens=512,
+    decode_tokens=32,
+    chunk=256,
+    reps=5,
+    library_loops=True,
+    chat=ChatWorkload(conversations=4, turns=6, user_chars=160, reply_chars=48, max_tokens=16),
+    swap_size="small",
+    swap_lengths=(1024, 4096, 16384),
+    swap_reps=20,
+    swap_vs_mlx_lm=True,
+    dispatch_tokens=200,
+)
+
+
+def run_family(
+    family: str, plan: Plan, sections: set[str], dtype: str, cache: Path, out: Path
+) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    if "forward" in sections:
+        result["forward"] = {
+            size: bench_forward(
+                install(family, size, dtype, cache),
+                prompt_tokens=plan.prompt_tokens,
+                decode_tokens=plan.decode_tokens,
+                chunk=plan.chunk,
+                reps=plan.reps,
+                library_loops=plan.library_loops,
+            )
+            for size in plan.forward_sizes
+        }
+    chat = install(family, "chat", dtype, cache)
+    if "interleaved" in sections:
+        result["interleaved"] = bench_interleaved(chat, plan.chat)
+    if "serving" in sections:
+        result["serving"] = bench_servers(chat, plan.chat, out / "logs")
+    if "swap" in sections:
+        result["swap"] = bench_swap(
+            install(family, plan.swap_size, dtype, cache),
+            list(plan.swap_lengths),
+            plan.swap_reps,
+            plan.swap_vs_mlx_lm,
+        )
+    if "dispatch" in sections:
+        result["dispatch"] = bench_dispatch(
+            install(family, "tiny", dtype, cache), plan.dispatch_tokens, plan.reps
+        )
+    return {**headline(result), **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, few reps (< 2 min)")
+    parser.add_argument("--json", action="store_true", help="print the JSON result")
+    parser.add_argument(
+        "--family", action="append", choices=FAMILIES, help="repeatable; default all"
+    )
+    parser.add_argument("--only", action="append", choices=SECTIONS, help="repeatable; default all")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="synthetic installs")
+    parser.add_argument(
+        "--dtype", default=None, help="weights dtype (default: bf16 on GPU, f32 on CPU)"
+    )
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+
+    plan = QUICK if args.quick else FULL
+    dtype = args.dtype or default_dtype()
+    sections = set(args.only or SECTIONS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "mode": "quick" if args.quick else "full",
+        "dtype": dtype,
+        "plan": asdict(plan),
+        "families": {},
+    }
+    for family in args.family or FAMILIES:
+        report["families"][family] = run_family(
+            family, plan, sections, dtype, args.cache_dir, args.out
+        )
+    report["wall_s"] = time.perf_counter() - started
+
+    stem = "quick" if args.quick else "full"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.no_plot:
+        from bench.plot import plot
+
+        plot(report, args.out / f"{stem}.png")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+        print(
+            f"\nwrote {args.out / (stem + '.json')}" + ("" if args.no_plot else f" and {stem}.png")
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The interleaved chat workload over HTTP: ``turbospark serve`` against ``mlx_lm.server``.
+
+Both servers run as subprocesses on loopback, serve the same install
+directory (an HF checkpoint with a tokenizer and chat template, which
+mlx-lm loads unchanged), inherit the same environment (so the same BLAS),
+and receive the same streamed chat requests one at a time: ours with
+``--session-slots K``, mlx-lm's with its LRU prompt cache (10 entries by
+default, more than K). Each is warmed up with one unrelated request, then
+killed at the end.
+
+Time to first token is measured at the client: from sending the request to
+the first SSE event that carries a token (content or a finish reason), so it
+includes tokenising, templating, reuse and prefill. Prefill tokens computed
+come from each server's own ``usage`` (``prompt_tokens - cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.workload import ChatWorkload
+
+MODEL = "default_model"  # mlx-lm's name for its --model; ours is told to use it too
+READY_TIMEOUT_S = 180.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(kind: str, path: Path, port: int, slots: int) -> list[str]:
+    if kind == "turbospark":
+        return [
+            sys.executable, "-m", "turbospark", "serve", str(path),
+            "--session-slots", str(slots), "--port", str(port), "--model-id", MODEL,
+            "--context-length", "8192",
+        ]  # fmt: skip
+    return [
+        sys.executable, "-m", "mlx_lm.server", "--model", str(path),
+        "--port", str(port), "--log-level", "WARNING",
+    ]  # fmt: skip
+
+
+@contextmanager
+def running_server(kind: str, path: Path, slots: int, log: Path) -> Iterator[str]:
+    """Start a server, wait until ``/v1/models`` answers, yield its base URL; always kill it."""
+    port = _free_port()
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            server_command(kind, path, port, slots),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{kind} server exited with {proc.returncode}; see {log}")
+                try:
+                    if httpx.get(f"{base}/v1/models", timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{kind} server not ready after {READY_TIMEOUT_S}s; see {log}"
+                    )
+                time.sleep(0.25)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def chat_request(
+    client: httpx.Client, base: str, messages: list[dict[str, str]], max_tokens: int
+) -> dict[str, Any]:
+    """One streamed chat completion: time to first token, total time, usage."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue  # SSE comments (mlx-lm's keep-alives) and blank separators
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                raise RuntimeError(f"server error: {event['error']}")
+            for choice in event.get("choices") or []:
+                has_token = choice.get("delta", {}).get("content") is not None
+                if first is None and (has_token or choice.get("finish_reason")):
+                    first = time.perf_counter()
+            usage = event.get("usage") or usage
+    end = time.perf_counter()
+    prompt = int(usage.get("prompt_tokens", 0))
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return {
+        "ttft_s": (first or end) - start,
+        "request_s": end - start,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefill_tokens": prompt - cached,
+    }
+
+
+def bench_servers(path: Path, workload: ChatWorkload, log_dir: Path) -> dict[str, Any]:
+    """Ours and mlx-lm's server on the same requests. Both run side by side and
+    take each request in alternating order (one request in flight at a time),
+    so load from elsewhere hits both alike. ``ttft_ratio`` is theirs ÷ ours,
+    the median over turns (> 1: we answer sooner)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    kinds = ("turbospark", "mlx_lm")
+    turns: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    with ExitStack() as stack:
+        bases = {
+            kind: stack.enter_context(
+                running_server(
+                    kind, path, workload.conversations, log_dir / f"{path.name}-{kind}.log"
+                )
+            )
+            for kind in kinds
+        }
+        client = stack.enter_context(httpx.Client(timeout=300.0))
+        for base in bases.values():
+            chat_request(
+                client, base, [{"role": "user", "content": "warm up"}], workload.max_tokens
+            )
+        for i, (conv, turn, messages) in enumerate(workload.requests()):
+            for kind in kinds if i % 2 == 0 else kinds[::-1]:
+                row = chat_request(client, bases[kind], messages, workload.max_tokens)
+                turns[kind].append({"conversation": conv, "turn": turn, **row})
+    result: dict[str, Any] = {
+        kind: {
+            "total_s": sum(t["request_s"] for t in rows),
+            "prefill_tokens": sum(t["prefill_tokens"] for t in rows),
+            "turns": rows,
+        }
+        for kind, rows in turns.items()
+    }
+    ours, theirs = turns["turbospark"], turns["mlx_lm"]
+    ratios = [t["ttft_s"] / o["ttft_s"] for o, t in zip(ours, theirs, strict=True)]
+    result["ttft_ratio_vs_mlx_lm_server"] = statistics.median(ratios)
+    result["total_ratio_vs_mlx_lm_server"] = (
+        result["mlx_lm"]["total_s"] / result["turbospark"]["total_s"]
+    )
+    # Both must have tokenised the same chats alike, or the comparison is not like for like.
+    result["same_prompt_tokens"] = all(
+        o["prompt_tokens"] == t["prompt_tokens"] for o, t in zip(ours, theirs, strict=True)
+    )
+    return result

@@ -1,0 +1,81 @@
+"""Every benchmark function runs at its tiniest setting and reports positive numbers.
+
+Benchmarks never decide pass/fail on speed: these only check that each one
+still runs against the current API and returns the keys the JSON promises.
+The HTTP comparison starts two servers and is covered by ``bench/run.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import common, dispatch, forward, interleaved, report, swap, workload
+    finally:
+        sys.path.remove(str(ROOT))
+    cache = tmp_path_factory.mktemp("bench-installs")
+    return {
+        "gemma4": common.install("gemma4", "tiny", "float32", cache),
+        "qwen_gdn": common.install("qwen_gdn", "tiny", "float32", cache),
+        "common": common,
+        "dispatch": dispatch,
+        "forward": forward,
+        "interleaved": interleaved,
+        "report": report,
+        "swap": swap,
+        "workload": workload,
+    }
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_forward(bench: dict, family: str) -> None:
+    out = bench["forward"].bench_forward(
+        bench[family], prompt_tokens=12, decode_tokens=3, chunk=8, reps=1, library_loops=True
+    )
+    assert out["prefill_ratio_vs_mlx_lm"] > 0 and out["decode_ratio_vs_mlx_lm"] > 0
+    for engine in ("ours", "mlx_lm", "ours_generate", "mlx_lm_generate_step"):
+        assert out["engines"][engine]["prefill_tok_s"] > 0
+        assert out["engines"][engine]["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_interleaved(bench: dict, family: str) -> None:
+    chat = bench["workload"].ChatWorkload(
+        conversations=2, turns=2, user_chars=12, reply_chars=4, max_tokens=2
+    )
+    out = bench["interleaved"].bench_interleaved(bench[family], chat)
+    assert out["speedup_vs_no_pool"] > 0
+    # Second turns resume their own session with a pool; without one they cannot.
+    assert out["prefill_tokens_saved"] > 0
+    assert [t["turn"] for t in out["pool"]["turns"]] == [0, 0, 1, 1]
+    summary = bench["report"].headline({"interleaved": out})
+    assert set(summary) == {"speedup_vs_no_pool", "prefill_tokens_saved"}
+
+
+def test_swap(bench: dict) -> None:
+    out = bench["swap"].bench_swap(bench["gemma4"], [16, 64], reps=2, compare_mlx_lm=True)
+    for row in out["rows"]:
+        assert row["swap_ms"] > 0 and row["reprefill_ms"] > 0 and row["mlx_lm_cache_hit_ms"] > 0
+        assert row["session_nbytes"] > 0
+        # Parking moves references: a swap allocates nothing.
+        assert row["active_memory_change_across_swaps_bytes"] == 0
+
+
+def test_dispatch(bench: dict) -> None:
+    out = bench["dispatch"].bench_dispatch(bench["qwen_gdn"], tokens=3, reps=1)
+    assert all(us > 0 for us in out["per_token_us"].values())
+    assert out["pluggy_call_us"] > 0 and out["plain_call_us"] > 0
+
+
+def test_machine_record(bench: dict) -> None:
+    record = bench["common"].machine()
+    assert record["cores"] > 0 and record["blas"] and record["mlx"]
