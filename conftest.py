@@ -4,6 +4,6 @@ import os
 
 os.environ.setdefault("TURBOSPARK_PLUGINS", "gemma4,qwen_gdn,qwen4_exp")
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
 mx.set_default_device(mx.cpu)
