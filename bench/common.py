@@ -112,6 +112,40 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+# GPU runs: shapes of real ~1B checkpoints (random bf16 weights). "chat_large"
+# is the chat workload's exact-tokenizer vocabulary at that shape.
+_LARGE: dict[str, dict[str, Any]] = {
+    "gemma4": {
+        "vocab_size": 32768,
+        "num_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "intermediate_size": 8192,
+        "hidden_size_per_layer_input": 128,
+        "sliding_window": 512,
+    },
+    "qwen_gdn": {
+        "vocab_size": 32768,
+        "num_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "intermediate_size": 6144,
+        "linear_num_value_heads": 32,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    },
+}
+for _family, _dims in _LARGE.items():
+    SIZES[_family]["large"] = _dims
+    SIZES[_family]["chat_large"] = {**_dims, "vocab_size": SIZES[_family]["chat"]["vocab_size"]}
+
+
 def default_dtype() -> str:
     """bfloat16 where a GPU runs the model; float32 on the CPU, where MLX's
     bfloat16 matmul has no BLAS path (~10x slower) and ``gather_mm`` (MoE)

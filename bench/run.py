@@ -52,6 +52,7 @@ class Plan:
     swap_reps: int
     swap_vs_mlx_lm: bool
     dispatch_tokens: int
+    chat_size: str = "chat"
 
 
 QUICK = Plan(
@@ -82,6 +83,21 @@ FULL = Plan(
     swap_vs_mlx_lm=True,
     dispatch_tokens=200,
 )
+GPU = Plan(
+    forward_sizes=("medium", "large"),
+    prompt_tokens=2048,
+    decode_tokens=128,
+    chunk=512,
+    reps=5,
+    library_loops=True,
+    chat=ChatWorkload(conversations=4, turns=6, user_chars=400, reply_chars=48, max_tokens=16),
+    swap_size="large",
+    swap_lengths=(1024, 4096, 16384),
+    swap_reps=20,
+    swap_vs_mlx_lm=True,
+    dispatch_tokens=200,
+    chat_size="chat_large",
+)
 
 
 def run_family(
@@ -100,7 +116,7 @@ def run_family(
             )
             for size in plan.forward_sizes
         }
-    chat = install(family, "chat", dtype, cache)
+    chat = install(family, plan.chat_size, dtype, cache)
     if "interleaved" in sections:
         result["interleaved"] = bench_interleaved(chat, plan.chat)
     if "serving" in sections:
@@ -124,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, few reps (< 2 min)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="medium and ~1B sizes, longer prompts (GPU runs)"
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON result")
     parser.add_argument(
         "--family", action="append", choices=FAMILIES, help="repeatable; default all"
@@ -137,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
 
-    plan = QUICK if args.quick else FULL
+    mode = "quick" if args.quick else "gpu" if args.gpu else "full"
+    plan = {"quick": QUICK, "gpu": GPU, "full": FULL}[mode]
     dtype = args.dtype or default_dtype()
     sections = set(args.only or SECTIONS)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     report: dict[str, Any] = {
         "machine": machine(),
-        "mode": "quick" if args.quick else "full",
+        "mode": mode,
         "dtype": dtype,
         "plan": asdict(plan),
         "families": {},
@@ -155,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     report["wall_s"] = time.perf_counter() - started
 
-    stem = "quick" if args.quick else "full"
+    stem = mode
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     if not args.no_plot:
         from bench.plot import plot
