@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from turbospark.commands import install_text
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
 from turbospark.errors import TurbosparkError
 from turbospark.generate import (
@@ -23,7 +24,7 @@ from turbospark.generate import (
     stream_generate,
 )
 from turbospark.runner import Runner
-from turbospark.text import TextCodec, load_text
+from turbospark.text import TextCodec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +64,7 @@ def turn(
 
 
 def run(args: argparse.Namespace) -> int:
-    codec = load_text(args.model)
+    codec = install_text(args.model)
     config = generation_config(args)
     runner = Runner.open(
         args.model, context_length=args.context_length, session_slots=args.session_slots

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def demo_install(family: str, cache_dir: Path) -> Path:
     tag = "-".join(f"{k}{v}" for k, v in sorted(dims.items()))
     path = cache_dir / "demo" / f"{family}-{tag}"
     if not (path / MANIFEST).is_file():
-        print(f"building synthetic {family} install at {path} (once) ...", flush=True)
+        print(f"building synthetic {family} install at {path} (once) ...", file=sys.stderr)
         build_synthetic_install(family, path, model_id=f"demo-{family}", dtype="float32", **dims)
     return path
 

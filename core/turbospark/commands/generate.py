@@ -7,9 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from turbospark.commands import install_text
 from turbospark.generate import GenerationConfig, collect, stream_generate
 from turbospark.runner import Runner
-from turbospark.text import TextCodec, load_text
+from turbospark.text import TextCodec
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -56,7 +57,7 @@ def prompt_ids(codec: TextCodec, prompt: str, raw: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    codec = load_text(args.model)
+    codec = install_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights
     runner = Runner.open(args.model, context_length=args.context_length)
     ids = prompt_ids(codec, args.prompt, args.raw)

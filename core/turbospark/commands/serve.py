@@ -7,11 +7,11 @@ from pathlib import Path
 
 import uvicorn
 
+from turbospark.commands import install_text
 from turbospark.errors import InvalidInput
 from turbospark.runner import Runner
 from turbospark.server.app import create_app
 from turbospark.server.worker import RunnerWorker
-from turbospark.text import load_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +52,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    codec = load_text(args.model)
+    codec = install_text(args.model)
     worker = RunnerWorker()
 
     def open_runner() -> Runner:

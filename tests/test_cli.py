@@ -1,0 +1,74 @@
+"""The CLI through its own entry point: families, demo, allowlist, refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from turbospark.cli import main
+from turbospark.plugins import FamilyRegistry
+
+
+def test_families_json_lists_every_builtin_with_capabilities(capsys):
+    assert main(["families", "--json"]) == 0
+    listed = {f["name"]: f for f in json.loads(capsys.readouterr().out)["families"]}
+    assert set(listed) == {"gemma4", "qwen_gdn", "qwen4_exp"}
+    gdn = {c["name"]: c for c in listed["qwen_gdn"]["components"]}
+    assert gdn["gdn"]["swappable"] and gdn["gdn"]["rewindable"] is False
+    window = {c["name"]: c for c in listed["gemma4"]["components"]}["window"]
+    assert window["rewindable"] == "window"
+
+
+def test_families_text_output_names_components(capsys):
+    assert main(["families"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen4_exp" in out and "ple_conv_tail" in out and "not swappable" in out
+
+
+def test_the_allowlist_filters_and_disables_plugins():
+    assert set(FamilyRegistry.discover(allow="gemma4").families) == {"gemma4"}
+    none = FamilyRegistry.discover(allow="none")
+    assert none.families == {}
+    assert "no family plugins are installed" in none.describe_installed()
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_demo_runs_both_modes_and_the_pool_prefills_less(family, tmp_path, capsys):
+    args = [
+        "demo",
+        "--family",
+        family,
+        "--conversations",
+        "2",
+        "--turns",
+        "3",
+        "--turn-tokens",
+        "24",
+    ]
+    assert main([*args, "--reply-tokens", "2", "--cache-dir", str(tmp_path), "--json"]) == 0
+    turns = json.loads(capsys.readouterr().out)
+    prefilled = {
+        mode: sum(t["prefilled"] for t in turns if t["mode"] == mode)
+        for mode in ("pool", "no-pool")
+    }
+    assert prefilled["pool"] < prefilled["no-pool"]
+    later = [t for t in turns if t["mode"] == "pool" and t["turn"] > 0]
+    assert all(t["reason"] == "extends" and t["swapped"] for t in later)
+    assert not any(t["evicted"] for t in turns)
+
+
+def test_a_refusal_prints_one_line_and_exits_2(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json not found" in err[0]
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run(
+        [sys.executable, "-m", "turbospark", "--help"], capture_output=True, text=True, check=True
+    )
+    for command in ("demo", "families", "serve", "generate", "chat", "import", "conformance"):
+        assert command in done.stdout
