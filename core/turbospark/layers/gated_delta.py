@@ -130,13 +130,29 @@ def _segment_sums(log_g: mx.array) -> mx.array:
 def _unit_lower_inverse(m: mx.array) -> mx.array:
     """``(I + M)^-1`` for strictly lower-triangular ``M`` (``(..., C, C)``).
 
-    LAPACK's triangular inverse is exact and, measured on CPU, ~40x faster
-    than inverting by matmul doubling (``prod (I + (-M)^(2^j))``). MLX has it
-    on the CPU only, so it runs there explicitly: one small ``C x C`` per head
-    and chunk, in unified memory.
+    On the CPU, LAPACK's triangular inverse: exact and, measured there, ~40x
+    faster than matmul doubling. MLX has no GPU kernel for it, and running it
+    on the CPU stream from a GPU graph costs a sync per layer and chunk, so on
+    a GPU the inverse is built by doubling instead (:func:`_doubling_inverse`).
     """
+    if mx.default_device() == mx.gpu:
+        return _doubling_inverse(m)
     c = m.shape[-1]
     return mx.linalg.tri_inv(mx.eye(c, dtype=m.dtype) + m, upper=False, stream=mx.cpu)
+
+
+def _doubling_inverse(m: mx.array) -> mx.array:
+    """``(I + M)^-1 = prod_j (I + (-M)^(2^j))`` for nilpotent ``M`` (``M^C = 0``):
+    ``log2 C`` squarings and products, all batched matmuls."""
+    c = m.shape[-1]
+    power = -m
+    inverse = mx.eye(c, dtype=m.dtype) + power
+    span = 2
+    while span < c:
+        power = power @ power
+        inverse = inverse + inverse @ power
+        span *= 2
+    return inverse
 
 
 @mx.compile

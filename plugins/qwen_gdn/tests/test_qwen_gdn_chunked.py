@@ -84,3 +84,24 @@ def test_conv_tail_continues_the_sequence() -> None:
     np.testing.assert_allclose(np.array(mx.concatenate(pieces, axis=1)), np.array(whole), atol=1e-6)
     np.testing.assert_array_equal(np.array(tail), np.array(whole_tail))
     np.testing.assert_array_equal(np.array(whole_tail), np.array(x[:, -3:]))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_the_gpu_inverse_equals_lapacks(chunk_size: int) -> None:
+    """The doubling inverse (used on GPUs) against LAPACK's, on the chunk
+    matrices the rule really builds (unit keys, sigmoid betas, decays)."""
+    from turbospark.layers import gated_delta as gd
+
+    length = 4 * chunk_size
+    _, k, _, log_g, beta, _ = _inputs(length, seed=7)
+    k = mx.repeat(k, HV // HK, axis=2).moveaxis(2, 1).reshape(1, HV, 4, chunk_size, DK)
+    log_g = log_g.moveaxis(2, 1).reshape(1, HV, 4, chunk_size)
+    beta = beta.moveaxis(2, 1).reshape(1, HV, 4, chunk_size)
+    decay = mx.exp(gd._segment_sums(log_g))
+    m = mx.where(
+        mx.eye(chunk_size, dtype=mx.bool_),
+        0.0,
+        ((k * beta[..., None]) @ mx.swapaxes(k, -1, -2)) * decay,
+    )
+    expected = mx.linalg.tri_inv(mx.eye(chunk_size) + m, upper=False, stream=mx.cpu)
+    np.testing.assert_allclose(np.array(gd._doubling_inverse(m)), np.array(expected), atol=2e-5)
