@@ -72,3 +72,20 @@ def test_python_dash_m_runs_the_cli():
     )
     for command in ("demo", "families", "serve", "generate", "chat", "import", "conformance"):
         assert command in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000), ("100", 100)],
+)
+def test_memory_sizes_parse(text, value):
+    from turbospark.commands import byte_size
+
+    assert byte_size(text) == value
+
+
+def test_a_bad_memory_size_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", "/nowhere", "--max-parked-memory", "lots"])
+    assert excinfo.value.code == 2
+    assert "'lots' is not a size" in capsys.readouterr().err

@@ -197,3 +197,35 @@ def test_qwen4_exp_reuse_follows_the_non_rewindable_rule(qwen4_exp_install):
     runner.prefill_chunk(history, 0)  # no checkpoint this time
     assert runner.try_reuse_prefix(history) == 0
     assert runner.last_reuse.reason == ReuseReason.NOT_REWINDABLE
+
+
+def test_parked_memory_is_capped_by_evicting_the_least_recent(gemma4_install):
+    conversations = [[1, 3, 20 + i, 21, 40, 41, 42, 43, 44, 45] for i in range(3)]
+    probe = open_runner(gemma4_install, 1)
+    serve_turn(probe, conversations[0])
+    one_session = probe.session_nbytes()[0]
+
+    runner = Runner.open(gemma4_install, session_slots=3, max_parked_bytes=one_session)
+    runner.set_prefix_reuse(True)
+    serve_turn(runner, conversations[0])
+    serve_turn(runner, conversations[1])  # parks a: fits the budget
+    assert not runner.session_slot_evicted()
+    serve_turn(runner, conversations[2])  # parks b: a (least recent) must go
+    assert runner.session_slot_evicted()
+    assert sum(runner.session_nbytes()[1:]) <= one_session
+    # b survived the trim and resumes exactly; a was cleared and starts over.
+    kept, logits = serve_turn(runner, [*conversations[1], 7])
+    assert kept == len(conversations[1]) and runner.last_reuse.swapped
+    assert mx.allclose(
+        logits, fresh_logits(gemma4_install, [*conversations[1], 7], [10, 1]), atol=1e-5
+    )
+    assert sum(runner.session_nbytes()[1:]) <= one_session
+    kept, _ = serve_turn(runner, [*conversations[0], 7])
+    assert kept < len(conversations[0])
+
+
+def test_a_negative_memory_cap_is_refused(gemma4_install):
+    from turbospark import InvalidInput
+
+    with pytest.raises(InvalidInput, match="max_parked_bytes"):
+        Runner.open(gemma4_install, session_slots=2, max_parked_bytes=-1)

@@ -174,7 +174,8 @@ def stream_generate(
     started = time.perf_counter()
     kept = runner.try_reuse_prefix(ids)
     report = runner.last_reuse
-    evicted = False
+    # A swap that pushed the pool past its byte budget evicts too (see the runner).
+    evicted = report.swapped and runner.session_slot_evicted()
     if kept == 0:
         runner.reset()
         evicted = runner.session_slot_evicted()

@@ -58,11 +58,28 @@ class Session:
 
 
 class SessionPool:
-    """The ``session_slots - 1`` parked sessions beside the live one."""
+    """The ``session_slots - 1`` parked sessions beside the live one, and the
+    byte budget they must fit in (``None``: bounded by the slot count alone)."""
 
-    def __init__(self, parked: list[Session]) -> None:
+    def __init__(self, parked: list[Session], max_bytes: int | None = None) -> None:
         self.parked = parked
+        self.max_bytes = max_bytes
         self._clock = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(session.nbytes for session in self.parked)
+
+    def trim(self) -> bool:
+        """Clear least-recently-used parked sessions until the parked total fits
+        ``max_bytes`` (their arrays are released); True if real content went."""
+        dropped = False
+        for session in sorted(self.parked, key=lambda s: s.tick):
+            if self.max_bytes is None or self.nbytes <= self.max_bytes:
+                break
+            dropped = dropped or session.has_content
+            session.clear()
+        return dropped
 
     def _tick(self) -> int:
         self._clock += 1

@@ -65,6 +65,7 @@ class Runner:
         model: object,
         context_length: int,
         session_slots: int,
+        max_parked_bytes: int | None,
         expert_cache: ExpertCacheSlots,
         draft: DraftPolicies,
         steering: SteeringPolicy,
@@ -81,7 +82,9 @@ class Runner:
         self._hook = pm.hook
         self._live = Session(self._new_state())
         self._pool = (
-            SessionPool([Session(self._new_state()) for _ in range(session_slots - 1)])
+            SessionPool(
+                [Session(self._new_state()) for _ in range(session_slots - 1)], max_parked_bytes
+            )
             if session_slots > 1
             else None
         )
@@ -105,11 +108,16 @@ class Runner:
         steering: SteeringPolicy | None = None,
         session_slots: int = 1,
         *,
+        max_parked_bytes: int | None = None,
         dtype: str | mx.Dtype | None = None,
         registry: FamilyRegistry | None = None,
     ) -> Runner:
         """Open an install. Cheap checks (manifest, arch, pool capability,
-        policies) run before any weight is read, so refusals are instant."""
+        policies) run before any weight is read, so refusals are instant.
+
+        ``max_parked_bytes`` caps the memory of parked sessions: whenever a
+        session is parked, the least recently used ones are cleared until the
+        rest fit (reported like any eviction)."""
         path = Path(path)
         manifest = read_manifest(path)
         family = (registry or default_registry()).get(manifest.family)
@@ -124,6 +132,8 @@ class Runner:
             raise InvalidInput(f"context_length must be positive, got {context_length}")
         if session_slots < 0:
             raise InvalidInput(f"session_slots must be 0 or more, got {session_slots}")
+        if max_parked_bytes is not None and max_parked_bytes < 0:
+            raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
         expert_cache = expert_cache or ExpertCacheSlots.fixed(16)
         _check_expert_cache(installed, expert_cache)
         pm = family.manager()
@@ -146,6 +156,7 @@ class Runner:
             model=model,
             context_length=context_length,
             session_slots=session_slots,
+            max_parked_bytes=max_parked_bytes,
             expert_cache=expert_cache,
             draft=draft or DraftPolicies.off(),
             steering=steering or SteeringPolicy.off(),
@@ -184,7 +195,9 @@ class Runner:
         return [self._live.nbytes, *parked]
 
     def session_slot_evicted(self) -> bool:
-        """Whether the last :meth:`reset` discarded a parked session with real content."""
+        """Whether the last :meth:`reset` (or a swap in :meth:`try_reuse_prefix`
+        that pushed the pool past ``max_parked_bytes``) discarded a parked
+        session with real content."""
         return self._evicted
 
     # -- feeding -----------------------------------------------------------------
@@ -303,6 +316,8 @@ class Runner:
             self._live, self.last_reuse = plan_reuse(
                 self._live, self._pool, prompt, self.family, self._vision is not None
             )
+            if self.last_reuse.swapped:
+                self._evicted = self._pool.trim()
         return self.last_reuse.kept
 
     def share_prefix(self, tokens: Sequence[int]) -> int:
@@ -324,6 +339,7 @@ class Runner:
         self._evicted = False
         if self._pool is not None and self._live.has_content:
             self._live, self._evicted = self._pool.rotate_lru(self._live)
+            self._evicted = self._pool.trim() or self._evicted
         self._live.clear()
 
     def checkpoint(self) -> None:

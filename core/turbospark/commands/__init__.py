@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from turbospark.install import read_manifest
@@ -13,3 +14,41 @@ def install_text(path: str | Path) -> TextCodec:
     wrong directory is named as such, not as a missing tokenizer)."""
     read_manifest(path)
     return load_text(path)
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def byte_size(text: str) -> int:
+    """``512MiB``, ``2GiB``, ``1.5GB`` or plain bytes, for ``--max-parked-memory``."""
+    number = text.strip().lower().rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: use bytes or a unit like 512MiB, 2GiB, 1.5GB"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative")
+    return int(value)
+
+
+def add_pool_memory_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-parked-memory",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="cap on the memory of parked sessions (e.g. 4GiB): the least recently used "
+        "are evicted to fit (default: bounded by --session-slots alone)",
+    )

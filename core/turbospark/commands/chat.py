@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from turbospark.commands import install_text
+from turbospark.commands import add_pool_memory_flag, install_text
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
 from turbospark.errors import TurbosparkError
 from turbospark.generate import (
@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
+    add_pool_memory_flag(parser)
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
     parser.set_defaults(func=run)
@@ -67,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
     codec = install_text(args.model)
     config = generation_config(args)
     runner = Runner.open(
-        args.model, context_length=args.context_length, session_slots=args.session_slots
+        args.model,
+        context_length=args.context_length,
+        session_slots=args.session_slots,
+        max_parked_bytes=args.max_parked_memory,
     )
     runner.set_prefix_reuse(True)
     opening = [{"role": "system", "content": args.system}] if args.system else []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import uvicorn
 
-from turbospark.commands import install_text
+from turbospark.commands import add_pool_memory_flag, install_text
 from turbospark.errors import InvalidInput
 from turbospark.runner import Runner
 from turbospark.server.app import create_app
@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
+    add_pool_memory_flag(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--context-length", type=int, default=4096)
@@ -57,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
     def open_runner() -> Runner:
         runner = Runner.open(
-            args.model, context_length=args.context_length, session_slots=args.session_slots
+            args.model,
+            context_length=args.context_length,
+            session_slots=args.session_slots,
+            max_parked_bytes=args.max_parked_memory,
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner
