@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention
+from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import KVComponent, LayerKV
 from turbospark.vision import VisionMap
@@ -98,23 +99,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, length, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        hidden, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)  # SwiGLU
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention, shared_attention
+from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import LayerKV, State
@@ -259,17 +260,6 @@ class Attention(nn.Module):
         return self.o_proj(out), attended
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
-
-
 class Router(nn.Module):
     """Scale-normed input -> expert scores -> top-k, softmax over the chosen k,
     times a learned per-expert scale."""
@@ -315,7 +305,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.self_attn = Attention(arch, layer)
-        self.mlp = MLP(hidden, arch.layer_intermediate_size(layer))
+        self.mlp = GatedMLP(hidden, arch.layer_intermediate_size(layer), combine=geglu)
         self.input_layernorm = nn.RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps=eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(hidden, eps=eps)

@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNDims
+from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import LayerKV, State
 from turbospark.vision import VisionMap
@@ -160,17 +161,6 @@ def ngram_hash(window: mx.array, n: int, buckets: int) -> mx.array:
     return bucket.astype(mx.int32)
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class QSAttention(nn.Module):
     """GQA attention whose keys are chosen per query by a one-head block indexer."""
 
@@ -223,7 +213,7 @@ class DecoderLayer(nn.Module):
         hidden = arch.hidden_size
         self.input_layernorm = nn.RMSNorm(hidden, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps=arch.rms_norm_eps)
-        self.mlp = MLP(hidden, arch.intermediate_size)
+        self.mlp = GatedMLP(hidden, arch.intermediate_size)
         self.has_ple = layer == arch.ple_layer
         if self.has_ple:
             ple = arch.hidden_size_per_layer_input

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
+from turbospark.layers.mlp import GatedMLP
 from turbospark.state import KVComponent, LayerKV, State
 from turbospark.vision import VisionMap
 
@@ -249,17 +250,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * mx.sigmoid(gate))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: QwenGdnConfig, layer: int, slot: int):
         super().__init__()
@@ -271,7 +261,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(arch)
         self.input_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
-        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
 
     def __call__(
         self,

@@ -1,0 +1,34 @@
+"""The gated feed-forward block every family here uses, under HF parameter names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """SiLU-gated (Llama, Qwen)."""
+    return nn.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """``down(combine(gate(x), up(x)))``: SwiGLU by default; Gemma passes its
+    GELU-tanh gate (``combine`` may be an ``mx.compile``-d function)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inner: int,
+        combine: Callable[[mx.array, mx.array], mx.array] = swiglu,
+        bias: bool = False,
+    ):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self._combine = combine
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self._combine(self.gate_proj(x), self.up_proj(x)))
