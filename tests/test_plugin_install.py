@@ -56,8 +56,12 @@ class Venv:
         )
 
 
+# `uv run` names its own binary in $UV, so this works even where uv is not on PATH.
+UV = os.environ.get("UV") or shutil.which("uv")
+
+
 def uv(*args: str, cwd: Path = ROOT) -> None:
-    done = subprocess.run(["uv", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([UV, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"uv {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
 
 
@@ -73,8 +77,8 @@ def broken_distribution(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
-    if shutil.which("uv") is None:
-        pytest.skip("uv is not on PATH")
+    if UV is None:
+        pytest.skip("uv is neither on PATH nor named by $UV (`uv run` sets it)")
     tmp = tmp_path_factory.mktemp("plugin-install")
     dist = tmp / "dist"
     uv("build", "--wheel", "--quiet", "core", "-o", str(dist))
