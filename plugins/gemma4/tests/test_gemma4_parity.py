@@ -160,3 +160,26 @@ def test_headless_prefill_then_decode(install: tuple[Path, np.ndarray, list[int]
         logits="last",
     )
     np.testing.assert_allclose(np.array(out), expected[PROMPT_LEN], atol=ATOL)
+
+
+def test_chunks_read_for_their_last_logits_match_mlx_lm(
+    install: tuple[Path, np.ndarray, list[int]],
+) -> None:
+    """``logits="last"`` runs the KV-shared tail for the last row only: the
+    logits after every uneven chunk must still be mlx-lm's at that position."""
+    path, expected, prompt = install
+    arch, model = _ours(path)
+    hook = _hook()
+    state = hook.turbospark_new_state(arch=arch, model=model, context_length=256)
+    start = 0
+    for size in CHUNKS:
+        out = hook.turbospark_forward(
+            model=model,
+            tokens=mx.array(prompt[start : start + size]),
+            start=start,
+            state=state,
+            vision=None,
+            logits="last",
+        )
+        start += size
+        np.testing.assert_allclose(np.array(out), expected[start - 1], atol=ATOL)

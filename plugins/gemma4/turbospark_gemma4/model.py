@@ -355,6 +355,14 @@ class DecoderLayer(nn.Module):
         return h * self.layer_scalar, attended
 
 
+def _last_query(attended: Attended) -> Attended:
+    """The attended keys/values with the mask of the last query row only."""
+    keys, values, mask = attended
+    if isinstance(mask, mx.array):
+        return keys, values, mask[-1:]
+    return keys, values, None  # "causal" or None: the last row sees every key
+
+
 class Gemma4TextModel(nn.Module):
     """Embeddings, the layer stack and the final norm (HF prefix ``model.``)."""
 
@@ -390,8 +398,16 @@ class Gemma4TextModel(nn.Module):
         return (proj + table) * 2.0**-0.5
 
     def __call__(
-        self, tokens: mx.array, start: int, state: State, vision: VisionMap | None
+        self,
+        tokens: mx.array,
+        start: int,
+        state: State,
+        vision: VisionMap | None,
+        last_only: bool = False,
     ) -> mx.array:
+        """Final-normed hidden states ``(L, hidden)``; with *last_only*, ``(1, hidden)``
+        for the last token, and the KV-shared tail layers (which write no state)
+        run for that row alone."""
         embeddings = self.embed_tokens(tokens)  # (L, H)
         if vision is not None:
             # Image features replace the raw (unscaled) rows, as mlx-lm's input_embeddings.
@@ -402,6 +418,13 @@ class Gemma4TextModel(nn.Module):
         attended: list[Attended | None] = [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
             slot = self._slots.get(i)
+            if slot is None and last_only and h.shape[0] > 1:
+                # The first KV-shared layer: every later one is shared too (they form
+                # the tail), so from here on only the last row is ever read.
+                skip = h.shape[0] - 1
+                h, start = h[-1:], start + skip
+                per_layer = None if per_layer is None else per_layer[-1:]
+                attended = [None if a is None else _last_query(a) for a in attended]
             kv = state[slot[0]][slot[1]] if slot else None
             shared = None if slot else attended[self._sources[i]]
             layer_input = per_layer[:, i] if per_layer is not None else None
@@ -423,10 +446,15 @@ class Gemma4(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def __call__(
-        self, tokens: mx.array, start: int, state: State, vision: VisionMap | None
+        self,
+        tokens: mx.array,
+        start: int,
+        state: State,
+        vision: VisionMap | None,
+        last_only: bool = False,
     ) -> mx.array:
-        """Final-normed hidden states ``(L, hidden)`` for ``tokens`` at ``start..``."""
-        return self.model(tokens, start, state, vision)
+        """Final-normed hidden states for ``tokens`` at ``start..`` (see the text model)."""
+        return self.model(tokens, start, state, vision, last_only)
 
     def head(self, hidden: mx.array) -> mx.array:
         """``(L, hidden)`` -> softcapped logits ``(L, vocab)``."""

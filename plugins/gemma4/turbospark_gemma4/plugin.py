@@ -58,7 +58,8 @@ def turbospark_forward(
     vision: VisionMap | None,
     logits: LogitsWanted,
 ) -> mx.array | None:
-    hidden = model(tokens, start, state, vision)  # (L, hidden)
+    # Only "all" reads every row; otherwise the KV-shared tail runs for the last one.
+    hidden = model(tokens, start, state, vision, last_only=logits != "all")
     return logits_for(hidden, model.head, logits)
 
 
