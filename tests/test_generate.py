@@ -209,3 +209,17 @@ def test_chat_command_with_piped_stdin_shows_reuse_per_turn(
     assert len(status) == 3
     assert "reused 0/" in status[0] and "reused 0/" not in status[1]
     assert status[2].startswith("[other] reused 7/") and "shared_prefix" in status[2]
+
+
+def test_a_lazy_sampled_token_is_checked_once_read(install: Path) -> None:
+    """``produce`` takes a sampler's lazy id; an impossible one is refused after
+    the fact and the session is put back where it was, its record tainted."""
+    runner = open_runner(install, slots=1)
+    runner.prefill_chunk([1, 3, 20, 21], 0)
+    logits = runner.produce(mx.array(7), 4)
+    assert runner.position == 5 and logits.shape == (runner.vocab_size,)
+    with pytest.raises(InvalidInput, match="outside this model's vocabulary"):
+        runner.produce(mx.array(10_000), 5)
+    assert runner.position == 5
+    assert runner.try_reuse_prefix([1, 3, 20, 21, 7, 8]) == 0
+    assert runner.last_reuse.reason == "tainted"

@@ -10,12 +10,15 @@ One request runs the caller contract of SEMANTICS.md, then decodes::
     runner.checkpoint()                           # non-rewindable state at the prompt end
     decode with runner.produce(...)               # until a stop token/string or max_tokens
 
-Decoding is pipelined: as soon as a token id is known it is fed back and the
-next token is queued with ``mx.async_eval``, and only *then* is the first one
-detokenised and yielded, so text work and the consumer overlap the next
-forward. The last token of a completion is never fed (nothing would read its
-logits), so the session's record ends one token before the reply does and the
-next turn's prompt rewinds nothing it does not have to.
+Decoding is pipelined: the next token is queued with ``mx.async_eval`` before
+the last one is detokenised and yielded, so text work and the consumer overlap
+the next forward. Where every state component can rewind, the next forward is
+even built from the still-lazy id (as mlx-lm's ``generate_step`` does), so
+graph building overlaps the previous step's compute too. The last token of a
+completion is never fed (nothing would read its logits), so the session's
+record ends one token before the reply does and the next turn's prompt
+rewinds nothing it does not have to; a stop id fed speculatively is the one
+exception, and a rewindable session takes it back on the next turn.
 
 A consumer may stop iterating :func:`stream_generate` at any time (a client
 that hung up): every yield happens after a finished ``produce`` call, so the
@@ -183,27 +186,33 @@ def stream_generate(
         report = runner.last_reuse if kept else report
     logits = _prefill(runner, ids, kept, config.chunk_size)
     runner.checkpoint()
-    token = sampler(logits)
-    mx.eval(token)
+    pending = sampler(logits)
+    mx.eval(pending)
     prefilled = time.perf_counter()
 
     decoder = codec.stream_decoder()
     stops = StopStrings(config.stop)
     limit = config.max_tokens
-    position = len(ids)
+    # Where every component can take a token back, the next forward is queued
+    # from the still-lazy id (a stop id it turns out to be stays in the session,
+    # and the next prompt simply rewinds it); otherwise only once it is read.
+    speculate = runner.rewinds_freely
+    position = len(ids)  # where the next generated token is fed
     generated: list[int] = []
     finish: FinishReason = "length"
     while limit is None or len(generated) < limit:
-        tok = int(token.item())
+        more = (limit is None or len(generated) + 1 < limit) and position < runner.context_length
+        following = sampler(runner.produce(pending, position)) if more and speculate else None
+        tok = int(pending.item())
         if tok in stop_ids:
             finish = "stop"
             break
         generated.append(tok)
-        last = len(generated) == limit or position >= runner.context_length
-        if not last:
+        if more and not speculate:
+            following = sampler(runner.produce(tok, position))
+        if more:
             # Queue the next forward before detokenising this token.
-            token = sampler(runner.produce(tok, position))
-            mx.async_eval(token)
+            mx.async_eval(following)
             position += 1
         text = stops.feed(decoder.add(tok))
         if stops.stopped is not None:
@@ -211,8 +220,9 @@ def stream_generate(
             yield Chunk(text=text, token=tok)
             break
         yield Chunk(text=text, token=tok)
-        if last:
+        if not more:
             break
+        pending = following
 
     tail = "" if stops.stopped is not None else stops.feed(decoder.flush()) + stops.flush()
     stats = GenerationStats(

@@ -183,6 +183,12 @@ class Runner:
         """Slots including the live one (1 when there is no pool)."""
         return 1 if self._pool is None else len(self._pool.parked) + 1
 
+    @property
+    def rewinds_freely(self) -> bool:
+        """Every state component can rewind (a window within its headroom), so a
+        token fed speculatively costs nothing to take back."""
+        return all(c.rewindable is not False for c in self.family.components)
+
     def session_states(self) -> list[State]:
         """Every session's state, live first, then parked slots: for inspection
         (the conformance kit names leaks with it), never to feed directly."""
@@ -202,8 +208,12 @@ class Runner:
 
     # -- feeding -----------------------------------------------------------------
 
-    def produce(self, token: int, position: int) -> mx.array:
-        """Feed one token at *position*; float32 logits ``(vocab,)`` for the next."""
+    def produce(self, token: int | mx.array, position: int) -> mx.array:
+        """Feed one token at *position*; float32 logits ``(vocab,)`` for the next.
+
+        *token* may be a still-lazy scalar ``mx.array`` (a sampler's output): the
+        next forward is then queued before its id is read, so building the
+        graph overlaps the previous step's compute. Its id is checked once read."""
         return self._feed([token], position, "last")
 
     def produce_prefill(self, token: int, position: int) -> None:
@@ -216,21 +226,27 @@ class Runner:
         """Feed *tokens* at ``start..`` in one forward; logits after the last one."""
         return self._feed(list(tokens), start, "last" if logits else "none")
 
-    def _feed(self, tokens: list[int], start: int, want: LogitsWanted) -> mx.array | None:
-        tokens = self._validate_write(tokens, start)
+    def _feed(
+        self, tokens: list[int | mx.array], start: int, want: LogitsWanted
+    ) -> mx.array | None:
+        lazy = len(tokens) == 1 and isinstance(tokens[0], mx.array)
+        ids = tokens[0].reshape(1).astype(mx.int32) if lazy else None
+        tokens = self._validate_write([0] if lazy else tokens, start)
         live = self._live
         if start < live.position:
             self._rewind_live(live.position - start)
         try:
             out = self._hook.turbospark_forward(
                 model=self.model,
-                tokens=mx.array(tokens, dtype=mx.int32),
+                tokens=mx.array(tokens, dtype=mx.int32) if ids is None else ids,
                 start=start,
                 state=live.state,
                 vision=self._vision,
                 logits=want,
             )
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
+            if ids is not None:
+                tokens = self._validate_write(ids.tolist(), start)  # waits for the id only
         except Exception:
             self._recover(start)
             raise
