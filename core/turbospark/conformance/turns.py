@@ -1,7 +1,9 @@
 """One chat turn as a caller makes it, and the check that it was served right.
 
-The caller contract (SEMANTICS.md): ``kept = try_reuse_prefix(prompt)``; if
-``kept == 0``, ``reset()``; then feed ``prompt[kept:]`` from ``kept``. Every
+The caller contract (SEMANTICS.md), as the server runs it: ``kept =
+try_reuse_prefix(prompt)``; if ``kept == 0``, ``reset()`` and ``kept =
+share_prefix(prompt)`` (a parked conversation's shared opening); then feed
+``prompt[kept:]`` from ``kept``. Every
 session check is a script of such turns, and every turn's logits must equal a
 fresh single-session run of that conversation's whole history.
 """
@@ -50,6 +52,8 @@ def take_turn(runner: Runner, conversation: str, prompt: Sequence[int]) -> Turn:
     if kept == 0:
         runner.reset()
         evicted = runner.session_slot_evicted()
+        kept = runner.share_prefix(prompt)
+        report = runner.last_reuse if kept else report
     logits = runner.prefill_chunk(list(prompt[kept:]), kept)
     assert logits is not None
     return Turn(conversation, len(prompt), kept, report.swapped, report.reason, evicted, logits)
