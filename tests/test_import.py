@@ -101,3 +101,25 @@ def test_an_existing_install_is_never_overwritten(source: Path, tmp_path: Path) 
     with pytest.raises(InstallError, match="not empty"):
         import_checkpoint(hf, source, progress=False)
     assert read_manifest(source).model_id == "src"
+
+
+def test_a_multimodal_gemma4_checkpoint_imports_its_text_decoder(
+    source: Path, tmp_path: Path
+) -> None:
+    """Gemma 4 releases name the decoder ``model.language_model.*`` beside vision
+    and audio towers, under a nested config: the import serves the decoder."""
+    hf = as_hf_checkpoint(source, tmp_path / "hf", shards=1)
+    text = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": text}))
+    for file in hf.glob("model-*.safetensors"):
+        weights = mx.load(str(file))
+        renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
+        renamed["model.vision_tower.patch_embed.weight"] = mx.zeros((4, 4))
+        mx.save_safetensors(str(file), renamed, metadata={"format": "pt"})
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {
+        k.replace("model.", "model.language_model.", 1): v for k, v in index["weight_map"].items()
+    }
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    import_checkpoint(hf, tmp_path / "out", model_id="mm", progress=False)
+    assert mx.array_equal(logits(tmp_path / "out"), logits(source))

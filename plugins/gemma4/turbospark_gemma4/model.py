@@ -170,6 +170,15 @@ class Gemma4Config(ArchConfig):
 
 # Buffers and calibration statistics some exports carry; they are not parameters.
 _DROPPED = ("self_attn.rotary_emb", "input_max", "input_min", "output_max", "output_min")
+# Towers of the multimodal Gemma 4 checkpoints: not part of the text decoder.
+_OTHER_TOWERS = (
+    "model.vision_tower",
+    "model.audio_tower",
+    "model.embed_vision",
+    "model.embed_audio",
+    "model.multi_modal_projector",
+    "model.vision_embedder",
+)
 _SHARED_DROPPED = (".self_attn.k_proj.", ".self_attn.v_proj.", ".self_attn.k_norm.")
 
 
@@ -180,12 +189,15 @@ def sanitize(weights: dict[str, mx.array], arch: Gemma4Config) -> dict[str, mx.a
     - drops k/v projections and k_norm of KV-shared layers (checkpoints keep
       them, but those layers never compute K/V);
     - splits the fused ``experts.gate_up_proj`` ``(E, 2I, H)`` into
-      ``experts.gate_proj`` and ``experts.up_proj`` ``(E, I, H)`` each.
+      ``experts.gate_proj`` and ``experts.up_proj`` ``(E, I, H)`` each;
+    - reads a multimodal checkpoint's decoder (``model.language_model.*``) and
+      drops its vision/audio towers, as mlx-lm's ``gemma4`` does.
     """
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
-        if any(part in name for part in _DROPPED):
+        if name.startswith(_OTHER_TOWERS) or any(part in name for part in _DROPPED):
             continue
+        name = name.replace("model.language_model.", "model.", 1)
         if any(part in name for part in _SHARED_DROPPED):
             layer = int(name.split("layers.")[1].split(".")[0])
             if not arch.owns_kv(layer):
