@@ -229,3 +229,59 @@ def test_a_negative_memory_cap_is_refused(gemma4_install):
 
     with pytest.raises(InvalidInput, match="max_parked_bytes"):
         Runner.open(gemma4_install, session_slots=2, max_parked_bytes=-1)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_a_stop_id_fed_speculatively_is_taken_back(family, request):
+    """Decoding builds each forward from the still-lazy id; when that id is a
+    stop, the step is undone: the session holds the reply but not the stop id
+    (as a loop that never fed it), and the next turn extends it exactly."""
+    from turbospark.generate import GenerationConfig, generate
+    from turbospark.text import load_text
+
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    prompt = [1, 3, 20, 21, 40, 41, 42, 43]
+    free = generate(
+        open_runner(install, 1), codec, prompt, GenerationConfig(max_tokens=8, stop_token_ids=[])
+    )
+    stop_at = next(i for i, t in enumerate(free.tokens) if i >= 2 and t not in free.tokens[:i])
+    runner = open_runner(install, 1)
+    config = GenerationConfig(max_tokens=8, stop_token_ids=[free.tokens[stop_at]])
+    done = generate(runner, codec, prompt, config)
+    assert done.finish_reason == "stop" and done.tokens == free.tokens[:stop_at]
+    assert runner.position == len(prompt) + stop_at  # every reply token, not the stop id
+    follow = [*prompt, *done.tokens, 9]
+    kept, logits = serve_turn(runner, follow)
+    assert kept == len(prompt) + stop_at and runner.last_reuse.reason == ReuseReason.EXTENDS
+    expected = fresh_logits(install, follow, [len(prompt), kept - len(prompt), len(follow) - kept])
+    assert mx.allclose(logits, expected, atol=1e-4)
+
+
+def test_take_back_refuses_when_there_is_nothing_to_undo(gemma4_install):
+    from turbospark import InvalidInput
+
+    runner = open_runner(gemma4_install, 1)
+    runner.prefill_chunk([1, 2, 3], 0)
+    with pytest.raises(InvalidInput, match="take_back"):
+        runner.take_back()
+    runner.produce(mx.array(4), 3)
+    runner.produce(5, 4)  # the session moved on
+    with pytest.raises(InvalidInput, match="take_back"):
+        runner.take_back()
+    assert runner.position == 5
+
+
+def test_an_impossible_lazy_id_on_a_gdn_session_is_undone_not_lost(qwen_gdn_install):
+    runner = open_runner(qwen_gdn_install, 1)
+    prompt = [1, 3, 20, 21, 40, 41]
+    runner.prefill_chunk(prompt, 0)
+    from turbospark import InvalidInput
+
+    with pytest.raises(InvalidInput, match="outside this model's vocabulary"):
+        runner.produce(mx.array(10_000), len(prompt))
+    assert runner.position == len(prompt), "the recurrent state came back from its undo references"
+    logits = runner.prefill_chunk([7], len(prompt))
+    assert mx.allclose(
+        logits, fresh_logits(qwen_gdn_install, [*prompt, 7], [len(prompt), 1]), atol=1e-5
+    )

@@ -12,13 +12,13 @@ One request runs the caller contract of SEMANTICS.md, then decodes::
 
 Decoding is pipelined: the next token is queued with ``mx.async_eval`` before
 the last one is detokenised and yielded, so text work and the consumer overlap
-the next forward. Where every state component can rewind, the next forward is
-even built from the still-lazy id (as mlx-lm's ``generate_step`` does), so
-graph building overlaps the previous step's compute too. The last token of a
-completion is never fed (nothing would read its logits), so the session's
-record ends one token before the reply does and the next turn's prompt
-rewinds nothing it does not have to; a stop id fed speculatively is the one
-exception, and a rewindable session takes it back on the next turn.
+the next forward. That forward is even built from the still-lazy id (as
+mlx-lm's ``generate_step`` does), so graph building overlaps the previous
+step's compute; when the id turns out to be a stop, ``runner.take_back()``
+undoes the step (non-rewindable state from held references). The last token
+of a completion is never fed (nothing would read its logits), so the
+session's record ends one token before the reply does and the next turn's
+prompt rewinds nothing it does not have to.
 
 A consumer may stop iterating :func:`stream_generate` at any time (a client
 that hung up): every yield happens after a finished ``produce`` call, so the
@@ -193,26 +193,24 @@ def stream_generate(
     decoder = codec.stream_decoder()
     stops = StopStrings(config.stop)
     limit = config.max_tokens
-    # Where every component can take a token back, the next forward is queued
-    # from the still-lazy id (a stop id it turns out to be stays in the session,
-    # and the next prompt simply rewinds it); otherwise only once it is read.
-    speculate = runner.rewinds_freely
     position = len(ids)  # where the next generated token is fed
     generated: list[int] = []
     finish: FinishReason = "length"
     while limit is None or len(generated) < limit:
         more = (limit is None or len(generated) + 1 < limit) and position < runner.context_length
-        following = sampler(runner.produce(pending, position)) if more and speculate else None
+        if more:
+            # Build the next forward from the still-lazy id, then queue it, before
+            # this token is read and detokenised.
+            following = sampler(runner.produce(pending, position))
+            mx.async_eval(following)
         tok = int(pending.item())
         if tok in stop_ids:
+            if more:
+                runner.take_back()  # the stop id was fed speculatively
             finish = "stop"
             break
         generated.append(tok)
-        if more and not speculate:
-            following = sampler(runner.produce(tok, position))
         if more:
-            # Queue the next forward before detokenising this token.
-            mx.async_eval(following)
             position += 1
         text = stops.feed(decoder.add(tok))
         if stops.stopped is not None:

@@ -34,6 +34,9 @@ class Session:
     record: PrefixRecord = field(default_factory=PrefixRecord)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     tick: int = 0
+    # The non-rewindable components as they were before the last token fed
+    # speculatively (see Runner.take_back): held references, one step deep.
+    undo: Checkpoint | None = None
 
     @property
     def position(self) -> int:
@@ -50,6 +53,7 @@ class Session:
     def clear(self) -> None:
         self.record.clear()
         self.checkpoints.clear()
+        self.undo = None
         for component in self.state.values():
             component.reset()
 

@@ -183,12 +183,6 @@ class Runner:
         """Slots including the live one (1 when there is no pool)."""
         return 1 if self._pool is None else len(self._pool.parked) + 1
 
-    @property
-    def rewinds_freely(self) -> bool:
-        """Every state component can rewind (a window within its headroom), so a
-        token fed speculatively costs nothing to take back."""
-        return all(c.rewindable is not False for c in self.family.components)
-
     def session_states(self) -> list[State]:
         """Every session's state, live first, then parked slots: for inspection
         (the conformance kit names leaks with it), never to feed directly."""
@@ -213,7 +207,8 @@ class Runner:
 
         *token* may be a still-lazy scalar ``mx.array`` (a sampler's output): the
         next forward is then queued before its id is read, so building the
-        graph overlaps the previous step's compute. Its id is checked once read."""
+        graph overlaps the previous step's compute. Its id is checked once read,
+        and :meth:`take_back` can undo the step (the id may turn out a stop)."""
         return self._feed([token], position, "last")
 
     def produce_prefill(self, token: int, position: int) -> None:
@@ -229,29 +224,65 @@ class Runner:
     def _feed(
         self, tokens: list[int | mx.array], start: int, want: LogitsWanted
     ) -> mx.array | None:
-        lazy = len(tokens) == 1 and isinstance(tokens[0], mx.array)
-        ids = tokens[0].reshape(1).astype(mx.int32) if lazy else None
-        tokens = self._validate_write([0] if lazy else tokens, start)
+        lazy = tokens[0] if len(tokens) == 1 and isinstance(tokens[0], mx.array) else None
+        ids = self._validate_write([0] if lazy is not None else tokens, start)
+        if lazy is None:
+            fed = mx.array(ids, dtype=mx.int32)
+        else:
+            # Clipped so an impossible id cannot index past the embedding table before
+            # it is read and refused below (MLX's gather does not bounds-check).
+            fed = mx.clip(lazy.reshape(1), 0, self.vocab_size - 1).astype(mx.int32)
         live = self._live
         if start < live.position:
             self._rewind_live(live.position - start)
+        live.undo = None if lazy is None else Checkpoint(start, self._rigid_snapshots())
         try:
             out = self._hook.turbospark_forward(
                 model=self.model,
-                tokens=mx.array(tokens, dtype=mx.int32) if ids is None else ids,
+                tokens=fed,
                 start=start,
                 state=live.state,
                 vision=self._vision,
                 logits=want,
             )
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
-            if ids is not None:
-                tokens = self._validate_write(ids.tolist(), start)  # waits for the id only
+            if lazy is not None:
+                ids = self._validate_write(lazy.reshape(1).tolist(), start)  # waits for the id
         except Exception:
             self._recover(start)
             raise
-        live.record.write(start, tokens, taint=self._vision is not None)
+        live.record.write(start, ids, taint=self._vision is not None)
         return out
+
+    def take_back(self) -> None:
+        """Undo the last :meth:`produce` of a lazy token: non-rewindable state goes
+        back to its held references, the rest rewinds one token, and the record
+        forgets the id. The generation loop calls it when that id is a stop."""
+        live, undo = self._live, self._live.undo
+        if undo is None or live.position != undo.position + 1:
+            raise InvalidInput(
+                "take_back() undoes the last produce() of a lazily sampled token, and the "
+                "session has moved since (or never took one)"
+            )
+        self._restore_to(undo.position, undo.snapshots)
+        live.record.truncate(undo.position)
+        live.drop_checkpoints_after(undo.position)
+        live.undo = None
+
+    def _restore_to(self, position: int, snapshots: dict[str, Snapshot]) -> None:
+        """Put the live components back at *position*: the ones in *snapshots*
+        from their held references, every other one by rewinding."""
+        state = self._live.state
+        for name, snapshot in snapshots.items():
+            state[name].restore(snapshot)
+        for component in state.values():
+            if component.position > position:
+                component.rewind(component.position - position)
+
+    def _rigid_snapshots(self) -> dict[str, Snapshot]:
+        """Held references to every component that cannot rewind."""
+        rigid = [c.name for c in self.family.components if c.rewindable is False]
+        return {name: self._live.state[name].snapshot() for name in rigid}
 
     def _validate_write(self, tokens: list[int], start: int) -> list[int]:
         """The token ids as plain ints, once every check passed (nothing fed yet)."""
@@ -299,13 +330,14 @@ class Runner:
         self._live.drop_checkpoints_after(self._live.position)
 
     def _recover(self, start: int) -> None:
-        """After a forward failed midway: put state back at *start*, or clear it."""
+        """After a forward failed midway: put state back at *start* (non-rewindable
+        components from the undo references a lazy feed holds), or clear it."""
         live = self._live
         live.record.taint()
+        undo, live.undo = live.undo, None
         try:
-            for component in live.state.values():
-                if component.position > start:
-                    component.rewind(component.position - start)
+            held = undo.snapshots if undo is not None and undo.position == start else {}
+            self._restore_to(start, held)
             live.position  # noqa: B018 -- raises if components now disagree
         except (TurbosparkError, RuntimeError):
             live.clear()
@@ -362,13 +394,11 @@ class Runner:
         """Remember the non-rewindable components at the current position (the
         generation loop calls this where the prompt ends). Held references only."""
         live = self._live
-        names = [c.name for c in self.family.components if c.rewindable is False]
-        if not names or live.position == 0 or live.record.tainted:
+        snapshots = self._rigid_snapshots()
+        if not snapshots or live.position == 0 or live.record.tainted:
             return
         live.drop_checkpoints_after(live.position - 1)
-        live.checkpoints.append(
-            Checkpoint(live.position, {n: live.state[n].snapshot() for n in names})
-        )
+        live.checkpoints.append(Checkpoint(live.position, snapshots))
         del live.checkpoints[:-MAX_CHECKPOINTS]
 
     def snapshot(self) -> SessionSnapshot:
