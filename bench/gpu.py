@@ -57,7 +57,7 @@ def main() -> None:
             if piece == "forward":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_forward(path, prompt_tokens=GPU.prompt_tokens, decode_tokens=GPU.decode_tokens,
-                                       chunk=GPU.chunk, reps=args.reps, library_loops=False)  # fmt: skip
+                                       chunk=GPU.chunk, reps=args.reps, library_loops=True)  # fmt: skip
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)
