@@ -60,6 +60,19 @@ class Session:
     def drop_checkpoints_after(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]
 
+    def cut_to(self, position: int, held: Checkpoint | None = None) -> None:
+        """Put the session back at *position*: components in *held* (a checkpoint
+        or undo snapshot taken there) from their references, every other one by
+        rewinding; the record and newer checkpoints follow."""
+        snapshots = {} if held is None else held.snapshots
+        for name, snapshot in snapshots.items():
+            self.state[name].restore(snapshot)
+        for component in self.state.values():
+            if component.position > position:
+                component.rewind(component.position - position)
+        self.record.truncate(position)
+        self.drop_checkpoints_after(position)
+
 
 class SessionPool:
     """The ``session_slots - 1`` parked sessions beside the live one, and the

@@ -98,7 +98,7 @@ def plan_reuse(
             "conversation; it will be parked instead",
         )
 
-    _rewind_to(live, target, checkpoint)
+    live.cut_to(target, checkpoint)
     if checkpoint is not None:
         return report(
             target,
@@ -134,7 +134,7 @@ def plan_share(
         component.restore(donor.state[name].snapshot())
     live.record.write(0, donor.record.tokens)
     live.checkpoints = list(donor.checkpoints)
-    _rewind_to(live, target, checkpoint)
+    live.cut_to(target, checkpoint)
     return ReuseReport(
         kept=target,
         swapped=False,
@@ -154,18 +154,6 @@ def _reachable(session: Session, keep: int) -> tuple[int, Checkpoint | None, dic
         return keep, None, {}
     checkpoint = _usable_checkpoint(session, keep)
     return (0 if checkpoint is None else checkpoint.position), checkpoint, blockers
-
-
-def _rewind_to(session: Session, target: int, checkpoint: Checkpoint | None) -> None:
-    """Cut *session* back to *target*: restore the checkpoint's components, rewind the rest."""
-    restored = {} if checkpoint is None else checkpoint.snapshots
-    for name, snapshot in restored.items():
-        session.state[name].restore(snapshot)
-    for name, component in session.state.items():
-        if name not in restored:
-            component.rewind(component.position - target)
-    session.record.truncate(target)
-    session.drop_checkpoints_after(target)
 
 
 def _usable_checkpoint(live: Session, keep: int) -> Checkpoint | None:

@@ -264,20 +264,8 @@ class Runner:
                 "take_back() undoes the last produce() of a lazily sampled token, and the "
                 "session has moved since (or never took one)"
             )
-        self._restore_to(undo.position, undo.snapshots)
-        live.record.truncate(undo.position)
-        live.drop_checkpoints_after(undo.position)
+        live.cut_to(undo.position, undo)
         live.undo = None
-
-    def _restore_to(self, position: int, snapshots: dict[str, Snapshot]) -> None:
-        """Put the live components back at *position*: the ones in *snapshots*
-        from their held references, every other one by rewinding."""
-        state = self._live.state
-        for name, snapshot in snapshots.items():
-            state[name].restore(snapshot)
-        for component in state.values():
-            if component.position > position:
-                component.rewind(component.position - position)
 
     def _rigid_snapshots(self) -> dict[str, Snapshot]:
         """Held references to every component that cannot rewind."""
@@ -324,10 +312,7 @@ class Runner:
                 f"a write {back} token(s) before the session's end needs a rewind this state cannot "
                 f"make ({limits}); call try_reuse_prefix() or reset() and prefill again"
             )
-        for component in state.values():
-            component.rewind(back)
-        self._live.record.truncate(self._live.position)
-        self._live.drop_checkpoints_after(self._live.position)
+        self._live.cut_to(self._live.position - back)
 
     def _recover(self, start: int) -> None:
         """After a forward failed midway: put state back at *start* (non-rewindable
@@ -336,8 +321,7 @@ class Runner:
         live.record.taint()
         undo, live.undo = live.undo, None
         try:
-            held = undo.snapshots if undo is not None and undo.position == start else {}
-            self._restore_to(start, held)
+            live.cut_to(start, undo if undo is not None and undo.position == start else None)
             live.position  # noqa: B018 -- raises if components now disagree
         except (TurbosparkError, RuntimeError):
             live.clear()
