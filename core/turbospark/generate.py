@@ -44,7 +44,7 @@ from typing import Literal
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field
 
-from turbospark.errors import ContextOverflow, InvalidInput
+from turbospark.errors import ContextOverflow
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
 from turbospark.text import StopStrings, TextCodec
@@ -143,14 +143,7 @@ def encode_prompt(codec: TextCodec, prompt: str | Sequence[int]) -> list[int]:
 def check_prompt(runner: Runner, prompt: Sequence[int]) -> None:
     """Refuse a prompt the runner could not take, before reuse or reset touch
     any session (a refusal after ``reset()`` would have parked the live one)."""
-    if not prompt:
-        raise InvalidInput("the prompt is empty: it needs at least one token")
-    bad = [t for t in prompt if not 0 <= t < runner.vocab_size]
-    if bad:
-        raise InvalidInput(
-            f"token id {bad[0]} is outside this model's vocabulary (0..{runner.vocab_size - 1}); "
-            "check the tokenizer matches the install"
-        )
+    runner.check_ids(prompt)
     if len(prompt) > runner.context_length:
         raise ContextOverflow(
             f"the prompt is {len(prompt)} tokens but the context length is "

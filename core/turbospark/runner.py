@@ -272,8 +272,9 @@ class Runner:
         rigid = [c.name for c in self.family.components if c.rewindable is False]
         return {name: self._live.state[name].snapshot() for name in rigid}
 
-    def _validate_write(self, tokens: list[int], start: int) -> list[int]:
-        """The token ids as plain ints, once every check passed (nothing fed yet)."""
+    def check_ids(self, tokens: Sequence[int]) -> list[int]:
+        """*tokens* as plain ints, refused (changing nothing) if empty or outside
+        the vocabulary; the generation loop checks whole prompts with it up front."""
         if not tokens:
             raise InvalidInput("no tokens to feed: pass at least one token id")
         ids = []
@@ -288,6 +289,11 @@ class Runner:
                     "check the tokenizer matches the install"
                 )
             ids.append(value)
+        return ids
+
+    def _validate_write(self, tokens: Sequence[int], start: int) -> list[int]:
+        """The token ids as plain ints, once every check passed (nothing fed yet)."""
+        ids = self.check_ids(tokens)
         position = self._live.position
         if start < 0 or start > position:
             raise InvalidInput(
