@@ -285,3 +285,72 @@ def test_an_impossible_lazy_id_on_a_gdn_session_is_undone_not_lost(qwen_gdn_inst
     assert mx.allclose(
         logits, fresh_logits(qwen_gdn_install, [*prompt, 7], [len(prompt), 1]), atol=1e-5
     )
+
+
+def test_restore_brings_its_own_checkpoints_not_the_last_conversations(qwen_gdn_install):
+    """Issue 11's cross-talk: restoring B after A had taken a checkpoint must
+    never resume B from A's recurrent state."""
+    runner = open_runner(qwen_gdn_install, 1)
+    b = [1, 3, *range(40, 78)]  # 40 tokens
+    runner.prefill_chunk(b, 0)
+    snap_b = runner.snapshot()
+    runner.reset()
+    a = [1, 3, 20, 21, 22, 23, 24, 25, 26, 27]
+    runner.prefill_chunk(a, 0)
+    runner.checkpoint()
+    runner.prefill_chunk([5, 6, 7], len(a))
+    runner.restore(snap_b)
+    prompt = [*b[:12], 1, 2, 3]
+    kept = runner.try_reuse_prefix(prompt)
+    assert runner.last_reuse.reason != ReuseReason.CHECKPOINT, runner.last_reuse
+    if kept == 0:
+        runner.reset()
+    logits = runner.prefill_chunk(prompt[kept:], kept)
+    expected = fresh_logits(
+        qwen_gdn_install, prompt, [kept, len(prompt) - kept] if kept else [len(prompt)]
+    )
+    assert mx.allclose(logits, expected, atol=1e-5)
+
+
+def test_restore_keeps_the_snapshots_checkpoints(qwen_gdn_install):
+    """A checkpoint taken before the snapshot still serves after a restore."""
+    runner = open_runner(qwen_gdn_install, 1)
+    runner.set_prefix_reuse(True)
+    prompt = [1, 3, 20, 21, 22, 23]
+    runner.prefill_chunk(prompt, 0)
+    runner.checkpoint()
+    runner.prefill_chunk([50, 51], len(prompt))
+    snap = runner.snapshot()
+    runner.reset()
+    runner.prefill_chunk([1, 9, 9, 9], 0)
+    runner.restore(snap)
+    follow = [*prompt, 60, 61]
+    assert runner.try_reuse_prefix(follow) == len(prompt), runner.last_reuse
+    assert runner.last_reuse.reason == ReuseReason.CHECKPOINT
+    logits = runner.prefill_chunk(follow[len(prompt) :], len(prompt))
+    assert mx.allclose(logits, fresh_logits(qwen_gdn_install, follow, [len(follow)]), atol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_a_shallow_match_on_a_parked_session_leaves_it_intact(gemma4_install, slots):
+    """Issue 11: a new conversation matching a parked one's first 3 of 12 tokens
+    takes that opening by reference; the parked conversation later resumes whole."""
+    runner = open_runner(gemma4_install, slots)
+    parked = [1, 3, 7, *range(40, 49)]  # 12 tokens
+    serve_turn(runner, [*parked, 5])
+    serve_turn(runner, [1, 3, 90, 91])  # a live conversation scoring 2: parks `parked`
+    newcomer = [1, 3, 7, 100, 101, 102]
+    kept, logits = serve_turn(runner, newcomer)
+    report = runner.last_reuse
+    assert (kept, report.reason, report.swapped) == (3, ReuseReason.SHARED_PREFIX, False), report
+    assert report.evicted == runner.session_slot_evicted() == (slots == 2)
+    assert mx.allclose(logits, fresh_logits(gemma4_install, newcomer, [3, 3]), atol=1e-5)
+    back = [*parked, 5, 6]
+    kept, logits = serve_turn(runner, back)
+    if slots == 2:
+        # One parked slot: parking the live conversation displaced it (reported above).
+        assert kept == 3, runner.last_reuse
+    else:
+        assert kept == len(parked) + 1 and runner.last_reuse.swapped, runner.last_reuse
+        expected = fresh_logits(gemma4_install, back, [len(parked) + 1, 1])
+        assert mx.allclose(logits, expected, atol=1e-5)

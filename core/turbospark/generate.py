@@ -170,8 +170,9 @@ def stream_generate(
     started = time.perf_counter()
     kept = runner.try_reuse_prefix(ids)
     report = runner.last_reuse
-    # A swap that pushed the pool past its byte budget evicts too (see the runner).
-    evicted = report.swapped and runner.session_slot_evicted()
+    # A swap past the byte budget, or parking the live session to share a parked
+    # opening, can evict too (see the runner).
+    evicted = runner.session_slot_evicted()
     if kept == 0:
         runner.reset()
         evicted = runner.session_slot_evicted()

@@ -28,6 +28,19 @@ class Checkpoint:
         return sum(a.nbytes for snap in self.snapshots.values() for a in snap.values())
 
 
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """A whole session as arrays plus its record and checkpoints: what
+    :meth:`Runner.snapshot` returns and what sharing an opening holds. The
+    checkpoints travel with it, so a restored session can never resume from
+    another conversation's recurrent state."""
+
+    tokens: list[int]
+    tainted: bool
+    arrays: dict[str, Snapshot]
+    checkpoints: tuple[Checkpoint, ...] = ()
+
+
 @dataclass(eq=False)
 class Session:
     state: State
@@ -56,6 +69,26 @@ class Session:
         self.undo = None
         for component in self.state.values():
             component.reset()
+
+    def held(self) -> SessionSnapshot:
+        """This session by reference (MLX arrays are immutable, so nothing is copied)."""
+        return SessionSnapshot(
+            tokens=list(self.record.tokens),
+            tainted=self.record.tainted,
+            arrays={name: component.snapshot() for name, component in self.state.items()},
+            checkpoints=tuple(self.checkpoints),
+        )
+
+    def load(self, snapshot: SessionSnapshot, arrays_loaded: bool = False) -> None:
+        """Become *snapshot*: components (unless the caller already restored them
+        through a family hook), record and checkpoints; nothing to undo."""
+        if not arrays_loaded:
+            for name, component in self.state.items():
+                component.restore(snapshot.arrays[name])
+        self.record.clear()
+        self.record.write(0, snapshot.tokens, taint=snapshot.tainted)
+        self.checkpoints = list(snapshot.checkpoints)
+        self.undo = None
 
     def drop_checkpoints_after(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]

@@ -13,7 +13,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict
 
 from turbospark.hookspecs import FamilySpec
-from turbospark.pool import Checkpoint, Session, SessionPool
+from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
 
 
 class ReuseReason(StrEnum):
@@ -42,6 +42,7 @@ class ReuseReport(BaseModel):
     reason: ReuseReason
     detail: str
     prompt_tokens: int = 0
+    evicted: bool = False  # a parked session with content was discarded to make room
 
 
 def plan_reuse(
@@ -65,6 +66,12 @@ def plan_reuse(
         # An image prompt may not select parked state: placeholder ids prove nothing.
         best = pool.best_match(prompt)
         if best is not None and best[1] > live.record.common_prefix(prompt):
+            donor = pool.parked[best[0]]
+            target, checkpoint, _ = _reachable(donor, best[1])
+            if target and donor.position - target > target:
+                # Swapping it in would cut away more of the parked conversation than it
+                # keeps: take its opening by reference instead and leave it intact.
+                return _share_from_parked(live, pool, donor, target, checkpoint, prompt)
             live = pool.swap(best[0], live)
             swapped = True
 
@@ -130,11 +137,7 @@ def plan_share(
     target, checkpoint, _ = _reachable(donor, best[1])
     if target == 0:
         return None
-    for name, component in live.state.items():
-        component.restore(donor.state[name].snapshot())
-    live.record.write(0, donor.record.tokens)
-    live.checkpoints = list(donor.checkpoints)
-    live.cut_to(target, checkpoint)
+    _take_opening(live, donor.held(), target, checkpoint)
     return ReuseReport(
         kept=target,
         swapped=False,
@@ -143,6 +146,45 @@ def plan_share(
         "stays parked; its state up to there was taken by reference",
         prompt_tokens=len(prompt),
     )
+
+
+def _share_from_parked(
+    live: Session,
+    pool: SessionPool,
+    donor: Session,
+    target: int,
+    checkpoint: Checkpoint | None,
+    prompt: Sequence[int],
+) -> tuple[Session, ReuseReport]:
+    """A parked conversation shares only a shallow opening with *prompt*: park
+    the live session (the LRU rule picks the slot it displaces, reported as an
+    eviction when that slot held content) and start a fresh one from the
+    donor's opening by reference, so the donor is never rewound in place."""
+    held = donor.held()  # references survive even if the donor is the slot displaced
+    evicted = False
+    if live.has_content:
+        live, evicted = pool.rotate_lru(live)
+        evicted = pool.trim() or evicted
+    live.clear()
+    _take_opening(live, held, target, checkpoint)
+    return live, ReuseReport(
+        kept=target,
+        swapped=False,
+        reason=ReuseReason.SHARED_PREFIX,
+        detail=f"a parked conversation matches the first {target} token(s) of its "
+        f"{len(held.tokens)}; swapping it in would overwrite more than it keeps, so its "
+        "opening was taken by reference and it stays parked",
+        prompt_tokens=len(prompt),
+        evicted=evicted,
+    )
+
+
+def _take_opening(
+    live: Session, held: SessionSnapshot, target: int, checkpoint: Checkpoint | None
+) -> None:
+    """Load *held* into the empty *live* session and cut it back to *target*."""
+    live.load(held)
+    live.cut_to(target, checkpoint)
 
 
 def _reachable(session: Session, keep: int) -> tuple[int, Checkpoint | None, dict[str, int]]:

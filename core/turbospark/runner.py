@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,18 +34,10 @@ from turbospark.install import (
 )
 from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
-from turbospark.pool import Checkpoint, Session, SessionPool
+from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
 from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse, plan_share
 from turbospark.state import Snapshot, State
 from turbospark.vision import MropePositions, VisionInjection, VisionMap
-
-
-@dataclass(frozen=True)
-class SessionSnapshot:
-    tokens: list[int]
-    tainted: bool
-    arrays: dict[str, Snapshot]
-
 
 MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
 
@@ -351,11 +342,13 @@ class Runner:
                 prompt_tokens=len(prompt),
             )
         else:
-            self._live, self.last_reuse = plan_reuse(
+            self._live, report = plan_reuse(
                 self._live, self._pool, prompt, self.family, self._vision is not None
             )
-            if self.last_reuse.swapped:
-                self._evicted = self._pool.trim()
+            if report.swapped and self._pool.trim():
+                report = report.model_copy(update={"evicted": True})
+            self.last_reuse = report
+        self._evicted = self.last_reuse.evicted
         return self.last_reuse.kept
 
     def share_prefix(self, tokens: Sequence[int]) -> int:
@@ -398,15 +391,15 @@ class Runner:
             tokens=list(live.record.tokens),
             tainted=live.record.tainted,
             arrays=self._hook.turbospark_snapshot_state(state=live.state),
+            checkpoints=tuple(live.checkpoints),
         )
 
     def restore(self, snapshot: SessionSnapshot) -> None:
-        """Make the live session exactly what :meth:`snapshot` captured."""
+        """Make the live session exactly what :meth:`snapshot` captured, its
+        checkpoints included (the previous conversation's are dropped)."""
         live = self._live
         self._hook.turbospark_restore_state(state=live.state, snapshot=snapshot.arrays)
-        live.record.clear()
-        live.record.write(0, snapshot.tokens, taint=snapshot.tainted)
-        live.drop_checkpoints_after(live.position)
+        live.load(snapshot, arrays_loaded=True)
 
     # -- vision ------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ class Turn:
 def take_turn(runner: Runner, conversation: str, prompt: Sequence[int]) -> Turn:
     kept = runner.try_reuse_prefix(prompt)
     report = runner.last_reuse
-    evicted = False
+    evicted = runner.session_slot_evicted()
     if kept == 0:
         runner.reset()
         evicted = runner.session_slot_evicted()
