@@ -45,6 +45,7 @@ import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field
 
 from turbospark.errors import ContextOverflow
+from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
 from turbospark.text import StopStrings, TextCodec
@@ -81,6 +82,8 @@ class GenerationStats(BaseModel):
     evicted: bool
     prefill_seconds: float
     decode_seconds: float
+    queued_seconds: float = 0.0  # waiting for a batch row (the engine)
+    batch_size: int = 1  # the most requests this one decoded beside, itself included
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -151,6 +154,23 @@ def check_prompt(runner: Runner, prompt: Sequence[int]) -> None:
         )
 
 
+def acquire(runner: Runner, ids: Sequence[int]) -> tuple[int, ReuseReport, bool]:
+    """The caller contract of SEMANTICS.md: make the live session the best one
+    for *ids*. Returns the prompt tokens already in state, why, and whether a
+    parked session with content was discarded on the way."""
+    kept = runner.try_reuse_prefix(ids)
+    report = runner.last_reuse
+    # A swap past the byte budget, or parking the live session to share a parked
+    # opening, can evict too (see the runner).
+    evicted = runner.session_slot_evicted()
+    if kept == 0:
+        runner.reset()
+        evicted = runner.session_slot_evicted()
+        kept = runner.share_prefix(ids)
+        report = runner.last_reuse if kept else report
+    return kept, report, evicted
+
+
 def stream_generate(
     runner: Runner,
     codec: TextCodec,
@@ -168,16 +188,7 @@ def stream_generate(
     sampler = Sampler(config)
 
     started = time.perf_counter()
-    kept = runner.try_reuse_prefix(ids)
-    report = runner.last_reuse
-    # A swap past the byte budget, or parking the live session to share a parked
-    # opening, can evict too (see the runner).
-    evicted = runner.session_slot_evicted()
-    if kept == 0:
-        runner.reset()
-        evicted = runner.session_slot_evicted()
-        kept = runner.share_prefix(ids)
-        report = runner.last_reuse if kept else report
+    kept, report, evicted = acquire(runner, ids)
     logits = _prefill(runner, ids, kept, config.chunk_size)
     runner.checkpoint()
     pending = sampler(logits)

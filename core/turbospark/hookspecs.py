@@ -69,6 +69,11 @@ class ComponentSpec(BaseModel):
         description="may be truncated in place; 'window' means only within its ring's headroom"
     )
     persistable: bool = Field(description="snapshot()/restore() round-trip through arrays")
+    batchable: bool = Field(
+        default=False,
+        description="merges with other sessions' along the batch axis for one decode step "
+        "(the component class has merge(); see turbospark.batch)",
+    )
 
 
 class FamilySpec(BaseModel):
@@ -144,6 +149,25 @@ def turbospark_forward(
 
     Return float32 logits of shape ``(vocab,)`` for ``"last"``, ``(L, vocab)``
     for ``"all"``, and ``None`` for ``"none"`` (the head may be skipped).
+    """
+
+
+@hookspec(firstresult=True)
+def turbospark_forward_batch(
+    model: nn.Module,
+    tokens: mx.array,
+    positions: list[int],
+    state: State,
+    logits: LogitsWanted,
+) -> mx.array | None:
+    """Advance a *batched* state (every component merged by its ``merge``; see
+    :mod:`turbospark.batch`) over ``tokens`` (shape ``(B, L)``), row ``i`` at
+    absolute positions ``positions[i] ..``.
+
+    Return float32 logits ``(B, vocab)`` for ``"last"``, ``(B, L, vocab)`` for
+    ``"all"``, ``None`` for ``"none"``. Optional: a family that does not
+    implement it (or has a component that is not ``batchable``) is decoded one
+    row at a time through :func:`turbospark_forward`, with the same results.
     """
 
 

@@ -212,44 +212,62 @@ class Runner:
         """Feed *tokens* at ``start..`` in one forward; logits after the last one."""
         return self._feed(list(tokens), start, "last" if logits else "none")
 
-    def _feed(
-        self, tokens: list[int | mx.array], start: int, want: LogitsWanted
+    def feed(
+        self, session: Session, tokens: Sequence[int | mx.array], start: int, logits: bool = False
     ) -> mx.array | None:
+        """:meth:`prefill_chunk` (or, with one lazy id, :meth:`produce`) on a session
+        checked out to a request (see :meth:`checkout`) instead of the live one."""
+        return self._feed(list(tokens), start, "last" if logits else "none", session)
+
+    def _feed(
+        self,
+        tokens: list[int | mx.array],
+        start: int,
+        want: LogitsWanted,
+        session: Session | None = None,
+    ) -> mx.array | None:
+        """Feed *session* (the live one by default; the engine passes the session
+        a request checked out) through the family's one-row forward."""
+        live = session or self._live
         lazy = tokens[0] if len(tokens) == 1 and isinstance(tokens[0], mx.array) else None
-        ids = self._validate_write([0] if lazy is not None else tokens, start)
-        if lazy is None:
-            fed = mx.array(ids, dtype=mx.int32)
-        else:
-            # Clipped so an impossible id cannot index past the embedding table before
-            # it is read and refused below (MLX's gather does not bounds-check).
-            fed = mx.clip(lazy.reshape(1), 0, self.vocab_size - 1).astype(mx.int32)
-        live = self._live
+        ids = self._validate_write([0] if lazy is not None else tokens, start, live)
+        fed = mx.array(ids, dtype=mx.int32) if lazy is None else self.clip_ids(lazy.reshape(1))
         if start < live.position:
-            self._rewind_live(live.position - start)
-        live.undo = None if lazy is None else Checkpoint(start, self._rigid_snapshots())
+            self._rewind(live, live.position - start)
+        live.undo = None if lazy is None else Checkpoint(start, self._rigid_snapshots(live))
         try:
             out = self._hook.turbospark_forward(
                 model=self.model,
                 tokens=fed,
                 start=start,
                 state=live.state,
-                vision=self._vision,
+                vision=self._vision if session is None else None,
                 logits=want,
             )
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
             if lazy is not None:
-                ids = self._validate_write(lazy.reshape(1).tolist(), start)  # waits for the id
+                ids = self._validate_write(lazy.reshape(1).tolist(), start, live)  # waits
         except Exception:
-            self._recover(start)
+            self._recover(live, start)
             raise
-        live.record.write(start, ids, taint=self._vision is not None)
+        live.record.write(start, ids, taint=self._vision is not None and session is None)
         return out
+
+    def clip_ids(self, lazy: mx.array) -> mx.array:
+        """Lazy sampled ids, clipped so an impossible one cannot index past the
+        embedding table before it is read and refused (MLX's gather does not
+        bounds-check)."""
+        return mx.clip(lazy, 0, self.vocab_size - 1).astype(mx.int32)
 
     def take_back(self) -> None:
         """Undo the last :meth:`produce` of a lazy token: non-rewindable state goes
         back to its held references, the rest rewinds one token, and the record
         forgets the id. The generation loop calls it when that id is a stop."""
-        live, undo = self._live, self._live.undo
+        self.take_back_session(self._live)
+
+    def take_back_session(self, live: Session) -> None:
+        """:meth:`take_back` for any session (the engine's checked-out ones)."""
+        undo = live.undo
         if undo is None or live.position != undo.position + 1:
             raise InvalidInput(
                 "take_back() undoes the last produce() of a lazily sampled token, and the "
@@ -258,10 +276,14 @@ class Runner:
         live.cut_to(undo.position, undo)
         live.undo = None
 
-    def _rigid_snapshots(self) -> dict[str, Snapshot]:
-        """Held references to every component that cannot rewind."""
-        rigid = [c.name for c in self.family.components if c.rewindable is False]
-        return {name: self._live.state[name].snapshot() for name in rigid}
+    @property
+    def rigid_components(self) -> list[str]:
+        """The components that cannot rewind (restored from held references instead)."""
+        return [c.name for c in self.family.components if c.rewindable is False]
+
+    def _rigid_snapshots(self, session: Session) -> dict[str, Snapshot]:
+        """Held references to every component of *session* that cannot rewind."""
+        return {name: session.state[name].snapshot() for name in self.rigid_components}
 
     def check_ids(self, tokens: Sequence[int]) -> list[int]:
         """*tokens* as plain ints, refused (changing nothing) if empty or outside
@@ -282,10 +304,10 @@ class Runner:
             ids.append(value)
         return ids
 
-    def _validate_write(self, tokens: Sequence[int], start: int) -> list[int]:
+    def _validate_write(self, tokens: Sequence[int], start: int, live: Session) -> list[int]:
         """The token ids as plain ints, once every check passed (nothing fed yet)."""
         ids = self.check_ids(tokens)
-        position = self._live.position
+        position = live.position
         if start < 0 or start > position:
             raise InvalidInput(
                 f"position gap: a write at {start} but the live session is at {position}; "
@@ -299,9 +321,9 @@ class Runner:
             )
         return ids
 
-    def _rewind_live(self, back: int) -> None:
-        """Rewind every component by *back*, all or nothing."""
-        state = self._live.state
+    def _rewind(self, live: Session, back: int) -> None:
+        """Rewind every component of *live* by *back*, all or nothing."""
+        state = live.state
         blocked = {n: c.max_safe_rewind for n, c in state.items() if c.max_safe_rewind < back}
         if blocked:
             limits = ", ".join(f"'{n}' at most {m}" for n, m in blocked.items())
@@ -309,12 +331,11 @@ class Runner:
                 f"a write {back} token(s) before the session's end needs a rewind this state cannot "
                 f"make ({limits}); call try_reuse_prefix() or reset() and prefill again"
             )
-        self._live.cut_to(self._live.position - back)
+        live.cut_to(live.position - back)
 
-    def _recover(self, start: int) -> None:
+    def _recover(self, live: Session, start: int) -> None:
         """After a forward failed midway: put state back at *start* (non-rewindable
         components from the undo references a lazy feed holds), or clear it."""
-        live = self._live
         live.record.taint()
         undo, live.undo = live.undo, None
         try:
@@ -373,11 +394,11 @@ class Runner:
             self._evicted = self._pool.trim() or self._evicted
         self._live.clear()
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, session: Session | None = None) -> None:
         """Remember the non-rewindable components at the current position (the
         generation loop calls this where the prompt ends). Held references only."""
-        live = self._live
-        snapshots = self._rigid_snapshots()
+        live = session or self._live
+        snapshots = self._rigid_snapshots(live)
         if not snapshots or live.position == 0 or live.record.tainted:
             return
         live.drop_checkpoints_after(live.position - 1)
@@ -400,6 +421,51 @@ class Runner:
         live = self._live
         self._hook.turbospark_restore_state(state=live.state, snapshot=snapshot.arrays)
         live.load(snapshot, arrays_loaded=True)
+
+    # -- the engine's view: sessions checked out to requests -------------------------
+
+    def checkout(self) -> Session:
+        """Hand the live session (just chosen for a request by the caller
+        contract) to that request; a fresh, empty live session takes its place.
+        Batched requests each hold their own session while they run."""
+        session, self._live = self._live, Session(self._new_state())
+        return session
+
+    def checkin(self, session: Session) -> bool:
+        """A request is done with *session*: it becomes the live session again,
+        and the one live before it is parked (the LRU rule, then the memory cap,
+        decide what goes). True if a parked session with content was discarded."""
+        evicted = False
+        if self._live.has_content:
+            if self._pool is None:
+                evicted = True
+            else:
+                promoted, evicted = self._pool.rotate_lru(self._live)
+                promoted.clear()
+                evicted = self._pool.trim() or evicted
+        self._live = session
+        return evicted
+
+    @property
+    def batchable(self) -> bool:
+        """Whether sessions decode together in one forward: every component is
+        ``batchable`` and the family implements ``turbospark_forward_batch``."""
+        return all(c.batchable for c in self.family.components) and bool(
+            self._hook.turbospark_forward_batch.get_hookimpls()
+        )
+
+    def merge_states(self, sessions: Sequence[Session]) -> State:
+        """The sessions' states stacked along the batch axis (one copy each)."""
+        return {
+            name: type(component).merge([s.state[name] for s in sessions])
+            for name, component in sessions[0].state.items()
+        }
+
+    def forward_batch(self, tokens: mx.array, positions: list[int], state: State) -> mx.array:
+        """Last-token logits ``(B, vocab)`` for ``tokens`` ``(B, L)``, row ``i`` at ``positions[i]..``."""
+        return self._hook.turbospark_forward_batch(
+            model=self.model, tokens=tokens, positions=positions, state=state, logits="last"
+        )
 
     # -- vision ------------------------------------------------------------------
 

@@ -8,11 +8,14 @@ state (recurrent matrices, conv tails) implement the same protocol.
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import mlx.core as mx
 
 from turbospark.errors import RewindError
+
+if TYPE_CHECKING:
+    from turbospark.batch import BatchKV
 
 Snapshot = dict[str, mx.array]
 
@@ -287,3 +290,26 @@ class KVComponent(LayeredComponent[LayerKV]):
         name = "kv" if window is None else "window"
         super().__init__(name, [LayerKV(window, headroom) for _ in range(num_layers)])
         self.window = window
+        self.headroom = headroom
+
+    @classmethod
+    def adopt(
+        cls, name: str, layers: list[LayerKV], window: int | None, headroom: int, position: int
+    ) -> KVComponent:
+        """A component made of existing *layers* at *position* (a row leaving a batch)."""
+        component = cls(0, window, headroom)
+        component.name = name
+        component.layers = layers
+        component._position = position
+        return component
+
+    @classmethod
+    def merge(cls, parts: list[KVComponent]) -> BatchKV:
+        """Several sessions' K/V as one batch (see :mod:`turbospark.batch`)."""
+        from turbospark.batch import BatchKV, BatchLayerKV
+
+        first = parts[0]
+        layers = [
+            BatchLayerKV.merge([part.layers[i] for part in parts]) for i in range(len(first.layers))
+        ]
+        return BatchKV(first.name, layers, first.window, first.headroom)

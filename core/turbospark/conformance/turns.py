@@ -18,6 +18,7 @@ import mlx.core as mx
 from turbospark.conformance.diagnose import explain_session
 from turbospark.conformance.kit import FamilyKit
 from turbospark.errors import TurbosparkError
+from turbospark.generate import acquire
 from turbospark.reuse import ReuseReason
 from turbospark.runner import Runner
 
@@ -46,14 +47,7 @@ class Turn:
 
 
 def take_turn(runner: Runner, conversation: str, prompt: Sequence[int]) -> Turn:
-    kept = runner.try_reuse_prefix(prompt)
-    report = runner.last_reuse
-    evicted = runner.session_slot_evicted()
-    if kept == 0:
-        runner.reset()
-        evicted = runner.session_slot_evicted()
-        kept = runner.share_prefix(prompt)
-        report = runner.last_reuse if kept else report
+    kept, report, evicted = acquire(runner, prompt)
     logits = runner.prefill_chunk(list(prompt[kept:]), kept)
     assert logits is not None
     return Turn(conversation, len(prompt), kept, report.swapped, report.reason, evicted, logits)

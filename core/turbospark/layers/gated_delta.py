@@ -413,6 +413,44 @@ class GDNComponent:
                 snap[f"{i}.recurrent"] = recurrent
         return snap
 
+    # -- batching: the rows of several sessions are simply concatenated ----------
+
+    @classmethod
+    def merge(cls, parts: list[GDNComponent]) -> GDNComponent:
+        """Several sessions' layers stacked along the batch axis (every part has run)."""
+        merged = cls(len(parts[0]._tails))
+        for i in range(len(merged._tails)):
+            merged._tails[i] = mx.concatenate([p._tails[i] for p in parts], axis=0)
+            merged._states[i] = mx.concatenate([p._states[i] for p in parts], axis=0)
+        return merged
+
+    def extend(self, other: GDNComponent) -> None:
+        for i in range(len(self._tails)):
+            self._tails[i] = mx.concatenate([self._tails[i], other._tails[i]], axis=0)
+            self._states[i] = mx.concatenate([self._states[i], other._states[i]], axis=0)
+
+    def filter(self, rows: list[int]) -> None:
+        index = mx.array(rows)
+        self._tails = [tail[index] for tail in self._tails]
+        self._states = [state[index] for state in self._states]
+
+    def hold(self) -> object:
+        return list(self._tails), list(self._states)
+
+    def rollback(self, held: object) -> None:
+        assert isinstance(held, tuple)
+        self._tails, self._states = list(held[0]), list(held[1])
+
+    def extract(self, row: int, position: int, back: int, held: object) -> GDNComponent:
+        """Row *row* on its own; going *back* reads the references *held* before the step."""
+        assert isinstance(held, tuple)
+        tails, states = held if back else (self._tails, self._states)
+        one = GDNComponent(len(self._tails))
+        one._tails = [mx.contiguous(tail[row : row + 1]) for tail in tails]
+        one._states = [mx.contiguous(state[row : row + 1]) for state in states]
+        one._position = position
+        return one
+
     def restore(self, snapshot: Snapshot) -> None:
         self._tails = [snapshot.get(f"{i}.conv_tail") for i in range(len(self._tails))]
         self._states = [snapshot.get(f"{i}.recurrent") for i in range(len(self._states))]

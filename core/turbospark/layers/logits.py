@@ -21,3 +21,14 @@ def logits_for(
     rows = hidden[-1:] if want == "last" else hidden
     out = head(rows).astype(mx.float32)  # (rows, vocab)
     return out[0] if want == "last" else out
+
+
+def batch_logits_for(
+    hidden: mx.array, head: Callable[[mx.array], mx.array], want: LogitsWanted
+) -> mx.array | None:
+    """The batched form of :func:`logits_for`: hidden ``(B, L, hidden)`` ->
+    ``(B, vocab)`` for ``"last"``, ``(B, L, vocab)`` for ``"all"``, or None."""
+    if want == "none":
+        return None
+    rows = hidden[:, -1] if want == "last" else hidden
+    return head(rows).astype(mx.float32)

@@ -19,8 +19,9 @@ def rope_freqs(
     return mx.concatenate([factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)])
 
 
-def apply_rope(x: mx.array, offset: int, dims: int, freqs: mx.array) -> mx.array:
-    """Rotate ``(1, heads, L, head_dim)`` at absolute positions ``offset..``."""
+def apply_rope(x: mx.array, offset: int | mx.array, dims: int, freqs: mx.array) -> mx.array:
+    """Rotate ``(B, heads, L, head_dim)`` at absolute positions ``offset..``
+    (an int, or a ``(B,)`` array: one start per row of a decode batch)."""
     return mx.fast.rope(
         x, dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs
     )

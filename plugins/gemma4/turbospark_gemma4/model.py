@@ -15,8 +15,9 @@ E-sized models add per-layer input embeddings (PLE), the MoE models an expert
 block beside the dense MLP. Every layer ends with a learned ``layer_scalar``;
 the head is the tied embedding followed by a tanh logit softcap.
 
-Shapes: the module runs one sequence, so hidden states are ``(L, hidden)``;
-attention adds the batch axis MLX's fused kernel wants.
+Shapes: hidden states are ``(B, L, hidden)``: one session is ``B = 1``, a
+decode batch stacks several sessions, each at its own position (``start`` is
+then an array of ``B`` positions; see :mod:`turbospark.batch`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention, shared_attention
 from turbospark.layers.mlp import GatedMLP
@@ -248,12 +250,16 @@ class Attention(nn.Module):
             self._freqs = rope_freqs(self.head_dim, rope.rope_theta)
 
     def _heads(self, x: mx.array, n: int) -> mx.array:
-        return x.reshape(1, x.shape[0], n, self.head_dim)  # (L, n*D) -> (1, L, n, D)
+        return x.reshape(*x.shape[:2], n, self.head_dim)  # (B, L, n*D) -> (B, L, n, D)
 
     def __call__(
-        self, x: mx.array, start: int, kv: LayerKV | None, shared: Attended | None
+        self,
+        x: mx.array,
+        start: int | mx.array,
+        kv: LayerKV | BatchLayerKV | None,
+        shared: Attended | None,
     ) -> tuple[mx.array, Attended]:
-        length = x.shape[0]
+        batch, length, _ = x.shape
         queries = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
         queries = apply_rope(queries.transpose(0, 2, 1, 3), start, self.head_dim, self._freqs)
         if self.owns_kv:
@@ -263,12 +269,12 @@ class Attention(nn.Module):
             keys = apply_rope(
                 self.k_norm(keys).transpose(0, 2, 1, 3), start, self.head_dim, self._freqs
             )
-            values = rms_norm_no_scale(values, self.eps).transpose(0, 2, 1, 3)  # (1, kv, L, D)
+            values = rms_norm_no_scale(values, self.eps).transpose(0, 2, 1, 3)  # (B, kv, L, D)
             out, attended = cached_attention(queries, keys, values, kv, scale=1.0)
         else:
             attended = shared
             out = shared_attention(queries, shared, scale=1.0)
-        out = out.transpose(0, 2, 1, 3).reshape(length, -1)  # (1, heads, L, D) -> (L, heads*D)
+        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # -> (B, L, heads*D)
         return self.o_proj(out), attended
 
 
@@ -286,8 +292,8 @@ class Router(nn.Module):
         self.per_expert_scale = mx.ones((arch.num_experts,))
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        scores = self.proj(mx.fast.rms_norm(x, self.scale * self.root_size, self.eps))  # (L, E)
-        chosen = mx.argpartition(scores, kth=-self.top_k, axis=-1)[..., -self.top_k :]  # (L, k)
+        scores = self.proj(mx.fast.rms_norm(x, self.scale * self.root_size, self.eps))  # (N, E)
+        chosen = mx.argpartition(scores, kth=-self.top_k, axis=-1)[..., -self.top_k :]  # (N, k)
         weights = mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), axis=-1)
         return chosen, weights * self.per_expert_scale[chosen]
 
@@ -303,12 +309,12 @@ class Experts(nn.Module):
         self.down_proj = mx.zeros((experts, hidden, inner))
 
     def __call__(self, x: mx.array, chosen: mx.array, weights: mx.array) -> mx.array:
-        # (L, H) -> (L, 1, 1, H): batch dims (L, 1) broadcast against the (L, k) indices.
+        # (N, H) -> (N, 1, 1, H): batch dims (N, 1) broadcast against the (N, k) indices.
         x = x[:, None, None, :]
-        gate = mx.gather_mm(x, self.gate_proj.swapaxes(-1, -2), rhs_indices=chosen)  # (L, k, 1, I)
+        gate = mx.gather_mm(x, self.gate_proj.swapaxes(-1, -2), rhs_indices=chosen)  # (N, k, 1, I)
         up = mx.gather_mm(x, self.up_proj.swapaxes(-1, -2), rhs_indices=chosen)
         y = mx.gather_mm(geglu(gate, up), self.down_proj.swapaxes(-1, -2), rhs_indices=chosen)
-        y = y.squeeze(-2)  # (L, k, 1, H) -> (L, k, H)
+        y = y.squeeze(-2)  # (N, k, 1, H) -> (N, k, H)
         return (weights[..., None] * y).sum(axis=-2)
 
 
@@ -343,8 +349,8 @@ class DecoderLayer(nn.Module):
     def __call__(
         self,
         h: mx.array,
-        start: int,
-        kv: LayerKV | None,
+        start: int | mx.array,
+        kv: LayerKV | BatchLayerKV | None,
         shared: Attended | None,
         per_layer_input: mx.array | None,
     ) -> tuple[mx.array, Attended]:
@@ -354,8 +360,10 @@ class DecoderLayer(nn.Module):
         if self.moe:
             # Dense MLP and expert block side by side, both reading the same residual.
             dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
-            chosen, weights = self.router(h)
-            sparse = self.experts(self.pre_feedforward_layernorm_2(h), chosen, weights)
+            tokens = h.reshape(-1, h.shape[-1])  # (B*L, H): routing is per token
+            chosen, weights = self.router(tokens)
+            sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights)
+            sparse = sparse.reshape(h.shape)
             ff = dense + self.post_feedforward_layernorm_2(sparse)
         else:
             ff = self.mlp(self.pre_feedforward_layernorm(h))
@@ -371,7 +379,7 @@ def _last_query(attended: Attended) -> Attended:
     """The attended keys/values with the mask of the last query row only."""
     keys, values, mask = attended
     if isinstance(mask, mx.array):
-        return keys, values, mask[-1:]
+        return keys, values, mask[..., -1:, :]
     return keys, values, None  # "causal" or None: the last row sees every key
 
 
@@ -398,52 +406,54 @@ class Gemma4TextModel(nn.Module):
         self._sources = [arch.kv_source(i) for i in range(arch.num_hidden_layers)]
 
     def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
-        """``(L, layers, ple_dim)``: a per-layer token embedding mixed with a
+        """``(B, L, layers, ple_dim)``: a per-layer token embedding mixed with a
         projection of the (scaled) input embedding."""
-        n, length = self.arch.num_hidden_layers, tokens.shape[0]
+        n, shape = self.arch.num_hidden_layers, tokens.shape
         # Ids past the PLE table (multimodal placeholders) read row 0, as in HF.
         ids = mx.where(tokens < self.arch.vocab_size_per_layer_input, tokens, 0)
         table = self.embed_tokens_per_layer(ids) * self.ple_dim**0.5
-        table = table.reshape(length, n, self.ple_dim)  # (L, n*P) -> (L, n, P)
+        table = table.reshape(*shape, n, self.ple_dim)  # (B, L, n*P) -> (B, L, n, P)
         proj = self.per_layer_model_projection(h) * self.arch.hidden_size**-0.5
-        proj = self.per_layer_projection_norm(proj.reshape(length, n, self.ple_dim))
+        proj = self.per_layer_projection_norm(proj.reshape(*shape, n, self.ple_dim))
         return (proj + table) * 2.0**-0.5
 
     def __call__(
         self,
         tokens: mx.array,
-        start: int,
+        start: int | mx.array,
         state: State,
         vision: VisionMap | None,
         last_only: bool = False,
     ) -> mx.array:
-        """Final-normed hidden states ``(L, hidden)``; with *last_only*, ``(1, hidden)``
-        for the last token, and the KV-shared tail layers (which write no state)
-        run for that row alone."""
-        embeddings = self.embed_tokens(tokens)  # (L, H)
-        if vision is not None:
+        """Final-normed hidden states ``(B, L, hidden)`` for ``tokens`` ``(B, L)``, row
+        ``i`` from position ``start`` (an int for one session, ``(B,)`` for a batch);
+        with *last_only*, ``(B, 1, hidden)`` for the last token, and the KV-shared
+        tail layers (which write no state) run for that token alone."""
+        embeddings = self.embed_tokens(tokens)  # (B, L, H)
+        if vision is not None:  # one session: the map covers its prompt
             # Image features replace the raw (unscaled) rows, as mlx-lm's input_embeddings.
-            embeddings = vision.inject(embeddings, start)
+            assert isinstance(start, int)
+            embeddings = vision.inject(embeddings[0], start)[None]
         h = embeddings * self.arch.hidden_size**0.5
         per_layer = self._per_layer_inputs(tokens, h) if self.ple_dim else None
 
         attended: list[Attended | None] = [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
             slot = self._slots.get(i)
-            if slot is None and last_only and h.shape[0] > 1:
+            if slot is None and last_only and h.shape[1] > 1:
                 # The first KV-shared layer: every later one is shared too (they form
-                # the tail), so from here on only the last row is ever read.
-                skip = h.shape[0] - 1
-                h, start = h[-1:], start + skip
-                per_layer = None if per_layer is None else per_layer[-1:]
+                # the tail), so from here on only the last token is ever read.
+                skip = h.shape[1] - 1
+                h, start = h[:, -1:], start + skip
+                per_layer = None if per_layer is None else per_layer[:, -1:]
                 attended = [None if a is None else _last_query(a) for a in attended]
             kv = state[slot[0]][slot[1]] if slot else None
             shared = None if slot else attended[self._sources[i]]
-            layer_input = per_layer[:, i] if per_layer is not None else None
+            layer_input = per_layer[:, :, i] if per_layer is not None else None
             h, attended[i] = layer(h, start, kv, shared, layer_input)
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:
-            state[spec.name].advance(tokens.shape[0])
+            state[spec.name].advance(tokens.shape[1])
         return self.norm(h)
 
 
@@ -460,12 +470,12 @@ class Gemma4(nn.Module):
     def __call__(
         self,
         tokens: mx.array,
-        start: int,
+        start: int | mx.array,
         state: State,
         vision: VisionMap | None,
         last_only: bool = False,
     ) -> mx.array:
-        """Final-normed hidden states for ``tokens`` at ``start..`` (see the text model)."""
+        """Final-normed hidden states for ``tokens`` ``(B, L)`` (see the text model)."""
         return self.model(tokens, start, state, vision, last_only)
 
     def head(self, hidden: mx.array) -> mx.array:

@@ -10,7 +10,7 @@ import mlx.nn as nn
 
 from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
-from turbospark.layers.logits import logits_for
+from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State
 from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
@@ -59,8 +59,16 @@ def turbospark_forward(
     logits: LogitsWanted,
 ) -> mx.array | None:
     # Only "all" reads every row; otherwise the KV-shared tail runs for the last one.
-    hidden = model(tokens, start, state, vision, last_only=logits != "all")
+    hidden = model(tokens[None], start, state, vision, last_only=logits != "all")[0]
     return logits_for(hidden, model.head, logits)
+
+
+@hookimpl
+def turbospark_forward_batch(
+    model: nn.Module, tokens: mx.array, positions: list[int], state: State, logits: LogitsWanted
+) -> mx.array | None:
+    hidden = model(tokens, mx.array(positions), state, None, last_only=logits != "all")
+    return batch_logits_for(hidden, model.head, logits)
 
 
 @hookimpl

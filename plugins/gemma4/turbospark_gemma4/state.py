@@ -28,6 +28,7 @@ COMPONENTS = [
         swappable=True,
         rewindable=True,
         persistable=True,
+        batchable=True,
     ),
     ComponentSpec(
         name="window",
@@ -35,6 +36,7 @@ COMPONENTS = [
         swappable=True,
         rewindable="window",
         persistable=True,
+        batchable=True,
     ),
 ]
 

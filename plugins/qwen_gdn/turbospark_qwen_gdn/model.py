@@ -17,7 +17,9 @@ Multimodal RoPE: with a vision map the full layers rotate by per-token
 frequencies (``mrope_section``). For text the three are equal and this is
 plain RoPE, which is what mlx-lm (text only) computes.
 
-Shapes: the module runs one sequence; hidden states are ``(1, L, hidden)``.
+Shapes: hidden states are ``(B, L, hidden)``: one session is ``B = 1``, a
+decode batch stacks several sessions, each at its own position (``offset`` is
+then an array of ``B`` positions; see :mod:`turbospark.batch`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
@@ -199,8 +202,9 @@ class QwenRope:
         )  # (half,)
         self.inv_freq = self.base ** (-mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
 
-    def __call__(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
-        """Rotate ``(1, heads, L, head_dim)``; ``positions`` is ``(3, L)`` (t, h, w) or None."""
+    def __call__(self, x: mx.array, offset: int | mx.array, positions: mx.array | None) -> mx.array:
+        """Rotate ``(B, heads, L, head_dim)`` from ``offset`` (an int, or one per row);
+        ``positions`` is ``(3, L)`` (t, h, w) for a one-row vision prompt, or None."""
         if positions is None:
             return mx.fast.rope(
                 x, self.dims, traditional=False, base=self.base, scale=1.0, offset=offset
@@ -232,21 +236,26 @@ class GatedAttention(nn.Module):
         self.k_norm = nn.RMSNorm(dim, eps=arch.rms_norm_eps)
 
     def __call__(
-        self, x: mx.array, kv: LayerKV, rope: QwenRope, offset: int, positions: mx.array | None
+        self,
+        x: mx.array,
+        kv: LayerKV | BatchLayerKV,
+        rope: QwenRope,
+        offset: int | mx.array,
+        positions: mx.array | None,
     ) -> mx.array:
-        _, length, _ = x.shape
-        # (1, L, heads, 2 * dim) -> queries and gate, each (1, L, heads, dim)
-        queries, gate = mx.split(self.q_proj(x).reshape(1, length, self.heads, -1), 2, axis=-1)
-        gate = gate.reshape(1, length, -1)
-        keys = self.k_proj(x).reshape(1, length, self.kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(1, length, self.kv_heads, self.head_dim)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # (1, heads, L, dim)
+        batch, length, _ = x.shape
+        # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
+        queries, gate = mx.split(self.q_proj(x).reshape(batch, length, self.heads, -1), 2, axis=-1)
+        gate = gate.reshape(batch, length, -1)
+        keys = self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        values = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # (B, heads, L, dim)
         keys = self.k_norm(keys).transpose(0, 2, 1, 3)
         values = values.transpose(0, 2, 1, 3)
         queries = rope(queries, offset, positions)
         keys = rope(keys, offset, positions)
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
-        out = out.transpose(0, 2, 1, 3).reshape(1, length, -1)  # (1, L, heads * dim)
+        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # (B, L, heads * dim)
         return self.o_proj(out * mx.sigmoid(gate))
 
 
@@ -266,10 +275,10 @@ class DecoderLayer(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        kv: KVComponent,
+        kv: KVComponent | BatchKV,
         gdn: GDNComponent,
         rope: QwenRope,
-        offset: int,
+        offset: int | mx.array,
         positions: mx.array | None,
     ) -> mx.array:
         normed = self.input_layernorm(x)
@@ -306,23 +315,28 @@ class QwenGdn(nn.Module):
         self._rope = QwenRope(arch)
 
     def __call__(
-        self, tokens: mx.array, start: int, state: State, vision: VisionMap | None
+        self,
+        tokens: mx.array,
+        offset: int | mx.array,
+        state: State,
+        vision: VisionMap | None = None,
     ) -> mx.array:
-        """Advance *state* over ``tokens`` ``(L,)`` at positions ``start..``; returns
-        the final-normed hidden states ``(L, hidden)``. Every component ends at ``start + L``."""
-        length = tokens.shape[0]
-        h = self.model.embed_tokens(tokens)  # (L, hidden)
+        """Advance *state* over ``tokens`` ``(B, L)``, row ``i`` from position
+        ``offset`` (an int for one session, ``(B,)`` for a batch); returns the
+        final-normed hidden states ``(B, L, hidden)``. Every component advances by L."""
+        length = tokens.shape[1]
+        h = self.model.embed_tokens(tokens)  # (B, L, hidden)
         positions = None
-        if vision is not None:
-            h = vision.inject(h, start)
-            positions = vision.rope_positions(start, length)  # (3, L)
-        h = h[None]  # (1, L, hidden)
+        if vision is not None:  # one session: the map covers its prompt
+            assert isinstance(offset, int)
+            h = vision.inject(h[0], offset)[None]
+            positions = vision.rope_positions(offset, length)  # (3, L)
         kv, gdn = state["kv"], state["gdn"]
         for layer in self.model.layers:
-            h = layer(h, kv, gdn, self._rope, start, positions)
+            h = layer(h, kv, gdn, self._rope, offset, positions)
         kv.advance(length)
         gdn.advance(length)
-        return self.model.norm(h[0])
+        return self.model.norm(h)
 
     def head(self, hidden: mx.array) -> mx.array:
         if self.arch.tie_word_embeddings:

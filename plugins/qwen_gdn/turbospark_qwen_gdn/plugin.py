@@ -10,7 +10,7 @@ import mlx.nn as nn
 
 from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import load_checked
-from turbospark.layers.logits import logits_for
+from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State
 from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
@@ -59,8 +59,16 @@ def turbospark_forward(
     vision: VisionMap | None,
     logits: LogitsWanted,
 ) -> mx.array | None:
-    hidden = model(tokens, start, state, vision)  # (L, hidden)
+    hidden = model(tokens[None], start, state, vision)[0]  # (L, hidden)
     return logits_for(hidden, model.head, logits)
+
+
+@hookimpl
+def turbospark_forward_batch(
+    model: nn.Module, tokens: mx.array, positions: list[int], state: State, logits: LogitsWanted
+) -> mx.array | None:
+    hidden = model(tokens, mx.array(positions), state)  # (B, L, hidden)
+    return batch_logits_for(hidden, model.head, logits)
 
 
 @hookimpl

@@ -25,6 +25,7 @@ COMPONENTS = [
         swappable=True,
         rewindable=True,
         persistable=True,
+        batchable=True,
     ),
     ComponentSpec(
         name="gdn",
@@ -32,6 +33,7 @@ COMPONENTS = [
         swappable=True,
         rewindable=False,
         persistable=True,
+        batchable=True,
     ),
 ]
 

@@ -1,0 +1,250 @@
+"""Batched state: many sessions' components stacked along the batch axis.
+
+Continuous batching decodes every active session in one forward. While a
+session is in the batch its state lives here, merged with the others'; it
+joins once (its arrays are copied in, a cost proportional to its size) and
+leaves once (its rows are copied out into a one-row component again), so a
+decode step never pays per session, and parked sessions are never touched.
+
+Attention K/V of sessions at different positions are **left-padded** and
+right-aligned, as in mlx-lm's ``BatchKVCache``: column ``c`` of row ``i`` holds
+absolute position ``position_i - (fill - c)``, the columns before ``left[i]``
+are padding, and every row writes its next token into the same column. A
+sliding window is then the same column distance for every row, so the ring's
+retention (``window - 1 + headroom``) trims leading columns for all rows at
+once. RoPE takes the per-row positions as an offset array.
+
+Recurrent state (gated DeltaNet) needs no padding: its arrays are simply
+concatenated (see :class:`turbospark.layers.gated_delta.GDNComponent`).
+
+A component opts in with a ``merge(parts)`` classmethod returning a batched
+component that offers ``extend``, ``filter`` and ``extract``
+(:class:`BatchedComponent`), and its :class:`~turbospark.hookspecs.ComponentSpec`
+says ``batchable=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from turbospark.state import KVComponent, LayerKV, StateComponent
+
+
+@runtime_checkable
+class BatchedComponent(Protocol):
+    """A component of several sessions merged along the batch axis."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def arrays(self) -> list[mx.array]: ...
+
+    def advance(self, n: int) -> None:
+        """Families call it once per forward; per-row positions live with the rows."""
+
+    def extend(self, other: BatchedComponent) -> None:
+        """Append *other*'s rows after this batch's rows."""
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only *rows*, in that order."""
+
+    def hold(self) -> object:
+        """References to every array and index as they are now (no copy): taken
+        before each step, to extract a row going back or to undo a failed step."""
+
+    def rollback(self, held: object) -> None:
+        """Become what :meth:`hold` returned (a step that failed midway)."""
+
+    def extract(self, row: int, position: int, back: int, held: object) -> StateComponent:
+        """A one-row component for *row*, whose next write position after
+        dropping its last *back* tokens is *position* (copied, so the batch
+        can be dropped). A component that cannot rewind reads a row going
+        back from *held*, taken before the step."""
+
+
+class BatchLayerKV:
+    """One attention layer's K/V for several sessions, left-padded (see the module)."""
+
+    step = 256
+
+    def __init__(
+        self,
+        window: int | None,
+        headroom: int,
+        keys: mx.array,
+        values: mx.array,
+        left: list[int],
+        fill: int,
+    ) -> None:
+        self.window = window
+        self.headroom = headroom
+        self.keys = keys  # (B, kv_heads, capacity, dim)
+        self.values = values
+        self.left = left
+        self.fill = fill
+
+    @classmethod
+    def merge(cls, layers: list[LayerKV]) -> BatchLayerKV:
+        """Right-align each session's retained rows; a copy proportional to their size."""
+        first = next(layer for layer in layers if layer.keys is not None)
+        _, heads, _, dim = first.keys.shape
+        width = max(layer.fill for layer in layers)
+        keys, values = [], []
+        for layer in layers:
+            pad = width - layer.fill
+            zeros = mx.zeros((1, heads, pad, dim), first.keys.dtype)
+            if layer.keys is None:
+                keys.append(zeros)
+                values.append(zeros)
+                continue
+            keys.append(mx.concatenate([zeros, layer.keys[:, :, : layer.fill]], axis=2))
+            values.append(mx.concatenate([zeros, layer.values[:, :, : layer.fill]], axis=2))
+        return cls(
+            first.window,
+            first.headroom,
+            mx.concatenate(keys, axis=0),
+            mx.concatenate(values, axis=0),
+            [width - layer.fill for layer in layers],
+            width,
+        )
+
+    @property
+    def retain(self) -> int | None:
+        return None if self.window is None else self.window - 1 + self.headroom
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+    def _make_room(self, length: int) -> None:
+        if self.fill + length <= self.keys.shape[2]:
+            return
+        if self.retain is not None and self.fill > self.retain:
+            # Columns no row's window can reach any more (the headroom is kept).
+            drop = self.fill - self.retain
+            self.keys = self.keys[:, :, drop : self.fill]
+            self.values = self.values[:, :, drop : self.fill]
+            self.left = [max(0, pad - drop) for pad in self.left]
+            self.fill -= drop
+        batch, heads, _, dim = self.keys.shape
+        grow = -(-length // self.step) * self.step
+        zeros = mx.zeros((batch, heads, grow, dim), self.keys.dtype)
+        self.keys = mx.concatenate([self.keys[:, :, : self.fill], zeros], axis=2)
+        self.values = mx.concatenate([self.values[:, :, : self.fill], zeros], axis=2)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
+        """Append ``(B, heads, L, dim)`` for every row; return the visible columns
+        and the index of the first one (for :meth:`mask`)."""
+        length = keys.shape[2]
+        self._make_room(length)
+        self.keys[:, :, self.fill : self.fill + length] = keys
+        self.values[:, :, self.fill : self.fill + length] = values
+        self.fill += length
+        start = 0
+        if self.window is not None and length == 1:
+            start = max(0, self.fill - self.window)
+        return self.keys[:, :, start : self.fill], self.values[:, :, start : self.fill], start
+
+    def mask(self, queries: int, key_start: int, keys: int) -> mx.array:
+        """``(B, 1, queries, keys)``: causal, within the window, and never padding."""
+        cols = mx.arange(key_start, key_start + keys)[None]  # (1, keys)
+        q_cols = mx.arange(self.fill - queries, self.fill)[:, None]  # (queries, 1)
+        visible = cols <= q_cols
+        if self.window is not None:
+            visible = visible & (q_cols - cols < self.window)
+        left = mx.array(self.left)[:, None, None, None]  # (B, 1, 1, 1)
+        return visible[None, None] & (cols[None, None] >= left)
+
+    def _aligned(self, width: int) -> tuple[mx.array, mx.array]:
+        """The used columns, left-padded to *width*."""
+        pad = width - self.fill
+        keys, values = self.keys[:, :, : self.fill], self.values[:, :, : self.fill]
+        if pad:
+            batch, heads, _, dim = keys.shape
+            zeros = mx.zeros((batch, heads, pad, dim), keys.dtype)
+            keys = mx.concatenate([zeros, keys], axis=2)
+            values = mx.concatenate([zeros, values], axis=2)
+        return keys, values
+
+    def extend(self, other: BatchLayerKV) -> None:
+        width = max(self.fill, other.fill)
+        keys, values = self._aligned(width)
+        other_keys, other_values = other._aligned(width)
+        self.keys = mx.concatenate([keys, other_keys], axis=0)
+        self.values = mx.concatenate([values, other_values], axis=0)
+        self.left = [pad + width - self.fill for pad in self.left] + [
+            pad + width - other.fill for pad in other.left
+        ]
+        self.fill = width
+
+    def filter(self, rows: list[int]) -> None:
+        index = mx.array(rows)
+        self.left = [self.left[row] for row in rows]
+        common = min(self.left)  # padding every remaining row has: drop it
+        self.keys = self.keys[index, :, common : self.fill]
+        self.values = self.values[index, :, common : self.fill]
+        self.left = [pad - common for pad in self.left]
+        self.fill -= common
+
+    def extract(self, row: int, position: int, back: int) -> LayerKV:
+        """Row *row* as a one-row :class:`LayerKV` at *position*, its last *back*
+        columns dropped."""
+        end = self.fill - back
+        begin = min(self.left[row], end)
+        layer = LayerKV(self.window, self.headroom)
+        layer.keys = mx.contiguous(self.keys[row : row + 1, :, begin:end])
+        layer.values = mx.contiguous(self.values[row : row + 1, :, begin:end])
+        layer.fill = end - begin
+        layer.base = position - layer.fill
+        return layer
+
+
+class BatchKV:
+    """A :class:`~turbospark.state.KVComponent` of several sessions: one
+    :class:`BatchLayerKV` per layer."""
+
+    def __init__(self, name: str, layers: list[BatchLayerKV], window: int | None, headroom: int):
+        self.name = name
+        self.layers = layers
+        self.window = window
+        self.headroom = headroom
+
+    def __getitem__(self, index: int) -> BatchLayerKV:
+        return self.layers[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.arrays()]
+
+    def advance(self, n: int) -> None:
+        del n  # positions are per row, kept by the rows themselves
+
+    def extend(self, other: BatchedComponent) -> None:
+        assert isinstance(other, BatchKV)
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.extend(theirs)
+
+    def filter(self, rows: list[int]) -> None:
+        for layer in self.layers:
+            layer.filter(rows)
+
+    def hold(self) -> object:
+        return [(lay.keys, lay.values, list(lay.left), lay.fill) for lay in self.layers]
+
+    def rollback(self, held: object) -> None:
+        assert isinstance(held, list)
+        for layer, (keys, values, left, fill) in zip(self.layers, held, strict=True):
+            layer.keys, layer.values, layer.left, layer.fill = keys, values, left, fill
+
+    def extract(self, row: int, position: int, back: int, held: object) -> KVComponent:
+        del held  # rewindable: a row going back drops its last columns
+        layers = [layer.extract(row, position, back) for layer in self.layers]
+        return KVComponent.adopt(self.name, layers, self.window, self.headroom, position)

@@ -1,0 +1,448 @@
+"""Continuous batching: every active request advances in one forward per step.
+
+One :class:`Engine` runs on the runner's thread and owns the requests in
+flight. Each :meth:`Engine.step`:
+
+1. **admits** queued requests while fewer than ``max_batch`` rows are active.
+   The caller contract of SEMANTICS.md (:func:`turbospark.generate.acquire`)
+   picks each request's session and explains the choice; the session is then
+   checked out of the runner for the request's lifetime, so concurrent
+   requests never share state;
+2. **prefills** waiting prompts, one chunk at a time, at most
+   ``prefill_budget`` tokens per step in all, so a long prompt never stalls
+   the streams already decoding. Chunk boundaries are the one-request loop's,
+   so a prompt's state is the same whether or not others ran beside it;
+3. **decodes** one token for every decoding row. With two rows or more (and a
+   family whose components are all ``batchable``) the sessions are merged
+   into one batched state (:mod:`turbospark.batch`) and advance in one
+   forward; a lone row, or a family without a batched forward, steps through
+   the one-row forward exactly as :func:`turbospark.generate.stream_generate`
+   does;
+4. **retires** rows that finished, failed or were cancelled (their client went
+   away): a batched row is copied back out of the batch, and its session is
+   checked back in as the runner's live session (the previous live one is
+   parked by the pool's rules).
+
+Decoding is pipelined as in the one-request loop: a step is built from the
+still-lazy sampled ids and queued before those ids are read, and a row whose
+id turns out to be a stop goes back one token (rewindable components drop a
+column; the others come back from references held before the step).
+
+A row that fails (a plugin raising, an id the model cannot take) fails only
+its own request: a failed batched step is undone from held references and
+every row is retried alone, so only the culprit sees the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from turbospark.generate import (
+    Chunk,
+    FinishReason,
+    GenerationConfig,
+    GenerationStats,
+    acquire,
+    check_prompt,
+)
+from turbospark.pool import Session
+from turbospark.reuse import ReuseReport
+from turbospark.runner import Runner
+from turbospark.sampling import Sampler
+from turbospark.state import State
+from turbospark.text import StopStrings, StreamDecoder, TextCodec
+
+log = logging.getLogger("turbospark.engine")
+
+Emit = Callable[[Chunk | Exception], None]
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as submitted: prompt ids, its knobs, and where its chunks go.
+
+    ``emit`` is called on the engine's thread with each :class:`Chunk` (the last
+    one carries ``finish_reason`` and stats) or with the exception that failed
+    the request. Setting ``cancelled`` (a client that hung up) frees the row at
+    the next step."""
+
+    ids: list[int]
+    config: GenerationConfig
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class _Row:
+    job: Job
+    session: Session
+    kept: int
+    report: ReuseReport
+    evicted: bool
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    decoder: StreamDecoder
+    stops: StopStrings
+    started: float
+    next_prefill: int  # the next prompt index to feed
+    context_length: int
+    position: int = 0  # decode: where `pending` is fed
+    pending: mx.array | None = None  # the sampled, maybe still lazy, next id
+    following: mx.array | None = None  # the id sampled from `pending`'s logits
+    generated: list[int] = field(default_factory=list)
+    prefilled: float = 0.0
+    batch_peak: int = 1  # the most rows this request decoded beside
+    leaves_at: int = 0  # the session's position once the row leaves the batch
+    finish: FinishReason = "stop"
+
+    @property
+    def final(self) -> bool:
+        """Whether `pending` is the last token: it is emitted but never fed."""
+        limit = self.job.config.max_tokens
+        return (limit is not None and len(self.generated) + 1 >= limit) or (
+            self.position >= self.context_length
+        )
+
+
+class _Batch:
+    """Decoding rows whose sessions are merged into one batched state."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.rows: list[_Row] = []
+        self.state: State = {}
+        self.held: dict[str, object] = {}
+
+    def join(self, rows: list[_Row]) -> None:
+        merged = self.runner.merge_states([row.session for row in rows])
+        if not self.rows:
+            self.state = merged
+        else:
+            for name, component in self.state.items():
+                component.extend(merged[name])
+        self.rows.extend(rows)
+
+    def step(self) -> None:
+        """Feed every row's pending id (still lazy) and queue the next ids."""
+        tokens = mx.concatenate([row.pending.reshape(1) for row in self.rows])
+        self.held = {name: component.hold() for name, component in self.state.items()}
+        try:
+            logits = self.runner.forward_batch(
+                self.runner.clip_ids(tokens)[:, None],
+                [row.position for row in self.rows],
+                self.state,
+            )
+        except Exception:
+            self.rollback()
+            raise
+        for i, row in enumerate(self.rows):
+            row.following = row.sampler(logits[i])
+        mx.async_eval(
+            [row.following for row in self.rows],
+            [a for component in self.state.values() for a in component.arrays()],
+        )
+
+    def rollback(self) -> None:
+        for name, component in self.state.items():
+            component.rollback(self.held[name])
+
+    def leave(self, going: dict[_Row, int]) -> None:
+        """Copy each row in *going* back into its session, *back* tokens earlier."""
+        if not going:
+            return
+        for i, row in enumerate(self.rows):
+            if row in going:
+                back = going[row]
+                row.session.state = {
+                    name: component.extract(i, row.leaves_at - back, back, self.held[name])
+                    for name, component in self.state.items()
+                }
+        stay = [i for i, row in enumerate(self.rows) if row not in going]
+        self.rows = [self.rows[i] for i in stay]
+        if not self.rows:
+            self.state, self.held = {}, {}
+            return
+        for component in self.state.values():
+            component.filter(stay)
+
+
+class Engine:
+    """The scheduler loop over one runner (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        codec: TextCodec,
+        *,
+        max_batch: int = 8,
+        prefill_budget: int | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.runner = runner
+        self.codec = codec
+        self.max_batch = max_batch
+        self.prefill_budget = prefill_budget
+        self._queue: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._prefilling: list[_Row] = []
+        self._solo: list[_Row] = []
+        self._batch = _Batch(runner)
+
+    # -- the outside: any thread ----------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            self._queue.append(job)
+            self._wake.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active_rows(self) -> int:
+        return len(self._prefilling) + len(self._solo) + len(self._batch.rows)
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until *stop* is set, sleeping while there is nothing to do."""
+        while not stop.is_set():
+            if not self.step():
+                with self._wake:
+                    if not self._queue:
+                        self._wake.wait(timeout=0.05)
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    # -- the loop: the runner's thread ---------------------------------------------
+
+    def step(self) -> bool:
+        """One scheduling round; False when there was nothing to do."""
+        self._admit()
+        if not self.active_rows:
+            return False
+        self._prefill()
+        self._decode()
+        return True
+
+    def _admit(self) -> None:
+        while self._queue and self.active_rows < self.max_batch:
+            with self._wake:
+                job = self._queue.popleft()
+            if job.cancelled.is_set():
+                continue
+            try:
+                row = self._start(job)
+            except Exception as exc:  # refused before any session changed
+                job.emit(exc)
+                continue
+            self._prefilling.append(row)
+
+    def _start(self, job: Job) -> _Row:
+        runner, config = self.runner, job.config
+        check_prompt(runner, job.ids)
+        sampler = Sampler(config)
+        started = time.perf_counter()
+        kept, report, evicted = acquire(runner, job.ids)
+        session = runner.checkout()
+        stop_ids = frozenset(
+            self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
+        )
+        return _Row(
+            job=job,
+            session=session,
+            kept=kept,
+            report=report,
+            evicted=evicted,
+            sampler=sampler,
+            stop_ids=stop_ids,
+            decoder=self.codec.stream_decoder(),
+            stops=StopStrings(config.stop),
+            started=started,
+            next_prefill=kept,
+            context_length=runner.context_length,
+        )
+
+    def _prefill(self) -> None:
+        """Whole chunks (the one-request loop's boundaries), up to the budget."""
+        budget = self.prefill_budget
+        for row in list(self._prefilling):
+            if budget is not None and budget <= 0:
+                break
+            if row.job.cancelled.is_set():
+                self._prefilling.remove(row)
+                self._finish(row, "stop")
+                continue
+            ids, chunk = row.job.ids, row.job.config.chunk_size
+            last = len(ids) - 1
+            try:
+                while row.next_prefill < last and (budget is None or budget > 0):
+                    end = min(row.next_prefill + chunk, last)
+                    self.runner.feed(row.session, ids[row.next_prefill : end], row.next_prefill)
+                    budget = None if budget is None else budget - (end - row.next_prefill)
+                    row.next_prefill = end
+                if row.next_prefill < last:
+                    continue
+                logits = self.runner.feed(row.session, ids[last:], last, logits=True)
+                self.runner.checkpoint(row.session)
+                row.pending = row.sampler(logits)
+                mx.async_eval(row.pending)
+            except Exception as exc:
+                self._prefilling.remove(row)
+                self._fail(row, exc)
+                continue
+            budget = None if budget is None else budget - 1
+            row.position = len(ids)
+            row.prefilled = time.perf_counter()
+            self._prefilling.remove(row)
+            self._solo.append(row)
+
+    def _decode(self) -> None:
+        for row in self._solo + self._batch.rows:
+            if row.job.cancelled.is_set():
+                self._cancel(row)
+        decoding = len(self._solo) + len(self._batch.rows)
+        if self.runner.batchable and decoding >= 2 and self._solo:
+            joining, self._solo = self._solo, []
+            self._batch.join(joining)
+        if self._batch.rows:
+            self._decode_batch()
+        for row in list(self._solo):
+            self._decode_solo(row)
+
+    def _decode_solo(self, row: _Row) -> None:
+        """One token for one row through the one-row forward (stream_generate's step)."""
+        fed = not row.final
+        try:
+            if fed:
+                out = self.runner.feed(row.session, [row.pending], row.position, logits=True)
+                row.following = row.sampler(out)
+                mx.async_eval(row.following)
+            token = int(row.pending.item())
+        except Exception as exc:
+            self._solo.remove(row)
+            self._fail(row, exc)
+            return
+        if token in row.stop_ids and fed:
+            self.runner.take_back_session(row.session)
+        self._advance(row, token, fed)
+
+    def _decode_batch(self) -> None:
+        batch = self._batch
+        # A row whose pending id is its last is never fed: it leaves first.
+        last = {row: 0 for row in batch.rows if row.final}
+        if last:
+            for row in last:
+                row.leaves_at = row.position
+            batch.leave(last)
+            for row in last:
+                self._solo.append(row)  # emitted, unfed, by _decode_solo below
+        if not batch.rows:
+            return
+        for row in batch.rows:
+            row.batch_peak = max(row.batch_peak, len(batch.rows))
+        try:
+            batch.step()
+            tokens = mx.concatenate([row.pending.reshape(1) for row in batch.rows]).tolist()
+            for token in tokens:
+                self.runner.check_ids([token])
+        except Exception:
+            # Undo the step and retry every row alone: only the culprit fails.
+            batch.rollback()
+            going = {row: 0 for row in batch.rows}
+            for row in going:
+                row.leaves_at = row.position
+            batch.leave(going)
+            self._solo.extend(going)
+            return
+        going: dict[_Row, int] = {}
+        for row, token in zip(list(batch.rows), tokens, strict=True):
+            stop = token in row.stop_ids
+            row.leaves_at = row.position + (0 if stop else 1)
+            if not stop:
+                row.session.record.write(row.position, [token])
+            if not self._advance(row, token, fed=True, retire=False):
+                going[row] = 1 if stop else 0
+        batch.leave(going)
+        for row in going:
+            self._finish(row, row.finish)
+
+    def _advance(self, row: _Row, token: int, fed: bool, retire: bool = True) -> bool:
+        """Account for *token*; False (and, with *retire*, the row retired) when the
+        request is over. Mirrors stream_generate's loop body."""
+        finish: FinishReason | None = None
+        if token in row.stop_ids:
+            finish = "stop"
+        else:
+            row.generated.append(token)
+            text = row.stops.feed(row.decoder.add(token))
+            if row.stops.stopped is not None:
+                finish = "stop"
+            elif not fed:
+                finish = "length"
+            row.job.emit(Chunk(text=text, token=token))
+            if finish is None:
+                row.position += 1
+                row.pending = row.following
+                return True
+        row.finish = finish
+        if retire:
+            self._solo.remove(row)
+            self._finish(row, finish)
+        return False
+
+    def _cancel(self, row: _Row) -> None:
+        """A client that went away: its row leaves and its session is checked in."""
+        if row in self._solo:
+            self._solo.remove(row)
+        else:
+            row.leaves_at = row.position
+            self._batch.leave({row: 0})
+        self._finish(row, "stop")
+
+    def _fail(self, row: _Row, exc: Exception) -> None:
+        log.warning("request failed: %s", exc)
+        self.runner.checkin(row.session)
+        row.job.emit(exc)
+
+    def _finish(self, row: _Row, finish: FinishReason) -> None:
+        tail = ""
+        if row.stops.stopped is None:
+            tail = row.stops.feed(row.decoder.flush()) + row.stops.flush()
+        evicted_at_checkin = self.runner.checkin(row.session)
+        now = time.perf_counter()
+        prefilled = row.prefilled or now
+        stats = GenerationStats(
+            prompt_tokens=len(row.job.ids),
+            reused_tokens=row.kept,
+            generated_tokens=len(row.generated),
+            reuse_reason=str(row.report.reason),
+            reuse_detail=row.report.detail,
+            swapped=row.report.swapped,
+            evicted=row.evicted,
+            prefill_seconds=prefilled - row.started,
+            decode_seconds=now - prefilled,
+            queued_seconds=row.started - row.job.submitted,
+            batch_size=row.batch_peak,
+        )
+        log.info(
+            "request done: reuse %s kept %d/%d, batch %d, ttft %.3fs, %.1f tok/s%s",
+            stats.reuse_reason,
+            stats.reused_tokens,
+            stats.prompt_tokens,
+            stats.batch_size,
+            stats.queued_seconds + stats.prefill_seconds,
+            stats.decode_tokens_per_second,
+            ", a parked session was evicted at check-in" if evicted_at_checkin else "",
+        )
+        row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))

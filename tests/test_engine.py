@@ -1,0 +1,212 @@
+"""Continuous batching: requests decoded together equal the same requests run alone.
+
+Every check compares two paths: the engine with several requests in flight
+(batched forward, joins and leaves between steps, chunked prefill interleaved
+with decode) against :func:`turbospark.generate.generate` run one request at a
+time on a fresh runner. Float32 on the CPU; temperature 0 unless said.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from turbospark.engine import Engine, Job
+from turbospark.errors import TurbosparkError
+from turbospark.generate import Chunk, GenerationConfig, generate
+from turbospark.runner import Runner
+from turbospark.text import TextCodec, load_text
+
+CONTEXT = 256
+
+
+class Collector:
+    """A job's chunks (or its error), as the server's bridge would receive them."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Chunk] = []
+        self.error: Exception | None = None
+
+    def __call__(self, item: Chunk | Exception) -> None:
+        if isinstance(item, Exception):
+            self.error = item
+        else:
+            self.chunks.append(item)
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or bool(self.chunks and self.chunks[-1].finish_reason)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [c.token for c in self.chunks if c.token is not None]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+
+def open_runner(install: Path, slots: int = 4) -> Runner:
+    runner = Runner.open(install, context_length=CONTEXT, session_slots=slots)
+    runner.set_prefix_reuse(True)
+    return runner
+
+
+def run_all(engine: Engine, jobs: list[tuple[int, Job]], limit: int = 2000) -> None:
+    """Step the engine, submitting each job at its step number, until all are done."""
+    pending = sorted(jobs, key=lambda j: j[0])
+    for step in range(limit):
+        while pending and pending[0][0] <= step:
+            engine.submit(pending.pop(0)[1])
+        engine.step()
+        if not pending and all(job.emit.done for _, job in jobs):
+            return
+    raise AssertionError("the engine did not finish every job")
+
+
+def alone(install: Path, codec: TextCodec, ids: list[int], config: GenerationConfig):
+    return generate(Runner.open(install, context_length=CONTEXT), codec, ids, config)
+
+
+PROMPTS = [
+    [2, 5, 9, 14, 20, 31, 40],
+    [2, 5, 9, 60, 61],
+    [2, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87],
+    [2, 5, 9, 14, 20, 31, 40, 41, 42, 43],
+    [2, 90],
+]
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn", "qwen4_exp"])
+def test_requests_in_flight_together_equal_each_alone(family, request):
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install, slots=1 if family == "qwen4_exp" else 4)
+    engine = Engine(runner, codec, max_batch=3, prefill_budget=4)
+    configs = [
+        GenerationConfig(max_tokens=n, temperature=0.0, stop_token_ids=[], chunk_size=3)
+        for n in (12, 5, 9, 1, 7)
+    ]
+    jobs = [
+        (at, Job(ids=list(p), config=c, emit=Collector()))
+        for at, p, c in zip([0, 0, 1, 3, 4], PROMPTS, configs, strict=True)
+    ]
+    run_all(engine, jobs)
+    assert engine.active_rows == 0 and engine.queue_depth == 0
+    peak = max(job.emit.chunks[-1].stats.batch_size for _, job in jobs)
+    if family != "qwen4_exp":
+        assert peak > 1, "no two requests ever decoded in one batch"
+    for (_, job), prompt, config in zip(jobs, PROMPTS, configs, strict=True):
+        assert job.emit.error is None, job.emit.error
+        expected = alone(install, codec, prompt, config)
+        assert job.emit.tokens == expected.tokens, (family, prompt)
+        assert job.emit.chunks[-1].finish_reason == expected.finish_reason
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_sessions_left_by_batched_requests_resume_exactly(family, request):
+    """Second turns reuse what the batch left behind and still equal fresh runs."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install, slots=4)
+    engine = Engine(runner, codec, max_batch=4)
+    config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[])
+    firsts = [Job(ids=list(p), config=config, emit=Collector()) for p in PROMPTS[:3]]
+    run_all(engine, [(0, job) for job in firsts])
+    seconds = [
+        Job(ids=[*job.ids, *job.emit.tokens[:-1], 3, 4], config=config, emit=Collector())
+        for job in firsts
+    ]
+    run_all(engine, [(0, job) for job in seconds])
+    for job in seconds:
+        stats = job.emit.chunks[-1].stats
+        assert stats.reused_tokens > 0, stats
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
+
+
+def test_stops_and_stop_strings_end_rows_mid_batch(gemma4_install):
+    codec = load_text(gemma4_install)
+    config = GenerationConfig(max_tokens=10, temperature=0.0, stop_token_ids=[])
+    free = [alone(gemma4_install, codec, p, config).tokens for p in PROMPTS[:3]]
+    # Each row stops on its own 4th token, or on the text of its 3rd.
+    configs = [
+        GenerationConfig(max_tokens=10, temperature=0.0, stop_token_ids=[free[0][3]]),
+        GenerationConfig(
+            max_tokens=10, temperature=0.0, stop_token_ids=[], stop=[codec.decode([free[1][2]])]
+        ),
+        config,
+    ]
+    engine = Engine(open_runner(gemma4_install), codec, max_batch=3)
+    jobs = [
+        Job(ids=list(p), config=c, emit=Collector())
+        for p, c in zip(PROMPTS[:3], configs, strict=True)
+    ]
+    run_all(engine, [(0, job) for job in jobs])
+    for job, prompt, c in zip(jobs, PROMPTS[:3], configs, strict=True):
+        expected = alone(gemma4_install, codec, prompt, c)
+        assert (job.emit.tokens, job.emit.text) == (expected.tokens, expected.text)
+        assert job.emit.chunks[-1].finish_reason == expected.finish_reason
+
+
+def test_a_cancelled_row_frees_its_place_and_the_others_finish(gemma4_install):
+    codec = load_text(gemma4_install)
+    engine = Engine(open_runner(gemma4_install), codec, max_batch=2)
+    config = GenerationConfig(max_tokens=8, temperature=0.0, stop_token_ids=[])
+    jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in PROMPTS[:3]]
+    for job in jobs:
+        engine.submit(job)
+    for _ in range(3):
+        engine.step()
+    jobs[0].cancelled.set()
+    while engine.step():
+        pass
+    assert engine.active_rows == 0 and jobs[0].emit.chunks[-1].finish_reason == "stop"
+    for job, prompt in zip(jobs[1:], PROMPTS[1:3], strict=True):
+        assert job.emit.tokens == alone(gemma4_install, codec, prompt, config).tokens
+
+
+def test_a_failing_row_fails_alone(gemma4_install, monkeypatch):
+    """A plugin raising inside one batched step: the step is undone, rows retry
+    alone, and only the row whose forward raises sees the error."""
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=3)
+    config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[])
+    poisoned = [2, 5, 9, 99, 100]
+    real_batch, real_feed = runner.forward_batch, runner.feed
+    calls = {"batch": 0}
+
+    def flaky_batch(tokens, positions, state):
+        calls["batch"] += 1
+        if calls["batch"] == 2:
+            raise RuntimeError("a plugin failed")
+        return real_batch(tokens, positions, state)
+
+    def poisoned_feed(session, tokens, start, logits=False):
+        if session.record.tokens[:5] == poisoned and start > len(poisoned):
+            raise RuntimeError("this row's plugin state is broken")
+        return real_feed(session, tokens, start, logits)
+
+    monkeypatch.setattr(runner, "forward_batch", flaky_batch)
+    monkeypatch.setattr(runner, "feed", poisoned_feed)
+    jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in [*PROMPTS[:2], poisoned]]
+    run_all(engine, [(0, job) for job in jobs])
+    assert isinstance(jobs[2].emit.error, RuntimeError)
+    for job, prompt in zip(jobs[:2], PROMPTS[:2], strict=True):
+        assert job.emit.error is None
+        assert job.emit.tokens == alone(gemma4_install, codec, prompt, config).tokens
+
+
+def test_a_bad_request_is_refused_and_nothing_changes(gemma4_install):
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec)
+    config = GenerationConfig(max_tokens=3, temperature=0.0)
+    run_all(engine, [(0, Job(ids=list(PROMPTS[0]), config=config, emit=Collector()))])
+    before = [list(s.values()) for s in runner.session_states()]
+    bad = Job(ids=[2, 5, 10_000], config=config, emit=Collector())
+    run_all(engine, [(0, bad)])
+    assert isinstance(bad.emit.error, TurbosparkError)
+    assert "vocabulary" in str(bad.emit.error)
+    assert [list(s.values()) for s in runner.session_states()] == before
