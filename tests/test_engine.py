@@ -16,6 +16,7 @@ from turbospark.engine import Engine, Job
 from turbospark.errors import TurbosparkError
 from turbospark.generate import Chunk, GenerationConfig, generate
 from turbospark.runner import Runner
+from turbospark.state import LayerKV
 from turbospark.text import TextCodec, load_text
 
 CONTEXT = 256
@@ -65,6 +66,19 @@ def run_all(engine: Engine, jobs: list[tuple[int, Job]], limit: int = 2000) -> N
     raise AssertionError("the engine did not finish every job")
 
 
+def assert_sessions_sound(runner: Runner) -> None:
+    """Every session the engine left behind agrees with itself: each component at
+    the record's length, and every rewind limit computable."""
+    for state in runner.session_states():
+        positions = {component.position for component in state.values()}
+        assert len(positions) == 1, {n: c.position for n, c in state.items()}
+        for component in state.values():
+            assert component.max_safe_rewind >= 0
+            for layer in getattr(component, "layers", []):
+                if isinstance(layer, LayerKV) and layer.keys is not None:
+                    assert layer.base + layer.fill == component.position
+
+
 def alone(install: Path, codec: TextCodec, ids: list[int], config: GenerationConfig):
     return generate(Runner.open(install, context_length=CONTEXT), codec, ids, config)
 
@@ -94,6 +108,7 @@ def test_requests_in_flight_together_equal_each_alone(family, request):
     ]
     run_all(engine, jobs)
     assert engine.active_rows == 0 and engine.queue_depth == 0
+    assert_sessions_sound(runner)
     peak = max(job.emit.chunks[-1].stats.batch_size for _, job in jobs)
     if family != "qwen4_exp":
         assert peak > 1, "no two requests ever decoded in one batch"
@@ -143,6 +158,7 @@ def test_stops_and_stop_strings_end_rows_mid_batch(gemma4_install):
         for p, c in zip(PROMPTS[:3], configs, strict=True)
     ]
     run_all(engine, [(0, job) for job in jobs])
+    assert_sessions_sound(engine.runner)
     for job, prompt, c in zip(jobs, PROMPTS[:3], configs, strict=True):
         expected = alone(gemma4_install, codec, prompt, c)
         assert (job.emit.tokens, job.emit.text) == (expected.tokens, expected.text)

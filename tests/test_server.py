@@ -158,7 +158,13 @@ def test_seeded_sampling_is_reproducible_over_http(server: ThreadedServer) -> No
 
 def test_models_and_health(server: ThreadedServer) -> None:
     assert [m.id for m in client(server).models.list().data] == [MODEL]
-    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok", "model": MODEL}
+    assert httpx.get(f"{server.base_url}/health").json() == {
+        "status": "ok",
+        "model": MODEL,
+        "queue_depth": 0,
+        "active_rows": 0,
+        "max_batch": 8,
+    }
 
 
 def chat_body(**fields: object) -> bytes:

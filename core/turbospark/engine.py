@@ -78,6 +78,7 @@ class Job:
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    warm_up: bool = False  # the engine's own start-up request, admitted first
 
 
 @dataclass(eq=False)
@@ -162,7 +163,7 @@ class _Batch:
             if row in going:
                 back = going[row]
                 row.session.state = {
-                    name: component.extract(i, row.leaves_at - back, back, self.held[name])
+                    name: component.extract(i, row.leaves_at, back, self.held[name])
                     for name, component in self.state.items()
                 }
         stay = [i for i, row in enumerate(self.rows) if row not in going]
@@ -196,6 +197,7 @@ class Engine:
         self._prefilling: list[_Row] = []
         self._solo: list[_Row] = []
         self._batch = _Batch(runner)
+        self.warming = False
 
     # -- the outside: any thread ----------------------------------------------------
 
@@ -213,12 +215,49 @@ class Engine:
         return len(self._prefilling) + len(self._solo) + len(self._batch.rows)
 
     def run(self, stop: threading.Event) -> None:
-        """Step until *stop* is set, sleeping while there is nothing to do."""
+        """Step until *stop* is set, sleeping while there is nothing to do. A
+        failure the rows could not contain fails every request in flight, and
+        the loop goes on serving."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
+            if not busy:
                 with self._wake:
                     if not self._queue:
                         self._wake.wait(timeout=0.05)
+
+    def warm_up(self, ids: list[int], rows: int = 2) -> None:
+        """Run *rows* copies of a short request to the end, so the prefill, the
+        one-row decode and the batched decode are built (and, on a GPU, their
+        kernels compiled) before the first real request is admitted. Requests
+        that arrive meanwhile wait in the queue; the warm-up's sessions are
+        forgotten afterwards."""
+        config = GenerationConfig(max_tokens=3, temperature=0.0, stop_token_ids=[])
+        self.warming = True
+        started = time.perf_counter()
+        with self._wake:
+            for _ in range(min(rows, self.max_batch)):
+                self._queue.appendleft(
+                    Job(ids=list(ids), config=config, emit=lambda item: None, warm_up=True)
+                )
+        try:
+            while self.step():
+                pass
+            self.runner.forget_sessions()
+        finally:
+            self.warming = False
+        log.info("warmed up in %.1f s", time.perf_counter() - started)
+
+    def _fail_all(self, exc: Exception) -> None:
+        rows = self._prefilling + self._solo + self._batch.rows
+        self._prefilling, self._solo, self._batch = [], [], _Batch(self.runner)
+        for row in rows:
+            row.session.clear()  # its state may be half-written: never resume it
+            self._fail(row, exc)
 
     def wake(self) -> None:
         with self._wake:
@@ -238,6 +277,8 @@ class Engine:
     def _admit(self) -> None:
         while self._queue and self.active_rows < self.max_batch:
             with self._wake:
+                if self.warming and not self._queue[0].warm_up:
+                    return  # real requests wait for the warm-up to finish
                 job = self._queue.popleft()
             if job.cancelled.is_set():
                 continue
@@ -411,7 +452,7 @@ class Engine:
         self._finish(row, "stop")
 
     def _fail(self, row: _Row, exc: Exception) -> None:
-        log.warning("request failed: %s", exc)
+        log.warning("request failed: %s", exc, exc_info=exc)
         self.runner.checkin(row.session)
         row.job.emit(exc)
 
@@ -435,6 +476,9 @@ class Engine:
             queued_seconds=row.started - row.job.submitted,
             batch_size=row.batch_peak,
         )
+        row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))
+        if row.job.warm_up:
+            return
         log.info(
             "request done: reuse %s kept %d/%d, batch %d, ttft %.3fs, %.1f tok/s%s",
             stats.reuse_reason,
@@ -445,4 +489,3 @@ class Engine:
             stats.decode_tokens_per_second,
             ", a parked session was evicted at check-in" if evicted_at_checkin else "",
         )
-        row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))

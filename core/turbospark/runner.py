@@ -446,6 +446,12 @@ class Runner:
         self._live = session
         return evicted
 
+    def forget_sessions(self) -> None:
+        """Clear the live session and every parked one (after a warm-up)."""
+        self._live.clear()
+        for session in [] if self._pool is None else self._pool.parked:
+            session.clear()
+
     @property
     def batchable(self) -> bool:
         """Whether sessions decode together in one forward: every component is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import uvicorn
@@ -12,6 +13,9 @@ from turbospark.errors import InvalidInput
 from turbospark.runner import Runner
 from turbospark.server.app import create_app
 from turbospark.server.worker import RunnerWorker
+
+DEFAULT_MAX_TOKENS = 2048
+DEFAULT_MAX_BATCH = 8
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +34,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--context-length", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill tokens per forward")
     parser.add_argument(
-        "--max-tokens", type=int, default=None, help="default max_tokens when a request omits it"
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="max_tokens for a request that omits it (every request also stops at the "
+        f"context length; default {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="requests decoded together in one forward; more wait in arrival order "
+        f"(default {DEFAULT_MAX_BATCH})",
+    )
+    parser.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="accept requests at once instead of running prefill and decode once first",
     )
     parser.add_argument(
         "--no-prefix-reuse", action="store_true", help="prefill every prompt from scratch"
@@ -49,6 +69,10 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.chunk_size <= 0:
         raise InvalidInput(f"--chunk-size must be positive, got {args.chunk_size}")
+    if args.max_batch < 1:
+        raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         return runner
 
     runner = worker.run(open_runner)  # MLX work stays on the worker thread
+    # One full prefill chunk plus its last token, then decoding alone and batched.
+    warm_up = None if args.no_warm_up else [0] * min(args.chunk_size + 1, args.context_length - 4)
     app = create_app(
         runner,
         codec,
@@ -74,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         default_max_tokens=args.max_tokens,
         worker=worker,
+        max_batch=args.max_batch,
+        warm_up=warm_up,
     )
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     print(
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}) on "
-        f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)",
+        f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s), "
+        f"up to {args.max_batch} request(s) per batch",
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -12,7 +12,9 @@ so a bad request never touches a session and the server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -26,15 +28,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from turbospark.engine import Engine, Job
 from turbospark.errors import ContextOverflow, InvalidInput, TurbosparkError
 from turbospark.generate import (
     Chunk,
     Completion,
     GenerationConfig,
     check_prompt,
+    collect,
     encode_prompt,
-    generate,
-    stream_generate,
 )
 from turbospark.runner import Runner
 from turbospark.server.schemas import (
@@ -61,6 +63,12 @@ from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
 R = TypeVar("R", bound=BaseRequest)
+
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request hung up; nothing is sent back."""
 
 
 class APIError(Exception):
@@ -115,6 +123,7 @@ class Service:
         chunk_size: int,
         default_max_tokens: int | None,
         worker: RunnerWorker,
+        engine: Engine,
     ) -> None:
         self.runner = runner
         self.codec = codec
@@ -123,6 +132,26 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self.worker = worker
+        self.engine = engine
+        self._stop = threading.Event()
+
+    def start(self, warm_up: list[int] | None) -> None:
+        """Warm up (when given prompt ids), then run the engine's loop on the
+        runner thread until :meth:`stop`. Requests queue meanwhile."""
+        self._stop.clear()
+        self.engine.warming = warm_up is not None
+
+        def loop() -> None:
+            if warm_up is not None:
+                self.engine.warm_up(warm_up)
+            self.engine.run(self._stop)
+
+        self.worker.submit(loop)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.engine.wake()
+        self.worker.shutdown()
 
     async def parse(self, request: Request, model: type[R]) -> R:
         raw = await request.body()
@@ -165,11 +194,44 @@ class Service:
             raise _refusal(exc, param) from exc
         return ids
 
-    async def complete(self, ids: list[int], config: GenerationConfig) -> Completion:
-        return await self.worker.call(lambda: generate(self.runner, self.codec, ids, config))
+    async def complete(
+        self, ids: list[int], config: GenerationConfig, request: Request
+    ) -> Completion:
+        """The whole completion; a client that hangs up meanwhile frees its row."""
 
-    def chunks(self, ids: list[int], config: GenerationConfig) -> AsyncIterator[Chunk]:
-        return self.worker.stream(lambda: stream_generate(self.runner, self.codec, ids, config))
+        async def gather() -> Completion:
+            return collect([chunk async for chunk in self.chunks(ids, config)])
+
+        task = asyncio.ensure_future(gather())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # closes the stream: the engine drops the row next step
+                raise ClientGone
+        return task.result()
+
+    async def chunks(self, ids: list[int], config: GenerationConfig) -> AsyncIterator[Chunk]:
+        """The request's chunks as the engine produces them. Leaving early (a
+        client that hung up, an error) cancels the request at the next step."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Chunk | Exception] = asyncio.Queue()
+        job = Job(
+            ids=ids,
+            config=config,
+            emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+        )
+        self.engine.submit(job)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            job.cancelled.set()
+            self.engine.wake()
 
 
 def _sse(payload: BaseModel | dict[str, Any] | str) -> str:
@@ -209,7 +271,7 @@ async def chat_completions(request: Request) -> Response:
     config = body.generation_config(service.chunk_size, service.default_max_tokens)
     ident = new_id("chatcmpl")
     if not body.stream:
-        done = await service.complete(ids, config)
+        done = await service.complete(ids, config, request)
         return JSONResponse(
             ChatCompletion(
                 id=ident,
@@ -255,7 +317,7 @@ async def completions(request: Request) -> Response:
     config = body.generation_config(service.chunk_size, service.default_max_tokens)
     ident = new_id("cmpl")
     if not body.stream:
-        done = await service.complete(ids, config)
+        done = await service.complete(ids, config, request)
         return JSONResponse(
             TextCompletion(
                 id=ident,
@@ -288,7 +350,16 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     service: Service = request.app.state.service
-    return JSONResponse({"status": "ok", "model": service.model_id})
+    engine = service.engine
+    return JSONResponse(
+        {
+            "status": "warming" if engine.warming else "ok",
+            "model": service.model_id,
+            "queue_depth": engine.queue_depth,
+            "active_rows": engine.active_rows,
+            "max_batch": engine.max_batch,
+        }
+    )
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -303,6 +374,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     )
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
     return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
@@ -315,9 +390,15 @@ def create_app(
     chunk_size: int = 512,
     default_max_tokens: int | None = None,
     worker: RunnerWorker | None = None,
+    max_batch: int = 8,
+    warm_up: list[int] | None = None,
 ) -> Starlette:
     """The Starlette app serving *runner*. Prefix reuse is the caller's choice
-    (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on.
+    (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
+    *max_batch* requests decode together (:mod:`turbospark.engine`); the rest
+    wait in arrival order. With *warm_up* prompt ids, the engine runs them
+    (alone and batched) before it admits the first request; ``/health`` says
+    ``warming`` meanwhile.
 
     Pass the *worker* whose thread opened the runner (``worker.run(lambda:
     Runner.open(...))``). Without one, a new worker thread serves a runner
@@ -334,12 +415,14 @@ def create_app(
         chunk_size=chunk_size,
         default_max_tokens=default_max_tokens,
         worker=worker,
+        engine=Engine(runner, codec, max_batch=max_batch, prefill_budget=chunk_size),
     )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        service.start(warm_up)
         yield
-        service.worker.shutdown()
+        service.stop()
 
     app = Starlette(
         routes=[
@@ -351,6 +434,7 @@ def create_app(
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,
+            ClientGone: _client_gone,
             Exception: _server_error,
         },
         lifespan=lifespan,

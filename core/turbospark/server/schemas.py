@@ -33,6 +33,9 @@ class BaseRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="extension: keep the k most likely tokens")
+    ignore_eos: bool = Field(
+        default=False, description="extension (vLLM's name): generate past the install's eos ids"
+    )
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -52,6 +55,7 @@ class BaseRequest(BaseModel):
             stop=stop,
             max_tokens=default_max_tokens if requested is None else requested,
             chunk_size=chunk_size,
+            stop_token_ids=[] if self.ignore_eos else None,
         )
 
     def _max_tokens(self) -> int | None:
@@ -128,6 +132,8 @@ class TurbosparkUsage(BaseModel):
     decode_seconds: float
     prefill_tokens_per_second: float
     decode_tokens_per_second: float
+    queued_seconds: float = 0.0
+    batch_size: int = 1
 
 
 class Usage(BaseModel):
@@ -153,6 +159,8 @@ class Usage(BaseModel):
                 decode_seconds=stats.decode_seconds,
                 prefill_tokens_per_second=stats.prefill_tokens_per_second,
                 decode_tokens_per_second=stats.decode_tokens_per_second,
+                queued_seconds=stats.queued_seconds,
+                batch_size=stats.batch_size,
             ),
         )
 

@@ -1,0 +1,117 @@
+"""The server under concurrency: batched requests equal lone ones, hung-up clients free their rows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from turbospark import build_synthetic_install
+from turbospark.generate import GenerationConfig, generate
+from turbospark.runner import Runner
+from turbospark.server import ThreadedServer, create_app
+from turbospark.server.worker import RunnerWorker
+from turbospark.text import TextCodec, load_text
+
+MODEL = "tiny-batch"
+CONTEXT = 4096
+
+
+@pytest.fixture(scope="module", params=["gemma4", "qwen_gdn"])
+def install(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(f"batch-{request.param}")
+    build_synthetic_install(request.param, path, vocab_size=128, num_layers=4, model_id=MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def codec(install: Path) -> TextCodec:
+    return load_text(install)
+
+
+@pytest.fixture(scope="module")
+def server(install: Path, codec: TextCodec) -> Iterator[ThreadedServer]:
+    worker = RunnerWorker()
+
+    def open_runner() -> Runner:
+        runner = Runner.open(install, context_length=CONTEXT, session_slots=4)
+        runner.set_prefix_reuse(True)
+        return runner
+
+    app = create_app(worker.run(open_runner), codec, worker=worker, max_batch=3, warm_up=[0] * 9)
+    with ThreadedServer(app) as running:
+        yield running
+
+
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def health(server: ThreadedServer) -> dict:
+    return httpx.get(f"{server.base_url}/health").json()
+
+
+def wait_idle(server: ThreadedServer, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (state := health(server))["active_rows"] or state["queue_depth"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    return state
+
+
+TOPICS = ["rivers", "glaciers", "orchards", "lighthouses", "violins", "comets"]
+
+
+def test_concurrent_requests_equal_the_same_requests_alone(server, install, codec):
+    api = client(server)
+
+    def ask(topic: str) -> tuple[str, int]:
+        reply = api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Tell me about {topic}."}],
+            max_tokens=12,
+            temperature=0,
+        )
+        return reply.choices[0].message.content, reply.usage.model_extra["turbospark"]["batch_size"]
+
+    with ThreadPoolExecutor(len(TOPICS)) as pool:
+        answers = list(pool.map(ask, TOPICS))
+    assert max(batch for _, batch in answers) > 1, "the requests never shared a batch"
+    for topic, (text, _) in zip(TOPICS, answers, strict=True):
+        ids = codec.encode_chat([{"role": "user", "content": f"Tell me about {topic}."}])
+        alone = generate(
+            Runner.open(install, context_length=CONTEXT),
+            codec,
+            ids,
+            GenerationConfig(max_tokens=12, temperature=0.0),
+        )
+        assert text == alone.text, topic
+    assert wait_idle(server)["status"] == "ok"
+
+
+def test_a_streaming_client_that_hangs_up_frees_its_row(server):
+    api = client(server)
+    stream = api.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=3000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    stream.close()
+    wait_idle(server)
+    reply = api.completions.create(model=MODEL, prompt="Still there?", max_tokens=4)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_non_streaming_client_that_hangs_up_frees_its_row(server):
+    body = {"model": MODEL, "prompt": "A long story", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.5)
+    wait_idle(server)
