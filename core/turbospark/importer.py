@@ -4,8 +4,10 @@ The install stays a Hugging Face checkpoint (same ``config.json``, same tensor
 names, same tokenizer files), so mlx-lm loads it unchanged; the import adds the
 validated arch, the family and every file's sha256 in ``manifest.json``, and
 optionally casts the weights. The family is found by ``model_type`` (the
-text config's, when ``config.json`` nests one under ``text_config``), and its
-own pydantic ``ArchConfig`` validates the config before any tensor is read.
+text config's, when ``config.json`` nests one under ``text_config``); the
+config is read by :mod:`turbospark.hf_config` (the same reading every later
+open does) and validated by the family's ``ArchConfig`` before any tensor is
+read, and every tensor is checked against it before anything is written.
 """
 
 from __future__ import annotations
