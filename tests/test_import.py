@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from turbospark import build_synthetic_install
+from turbospark import build_synthetic_install, peek_manifest_arch
 from turbospark.cli import main
 from turbospark.errors import FamilyNotFound, InstallError
 from turbospark.importer import import_checkpoint
@@ -123,3 +126,140 @@ def test_a_multimodal_gemma4_checkpoint_imports_its_text_decoder(
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     import_checkpoint(hf, tmp_path / "out", model_id="mm", progress=False)
     assert mx.array_equal(logits(tmp_path / "out"), logits(source))
+
+
+# -- checkpoints as transformers writes them (tests/fixtures/hf_reference) -------------
+
+HF_REFERENCE = Path(__file__).parent / "fixtures" / "hf_reference"
+FIXTURES = ("gemma4_dense", "gemma4_moe", "gemma4_release", "qwen3_5_text", "qwen3_5_release")
+
+
+def fixture_copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(HF_REFERENCE / name, tmp_path / name))
+
+
+def edit_config(hf: Path, edit: Callable[[dict[str, Any]], object]) -> None:
+    config = json.loads((hf / "config.json").read_text())
+    edit(config)
+    (hf / "config.json").write_text(json.dumps(config))
+
+
+def edit_weights(hf: Path, edit: Callable[[dict[str, mx.array]], object]) -> None:
+    weights = mx.load(str(hf / "model.safetensors"))
+    edit(weights)
+    mx.save_safetensors(str(hf / "model.safetensors"), weights, metadata={"format": "pt"})
+
+
+def refused(hf: Path, out: Path, error: type[Exception] = InstallError) -> str:
+    """The one-line refusal of importing *hf*; nothing may be written to *out*."""
+    with pytest.raises(error) as caught:
+        import_checkpoint(hf, out, progress=False)
+    assert not out.exists()
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixtures_are_small_and_say_what_made_them(name: str) -> None:
+    files = list((HF_REFERENCE / name).iterdir())
+    assert sum(f.stat().st_size for f in files) < 700 * 1024
+    versions = json.loads((HF_REFERENCE / name / "generator.json").read_text())
+    assert {"torch", "transformers", "safetensors", "python"} <= set(versions)
+
+
+def test_an_explicit_null_stays_null_and_the_manifest_agrees(tmp_path: Path) -> None:
+    """transformers writes ``final_logit_softcapping: null`` and the full layers'
+    head dim only under ``per_layer_config``; neither may become our default."""
+    manifest = import_checkpoint(HF_REFERENCE / "gemma4_dense", tmp_path / "out", progress=False)
+    assert manifest.arch["final_logit_softcapping"] is None
+    arch = peek_manifest_arch(tmp_path / "out")  # read from config.json, checked against manifest
+    assert arch.final_logit_softcapping is None
+    assert [arch.layer_head_dim(i) for i in range(4)] == [16, 32, 16, 32]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_5_release"])
+def test_qwen3_5_text_model_types_import(name: str, tmp_path: Path) -> None:
+    manifest = import_checkpoint(HF_REFERENCE / name, tmp_path / "out", progress=False)
+    assert manifest.family == "qwen_gdn" and manifest.arch["model_type"] == "qwen3_5_text"
+
+
+def test_a_manifest_that_disagrees_with_config_json_is_refused(tmp_path: Path) -> None:
+    import_checkpoint(HF_REFERENCE / "gemma4_dense", tmp_path / "out", progress=False)
+    file = tmp_path / "out" / MANIFEST
+    manifest = json.loads(file.read_text())
+    manifest["arch"]["final_logit_softcapping"] = 30.0  # what the old import recorded
+    file.write_text(json.dumps(manifest))
+    with pytest.raises(InstallError, match=r"arch.final_logit_softcapping=30.0 but config.json"):
+        Runner.open(tmp_path / "out")
+
+
+def test_an_impossible_config_value_is_refused_by_field(tmp_path: Path) -> None:
+    hf = fixture_copy("gemma4_dense", tmp_path)
+    edit_config(hf, lambda c: c.update(num_attention_heads=0))
+    assert "num_attention_heads" in refused(hf, tmp_path / "out")
+
+
+def test_a_missing_tensor_is_refused_by_name(tmp_path: Path) -> None:
+    hf = fixture_copy("qwen3_5_text", tmp_path)
+    edit_weights(hf, lambda w: w.pop("model.layers.1.self_attn.k_proj.weight"))
+    assert "model.layers.1.self_attn.k_proj.weight" in refused(hf, tmp_path / "out")
+
+
+def test_a_mis_shaped_tensor_is_refused_with_both_shapes(tmp_path: Path) -> None:
+    hf = fixture_copy("qwen3_5_text", tmp_path)
+    edit_weights(
+        hf, lambda w: w.update({"model.layers.0.mlp.down_proj.weight": mx.zeros((64, 31))})
+    )
+    assert refused(hf, tmp_path / "out") == (
+        "tensor model.layers.0.mlp.down_proj.weight has shape (64, 31), config.json implies "
+        "(64, 32); the checkpoint does not match its config"
+    )
+
+
+def test_a_config_that_misreads_its_tensors_fails_at_import_not_at_open(tmp_path: Path) -> None:
+    """Without per_layer_config the full layers' head dim falls back to 512."""
+    hf = fixture_copy("gemma4_dense", tmp_path)
+    edit_config(hf, lambda c: c.pop("per_layer_config"))
+    message = refused(hf, tmp_path / "out")
+    assert re.fullmatch(
+        r"tensor model\.layers\.[13]\.self_attn\.\S+ has shape \(.*\), "
+        r"config\.json implies \(.*\); the checkpoint does not match its config",
+        message,
+    ), message
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "fields"),
+    [
+        (
+            "qwen3_5_release",
+            lambda c: c["text_config"].update(tie_word_embeddings=True),
+            ("tie_word_embeddings=false", "text_config.tie_word_embeddings=true"),
+        ),
+        (
+            "gemma4_dense",
+            lambda c: c.update(global_head_dim=64),
+            ("global_head_dim=64", "per_layer_config.1.head_dim=32"),
+        ),
+        (
+            "qwen3_5_text",
+            lambda c: c.update(full_attention_interval=4),
+            ("layer_types", "full_attention_interval=4"),
+        ),
+    ],
+)
+def test_conflicting_duplicated_fields_are_refused_by_both_names(
+    name: str, edit: Callable[[dict[str, Any]], object], fields: tuple[str, str], tmp_path: Path
+) -> None:
+    hf = fixture_copy(name, tmp_path)
+    edit_config(hf, edit)
+    message = refused(hf, tmp_path / "out")
+    assert all(field in message for field in fields), message
+
+
+def test_an_unknown_model_type_names_the_families_and_the_override(tmp_path: Path) -> None:
+    hf = fixture_copy("qwen3_5_text", tmp_path)
+    edit_config(hf, lambda c: c.update(model_type="llama"))
+    message = refused(hf, tmp_path / "out", FamilyNotFound)
+    assert "'llama'" in message and "qwen_gdn" in message and "--family" in message

@@ -53,8 +53,9 @@ class ArchConfig(BaseModel):
     eos_token_id: int | list[int] | None = None
 
     def hf_config(self) -> dict[str, Any]:
-        """The ``config.json`` this arch writes: every field but ``family``."""
-        return self.model_dump(mode="json", exclude={"family"}, exclude_none=True)
+        """The ``config.json`` this arch writes: every field but ``family``, nulls
+        included (a missing key means the family default, a null means none)."""
+        return self.model_dump(mode="json", exclude={"family"})
 
 
 class ComponentSpec(BaseModel):

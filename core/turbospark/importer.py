@@ -4,8 +4,10 @@ The install stays a Hugging Face checkpoint (same ``config.json``, same tensor
 names, same tokenizer files), so mlx-lm loads it unchanged; the import adds the
 validated arch, the family and every file's sha256 in ``manifest.json``, and
 optionally casts the weights. The family is found by ``model_type`` (the
-text config's, when ``config.json`` nests one under ``text_config``), and its
-own pydantic ``ArchConfig`` validates the config before any tensor is read.
+text config's, when ``config.json`` nests one under ``text_config``); the
+config is read by :mod:`turbospark.hf_config` (the same reading every later
+open does) and validated by the family's ``ArchConfig`` before any tensor is
+read, and every tensor is checked against it before anything is written.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
 
 from turbospark.errors import InstallError
+from turbospark.hf_config import HFConfig, arch_from_config, read_config
 from turbospark.hookspecs import ArchConfig
 from turbospark.install import Manifest, write_install
 from turbospark.plugins import FamilyRegistry, default_registry
@@ -38,26 +40,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 SHARD_BYTES = 5 * 1024**3  # Hugging Face's default shard size
 
 
-class HFConfig(BaseModel):
-    """The top of a checkpoint's ``config.json``: enough to find the text config."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model_type: str | None = None
-    text_config: dict[str, Any] | None = None
-
-    def text(self) -> dict[str, Any]:
-        """The text decoder's config: ``text_config`` when nested (multimodal
-        checkpoints), else the whole file. Stop ids left at the top level apply."""
-        raw = self.model_dump(exclude={"text_config"}, exclude_none=True)
-        if self.text_config is None:
-            return raw
-        merged = dict(self.text_config)
-        if "eos_token_id" not in merged and "eos_token_id" in raw:
-            merged["eos_token_id"] = raw["eos_token_id"]
-        return merged
-
-
 class WeightIndex(BaseModel):
     """``model.safetensors.index.json``."""
 
@@ -66,20 +48,10 @@ class WeightIndex(BaseModel):
     weight_map: dict[str, str]
 
 
-def read_hf_config(hf_dir: Path) -> HFConfig:
-    file = hf_dir / "config.json"
-    if not file.is_file():
-        raise InstallError(f"{file} not found: {hf_dir} is not a Hugging Face checkpoint directory")
-    try:
-        return HFConfig.model_validate(json.loads(file.read_text()))
-    except (json.JSONDecodeError, ValidationError) as exc:
-        raise InstallError(f"{file} is not a valid Hugging Face config: {exc}") from exc
-
-
 def resolve_arch(config: HFConfig, family: str | None, registry: FamilyRegistry) -> ArchConfig:
-    """The checkpoint's arch, validated by the family that loads it."""
-    text = config.text()
-    model_type = text.get("model_type") or config.model_type
+    """The checkpoint's arch, validated by the family that loads it (*family*
+    overrides the lookup by ``model_type``)."""
+    model_type = config.text_model_type
     if family is not None:
         fam = registry.get(family)
     elif model_type is None:
@@ -89,16 +61,7 @@ def resolve_arch(config: HFConfig, family: str | None, registry: FamilyRegistry)
         )
     else:
         fam = registry.for_model_type(model_type)
-    try:
-        arch = fam.spec.arch_config.model_validate({**text, "family": fam.name})
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise InstallError(
-            f"config.json does not fit family '{fam.name}' (model_type {model_type!r}): {problems}"
-        ) from exc
-    return arch
+    return arch_from_config(config, fam.spec.arch_config, fam.name)
 
 
 def weight_files(hf_dir: Path) -> list[Path]:
@@ -158,9 +121,11 @@ def import_checkpoint(
         raise InstallError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if dst.exists() and any(dst.iterdir()):
         raise InstallError(f"{dst} is not empty; import into a new directory")
-    config = read_hf_config(src)
-    arch = resolve_arch(config, family, registry or default_registry())
+    config = read_config(src / "config.json")
+    reg = registry or default_registry()
+    arch = resolve_arch(config, family, reg)
     weights = read_weights(weight_files(src), dtype, progress)
+    check_weights(arch, weights, reg)
     extra = {name: (src / name).read_bytes() for name in TEXT_FILES if (src / name).is_file()}
     try:
         return write_install(
@@ -175,3 +140,14 @@ def import_checkpoint(
     except BaseException:
         shutil.rmtree(dst, ignore_errors=True)  # never leave a half-written install
         raise
+
+
+def check_weights(arch: ArchConfig, weights: dict[str, mx.array], registry: FamilyRegistry) -> None:
+    """Load *weights* into the family's model once, as ``Runner.open`` will, so a
+    missing, unexpected or mis-shaped tensor is refused by name before anything
+    is written (never an import that succeeds and an install that does not open).
+    The weights keep their dtype, so the check costs what serving costs."""
+    floating = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    dtype = mx.bfloat16 if mx.bfloat16 in floating else (floating or [mx.float32])[0]
+    hook = registry.get(arch.family).manager().hook
+    hook.turbospark_load_model(arch=arch, weights=weights, dtype=dtype)

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turbospark.errors import InstallError
+from turbospark.hf_config import arch_from_config, describe, read_config
 from turbospark.hookspecs import ArchConfig
 
 if TYPE_CHECKING:
@@ -60,12 +61,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def _describe(error: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in error.errors()
-    )
-
-
 def read_manifest(path: str | Path) -> Manifest:
     """Parse and validate ``manifest.json``; every failure names the file and field."""
     file = Path(path) / MANIFEST
@@ -81,16 +76,30 @@ def read_manifest(path: str | Path) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as exc:
-        raise InstallError(f"{file} is malformed: {_describe(exc)}") from exc
+        raise InstallError(f"{file} is malformed: {describe(exc)}") from exc
 
 
-def validate_arch(manifest: Manifest, arch_cls: type[ArchConfig], source: str) -> ArchConfig:
+def validate_arch(path: str | Path, manifest: Manifest, arch_cls: type[ArchConfig]) -> ArchConfig:
+    """The install's arch, read from its ``config.json`` exactly as the import read
+    it; ``manifest.json`` records the same arch, and an install where the two
+    disagree (written by an older import, or edited) is refused by field."""
+    source = Path(path) / MANIFEST
     try:
-        arch = arch_cls.model_validate({**manifest.arch, "family": manifest.family})
+        recorded = arch_cls.model_validate({**manifest.arch, "family": manifest.family})
     except ValidationError as exc:
         raise InstallError(
-            f"{source}: arch does not fit family '{manifest.family}': {_describe(exc)}"
+            f"{source}: arch does not fit family '{manifest.family}': {describe(exc)}"
         ) from exc
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise InstallError(f"{config} is listed in {MANIFEST} but missing; re-run the import")
+    arch = arch_from_config(read_config(config), arch_cls, manifest.family)
+    if arch != recorded:
+        field = next(k for k in type(arch).model_fields if getattr(arch, k) != getattr(recorded, k))
+        raise InstallError(
+            f"{source} records arch.{field}={getattr(recorded, field)!r} but config.json gives "
+            f"{getattr(arch, field)!r}; re-run `turbospark import` to rewrite the install"
+        )
     return arch
 
 
@@ -100,7 +109,7 @@ def peek_manifest_arch(path: str | Path, registry: FamilyRegistry | None = None)
 
     manifest = read_manifest(path)
     family = (registry or default_registry()).get(manifest.family)
-    return validate_arch(manifest, family.spec.arch_config, str(Path(path) / MANIFEST))
+    return validate_arch(path, manifest, family.spec.arch_config)
 
 
 def verify_files(path: str | Path, manifest: Manifest) -> None:
@@ -155,8 +164,10 @@ def load_checked(model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype
                 f"tensor {name} has shape {tuple(value.shape)}, config.json implies "
                 f"{tuple(expected[name].shape)}; the checkpoint does not match its config"
             )
+    # Tensors already in *dtype* are loaded as they are (no copy: the import's check relies on it).
     cast = {
-        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype else v
+        for k, v in weights.items()
     }
     model.load_weights(list(cast.items()), strict=True)
     model.eval()

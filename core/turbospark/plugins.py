@@ -127,7 +127,8 @@ class FamilyRegistry:
             if model_type in family.spec.model_types:
                 return family
         raise FamilyNotFound(
-            f"no installed family loads Hugging Face model_type '{model_type}'; {self.describe_installed()}"
+            f"no installed family loads Hugging Face model_type '{model_type}'; "
+            f"{self.describe_installed()}; pass --family NAME to load it with one of them"
         )
 
     def describe_installed(self) -> str:

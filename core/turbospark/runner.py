@@ -113,7 +113,7 @@ class Runner:
         manifest = read_manifest(path)
         family = (registry or default_registry()).get(manifest.family)
         spec = family.spec
-        installed = validate_arch(manifest, spec.arch_config, str(path / MANIFEST))
+        installed = validate_arch(path, manifest, spec.arch_config)
         if arch is not None and arch != installed:
             raise InstallError(
                 f"the arch passed to Runner.open does not match {path / MANIFEST}; "

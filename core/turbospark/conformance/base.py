@@ -19,17 +19,20 @@ Checks are ``@final``: override the class attributes and fixtures, not them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 from turbospark.conformance.interleave_checks import InterleavingChecks
 from turbospark.conformance.pool_checks import PoolChecks
+from turbospark.conformance.reference_checks import ReferenceChecks
 from turbospark.conformance.state_checks import StateChecks
 from turbospark.conformance.vision_checks import VisionChecks
 from turbospark.plugins import FamilyRegistry
 
 
 # pytest collects base classes last-first: state checks run first, the property test last.
-class FamilyConformance(InterleavingChecks, VisionChecks, PoolChecks, StateChecks):
+class FamilyConformance(InterleavingChecks, VisionChecks, PoolChecks, StateChecks, ReferenceChecks):
     """Every check a family plugin must pass. Set :attr:`family`; tune the rest."""
 
     family: ClassVar[str]
@@ -44,6 +47,13 @@ class FamilyConformance(InterleavingChecks, VisionChecks, PoolChecks, StateCheck
     atol: ClassVar[float] = 1e-4
     rtol: ClassVar[float] = 1e-4
     """Tolerance for logits compared across two paths (float32)."""
+
+    reference_checkpoints: ClassVar[Sequence[Path]] = ()
+    """Optional: checkpoint directories saved by the family's upstream, each with a
+    ``reference.npz`` of its logits (see :mod:`turbospark.conformance.reference_checks`)."""
+
+    reference_atol: ClassVar[float] = 1e-3
+    """Tolerance for logits against the upstream's (float32; argmax must agree)."""
 
     max_examples: ClassVar[int] = 15
     """Hypothesis schedules per interleaving check

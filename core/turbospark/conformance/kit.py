@@ -22,7 +22,7 @@ import pytest
 
 from turbospark.conformance.diagnose import session_states, shared_components
 from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
-from turbospark.install import MANIFEST, load_weights, read_manifest, validate_arch
+from turbospark.install import load_weights, read_manifest, validate_arch
 from turbospark.plugins import Family, FamilyRegistry, default_registry
 from turbospark.runner import Runner
 from turbospark.state import State
@@ -77,7 +77,7 @@ class FamilyKit:
     @cached_property
     def arch(self) -> ArchConfig:
         manifest = read_manifest(self.install)
-        return validate_arch(manifest, self.spec.arch_config, str(self.install / MANIFEST))
+        return validate_arch(self.install, manifest, self.spec.arch_config)
 
     @cached_property
     def hook(self) -> Any:

@@ -15,6 +15,8 @@ your own conftest or test class, keeping the shape documented here):
                      takes, built from the two above and the class's tolerances.
 ``component``        not a fixture: checks that take it are parametrized with
                      every component name the family declares.
+``reference_checkpoint``  not a fixture: the reference check is parametrized with
+                     the class's ``reference_checkpoints`` (None, a skip, when empty).
 """
 
 from __future__ import annotations
@@ -74,12 +76,17 @@ def kit(
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One test per declared component for checks that take ``component``."""
+    """One test per declared component for checks that take ``component``, one per
+    reference checkpoint for the check that takes ``reference_checkpoint``."""
     cls = metafunc.cls
-    if "component" not in metafunc.fixturenames or cls is None:
-        return
-    if not issubclass(cls, FamilyConformance):
+    if cls is None or not issubclass(cls, FamilyConformance):
         return
     cls = conformance_class(cls)
-    spec = (cls.registry or default_registry()).get(cls.family).spec
-    metafunc.parametrize("component", [c.name for c in spec.components])
+    if "reference_checkpoint" in metafunc.fixturenames:
+        paths = [Path(p) for p in cls.reference_checkpoints]
+        metafunc.parametrize(
+            "reference_checkpoint", paths or [None], ids=[p.name for p in paths] or ["none"]
+        )
+    if "component" in metafunc.fixturenames:
+        spec = (cls.registry or default_registry()).get(cls.family).spec
+        metafunc.parametrize("component", [c.name for c in spec.components])

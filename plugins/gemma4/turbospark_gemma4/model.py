@@ -22,7 +22,7 @@ then an array of ``B`` positions; see :mod:`turbospark.batch`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,6 +63,15 @@ def _gemma4_rope() -> dict[LayerType, RopeParameters]:
     }
 
 
+class LayerOverride(BaseModel):
+    """One entry of transformers 5.x's ``per_layer_config``: what differs for that layer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    head_dim: int | None = Field(None, gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+
+
 class Gemma4Config(ArchConfig):
     """``config.json`` of a ``gemma4_text`` checkpoint (defaults are mlx-lm's, so a
     key missing from config.json means the same thing to both)."""
@@ -100,6 +109,19 @@ class Gemma4Config(ArchConfig):
     moe_intermediate_size: int | None = None
     layer_types: list[LayerType] | None = None
     tie_word_embeddings: bool = True
+    # transformers >= 5 writes the full layers' head dim (and KV heads) only here,
+    # keyed by layer index; when present it replaces global_head_dim and
+    # num_global_key_value_heads, as in transformers.
+    per_layer_config: dict[int, LayerOverride] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_layer_config_replaces_globals(cls, data: Any) -> Any:
+        # With per_layer_config, transformers never reads the two global keys, so an
+        # absent one must not take mlx-lm's default (512) and then "conflict".
+        if isinstance(data, dict) and data.get("per_layer_config") is not None:
+            data = {"global_head_dim": None, "num_global_key_value_heads": None, **data}
+        return data
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> Gemma4Config:
@@ -112,6 +134,8 @@ class Gemma4Config(ArchConfig):
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
             )
+        if self.per_layer_config is not None:
+            self._check_per_layer_config()
         owners = self.first_kv_shared_layer
         if owners == 0:
             raise ValueError(
@@ -123,6 +147,13 @@ class Gemma4Config(ArchConfig):
                     f"KV-shared layer {i} is {self.layer_types[i]} but no earlier layer of that "
                     "type owns K/V to share"
                 )
+            source = self.kv_source(i)
+            shape, shared = ((self.layer_kv_heads(j), self.layer_head_dim(j)) for j in (i, source))
+            if shape != shared:
+                raise ValueError(
+                    f"KV-shared layer {i} has (kv heads, head dim) {shape} but shares the K/V "
+                    f"of layer {source}, which has {shared}"
+                )
         if self.enable_moe_block:
             if not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
                 raise ValueError(
@@ -131,6 +162,33 @@ class Gemma4Config(ArchConfig):
             if not 1 <= self.top_k_experts <= self.num_experts:
                 raise ValueError(f"top_k_experts={self.top_k_experts} not in 1..{self.num_experts}")
         return self
+
+    def _check_per_layer_config(self) -> None:
+        """Refuse what transformers and mlx-lm would read differently: an override
+        of a layer that does not exist, or global_head_dim /
+        num_global_key_value_heads set beside it to other values (transformers
+        ignores them, mlx-lm reads only them)."""
+        assert self.per_layer_config is not None
+        for layer in self.per_layer_config:
+            if not 0 <= layer < self.num_hidden_layers:
+                raise ValueError(
+                    f"per_layer_config names layer {layer} of {self.num_hidden_layers}"
+                )
+        full = [i for i in range(self.num_hidden_layers) if self.is_full(i)]
+        for field, key in (
+            ("global_head_dim", "head_dim"),
+            ("num_global_key_value_heads", "num_key_value_heads"),
+        ):
+            stated = getattr(self, field)
+            if stated is None:
+                continue
+            for i in full:
+                value = getattr(self.per_layer_config.get(i, LayerOverride()), key)
+                if value is not None and value != stated:
+                    raise ValueError(
+                        f"{field}={stated} conflicts with per_layer_config.{i}.{key}={value}; "
+                        "make them agree or drop one"
+                    )
 
     @property
     def first_kv_shared_layer(self) -> int:
@@ -151,6 +209,9 @@ class Gemma4Config(ArchConfig):
         return self.layer_types[layer] == "full_attention"
 
     def layer_head_dim(self, layer: int) -> int:
+        if self.per_layer_config is not None:
+            override = self.per_layer_config.get(layer, LayerOverride()).head_dim
+            return override or self.head_dim
         return (
             self.global_head_dim if self.is_full(layer) and self.global_head_dim else self.head_dim
         )
@@ -159,6 +220,9 @@ class Gemma4Config(ArchConfig):
         return self.attention_k_eq_v and self.is_full(layer)
 
     def layer_kv_heads(self, layer: int) -> int:
+        if self.per_layer_config is not None:
+            override = self.per_layer_config.get(layer, LayerOverride()).num_key_value_heads
+            return override or self.num_key_value_heads
         if self.k_eq_v(layer) and self.num_global_key_value_heads is not None:
             return self.num_global_key_value_heads
         return self.num_key_value_heads

@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.errors import InvalidInput
+from turbospark.errors import InstallError, InvalidInput
+from turbospark.hf_config import HFConfig, arch_from_config
 from turbospark.install import build_synthetic_install
 from turbospark.plugins import default_registry
 from turbospark_qwen_gdn.model import QwenGdnConfig, sanitize
@@ -39,7 +40,7 @@ TEXT = {
 def test_family_declaration() -> None:
     family = default_registry().get("qwen_gdn")
     spec = family.spec
-    assert spec.model_types == ["qwen3_5"]
+    assert spec.model_types == ["qwen3_5", "qwen3_5_text"]
     assert spec.state_source == "plugins/qwen_gdn/turbospark_qwen_gdn/state.py"
     kv, gdn = spec.component("kv"), spec.component("gdn")
     assert (kv.swappable, kv.rewindable, kv.persistable) == (True, True, True)
@@ -48,21 +49,39 @@ def test_family_declaration() -> None:
     assert family.manager().hook.turbospark_pool_capability(arch=arch) == ["kv", "gdn"]
 
 
-def test_nested_hf_config_is_flattened_like_mlx_lm() -> None:
-    """A real ``config.json`` nests the text model; mlx-lm reads ``text_config`` only."""
+def test_nested_hf_config_reads_its_text_config() -> None:
+    """A release ``config.json`` nests the decoder (``qwen3_5_text``) under ``text_config``."""
     nested = {
-        "family": "qwen_gdn",
         "model_type": "qwen3_5",
         "text_config": TEXT,
         "vision_config": {"depth": 2},
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": True,
     }
-    arch = QwenGdnConfig.model_validate(nested)
-    flat = QwenGdnConfig.model_validate({**TEXT, "family": "qwen_gdn", "model_type": "qwen3_5"})
-    assert arch == flat
+    arch = arch_from_config(HFConfig.model_validate(nested), QwenGdnConfig, "qwen_gdn")
+    flat = arch_from_config(HFConfig.model_validate(TEXT), QwenGdnConfig, "qwen_gdn")
+    assert arch == flat and arch.model_type == "qwen3_5_text"
     assert arch.head_dim == 32  # hidden_size // num_attention_heads, as mlx-lm derives it
     assert arch.rotary_dims == 8 and arch.tie_word_embeddings
     assert [arch.is_linear(i) for i in range(4)] == [True, True, True, False]
+
+
+def test_conflicting_tie_flags_are_refused_by_both_names() -> None:
+    """transformers ties by the top-level flag, mlx-lm by the inner one: never guess."""
+    nested = {"model_type": "qwen3_5", "text_config": TEXT, "tie_word_embeddings": False}
+    with pytest.raises(
+        InstallError, match=r"tie_word_embeddings=false but text_config.tie_word_embeddings=true"
+    ):
+        arch_from_config(HFConfig.model_validate(nested), QwenGdnConfig, "qwen_gdn")
+
+
+def test_layer_types_are_read_and_must_agree_with_the_interval() -> None:
+    types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    arch = QwenGdnConfig.model_validate({**TEXT, "family": "qwen_gdn", "layer_types": types})
+    assert [arch.is_linear(i) for i in range(4)] == [True, False, True, False]
+    with pytest.raises(ValueError, match="layer_types conflicts with full_attention_interval=4"):
+        QwenGdnConfig.model_validate(
+            {**TEXT, "family": "qwen_gdn", "layer_types": types, "full_attention_interval": 4}
+        )
 
 
 def test_unknown_synthetic_dims_are_refused(tmp_path: Path) -> None:

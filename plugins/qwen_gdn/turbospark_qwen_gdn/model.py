@@ -1,8 +1,8 @@
 """The Qwen3.5 dense hybrid text model, computed exactly as mlx-lm's ``qwen3_5`` does.
 
-A stack of pre-norm residual layers; every ``full_attention_interval``-th layer
-(1-based) is gated full attention, the others are gated DeltaNet linear
-attention (:mod:`turbospark.layers.gated_delta`):
+A stack of pre-norm residual layers; ``layer_types`` (or, without it, every
+``full_attention_interval``-th layer, 1-based) says which are gated full
+attention, the others are gated DeltaNet linear attention (:mod:`turbospark.layers.gated_delta`):
 
 - linear: ``in_proj_qkv`` -> depthwise causal conv (K taps, continuing from
   the session's conv tail) -> SiLU -> l2-normalised q/k -> gated delta rule
@@ -61,15 +61,17 @@ class RopeParameters(BaseModel):
         return data
 
 
-class QwenGdnConfig(ArchConfig):
-    """``config.json`` of a ``qwen3_5`` checkpoint (HF key names, mlx-lm's defaults).
+LayerType = Literal["linear_attention", "full_attention"]
 
-    A real checkpoint nests the text model under ``text_config``; mlx-lm reads
-    only that sub-config, so we flatten it the same way (keeping the outer
-    ``model_type``) and write the flat form, which mlx-lm also loads.
+
+class QwenGdnConfig(ArchConfig):
+    """``config.json`` of a Qwen3.5 text decoder (HF key names, mlx-lm's defaults).
+
+    Release checkpoints nest it under ``text_config`` (``qwen3_5_text``) beside a
+    vision tower; core's config reader hands this class the decoder's part.
     """
 
-    model_type: Literal["qwen3_5"] = "qwen3_5"
+    model_type: Literal["qwen3_5", "qwen3_5_text"] = "qwen3_5"
     intermediate_size: int = Field(14336, gt=0)
     num_attention_heads: int = Field(32, gt=0)
     num_key_value_heads: int = Field(8, gt=0)
@@ -82,18 +84,18 @@ class QwenGdnConfig(ArchConfig):
     linear_key_head_dim: int = Field(192, gt=0)
     linear_value_head_dim: int = Field(128, gt=0)
     linear_conv_kernel_dim: int = Field(4, ge=2)
-    # Layer i is full attention when (i + 1) % full_attention_interval == 0.
-    full_attention_interval: int = Field(4, gt=0)
+    # Layer i is full attention when (i + 1) % full_attention_interval == 0; only
+    # read when config.json has no layer_types (transformers writes only those).
+    # None: not in config.json, so 4 (mlx-lm's default) when it decides.
+    full_attention_interval: int | None = Field(None, gt=0)
+    layer_types: list[LayerType] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_parameters: RopeParameters = Field(default_factory=RopeParameters)
 
     @model_validator(mode="before")
     @classmethod
-    def _flatten_text_config(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("text_config"), dict):
-            keep = {k: data[k] for k in ("family", "model_type", "eos_token_id") if k in data}
-            data = {**data["text_config"], **keep}
+    def _default_head_dim(cls, data: Any) -> Any:
         if isinstance(data, dict) and not data.get("head_dim") and "hidden_size" in data:
             heads = data.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
             data = {**data, "head_dim": data["hidden_size"] // heads}
@@ -111,6 +113,24 @@ class QwenGdnConfig(ArchConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        interval = self.full_attention_interval or 4
+        by_interval = [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+        if self.layer_types is None:
+            # Frozen model: set the derived default once, here, before anyone reads it.
+            object.__setattr__(self, "layer_types", by_interval)
+        elif len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        elif self.full_attention_interval is not None and self.layer_types != by_interval:
+            # transformers reads layer_types, mlx-lm the interval: they would build different models.
+            raise ValueError(
+                f"layer_types conflicts with full_attention_interval={interval}; "
+                "make them agree or drop full_attention_interval"
+            )
         return self
 
     @property
@@ -118,7 +138,7 @@ class QwenGdnConfig(ArchConfig):
         return int(self.head_dim * self.rope_parameters.partial_rotary_factor)
 
     def is_linear(self, layer: int) -> bool:
-        return (layer + 1) % self.full_attention_interval != 0
+        return self.layer_types[layer] == "linear_attention"
 
     def gdn_dims(self) -> GDNDims:
         return GDNDims(

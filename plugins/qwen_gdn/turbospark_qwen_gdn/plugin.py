@@ -24,7 +24,7 @@ def turbospark_family() -> FamilySpec:
     return FamilySpec(
         name="qwen_gdn",
         # HF's text sub-config is "qwen3_5_text", but checkpoints (and mlx-lm) use "qwen3_5".
-        model_types=["qwen3_5"],
+        model_types=["qwen3_5", "qwen3_5_text"],
         arch_config=QwenGdnConfig,
         components=COMPONENTS,
         state_source="plugins/qwen_gdn/turbospark_qwen_gdn/state.py",
