@@ -110,7 +110,7 @@ class Service:
         )
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # bad JSON or UTF-8, or an integer past Python's digit limit
             raise APIError(
                 400, f"the request body is not valid JSON: {exc}", code="invalid_json"
             ) from exc

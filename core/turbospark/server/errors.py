@@ -70,9 +70,11 @@ def _param(loc: tuple[int | str, ...]) -> str:
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    """A pydantic failure as a 400 naming the first bad parameter (all are listed)."""
+    """A pydantic failure as a 400 naming the bad parameter (all failures are
+    listed). Of a union's failures the deepest names it: ``content`` failed as
+    a string *and* at ``content.0.text`` as a list of parts; the latter says where."""
     errors = exc.errors()
-    first = errors[0]
+    first = max(errors, key=lambda e: len(_param(e["loc"]).split(".")))
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
     lines = dict.fromkeys(f"{_param(e['loc']) or 'body'}: {e['msg']}" for e in errors)
     return APIError(400, "; ".join(lines), param=_param(first["loc"]) or None, code=code)
