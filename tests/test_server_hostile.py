@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +21,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serving import client, service, serving, sessions
 
 from turbospark import build_synthetic_install
 from turbospark.server import ThreadedServer
-from turbospark.server.limits import ServerLimits
-from turbospark.server.prompt_bound import PromptBound
 from turbospark.text import TextCodec, load_text
-
-from serving import client, service, serving, sessions
 
 MODEL = "tiny-hostile"
 # A short context bounds every generation the fuzzer asks for (max_tokens may be huge).
