@@ -30,7 +30,7 @@ from turbospark.text import TextCodec, load_text
 MODEL = "tiny-hostile"
 # A short context bounds every generation the fuzzer asks for (max_tokens may be huge).
 CONTEXT = 256
-FUZZ_EXAMPLES = int(os.environ.get("TURBOSPARK_FUZZ_EXAMPLES", "60"))
+FUZZ_EXAMPLES = int(os.environ.get("TURBOSPARK_FUZZ_EXAMPLES", "40"))
 
 
 @pytest.fixture(scope="module")

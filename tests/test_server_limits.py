@@ -20,6 +20,7 @@ from serving import client, service, serving, sessions
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from turbospark import build_synthetic_install
+from turbospark.cli import main
 from turbospark.server import ThreadedServer
 from turbospark.server.limits import ServerLimits
 from turbospark.server.prompt_bound import MAX_CANONICAL_DECOMPOSITION, PromptBound
@@ -271,3 +272,11 @@ def test_tokenizers_that_drop_characters_get_no_bound() -> None:
         bound = PromptBound.of(tokenizer)
         assert bound.chars_per_token is None and bound.min_tokens(10**6) == 0
     assert math.ceil(100 / 15) == PromptBound(15, "").min_tokens(100)
+
+
+@pytest.mark.parametrize("flag", ["--max-request-bytes", "--max-queue", "--request-timeout"])
+def test_serve_refuses_a_limit_that_is_not_positive(
+    install: Path, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", str(install), flag, "0"]) == 2
+    assert f"{flag} must be positive" in capsys.readouterr().err
