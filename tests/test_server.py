@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+from serving import CONTEXT, client, serving
 
 from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.generate import GenerationConfig, generate
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
-from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec, load_text
 
 MODEL = "tiny-serve"
-CONTEXT = 2048
 
 
 @pytest.fixture(scope="module")
@@ -37,29 +34,10 @@ def codec(install: Path) -> TextCodec:
     return load_text(install)
 
 
-@contextmanager
-def serving(install: Path, codec: TextCodec, slots: int) -> Iterator[ThreadedServer]:
-    """A fresh runner served as ``turbospark serve`` does: opened on the worker thread."""
-    worker = RunnerWorker()
-
-    def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=CONTEXT, session_slots=slots)
-        runner.set_prefix_reuse(True)
-        return runner
-
-    app = create_app(worker.run(open_runner), codec, worker=worker)
-    with ThreadedServer(app) as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def server(install: Path, codec: TextCodec) -> Iterator[ThreadedServer]:
     with serving(install, codec, slots=2) as running:
         yield running
-
-
-def client(server: ThreadedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def greedy_reference(install: Path, codec: TextCodec, prompt: list[int] | str, n: int) -> str:

@@ -40,7 +40,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import mlx.core as mx
 
@@ -62,6 +64,7 @@ from turbospark.text import StopStrings, StreamDecoder, TextCodec
 log = logging.getLogger("turbospark.engine")
 
 Emit = Callable[[Chunk | Exception], None]
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -197,6 +200,7 @@ class Engine:
         self._prefilling: list[_Row] = []
         self._solo: list[_Row] = []
         self._batch = _Batch(runner)
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.warming = False
 
     # -- the outside: any thread ----------------------------------------------------
@@ -205,6 +209,24 @@ class Engine:
         with self._wake:
             self._queue.append(job)
             self._wake.notify()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run *fn* on the runner thread between two steps (the loop owns that
+        thread while it runs): inspection, a disk flush, a test's probe."""
+        future: Future[T] = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
 
     @property
     def queue_depth(self) -> int:
@@ -219,6 +241,7 @@ class Engine:
         failure the rows could not contain fails every request in flight, and
         the loop goes on serving."""
         while not stop.is_set():
+            self._run_calls()
             try:
                 busy = self.step()
             except Exception as exc:
@@ -227,8 +250,9 @@ class Engine:
                 continue
             if not busy:
                 with self._wake:
-                    if not self._queue:
+                    if not self._queue and not self._calls:
                         self._wake.wait(timeout=0.05)
+        self._run_calls()
 
     def warm_up(self, ids: list[int], rows: int = 2) -> None:
         """Run *rows* copies of a short request to the end, so the prefill, the

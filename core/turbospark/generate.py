@@ -145,13 +145,14 @@ def encode_prompt(codec: TextCodec, prompt: str | Sequence[int]) -> list[int]:
 
 def check_prompt(runner: Runner, prompt: Sequence[int]) -> None:
     """Refuse a prompt the runner could not take, before reuse or reset touch
-    any session (a refusal after ``reset()`` would have parked the live one)."""
-    runner.check_ids(prompt)
+    any session (a refusal after ``reset()`` would have parked the live one).
+    The length goes first: it is one comparison, the ids are a pass over the prompt."""
     if len(prompt) > runner.context_length:
         raise ContextOverflow(
             f"the prompt is {len(prompt)} tokens but the context length is "
             f"{runner.context_length}; shorten the prompt or serve with a larger --context-length"
         )
+    runner.check_ids(prompt)
 
 
 def acquire(runner: Runner, ids: Sequence[int]) -> tuple[int, ReuseReport, bool]:

@@ -248,8 +248,12 @@ class TextCodec:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of *text*; ``add_special_tokens`` applies the tokenizer's
         post-processor (e.g. a leading ``<bos>`` for a raw completion prompt).
-        Chat prompts already carry their specials from the template."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        Chat prompts already carry their specials from the template.
+
+        Through ``encode_batch``, which releases the GIL (``encode`` holds it
+        throughout), so a long prompt tokenized on a worker thread does not stall
+        the server's event loop."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

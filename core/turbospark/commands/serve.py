@@ -8,10 +8,11 @@ from pathlib import Path
 
 import uvicorn
 
-from turbospark.commands import add_pool_memory_flag, install_text
+from turbospark.commands import add_pool_memory_flag, byte_size, install_text
 from turbospark.errors import InvalidInput
 from turbospark.runner import Runner
 from turbospark.server.app import create_app
+from turbospark.server.limits import ServerLimits
 from turbospark.server.worker import RunnerWorker
 
 DEFAULT_MAX_TOKENS = 2048
@@ -56,6 +57,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-prefix-reuse", action="store_true", help="prefill every prompt from scratch"
     )
     parser.add_argument("--model-id", help="the served model name (default: the manifest's)")
+    defaults = ServerLimits()
+    parser.add_argument(
+        "--max-request-bytes",
+        type=byte_size,
+        default=defaults.max_request_bytes,
+        metavar="SIZE",
+        help="refuse larger request bodies with 413 before reading them (default: 16MiB)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.max_queue,
+        metavar="N",
+        help="generation requests admitted at once, running or waiting; beyond it 503 "
+        f"with Retry-After (default: {defaults.max_queue})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=defaults.request_timeout,
+        metavar="SECONDS",
+        help="deadline from a request's arrival to its last byte; past it the request ends "
+        f"with a request_timeout error and its generation stops (default: {defaults.request_timeout:g})",
+    )
     parser.set_defaults(func=run)
 
 
@@ -73,6 +98,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    for flag, value in [
+        ("--max-request-bytes", args.max_request_bytes),
+        ("--max-queue", args.max_queue),
+        ("--request-timeout", args.request_timeout),
+    ]:
+        if value <= 0:
+            raise InvalidInput(f"{flag} must be positive, got {value:g}")
+
+
+def limits_of(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         worker=worker,
         max_batch=args.max_batch,
         warm_up=warm_up,
+        limits=limits_of(args),
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     print(
@@ -110,5 +151,6 @@ def run(args: argparse.Namespace) -> int:
         f"up to {args.max_batch} request(s) per batch",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    config = limits_of(args).uvicorn_config(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.Server(config).run()
     return 0

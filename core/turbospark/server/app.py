@@ -1,35 +1,38 @@
 """The OpenAI-compatible HTTP API over one runner.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
-streaming), ``GET /v1/models``, ``GET /health``. There are no conversation ids:
+streaming), ``GET /v1/models``, ``GET /health``, and ``GET /openapi.json`` (the
+request and response schemas, generated from the pydantic models). There are no conversation ids:
 the runner picks the session by token content (SEMANTICS.md), so any OpenAI
 client gets prefix reuse by simply resending its conversation.
 
 Every refusal is an OpenAI-style error body ``{"error": {message, type, param,
 code}}`` with a 4xx status, decided *before* the request reaches the runner,
-so a bad request never touches a session and the server keeps serving.
+so a bad request never touches a session and the server keeps serving. What
+one request may hold (bytes, a queue place, time) is bounded in ``limits.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import mlx.core as mx
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from turbospark.engine import Engine, Job
-from turbospark.errors import ContextOverflow, InvalidInput, TurbosparkError
+from turbospark.errors import TurbosparkError
 from turbospark.generate import (
     Chunk,
     Completion,
@@ -39,6 +42,17 @@ from turbospark.generate import (
     encode_prompt,
 )
 from turbospark.runner import Runner
+from turbospark.server.errors import (
+    HANDLERS,
+    APIError,
+    ClientGone,
+    error_json,
+    refusal,
+    validation_error,
+)
+from turbospark.server.limits import Admission, Deadline, ServerLimits, Ticket, read_body
+from turbospark.server.openapi import openapi_document
+from turbospark.server.prompt_bound import PromptBound
 from turbospark.server.schemas import (
     AssistantMessage,
     BaseRequest,
@@ -49,8 +63,6 @@ from turbospark.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     Delta,
-    ErrorBody,
-    ErrorDetail,
     Message,
     ModelCard,
     ModelList,
@@ -67,52 +79,14 @@ R = TypeVar("R", bound=BaseRequest)
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
 
 
-class ClientGone(Exception):
-    """The client of a non-streaming request hung up; nothing is sent back."""
-
-
-class APIError(Exception):
-    """A refusal with its HTTP status and OpenAI error fields."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = ErrorBody(
-            error=ErrorDetail(
-                message=message,
-                type="invalid_request_error" if status < 500 else "server_error",
-                param=param,
-                code=code,
-            )
-        )
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body.model_dump(), status_code=error.status)
-
-
-def _validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
-    message = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-    )
-    return APIError(400, message, param=param, code=code)
-
-
-def _refusal(exc: TurbosparkError, param: str) -> APIError:
-    if isinstance(exc, ContextOverflow):
-        return APIError(400, str(exc), param=param, code="context_length_exceeded")
-    if isinstance(exc, InvalidInput):
-        return APIError(400, str(exc), param=param, code="invalid_value")
-    return APIError(500, str(exc))
-
-
 class Service:
-    """One runner, its text codec, and the worker thread that owns them."""
+    """One runner, its text codec, the worker thread that owns them, the engine
+    that batches their requests (:mod:`turbospark.engine`), and the limits.
+
+    Prompts are rendered and tokenized on a small pool of their own, neither on
+    the event loop (every other request would wait) nor on the runner thread
+    (generation would wait); ``TextCodec.encode`` releases the GIL meanwhile.
+    """
 
     def __init__(
         self,
@@ -123,6 +97,7 @@ class Service:
         chunk_size: int,
         default_max_tokens: int | None,
         worker: RunnerWorker,
+        limits: ServerLimits,
         engine: Engine,
     ) -> None:
         self.runner = runner
@@ -132,6 +107,10 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self.worker = worker
+        self.limits = limits
+        self.admission = Admission(limits.max_queue)
+        self.bound = PromptBound.of(codec.tokenizer)
+        self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turbospark-text")
         self.engine = engine
         self._stop = threading.Event()
 
@@ -151,22 +130,32 @@ class Service:
     def stop(self) -> None:
         self._stop.set()
         self.engine.wake()
+        self.text_pool.shutdown(wait=True, cancel_futures=True)
         self.worker.shutdown()
 
-    async def parse(self, request: Request, model: type[R]) -> R:
-        raw = await request.body()
+    def deadline(self) -> Deadline:
+        return Deadline(self.limits.request_timeout)
+
+    async def parse(self, request: Request, model: type[R], deadline: Deadline) -> R:
+        raw = await deadline.run(
+            read_body(request, self.limits.max_request_bytes), "while the body was sent", 408
+        )
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # bad JSON or UTF-8, or an integer past Python's digit limit
             raise APIError(
                 400, f"the request body is not valid JSON: {exc}", code="invalid_json"
             ) from exc
+        except RecursionError:
+            raise APIError(
+                400, "the request body is nested too deeply to parse", code="invalid_json"
+            ) from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
             parsed = model.model_validate(data)
         except ValidationError as exc:
-            raise _validation_error(exc) from exc
+            raise validation_error(exc) from exc
         if parsed.model != self.model_id:
             raise APIError(
                 404,
@@ -177,42 +166,58 @@ class Service:
             )
         return parsed
 
-    def chat_ids(self, messages: list[Message]) -> list[int]:
-        return self._checked(
-            lambda: self.codec.encode_chat([m.template_dict() for m in messages]), "messages"
-        )
+    async def prompt_ids(
+        self, prompt: list[Message] | str | list[int], deadline: Deadline
+    ) -> list[int]:
+        """The prompt's ids, checked, rendered and tokenized on the text pool."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            work = functools.partial(self._completion_ids, prompt)
+        else:
+            work = functools.partial(self._chat_ids, prompt)
+        future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+        return await deadline.run(future, "while the prompt was tokenized")
 
-    def completion_ids(self, prompt: str | list[int]) -> list[int]:
-        return self._checked(lambda: encode_prompt(self.codec, prompt), "prompt")
-
-    def _checked(self, encode: Callable[[], list[int]], param: str) -> list[int]:
-        """Encode and validate a prompt, refusing it as a 4xx before the runner sees it."""
+    def _chat_ids(self, messages: list[Message]) -> list[int]:
         try:
-            ids = encode()
+            text = self.codec.apply_chat_template([m.template_dict() for m in messages])
+        except TurbosparkError as exc:
+            raise refusal(exc, "messages") from exc
+        self._fits(len(text), "messages")
+        return self._checked(self.codec.encode(text), "messages")
+
+    def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            self._fits(len(prompt), "prompt")
+        return self._checked(encode_prompt(self.codec, prompt), "prompt")
+
+    def _fits(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit the context (prompt_bound.py)."""
+        least = self.bound.min_tokens(chars)
+        if least > self.runner.context_length:
+            raise APIError(
+                400,
+                f"the prompt is {chars} characters, so at least {least} tokens "
+                f"({self.bound.why}), but the context length is {self.runner.context_length}; "
+                "shorten the prompt or serve with a larger --context-length",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
+        """Validate a prompt, refusing it as a 4xx before the runner sees it."""
+        try:
             check_prompt(self.runner, ids)
         except TurbosparkError as exc:
-            raise _refusal(exc, param) from exc
+            raise refusal(exc, param) from exc
         return ids
 
-    async def complete(
-        self, ids: list[int], config: GenerationConfig, request: Request
-    ) -> Completion:
-        """The whole completion; a client that hangs up meanwhile frees its row."""
-
-        async def gather() -> Completion:
-            return collect([chunk async for chunk in self.chunks(ids, config)])
-
-        task = asyncio.ensure_future(gather())
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # closes the stream: the engine drops the row next step
-                raise ClientGone
-        return task.result()
-
-    async def chunks(self, ids: list[int], config: GenerationConfig) -> AsyncIterator[Chunk]:
-        """The request's chunks as the engine produces them. Leaving early (a
-        client that hung up, an error) cancels the request at the next step."""
+    async def chunks(
+        self, ids: list[int], config: GenerationConfig, deadline: Deadline
+    ) -> AsyncIterator[Chunk]:
+        """The request's chunks as the engine produces them, within the deadline.
+        When the consumer stops (a client that left, the deadline) the request
+        is cancelled: its row is freed at the engine's next step, and a request
+        given up while still queued never starts."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Chunk | Exception] = asyncio.Queue()
         job = Job(
@@ -223,7 +228,7 @@ class Service:
         self.engine.submit(job)
         try:
             while True:
-                item = await queue.get()
+                item = await deadline.run(queue.get(), "while generating")
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -232,6 +237,37 @@ class Service:
         finally:
             job.cancelled.set()
             self.engine.wake()
+
+    async def complete(
+        self, ids: list[int], config: GenerationConfig, deadline: Deadline, request: Request
+    ) -> Completion:
+        """The whole completion; a client that hangs up meanwhile frees its row."""
+
+        async def gather() -> Completion:
+            return collect([chunk async for chunk in self.chunks(ids, config, deadline)])
+
+        task = asyncio.ensure_future(gather())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # closes the stream: the engine drops the row next step
+                raise ClientGone
+        return task.result()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that holds its request's queue place until it ends,
+    however it ends (finished, failed, or cancelled by a disconnect)."""
+
+    def __init__(self, events: AsyncIterator[str], ticket: Ticket) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.ticket = ticket
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
 
 
 def _sse(payload: BaseModel | dict[str, Any] | str) -> str:
@@ -257,21 +293,35 @@ async def _sse_stream(
                 yield _sse(event)
             if chunk.stats is not None and usage_event is not None:
                 yield _sse(usage_event(Usage.from_stats(chunk.stats)))
+    except APIError as exc:  # the deadline
+        yield _sse(error_json(exc.body))
     except TurbosparkError as exc:
-        yield _sse(_refusal(exc, param).body)
+        yield _sse(error_json(refusal(exc, param).body))
     except Exception as exc:  # the headers are sent: report in-band, then end the stream
-        yield _sse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body)
+        yield _sse(error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body))
     yield _sse("[DONE]")
 
 
 async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    body = await service.parse(request, ChatCompletionRequest)
-    ids = service.chat_ids(body.messages)
+    deadline = service.deadline()
+    body = await service.parse(request, ChatCompletionRequest, deadline)
+    with service.admission.admit() as ticket:
+        return await _chat(service, body, deadline, ticket, request)
+
+
+async def _chat(
+    service: Service,
+    body: ChatCompletionRequest,
+    deadline: Deadline,
+    ticket: Ticket,
+    request: Request,
+) -> Response:
+    ids = await service.prompt_ids(body.messages, deadline)
     config = body.generation_config(service.chunk_size, service.default_max_tokens)
     ident = new_id("chatcmpl")
     if not body.stream:
-        done = await service.complete(ids, config, request)
+        done = await service.complete(ids, config, deadline, request)
         return JSONResponse(
             ChatCompletion(
                 id=ident,
@@ -305,19 +355,34 @@ async def chat_completions(request: Request) -> Response:
         return ChatCompletionChunk(id=ident, model=service.model_id, choices=[], usage=usage)
 
     events = _sse_stream(
-        service.chunks(ids, config), render, usage_event if body.include_usage else None, "messages"
+        service.chunks(ids, config, deadline),
+        render,
+        usage_event if body.include_usage else None,
+        "messages",
     )
-    return StreamingResponse(events, media_type="text/event-stream")
+    return EventStream(events, ticket.hand_over())
 
 
 async def completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    body = await service.parse(request, CompletionRequest)
-    ids = service.completion_ids(body.prompt)
+    deadline = service.deadline()
+    body = await service.parse(request, CompletionRequest, deadline)
+    with service.admission.admit() as ticket:
+        return await _complete(service, body, deadline, ticket, request)
+
+
+async def _complete(
+    service: Service,
+    body: CompletionRequest,
+    deadline: Deadline,
+    ticket: Ticket,
+    request: Request,
+) -> Response:
+    ids = await service.prompt_ids(body.prompt, deadline)
     config = body.generation_config(service.chunk_size, service.default_max_tokens)
     ident = new_id("cmpl")
     if not body.stream:
-        done = await service.complete(ids, config, request)
+        done = await service.complete(ids, config, deadline, request)
         return JSONResponse(
             TextCompletion(
                 id=ident,
@@ -337,9 +402,12 @@ async def completions(request: Request) -> Response:
         return TextCompletion(id=ident, model=service.model_id, choices=[], usage=usage)
 
     events = _sse_stream(
-        service.chunks(ids, config), render, usage_event if body.include_usage else None, "prompt"
+        service.chunks(ids, config, deadline),
+        render,
+        usage_event if body.include_usage else None,
+        "prompt",
     )
-    return StreamingResponse(events, media_type="text/event-stream")
+    return EventStream(events, ticket.hand_over())
 
 
 async def models(request: Request) -> Response:
@@ -362,26 +430,6 @@ async def health(request: Request) -> Response:
     )
 
 
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return _error_response(exc)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return _error_response(
-        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    )
-
-
-async def _client_gone(request: Request, exc: Exception) -> Response:
-    return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-
-
-async def _server_error(request: Request, exc: Exception) -> Response:
-    return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-
 def create_app(
     runner: Runner,
     codec: TextCodec,
@@ -390,6 +438,7 @@ def create_app(
     chunk_size: int = 512,
     default_max_tokens: int | None = None,
     worker: RunnerWorker | None = None,
+    limits: ServerLimits | None = None,
     max_batch: int = 8,
     warm_up: list[int] | None = None,
 ) -> Starlette:
@@ -415,8 +464,13 @@ def create_app(
         chunk_size=chunk_size,
         default_max_tokens=default_max_tokens,
         worker=worker,
+        limits=limits or ServerLimits(),
         engine=Engine(runner, codec, max_batch=max_batch, prefill_budget=chunk_size),
     )
+    schema = openapi_document()
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schema)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -430,13 +484,9 @@ def create_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            ClientGone: _client_gone,
-            Exception: _server_error,
-        },
+        exception_handlers=HANDLERS,
         lifespan=lifespan,
     )
     app.state.service = service

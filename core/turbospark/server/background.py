@@ -15,16 +15,26 @@ from types import TracebackType
 import uvicorn
 from starlette.applications import Starlette
 
+from turbospark.server.limits import ServerLimits
+
 
 class ThreadedServer:
     """``with ThreadedServer(app) as server: ... server.base_url ...``"""
 
-    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServerLimits | None = None,
+    ) -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = self._socket.getsockname()[:2]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        # The connection limits `turbospark serve` runs with (its request limits are the app's).
+        config = (limits or ServerLimits()).uvicorn_config(app, log_level="warning")
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
         )

@@ -12,9 +12,26 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from turbospark.generate import FinishReason, GenerationConfig, GenerationStats
+
+
+def _well_formed(text: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``); Python decodes
+    it into a string no tokenizer or UTF-8 encoder accepts, so it is refused here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X} at character "
+            f"{exc.start}); send well-formed Unicode (pair the surrogate or drop it)"
+        ) from None
+    return text
+
+
+# Every string the server reads goes through this (ignored extras are never read).
+Text = Annotated[str, AfterValidator(_well_formed)]
 
 
 class StreamOptions(BaseModel):
@@ -28,7 +45,7 @@ class BaseRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -36,8 +53,9 @@ class BaseRequest(BaseModel):
     ignore_eos: bool = Field(
         default=False, description="extension (vLLM's name): generate past the install's eos ids"
     )
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    # What the sampler's PRNG key takes (mx.random.key: an unsigned 64-bit seed).
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -70,14 +88,14 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def template_dict(self) -> dict[str, str]:
         """What the chat template sees: text parts joined, ``developer`` as ``system``."""
@@ -102,7 +120,7 @@ class ChatCompletionRequest(BaseRequest):
 
 
 class CompletionRequest(BaseRequest):
-    prompt: str | Annotated[list[int], Field(min_length=1)]
+    prompt: Text | Annotated[list[int], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's completions default
 
     @field_validator("prompt", mode="before")

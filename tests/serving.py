@@ -1,0 +1,67 @@
+"""A real server on loopback for the server tests: a synthetic install, served
+as ``turbospark serve`` serves it, driven by real clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+
+from turbospark.runner import Runner
+from turbospark.server import ThreadedServer, create_app
+from turbospark.server.app import Service
+from turbospark.server.limits import ServerLimits
+from turbospark.server.worker import RunnerWorker
+from turbospark.state import state_position
+from turbospark.text import TextCodec
+
+CONTEXT = 2048
+
+
+@contextmanager
+def serving(
+    install: Path,
+    codec: TextCodec,
+    slots: int,
+    *,
+    context: int = CONTEXT,
+    limits: ServerLimits | None = None,
+) -> Iterator[ThreadedServer]:
+    """A fresh runner served as ``turbospark serve`` does: opened on the worker thread."""
+    worker = RunnerWorker()
+
+    def open_runner() -> Runner:
+        runner = Runner.open(install, context_length=context, session_slots=slots)
+        runner.set_prefix_reuse(True)
+        return runner
+
+    app = create_app(worker.run(open_runner), codec, worker=worker, limits=limits)
+    with ThreadedServer(app, limits=limits) as server:
+        server.service = app.state.service  # type: ignore[attr-defined]
+        yield server
+
+
+def service(server: ThreadedServer) -> Service:
+    return server.service  # type: ignore[attr-defined]
+
+
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def sessions(server: ThreadedServer) -> list[tuple[int, int, int]]:
+    """Every session (live first, then parked) as (identity, position, bytes),
+    read on the runner thread after the requests before it: a refused request
+    must leave this unchanged."""
+    runner = service(server).runner
+
+    def read() -> list[tuple[int, int, int]]:
+        states = runner.session_states()
+        return [
+            (id(s), state_position(s), n)
+            for s, n in zip(states, runner.session_nbytes(), strict=True)
+        ]
+
+    return service(server).engine.call(read).result()
