@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -166,10 +166,22 @@ class Service:
         return ids
 
     async def complete(self, ids: list[int], config: GenerationConfig) -> Completion:
-        return await self.worker.call(lambda: generate(self.runner, self.codec, ids, config))
+        def work() -> Completion:
+            try:
+                return generate(self.runner, self.codec, ids, config)
+            finally:
+                self.runner.flush()  # write-through: a reply sent is a session on disk
+
+        return await self.worker.call(work)
 
     def chunks(self, ids: list[int], config: GenerationConfig) -> AsyncIterator[Chunk]:
-        return self.worker.stream(lambda: stream_generate(self.runner, self.codec, ids, config))
+        def work() -> Iterator[Chunk]:
+            try:
+                yield from stream_generate(self.runner, self.codec, ids, config)
+            finally:
+                self.runner.flush()  # before [DONE] goes out (and after a hang-up)
+
+        return self.worker.stream(work)
 
 
 def _sse(payload: BaseModel | dict[str, Any] | str) -> str:
@@ -339,6 +351,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
+        # SIGTERM ends up here: write every warm session, then stop the worker.
+        await service.worker.call(service.runner.close)
         service.worker.shutdown()
 
     app = Starlette(
