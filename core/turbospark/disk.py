@@ -163,7 +163,7 @@ def read_meta(path: Path) -> SessionMeta:
         raise SessionFileError(
             path, RejectReason.UNREADABLE, f"not a readable safetensors file ({exc})"
         ) from exc
-    if text is None:
+    if not isinstance(text, str):
         raise SessionFileError(
             path, RejectReason.MALFORMED, f"no '{META_KEY}' metadata: not a turbospark session"
         )

@@ -34,6 +34,7 @@ from pathlib import Path
 from turbospark.disk import (
     SUFFIX,
     ModelIdentity,
+    RejectReason,
     SessionFileError,
     check_model,
     fsync_dir,
@@ -160,6 +161,12 @@ class DiskTier:
             and entry.checkpoints == [c.position for c in session.checkpoints]
         )
 
+    def backup_evicted(self, session: Session) -> bool:
+        """Whether *session*'s file was deleted for the bound while it was in memory:
+        write-through leaves it alone (rewriting it would only push another file
+        out); it is written again when it leaves memory, or at shutdown."""
+        return session.disk_name is not None and session.disk_name not in self.entries
+
     def save(self, session: Session) -> bool:
         """Make sure *session* is on disk (written if it changed since); False when
         it cannot be: a tainted record (nothing could ever find it), no room
@@ -174,7 +181,7 @@ class DiskTier:
             nbytes = write_session(
                 self.path(name), self._capture(session), self.model, self.components
             )
-        except OSError as exc:
+        except (OSError, RuntimeError, ValueError) as exc:  # a full disk, a vanished directory
             log.error("could not write session %s (%d tokens): %s", name, len(tokens), exc)
             return False
         session.disk_name = name
@@ -196,7 +203,13 @@ class DiskTier:
         if meta.tokens != entry.record.tokens:  # replaced behind our back: index what is there
             self.entries.pop(entry.name)
             self._index(entry.name, meta.tokens, meta.checkpoints, entry.nbytes)
-        session = self._materialize(snapshot)
+        try:
+            session = self._materialize(snapshot)
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+            # Verified, and ours, but not this family's state any more (a plugin changed it).
+            self.reject(SessionFileError(self.path(entry.name), RejectReason.MALFORMED,
+                                         f"does not fit this family's state ({exc!r})"))  # fmt: skip
+            return None
         session.disk_name = entry.name
         self.touch(entry.name)
         return session

@@ -446,17 +446,24 @@ class Runner:
         write to the session directory; the number written. The server calls it
         after each request (write-through), so a killed process loses nothing.
         A failed write is logged and changes nothing in memory."""
-        if self._disk is None:
-            return 0
-        sessions = [self._live, *self._pool.parked]
-        dirty = [s for s in sessions if s.has_content and not self._disk.is_saved(s)]
-        return sum(self._disk.save(s) for s in dirty)
+        return self._write_warm(everything=False)
 
     def close(self) -> None:
-        """At shutdown: :meth:`flush`, then let go of the session directory."""
+        """At shutdown: write every warm session, then let go of the session directory."""
         if self._disk is not None:
-            self.flush()
+            self._write_warm(everything=True)
             self._disk.close()
+
+    def _write_warm(self, everything: bool) -> int:
+        disk = self._disk
+        if disk is None:
+            return 0
+        dirty = [
+            s
+            for s in (self._live, *self._pool.parked)
+            if s.has_content and not disk.is_saved(s) and (everything or not disk.backup_evicted(s))
+        ]
+        return sum(disk.save(s) for s in dirty)
 
     def restore(self, snapshot: SessionSnapshot) -> None:
         """Make the live session exactly what :meth:`snapshot` captured, its
