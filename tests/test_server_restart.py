@@ -107,8 +107,11 @@ def test_a_conversation_survives_sigkill_and_sigterm(install: Path, tmp_path: Pa
     assert not list(tmp_path.glob(".tmp-*")) and not list((tmp_path / "rejected").iterdir())
     chat.append({"role": "user", "content": "Thanks. What should we pack?"})
     other.append({"role": "user", "content": "And with a plain scone?"})
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x10" * 64)  # refused, and served on
     with serve(install, tmp_path) as (process, api):
         _, usage = turn(api, codec, chat)
         assert usage["reuse_reason"] == "restored_from_disk" and usage["cached"] >= second
         _, usage = turn(api, codec, other)
         assert usage["reuse_reason"] == "restored_from_disk", usage
+    assert (tmp_path / "rejected" / "garbage.safetensors").is_file()
+    assert "refused session file garbage.safetensors (unreadable)" in process.stdout.read()
