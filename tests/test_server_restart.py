@@ -115,3 +115,17 @@ def test_a_conversation_survives_sigkill_and_sigterm(install: Path, tmp_path: Pa
         assert usage["reuse_reason"] == "restored_from_disk", usage
     assert (tmp_path / "rejected" / "garbage.safetensors").is_file()
     assert "refused session file garbage.safetensors (unreadable)" in process.stdout.read()
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--max-session-disk", "1GiB"], "--session-dir DIR"),
+     (["--session-dir", "DIR"], "--session-slots 2 or more")],
+)  # fmt: skip
+def test_serve_refuses_bad_disk_flags_in_one_line(install, tmp_path, capsys, flags, named):
+    from turbospark.cli import main
+
+    args = [str(tmp_path) if f == "DIR" else f for f in flags]
+    assert main(["serve", str(install), *args]) == 2
+    assert named in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "refused before the directory was touched"
