@@ -19,7 +19,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     sys.path.insert(0, str(ROOT))
     try:
-        from bench import common, dispatch, forward, interleaved, report, swap, workload
+        from bench import (
+            common,
+            dispatch,
+            forward,
+            interleaved,
+            report,
+            session_disk,
+            swap,
+            workload,
+        )
     finally:
         sys.path.remove(str(ROOT))
     cache = tmp_path_factory.mktemp("bench-installs")
@@ -32,6 +41,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "interleaved": interleaved,
         "report": report,
         "swap": swap,
+        "session_disk": session_disk,
         "workload": workload,
     }
 
@@ -79,3 +89,10 @@ def test_dispatch(bench: dict) -> None:
 def test_machine_record(bench: dict) -> None:
     record = bench["common"].machine()
     assert record["cores"] > 0 and record["blas"] and record["mlx"]
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_session_disk(bench: dict, family: str) -> None:
+    out = bench["session_disk"].bench_session_disk(bench[family], [16], reps=1)
+    (row,) = out["rows"]
+    assert row["reload_ms"] > 0 and row["reprefill_ms"] > 0 and row["bytes_per_token"] > 0

@@ -478,6 +478,7 @@ class Engine:
     def _fail(self, row: _Row, exc: Exception) -> None:
         log.warning("request failed: %s", exc, exc_info=exc)
         self.runner.checkin(row.session)
+        self.runner.flush()
         row.job.emit(exc)
 
     def _finish(self, row: _Row, finish: FinishReason) -> None:
@@ -485,6 +486,7 @@ class Engine:
         if row.stops.stopped is None:
             tail = row.stops.feed(row.decoder.flush()) + row.stops.flush()
         evicted_at_checkin = self.runner.checkin(row.session)
+        self.runner.flush()  # write-through to the disk tier: a reply sent is a session kept
         now = time.perf_counter()
         prefilled = row.prefilled or now
         stats = GenerationStats(

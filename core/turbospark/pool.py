@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from turbospark.prefix import PrefixRecord
 from turbospark.state import Snapshot, State, state_nbytes, state_position
+
+if TYPE_CHECKING:
+    from turbospark.disk_store import DiskTier
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class Session:
     # The non-rewindable components as they were before the last token fed
     # speculatively (see Runner.take_back): held references, one step deep.
     undo: Checkpoint | None = None
+    # Its file in the disk tier, if it has one (written by disk_store); a cleared
+    # or reloaded session is a new conversation and must never overwrite it.
+    disk_name: str | None = None
 
     @property
     def position(self) -> int:
@@ -67,6 +74,7 @@ class Session:
         self.record.clear()
         self.checkpoints.clear()
         self.undo = None
+        self.disk_name = None
         for component in self.state.values():
             component.reset()
 
@@ -89,6 +97,7 @@ class Session:
         self.record.write(0, snapshot.tokens, taint=snapshot.tainted)
         self.checkpoints = list(snapshot.checkpoints)
         self.undo = None
+        self.disk_name = None
 
     def drop_checkpoints_after(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]
@@ -108,12 +117,16 @@ class Session:
 
 
 class SessionPool:
-    """The ``session_slots - 1`` parked sessions beside the live one, and the
-    byte budget they must fit in (``None``: bounded by the slot count alone)."""
+    """The ``session_slots - 1`` parked sessions beside the live one, the byte
+    budget they must fit in (``None``: bounded by the slot count alone), and the
+    disk tier that sessions leaving memory are written to (``None``: dropped)."""
 
-    def __init__(self, parked: list[Session], max_bytes: int | None = None) -> None:
+    def __init__(
+        self, parked: list[Session], max_bytes: int | None = None, disk: DiskTier | None = None
+    ) -> None:
         self.parked = parked
         self.max_bytes = max_bytes
+        self.disk = disk
         self._clock = 0
 
     @property
@@ -127,9 +140,14 @@ class SessionPool:
         for session in sorted(self.parked, key=lambda s: s.tick):
             if self.max_bytes is None or self.nbytes <= self.max_bytes:
                 break
-            dropped = dropped or session.has_content
+            dropped = self.lost_if_dropped(session) or dropped
             session.clear()
         return dropped
+
+    def lost_if_dropped(self, session: Session) -> bool:
+        """Whether dropping *session* from memory loses its content: not when the
+        disk tier holds it (it is written now if it changed since its last write)."""
+        return session.has_content and (self.disk is None or not self.disk.save(session))
 
     def _tick(self) -> int:
         self._clock += 1
@@ -154,9 +172,10 @@ class SessionPool:
 
     def rotate_lru(self, live: Session) -> tuple[Session, bool]:
         """Park *live* in place of the least recently used slot, which is
-        returned to become live; the flag says whether it held real content."""
+        returned to become live (the caller clears it); the flag says whether
+        real content was lost (it held some, and no disk tier took it)."""
         index = min(range(len(self.parked)), key=lambda i: self.parked[i].tick)
         promoted = self.parked[index]
         live.tick = self._tick()
         self.parked[index] = live
-        return promoted, promoted.has_content
+        return promoted, self.lost_if_dropped(promoted)

@@ -7,6 +7,7 @@ is a :class:`ReuseReport` with its own reason, so a miss is never silent.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -29,6 +30,7 @@ class ReuseReason(StrEnum):
     BEYOND_WINDOW = "beyond_window"  # the rewind exceeds a sliding-window ring's headroom
     SHALLOW_MATCH = "shallow_match"  # rewinding would destroy more than it keeps; park instead
     SHARED_PREFIX = "shared_prefix"  # after reset: the opening taken from a parked conversation
+    RESTORED_FROM_DISK = "restored_from_disk"  # a session file scored best and was loaded
 
 
 class ReuseReport(BaseModel):
@@ -65,6 +67,11 @@ def plan_reuse(
     if pool is not None and not vision_active:
         # An image prompt may not select parked state: placeholder ids prove nothing.
         best = pool.best_match(prompt)
+        to_beat = max(live.record.common_prefix(prompt), 0 if best is None else best[1])
+        if pool.disk is not None:
+            restored = _restore_from_disk(live, pool, prompt, to_beat)
+            if restored is not None:
+                return restored
         if best is not None and best[1] > live.record.common_prefix(prompt):
             donor = pool.parked[best[0]]
             target, checkpoint, _ = _reachable(donor, best[1])
@@ -177,6 +184,53 @@ def _share_from_parked(
         prompt_tokens=len(prompt),
         evicted=evicted,
     )
+
+
+def _restore_from_disk(
+    live: Session, pool: SessionPool, prompt: Sequence[int], to_beat: int
+) -> tuple[Session, ReuseReport] | None:
+    """Load the disk session that shares more of *prompt* than any session in
+    memory (scored by its record alone), as a swap would promote a parked one.
+
+    A file is only read when at least half of its session would be kept: a
+    shallow match (a chat template's opening) is cheaper to take from a
+    parked session by reference, or to prefill, than a whole file is to read.
+    The loaded session becomes live and the live one is parked (the LRU slot
+    it displaces goes to disk). None: no file qualifies (a refused file is
+    moved aside, logged, and the next candidate tried)."""
+    assert pool.disk is not None
+    for entry, score in pool.disk.candidates(prompt):
+        if score <= to_beat:
+            return None
+        if len(entry.record) - score > score:
+            continue
+        started = time.perf_counter()
+        session = pool.disk.load(entry)
+        if session is None:
+            continue
+        target, checkpoint, _ = _reachable(session, score)
+        if target == 0 or session.position - target > target:
+            continue  # e.g. recurrent state with no checkpoint near the match
+        seconds = time.perf_counter() - started
+        evicted = False
+        if live.has_content:
+            displaced, evicted = pool.rotate_lru(live)
+            displaced.clear()
+            evicted = pool.trim() or evicted
+        if target < session.position:
+            session.cut_to(target, checkpoint)
+        return session, ReuseReport(
+            kept=target,
+            swapped=False,
+            reason=ReuseReason.RESTORED_FROM_DISK,
+            detail=f"session file {entry.name} ({len(entry.record)} tokens, "
+            f"{entry.nbytes:,} bytes) scored best and was loaded and verified in "
+            f"{seconds * 1e3:.1f} ms; {target} token(s) kept"
+            + (" from its prompt-boundary checkpoint" if checkpoint is not None else ""),
+            prompt_tokens=len(prompt),
+            evicted=evicted,
+        )
+    return None
 
 
 def _take_opening(

@@ -15,6 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import pluggy
 
+from turbospark.disk import ModelIdentity
+from turbospark.disk_store import DiskTier
 from turbospark.errors import (
     ContextOverflow,
     InstallError,
@@ -60,6 +62,9 @@ class Runner:
         expert_cache: ExpertCacheSlots,
         draft: DraftPolicies,
         steering: SteeringPolicy,
+        dtype: mx.Dtype | None = None,
+        session_dir: Path | None = None,
+        max_session_disk_bytes: int | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
@@ -85,6 +90,18 @@ class Runner:
         self.last_reuse = ReuseReport(
             kept=0, swapped=False, reason=ReuseReason.NO_HISTORY, detail="no prompt yet"
         )
+        self._disk: DiskTier | None = None
+        if session_dir is not None and self._pool is not None:
+            self._disk = self._pool.disk = DiskTier(
+                session_dir,
+                ModelIdentity.of(manifest, dtype or _dtype(manifest.dtype), _steering_id(steering)),
+                components=[c.name for c in spec.components],
+                context_length=context_length,
+                max_bytes=max_session_disk_bytes,
+                capture=self._capture,
+                materialize=self._materialize,
+                resident=self._resident,
+            )
 
     # -- opening ---------------------------------------------------------------
 
@@ -100,6 +117,8 @@ class Runner:
         session_slots: int = 1,
         *,
         max_parked_bytes: int | None = None,
+        session_dir: str | Path | None = None,
+        max_session_disk_bytes: int | None = None,
         dtype: str | mx.Dtype | None = None,
         registry: FamilyRegistry | None = None,
     ) -> Runner:
@@ -108,7 +127,12 @@ class Runner:
 
         ``max_parked_bytes`` caps the memory of parked sessions: whenever a
         session is parked, the least recently used ones are cleared until the
-        rest fit (reported like any eviction)."""
+        rest fit (reported like any eviction).
+
+        ``session_dir`` adds the disk tier (SEMANTICS.md): sessions leaving
+        memory are written there instead of dropped, the directory's sessions
+        are indexed now and scored like parked ones, and :meth:`flush` /
+        :meth:`close` write the warm ones. ``max_session_disk_bytes`` bounds it."""
         path = Path(path)
         manifest = read_manifest(path)
         family = (registry or default_registry()).get(manifest.family)
@@ -125,6 +149,7 @@ class Runner:
             raise InvalidInput(f"session_slots must be 0 or more, got {session_slots}")
         if max_parked_bytes is not None and max_parked_bytes < 0:
             raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
+        _check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
         expert_cache = expert_cache or ExpertCacheSlots.fixed(16)
         _check_expert_cache(installed, expert_cache)
         pm = family.manager()
@@ -133,10 +158,9 @@ class Runner:
                 spec, pm.hook.turbospark_pool_capability(arch=installed), session_slots
             )
         verify_files(path, manifest)
+        compute_dtype = _dtype(dtype or manifest.dtype)
         model = pm.hook.turbospark_load_model(
-            arch=installed,
-            weights=load_weights(path, manifest),
-            dtype=_dtype(dtype or manifest.dtype),
+            arch=installed, weights=load_weights(path, manifest), dtype=compute_dtype
         )
         return cls(
             path=path,
@@ -151,6 +175,9 @@ class Runner:
             expert_cache=expert_cache,
             draft=draft or DraftPolicies.off(),
             steering=steering or SteeringPolicy.off(),
+            dtype=compute_dtype,
+            session_dir=None if session_dir is None else Path(session_dir),
+            max_session_disk_bytes=max_session_disk_bytes,
         )
 
     def _new_state(self) -> State:
@@ -407,13 +434,57 @@ class Runner:
 
     def snapshot(self) -> SessionSnapshot:
         """The live session as arrays plus its record (speculative rollback, disk spill)."""
-        live = self._live
+        return self._capture(self._live)
+
+    def _capture(self, session: Session) -> SessionSnapshot:
         return SessionSnapshot(
-            tokens=list(live.record.tokens),
-            tainted=live.record.tainted,
-            arrays=self._hook.turbospark_snapshot_state(state=live.state),
-            checkpoints=tuple(live.checkpoints),
+            tokens=list(session.record.tokens),
+            tainted=session.record.tainted,
+            arrays=self._hook.turbospark_snapshot_state(state=session.state),
+            checkpoints=tuple(session.checkpoints),
         )
+
+    def _materialize(self, snapshot: SessionSnapshot) -> Session:
+        """A new session holding *snapshot* (a loaded session file)."""
+        session = Session(self._new_state())
+        self._hook.turbospark_restore_state(state=session.state, snapshot=snapshot.arrays)
+        session.load(snapshot, arrays_loaded=True)
+        return session
+
+    def _resident(self) -> set[str]:
+        parked = [] if self._pool is None else self._pool.parked
+        return {s.disk_name for s in (self._live, *parked) if s.disk_name is not None}
+
+    # -- the disk tier -----------------------------------------------------------
+
+    @property
+    def session_disk(self) -> DiskTier | None:
+        """The disk tier (``session_dir``), for inspection: its index, evictions, refusals."""
+        return self._disk
+
+    def flush(self) -> int:
+        """Write every warm session (live and parked) that changed since its last
+        write to the session directory; the number written. The server calls it
+        after each request (write-through), so a killed process loses nothing.
+        A failed write is logged and changes nothing in memory."""
+        return self._write_warm(everything=False)
+
+    def close(self) -> None:
+        """At shutdown: write every warm session, then let go of the session directory."""
+        if self._disk is not None:
+            self._write_warm(everything=True)
+            self._disk.close()
+
+    def _write_warm(self, everything: bool) -> int:
+        disk = self._disk
+        if disk is None:
+            return 0
+        dirty = [
+            s
+            for s in (self._live, *self._pool.parked)
+            if s.has_content and not disk.is_saved(s) and (everything or not disk.backup_evicted(s))
+        ]
+        return sum(disk.save(s) for s in dirty)
 
     def restore(self, snapshot: SessionSnapshot) -> None:
         """Make the live session exactly what :meth:`snapshot` captured, its
@@ -500,6 +571,34 @@ def _dtype(value: str | mx.Dtype) -> mx.Dtype:
     if not isinstance(dtype, mx.Dtype):
         raise InvalidInput(f"unknown dtype {value!r}; use bfloat16, float16 or float32")
     return dtype
+
+
+def _steering_id(steering: SteeringPolicy) -> str | None:
+    return None if steering.mode == "off" else steering.model_dump_json()
+
+
+def _check_disk_options(
+    spec: FamilySpec, slots: int, session_dir: str | Path | None, max_bytes: int | None
+) -> None:
+    if session_dir is None:
+        if max_bytes is not None:
+            raise InvalidInput(
+                "max_session_disk_bytes bounds the session_dir; pass session_dir too"
+            )
+        return
+    if slots < 2:
+        raise InvalidInput(
+            f"session_dir extends the session pool, but session_slots is {slots}; "
+            "use session_slots 2 or more"
+        )
+    if max_bytes is not None and max_bytes < 0:
+        raise InvalidInput(f"max_session_disk_bytes must be 0 or more, got {max_bytes}")
+    unsaved = [c.name for c in spec.components if not c.persistable]
+    if unsaved:
+        raise SessionPoolUnsupported(
+            f"session_dir needs every state component of family '{spec.name}' to be "
+            f"persistable, but {', '.join(unsaved)} cannot be written (see {spec.state_source})"
+        )
 
 
 def _check_pool_capability(spec: FamilySpec, swappable: list[str], slots: int) -> None:

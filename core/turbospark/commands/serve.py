@@ -30,6 +30,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
+    parser.add_argument(
+        "--session-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep sessions on disk: those leaving memory are written here instead of dropped, "
+        "the live one after every request, and a restart finds them all again",
+    )
+    parser.add_argument(
+        "--max-session-disk",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="bound on --session-dir (e.g. 20GiB): the least recently used files are deleted "
+        "to fit (default: unbounded)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--context-length", type=int, default=4096)
@@ -92,6 +108,13 @@ def check_args(args: argparse.Namespace) -> None:
             f"{args.session_slots - 1} parked session(s) that nothing can ever resume: sessions "
             "are found by prefix reuse; drop --no-prefix-reuse or use --session-slots 1"
         )
+    if args.max_session_disk is not None and args.session_dir is None:
+        raise InvalidInput("--max-session-disk bounds --session-dir; pass --session-dir DIR too")
+    if args.session_dir is not None and args.session_slots < 2:
+        raise InvalidInput(
+            f"--session-dir extends the session pool, but --session-slots is "
+            f"{args.session_slots}; use --session-slots 2 or more"
+        )
     if args.chunk_size <= 0:
         raise InvalidInput(f"--chunk-size must be positive, got {args.chunk_size}")
     if args.max_batch < 1:
@@ -126,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             context_length=args.context_length,
             session_slots=args.session_slots,
             max_parked_bytes=args.max_parked_memory,
+            session_dir=args.session_dir,
+            max_session_disk_bytes=args.max_session_disk,
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner
@@ -145,10 +170,15 @@ def run(args: argparse.Namespace) -> int:
         limits=limits_of(args),
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    disk = runner.session_disk
+    on_disk = "" if disk is None else (
+        f", {len(disk.entries)} session(s) on disk in {disk.root}"
+        + (f" ({len(disk.rejected)} refused, moved to rejected/)" if disk.rejected else "")
+    )  # fmt: skip
     print(
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}) on "
-        f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s), "
-        f"up to {args.max_batch} request(s) per batch",
+        f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
+        f"{on_disk}, up to {args.max_batch} request(s) per batch",
         flush=True,
     )
     config = limits_of(args).uvicorn_config(app, host=args.host, port=args.port, log_level="info")

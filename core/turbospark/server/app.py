@@ -128,9 +128,12 @@ class Service:
         self.worker.submit(loop)
 
     def stop(self) -> None:
+        """SIGTERM ends up here: stop the loop, write every warm session to the
+        disk tier (when there is one), then let the runner thread go."""
         self._stop.set()
         self.engine.wake()
         self.text_pool.shutdown(wait=True, cancel_futures=True)
+        self.worker.run(self.runner.close)
         self.worker.shutdown()
 
     def deadline(self) -> Deadline:

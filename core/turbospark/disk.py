@@ -1,0 +1,269 @@
+"""The session file: one conversation's whole state on disk, verifiable and atomic.
+
+A session file is a safetensors file. Its tensors are every state component's
+arrays (``state/<component>/<key>``) and every prompt-boundary checkpoint
+(``checkpoint/<i>/<component>/<key>``), exactly what the family's snapshot
+hooks return, so a loaded session resumes bit for bit. Its metadata holds one
+entry, ``turbospark``: the JSON of :class:`SessionMeta` (token ids, the model
+it was built under, vision taint, steering identity, checkpoint positions and
+a sha256 of all of it).
+
+Why each field:
+
+* **token ids**: reuse decisions compare a prompt with the ids a session was
+  actually fed (SEMANTICS.md); a cache without them (mlx-lm's prompt cache
+  files) cannot prove a match.
+* **model identity** (family, a sha256 of the install's manifest, the dtype
+  the runner computes in): a state is meaningless under other weights, so a
+  file is never loaded into a different model.
+* **checkpoints**: without them a recurrent (GDN) session could only resume
+  when the next prompt extends its record exactly; llama.cpp's slot files
+  drop them and then re-prefill everything.
+* **sha256** over the metadata and every tensor's name, dtype, shape and
+  bytes: a flipped byte or a torn file is refused instead of served.
+
+Writes go to a temporary file that is fsynced, renamed over the target and
+followed by an fsync of the directory, so a ``kill -9`` at any moment leaves
+either the old file or the new one. The header alone (:func:`read_meta`) is
+enough to index a file; :func:`read_session` reads and verifies everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+import mlx.core as mx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from turbospark.errors import TurbosparkError
+from turbospark.install import Manifest
+from turbospark.pool import Checkpoint, SessionSnapshot
+
+SUFFIX = ".safetensors"
+META_KEY = "turbospark"
+_MAX_HEADER = 64 << 20  # a header past this is not ours (a 16k-token record is ~100 KB)
+
+
+class ModelIdentity(BaseModel):
+    """What a session was computed under; a file loads only where all of it matches."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: str
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    dtype: str
+    # Activation steering changes every hidden state; None while steering is off.
+    steering: str | None = None
+
+    @classmethod
+    def of(cls, manifest: Manifest, dtype: mx.Dtype, steering: str | None) -> ModelIdentity:
+        """The identity of a runner: its manifest canonically serialised and hashed
+        (every weight file's sha256 is in it, so other weights hash differently)."""
+        digest = hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
+        return cls(
+            family=manifest.family,
+            manifest_sha256=digest,
+            dtype=str(dtype).removeprefix("mlx.core."),
+            steering=steering,
+        )
+
+
+class SessionMeta(BaseModel):
+    """The metadata of a session file (validated on every read)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["turbospark-session"] = "turbospark-session"
+    version: Literal[1] = 1
+    model: ModelIdentity
+    tokens: list[int]
+    # A vision map was active: placeholder ids cannot prove a match. Such sessions
+    # are never written today (nothing could find them); the field keeps the format honest.
+    tainted: bool = False
+    components: list[str]
+    checkpoints: list[int] = Field(description="positions of the prompt-boundary checkpoints")
+    content_sha256: str = Field(default="", description="sha256 of everything else in the file")
+
+
+class RejectReason(StrEnum):
+    UNREADABLE = "unreadable"  # not a safetensors file, or truncated
+    MALFORMED = "malformed"  # safetensors, but the metadata is not a session's
+    CHECKSUM = "checksum"  # the content does not hash to the recorded sha256
+    FOREIGN = "foreign"  # built under another model, dtype or steering
+
+
+class SessionFileError(TurbosparkError):
+    """A session file that must not be loaded; ``reason`` says why."""
+
+    def __init__(self, path: Path, reason: RejectReason, message: str) -> None:
+        super().__init__(f"{path.name}: {message}")
+        self.path = path
+        self.reason = reason
+
+
+def write_session(
+    path: Path, snapshot: SessionSnapshot, model: ModelIdentity, components: list[str]
+) -> int:
+    """Write *snapshot* atomically to *path*; returns the file's size in bytes."""
+    arrays = _flatten(snapshot, components)
+    meta = SessionMeta(
+        model=model,
+        tokens=snapshot.tokens,
+        tainted=snapshot.tainted,
+        components=components,
+        checkpoints=[c.position for c in snapshot.checkpoints],
+    )
+    meta = meta.model_copy(update={"content_sha256": _content_sha256(meta, arrays)})
+    # mx.save_safetensors appends the suffix to any other name, so the temp name keeps it.
+    temp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        mx.save_safetensors(str(temp), arrays, metadata={META_KEY: meta.model_dump_json()})
+        with temp.open("rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename (or unlink) in *directory* durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_meta(path: Path) -> SessionMeta:
+    """The metadata alone, from the safetensors header (the tensors are not read)."""
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"the file is {len(raw)} bytes, shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", raw)
+            if length > _MAX_HEADER:
+                raise ValueError(f"a header of {length} bytes is not a session's")
+            header = handle.read(length)
+            if len(header) < length:
+                raise ValueError(
+                    f"the header is {length} bytes but the file ends after {len(header)}"
+                )
+        text = json.loads(header).get("__metadata__", {}).get(META_KEY)
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise SessionFileError(
+            path, RejectReason.UNREADABLE, f"not a readable safetensors file ({exc})"
+        ) from exc
+    if not isinstance(text, str):
+        raise SessionFileError(
+            path, RejectReason.MALFORMED, f"no '{META_KEY}' metadata: not a turbospark session"
+        )
+    try:
+        return SessionMeta.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "metadata"
+        raise SessionFileError(
+            path, RejectReason.MALFORMED, f"bad session metadata ({where}: {first['msg']})"
+        ) from exc
+
+
+def check_model(path: Path, meta: SessionMeta, model: ModelIdentity) -> None:
+    """Refuse a file built under another model, naming the first difference."""
+    if meta.model == model:
+        return
+    for field in ModelIdentity.model_fields:
+        theirs, ours = getattr(meta.model, field), getattr(model, field)
+        if theirs != ours:
+            raise SessionFileError(
+                path,
+                RejectReason.FOREIGN,
+                f"built under {field} {str(theirs)[:16]!r}, this runner has {str(ours)[:16]!r}; "
+                "a session is never loaded into a different model",
+            )
+
+
+def read_session(path: Path, model: ModelIdentity) -> tuple[SessionMeta, SessionSnapshot]:
+    """Read, verify (model identity, then sha256) and rebuild a session snapshot."""
+    meta = read_meta(path)
+    check_model(path, meta, model)
+    try:
+        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise SessionFileError(path, RejectReason.UNREADABLE, f"cannot be read ({exc})") from exc
+    if metadata.get(META_KEY) != meta.model_dump_json():
+        raise SessionFileError(path, RejectReason.UNREADABLE, "the file changed while it was read")
+    digest = _content_sha256(meta, arrays)
+    if digest != meta.content_sha256:
+        raise SessionFileError(
+            path,
+            RejectReason.CHECKSUM,
+            f"content hashes to {digest[:12]}…, the file records {meta.content_sha256[:12]}…: "
+            "the file is corrupt",
+        )
+    try:
+        return meta, _unflatten(meta, arrays)
+    except (KeyError, ValueError) as exc:
+        raise SessionFileError(
+            path, RejectReason.MALFORMED, f"inconsistent tensors ({exc})"
+        ) from exc
+
+
+def _flatten(snapshot: SessionSnapshot, components: list[str]) -> dict[str, mx.array]:
+    """One flat name -> array mapping, contiguous (what is hashed is what is written)."""
+    arrays = {
+        f"state/{name}/{key}": value
+        for name in components
+        for key, value in snapshot.arrays[name].items()
+    }
+    for i, checkpoint in enumerate(snapshot.checkpoints):
+        for name, snap in checkpoint.snapshots.items():
+            arrays.update({f"checkpoint/{i}/{name}/{key}": value for key, value in snap.items()})
+    arrays = {name: mx.contiguous(value) for name, value in arrays.items()}
+    mx.eval(list(arrays.values()))
+    return arrays
+
+
+def _unflatten(meta: SessionMeta, arrays: dict[str, mx.array]) -> SessionSnapshot:
+    state: dict[str, dict[str, mx.array]] = {name: {} for name in meta.components}
+    held: list[dict[str, dict[str, mx.array]]] = [{} for _ in meta.checkpoints]
+    for name, value in arrays.items():
+        kind, rest = name.split("/", 1)
+        if kind == "state":
+            component, key = rest.split("/", 1)
+            state[component][key] = value
+        elif kind == "checkpoint":
+            index, component, key = rest.split("/", 2)
+            held[int(index)].setdefault(component, {})[key] = value
+        else:
+            raise ValueError(f"unexpected tensor {name!r}")
+    return SessionSnapshot(
+        tokens=list(meta.tokens),
+        tainted=meta.tainted,
+        arrays=state,
+        checkpoints=tuple(
+            Checkpoint(position, snaps)
+            for position, snaps in zip(meta.checkpoints, held, strict=True)
+        ),
+    )
+
+
+def _content_sha256(meta: SessionMeta, arrays: dict[str, mx.array]) -> str:
+    """sha256 of the metadata (less this field) and every tensor in name order."""
+    digest = hashlib.sha256(
+        meta.model_copy(update={"content_sha256": ""}).model_dump_json().encode()
+    )
+    for name in sorted(arrays):
+        value = arrays[name]
+        digest.update(f"\0{name}\0{value.dtype}\0{tuple(value.shape)}\0".encode())
+        digest.update(memoryview(mx.contiguous(value)))
+    return digest.hexdigest()
