@@ -136,6 +136,7 @@ def test_the_example_own_tests_pass_in_the_fresh_venv(venv: Venv, tmp_path: Path
     for ran in (
         "test_tinyllama_parity.py::test_matches_mlx_lm[gqa] PASSED",
         "test_tinyllama_parity.py::test_matches_mlx_lm[mha_tied] PASSED",
+        "test_tinyllama_parity.py::test_mlx_lm_tokenizes_a_chat_exactly_as_we_do PASSED",
         "TestTinyLlama::test_snapshot_round_trip[kv] PASSED",
         "TestTinyLlama::test_interleaved_conversations_never_cross_talk PASSED",
     ):
