@@ -88,8 +88,12 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
     uv("venv", "--quiet", str(root), "--python", sys.executable)
     wheels = sorted(str(w) for w in dist.glob("*.whl"))
     assert len(wheels) == 3, wheels
+    # As a family author does: the example with its test extra, which asks for
+    # turbospark[conformance] (pytest, hypothesis), satisfied by the core wheel here.
+    (example,) = [w for w in wheels if "tinyllama" in Path(w).name]
     uv("pip", "install", "--quiet", "--python", str(root / "bin" / "python"),
-       *wheels, f"mlx-lm=={version('mlx-lm')}")  # fmt: skip
+       *wheels, f"turbospark-tinyllama[test] @ {Path(example).as_uri()}",
+       f"mlx-lm=={version('mlx-lm')}")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("TURBOSPARK_PLUGINS", "VIRTUAL_ENV")}
     return Venv(root, env)
 

@@ -76,7 +76,13 @@ def test_printable_ascii_round_trips_one_token_per_character(codec: TextCodec) -
 def test_byte_level_kind_is_a_bpe_with_merges_and_no_bos(tmp_path: Path) -> None:
     """Qwen's shape: GPT-2 bytes (space is Ġ), real merges, no BOS, ChatML turns."""
     codec = load_text(write(tmp_path, QWEN_TEXT.files(128)))
-    assert codec.tokenizer.encode("in the end", add_special_tokens=False).tokens == ["in", "Ġthe", "Ġ", "en", "d"]
+    assert codec.tokenizer.encode("in the end", add_special_tokens=False).tokens == [
+        "in",
+        "Ġthe",
+        "Ġ",
+        "en",
+        "d",
+    ]
     assert codec.encode("hi", add_special_tokens=True) == codec.encode("hi")
     text = "Hello, World! 42\n  done."
     assert codec.decode(codec.encode(text)) == text

@@ -22,8 +22,16 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from turbospark.errors import InvalidInput
 from turbospark.hookspecs import ArchConfig

@@ -20,7 +20,6 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light

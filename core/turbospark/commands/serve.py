@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from turbospark.commands import add_pool_memory_flag, install_text
 from turbospark.errors import InvalidInput
-from turbospark.runner import Runner
-from turbospark.server.app import create_app
-from turbospark.server.worker import RunnerWorker
+
+if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.runner import Runner
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +51,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from turbospark.runner import Runner
+    from turbospark.server.app import create_app
+    from turbospark.server.worker import RunnerWorker
+
     check_args(args)
     codec = install_text(args.model)
     worker = RunnerWorker()
