@@ -145,7 +145,11 @@ def _rewrite(src: Path, dst: Path, edit: Any) -> None:
     edit(weights)
     arch = peek_manifest_arch(src)
     write_install(
-        dst, arch=arch, model_id="edited", weights=weights, extra_files=GEMMA_TEXT.files(arch.vocab_size)
+        dst,
+        arch=arch,
+        model_id="edited",
+        weights=weights,
+        extra_files=GEMMA_TEXT.files(arch.vocab_size),
     )
 
 
