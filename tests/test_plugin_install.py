@@ -40,6 +40,9 @@ build-backend = "hatchling.build"
 """
 
 
+pytestmark = pytest.mark.slow  # builds three wheels and a venv
+
+
 @dataclass(frozen=True)
 class Venv:
     root: Path
