@@ -18,15 +18,17 @@ from typing import Any
 import mlx.core as mx
 
 from turbospark.install import MANIFEST, build_synthetic_install
+from turbospark.synthetic import SYNTHETIC_FORMAT
 
 FAMILIES = ("gemma4", "qwen_gdn")
 DEFAULT_CACHE = Path.home() / ".cache" / "turbospark" / "bench"
 
 # Model sizes per family. "tiny" is the smoke test's; "small" and "medium" are
 # the forward benchmark's; "chat" serves the interleaved and HTTP workloads:
-# its vocabulary is exactly the synthetic tokenizer's specials plus its 96
-# characters, so every generated id decodes to text (or stops) and a streamed
-# first token is never an invisible <extra_N> on one server and not the other.
+# its vocabulary is the synthetic tokenizer's special tokens, its 96 characters
+# and (byte-level) a merge, with no reserved ids, so every generated id decodes
+# to text (or stops) and a streamed first token is never an invisible reserved
+# token on one server and not the other.
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gemma4": {
         "tiny": {"vocab_size": 128, "num_layers": 2, "sliding_window": 16},
@@ -156,7 +158,7 @@ def default_dtype() -> str:
 def install(family: str, size: str, dtype: str, cache_dir: Path) -> Path:
     """The cached random-weight install of *family* at *size* (built on first use)."""
     dims = SIZES[family][size]
-    path = cache_dir / f"{family}-{size}-{dtype}"
+    path = cache_dir / f"{family}-{size}-{dtype}-v{SYNTHETIC_FORMAT}"
     if not (path / MANIFEST).is_file():
         build_synthetic_install(
             family, path, model_id=f"bench-{family}-{size}", dtype=dtype, seed=0, **dims

@@ -18,7 +18,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         out["speedup_vs_no_pool"] = interleaved["speedup_vs_no_pool"]
         out["prefill_tokens_saved"] = interleaved["prefill_tokens_saved"]
     if serving := result.get("serving"):
-        out["ttft_ratio_vs_mlx_lm_server"] = serving["ttft_ratio_vs_mlx_lm_server"]
+        out["ttft_ratio_vs_mlx_lm_server"] = serving.get("ttft_ratio_vs_mlx_lm_server")
     return out
 
 
@@ -63,7 +63,11 @@ def print_table(report: dict[str, Any]) -> None:
             print(
                 f"HTTP: turbospark serve {o['total_s']:.2f} s, {o['prefill_tokens']} prefill tokens | "
                 f"mlx_lm.server {t['total_s']:.2f} s, {t['prefill_tokens']} prefill tokens | "
-                f"TTFT theirs/ours (median over turns) {serving['ttft_ratio_vs_mlx_lm_server']:.2f}"
+                + (
+                    f"TTFT theirs/ours (median over turns) {serving['ttft_ratio_vs_mlx_lm_server']:.2f}"
+                    if serving["same_prompt_tokens"]
+                    else f"no ratio: {serving['ratio_refused']}"
+                )
             )
             print("  turn  history  TTFT ms ours  TTFT ms mlx-lm")
             for a, b in zip(o["turns"], t["turns"], strict=True):

@@ -1,6 +1,10 @@
 """Run every turbospark benchmark, print a table, write JSON and a plot.
 
-    uv run python bench/run.py [--quick] [--json] [--family F ...] [--out DIR]
+    uv run python bench/run.py [--quick] [--json] [--family F ...] [--out DIR] [--save-reference]
+
+Results go to ``bench/out/`` (untracked), so a run never dirties the checkout;
+``--save-reference`` writes them to ``bench/results/`` instead, the committed
+reference numbers that ``bench/README.md`` discusses.
 
 Sections (``--only`` picks some): ``forward`` (prefill/decode tok/s against
 mlx-lm on the same install), ``interleaved`` (K conversations round-robin,
@@ -34,6 +38,9 @@ from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
 SECTIONS = ("forward", "interleaved", "serving", "swap", "dispatch")
+HERE = Path(__file__).resolve().parent
+UNTRACKED = HERE / "out"  # gitignored
+REFERENCE = HERE / "results"  # committed
 
 
 @dataclass(frozen=True)
@@ -148,13 +155,23 @@ def main(argv: list[str] | None = None) -> int:
         "--family", action="append", choices=FAMILIES, help="repeatable; default all"
     )
     parser.add_argument("--only", action="append", choices=SECTIONS, help="repeatable; default all")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"results folder (default: {UNTRACKED})"
+    )
+    parser.add_argument(
+        "--save-reference",
+        action="store_true",
+        help=f"write the committed reference results in {REFERENCE} (instead of --out)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="synthetic installs")
     parser.add_argument(
         "--dtype", default=None, help="weights dtype (default: bf16 on GPU, f32 on CPU)"
     )
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    if args.save_reference and args.out is not None:
+        parser.error("--save-reference writes to bench/results/; drop --out")
+    args.out = REFERENCE if args.save_reference else args.out or UNTRACKED
 
     mode = "quick" if args.quick else "gpu" if args.gpu else "full"
     plan = {"quick": QUICK, "gpu": GPU, "full": FULL}[mode]

@@ -139,7 +139,9 @@ def bench_servers(path: Path, workload: ChatWorkload, log_dir: Path) -> dict[str
     """Ours and mlx-lm's server on the same requests. Both run side by side and
     take each request in alternating order (one request in flight at a time),
     so load from elsewhere hits both alike. ``ttft_ratio`` is theirs ÷ ours,
-    the median over turns (> 1: we answer sooner)."""
+    the median over turns (> 1: we answer sooner), reported only when both
+    servers saw the same prompt tokens on every request (``same_prompt_tokens``);
+    otherwise ``ratio_refused`` says where they differed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     kinds = ("turbospark", "mlx_lm")
     turns: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
@@ -170,13 +172,24 @@ def bench_servers(path: Path, workload: ChatWorkload, log_dir: Path) -> dict[str
         for kind, rows in turns.items()
     }
     ours, theirs = turns["turbospark"], turns["mlx_lm"]
+    # Both must have tokenised the same chats alike, or the comparison is not like
+    # for like: then no ratio is reported, only the turns and why.
+    mismatched = [
+        (o["conversation"], o["turn"], o["prompt_tokens"], t["prompt_tokens"])
+        for o, t in zip(ours, theirs, strict=True)
+        if o["prompt_tokens"] != t["prompt_tokens"]
+    ]
+    result["same_prompt_tokens"] = not mismatched
+    if mismatched:
+        conv, turn, a, b = mismatched[0]
+        result["ratio_refused"] = (
+            f"prompt tokens differ on {len(mismatched)} request(s), first conversation {conv} "
+            f"turn {turn}: {a} (turbospark) vs {b} (mlx-lm); the servers tokenise differently"
+        )
+        return result
     ratios = [t["ttft_s"] / o["ttft_s"] for o, t in zip(ours, theirs, strict=True)]
     result["ttft_ratio_vs_mlx_lm_server"] = statistics.median(ratios)
     result["total_ratio_vs_mlx_lm_server"] = (
         result["mlx_lm"]["total_s"] / result["turbospark"]["total_s"]
-    )
-    # Both must have tokenised the same chats alike, or the comparison is not like for like.
-    result["same_prompt_tokens"] = all(
-        o["prompt_tokens"] == t["prompt_tokens"] for o, t in zip(ours, theirs, strict=True)
     )
     return result

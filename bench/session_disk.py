@@ -107,7 +107,7 @@ def main() -> None:
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument(
-        "--out", type=Path, default=None, help="append JSON lines to OUT/disk.jsonl"
+        "--out", type=Path, default=None, help="append JSON lines to disk.jsonl in this folder"
     )
     args = parser.parse_args()
     if not args.gpu:

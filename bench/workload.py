@@ -4,8 +4,8 @@ Each turn appends a new user message to its conversation's history and asks
 for a reply. The client keeps a *fixed* assistant text in the history (not the
 text a server sent back), so every engine and every server sees byte-identical
 prompts and the only difference between two runs is what the engine reuses.
-The synthetic tokenizer maps one character to one token, so message lengths
-are token counts.
+The synthetic tokenizers map about one character to one token (the byte-level
+ones merge a few common pairs), so message lengths are roughly token counts.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _WORDS = [
 class ChatWorkload:
     conversations: int
     turns: int
-    user_chars: int  # new user text per turn (= tokens with the synthetic tokenizer)
+    user_chars: int  # new user text per turn (~ tokens with the synthetic tokenizers)
     reply_chars: int  # the assistant text the client keeps in its history
     max_tokens: int  # tokens each request generates
     seed: int = 0

@@ -1,4 +1,5 @@
-"""Small drivers shared by the runner-level tests: the seed file's `feed` shapes."""
+"""Small drivers shared by the runner-level tests: the `feed` shapes of the seed
+scenarios (`tests/test_seed_scenarios.py`)."""
 
 from __future__ import annotations
 

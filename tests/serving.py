@@ -12,7 +12,7 @@ import openai
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
 from turbospark.server.app import Service
-from turbospark.server.limits import ServerLimits
+from turbospark.server.settings import ServerLimits
 from turbospark.server.worker import RunnerWorker
 from turbospark.state import state_position
 from turbospark.text import TextCodec

@@ -74,6 +74,51 @@ def test_python_dash_m_runs_the_cli():
         assert command in done.stdout
 
 
+HEAVY = {"uvicorn", "starlette", "pytest", "hypothesis"}
+
+
+def imported_by(*argv: str) -> set[str]:
+    """Top-level packages a fresh interpreter has imported after running the CLI."""
+    code = (
+        "import sys\n"
+        "from turbospark.cli import main\n"
+        "try:\n"
+        f"    main({list(argv)!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('MODULES', *sorted({m.split('.')[0] for m in sys.modules}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("MODULES ")]
+    return set(line.split()[1:])
+
+
+def test_help_and_families_load_no_web_server_and_no_test_kit():
+    """The lean core: the server and the conformance extra load only where used."""
+    help_loads = imported_by("--help")
+    assert not help_loads & (HEAVY | {"mlx", "turbospark_gemma4"}), help_loads
+    families_loads = imported_by("families", "--json")
+    assert "turbospark_gemma4" in families_loads  # it did discover the plugins
+    assert not families_loads & HEAVY, families_loads & HEAVY
+
+
+def test_conformance_without_its_extra_names_the_extra():
+    code = (
+        "import sys\nsys.modules['hypothesis'] = None  # as if not installed\n"
+        "from turbospark.cli import main\nsys.exit(main(['conformance', 'gemma4']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "pip install 'turbospark[conformance]'" in done.stderr
+
+
+def test_import_dtypes_match_the_importer():
+    from turbospark.commands import import_
+    from turbospark.importer import DTYPES
+
+    assert import_.DTYPES == DTYPES
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000), ("100", 100)],

@@ -30,6 +30,7 @@ schedules = st.lists(
 )
 
 
+@pytest.mark.slow  # a hypothesis fuzz of whole generations: the suite's longest check
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
 @settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip

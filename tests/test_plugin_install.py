@@ -40,6 +40,9 @@ build-backend = "hatchling.build"
 """
 
 
+pytestmark = pytest.mark.slow  # builds three wheels and a venv
+
+
 @dataclass(frozen=True)
 class Venv:
     root: Path
@@ -88,8 +91,12 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
     uv("venv", "--quiet", str(root), "--python", sys.executable)
     wheels = sorted(str(w) for w in dist.glob("*.whl"))
     assert len(wheels) == 3, wheels
+    # As a family author does: the example with its test extra, which asks for
+    # turbospark[conformance] (pytest, hypothesis), satisfied by the core wheel here.
+    (example,) = [w for w in wheels if "tinyllama" in Path(w).name]
     uv("pip", "install", "--quiet", "--python", str(root / "bin" / "python"),
-       *wheels, f"mlx-lm=={version('mlx-lm')}")  # fmt: skip
+       *wheels, f"turbospark-tinyllama[test] @ {Path(example).as_uri()}",
+       f"mlx-lm=={version('mlx-lm')}")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("TURBOSPARK_PLUGINS", "VIRTUAL_ENV")}
     return Venv(root, env)
 
@@ -136,6 +143,7 @@ def test_the_example_own_tests_pass_in_the_fresh_venv(venv: Venv, tmp_path: Path
     for ran in (
         "test_tinyllama_parity.py::test_matches_mlx_lm[gqa] PASSED",
         "test_tinyllama_parity.py::test_matches_mlx_lm[mha_tied] PASSED",
+        "test_tinyllama_parity.py::test_mlx_lm_tokenizes_a_chat_exactly_as_we_do PASSED",
         "TestTinyLlama::test_snapshot_round_trip[kv] PASSED",
         "TestTinyLlama::test_interleaved_conversations_never_cross_talk PASSED",
     ):

@@ -1,4 +1,5 @@
-"""DESIGN.md's public API, called exactly as written there (outside tests rely on it)."""
+"""The public API (``turbospark/__init__.py``, README's "Python API"), called
+exactly as written there: outside code relies on it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every scenario of the seed file (`shared/seed/000_*.txt`) on our API.
+"""Every scenario of the original runtime's test file (the "seed"; its rules are
+written down in `docs/SEMANTICS.md`) on our API.
 
 These are bookkeeping tests: which session's tokens end up where. They run on
 the runner's real code paths (sequential `produce_prefill` and the server's

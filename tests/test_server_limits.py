@@ -22,8 +22,8 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.server import ThreadedServer
-from turbospark.server.limits import ServerLimits
 from turbospark.server.prompt_bound import MAX_CANONICAL_DECOMPOSITION, PromptBound
+from turbospark.server.settings import ServerLimits
 from turbospark.text import TextCodec, load_text
 
 MODEL = "tiny-limits"

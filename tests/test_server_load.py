@@ -28,7 +28,7 @@ import mlx.core as mx
 from serving import service, serving
 
 from turbospark import build_synthetic_install
-from turbospark.server.limits import ServerLimits
+from turbospark.server.settings import ServerLimits
 from turbospark.text import load_text
 
 MODEL = "tiny-load"

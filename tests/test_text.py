@@ -1,7 +1,9 @@
-"""The synthetic tokenizer, loading an install's text files, streaming detokenisation, stops."""
+"""The synthetic tokenizers, loading an install's text files, streaming detokenisation,
+stops, and prompt-token parity with mlx-lm on every family's synthetic install."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import string
@@ -13,23 +15,19 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
 from turbospark.errors import InvalidInput
-from turbospark.hookspecs import ArchConfig
-from turbospark.text import (
-    BOS_ID,
-    END_OF_TURN_ID,
-    EOS_ID,
-    START_OF_TURN_ID,
-    StopStrings,
-    TextCodec,
-    load_text,
-    synthetic_text_files,
-)
+from turbospark.synthetic import GEMMA_TEXT, QWEN_TEXT, SyntheticText
+from turbospark.text import StopStrings, TextCodec, load_text
 
+BOS_ID, EOS_ID = GEMMA_TEXT.id("<bos>"), GEMMA_TEXT.id("<eos>")
+START_OF_TURN_ID, END_OF_TURN_ID = GEMMA_TEXT.id("<start_of_turn>"), GEMMA_TEXT.id("<end_of_turn>")
+KINDS = {"sentencepiece": GEMMA_TEXT, "byte_level": QWEN_TEXT}
 
-def arch(vocab_size: int) -> ArchConfig:
-    return ArchConfig(
-        family="x", model_type="x", vocab_size=vocab_size, hidden_size=8, num_hidden_layers=1
-    )
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello there, how are you?\nI'm fine: thanks! 42 + 7 = 49."},
+    {"role": "assistant", "content": "Good to hear it, friend."},
+    {"role": "user", "content": "And the weather in Zürich, <b>today</b>?"},
+]
 
 
 def write(path: Path, files: dict[str, str]) -> Path:
@@ -41,21 +39,26 @@ def write(path: Path, files: dict[str, str]) -> Path:
 
 @pytest.fixture
 def codec(tmp_path: Path) -> TextCodec:
-    return load_text(write(tmp_path, synthetic_text_files(arch(128))))
+    return load_text(write(tmp_path, GEMMA_TEXT.files(128)))
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("vocab_size", [40, 128, 300])
-def test_every_id_of_the_vocabulary_exists_and_decodes(tmp_path: Path, vocab_size: int) -> None:
-    codec = load_text(write(tmp_path, synthetic_text_files(arch(vocab_size))))
+def test_every_id_of_the_vocabulary_exists_and_decodes(
+    tmp_path: Path, vocab_size: int, kind: str
+) -> None:
+    text = KINDS[kind]
+    codec = load_text(write(tmp_path, text.files(vocab_size)))
     assert codec.vocab_size == vocab_size
     pieces = [codec.decode([i], skip_special_tokens=False) for i in range(vocab_size)]
     assert all(pieces) and len(set(pieces)) == vocab_size
-    assert pieces[:6] == ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<unk>"]
+    assert pieces[: len(text.specials)] == list(text.specials)
 
 
-def test_too_small_a_vocabulary_is_refused() -> None:
+@pytest.mark.parametrize("text", [GEMMA_TEXT, QWEN_TEXT], ids=["gemma", "qwen"])
+def test_too_small_a_vocabulary_is_refused(text: SyntheticText) -> None:
     with pytest.raises(InvalidInput, match="vocab_size >= 128"):
-        synthetic_text_files(arch(12))
+        text.files(12)
 
 
 def test_printable_ascii_round_trips_one_token_per_character(codec: TextCodec) -> None:
@@ -65,6 +68,48 @@ def test_printable_ascii_round_trips_one_token_per_character(codec: TextCodec) -
     assert len(ids) == len(text)
     assert codec.decode(ids) == text
     assert codec.encode("hi", add_special_tokens=True) == [BOS_ID, *codec.encode("hi")]
+    # SentencePiece's shape: spaces are the "▁" piece, unknown characters <unk>.
+    assert codec.tokenizer.encode("a b", add_special_tokens=False).tokens == ["a", "▁", "b"]
+    assert codec.encode("é") == [GEMMA_TEXT.id("<unk>")]
+
+
+def test_byte_level_kind_is_a_bpe_with_merges_and_no_bos(tmp_path: Path) -> None:
+    """Qwen's shape: GPT-2 bytes (space is Ġ), real merges, no BOS, ChatML turns."""
+    codec = load_text(write(tmp_path, QWEN_TEXT.files(128)))
+    assert codec.tokenizer.encode("in the end", add_special_tokens=False).tokens == [
+        "in",
+        "Ġthe",
+        "Ġ",
+        "en",
+        "d",
+    ]
+    assert codec.encode("hi", add_special_tokens=True) == codec.encode("hi")
+    text = "Hello, World! 42\n  done."
+    assert codec.decode(codec.encode(text)) == text
+    assert codec.apply_chat_template([{"role": "user", "content": "Hi"}]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    think = codec.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=False)
+    assert think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert codec.eos_token_ids == {QWEN_TEXT.id("<|im_end|>"), QWEN_TEXT.id("<|endoftext|>")}
+    # <think> is whole but not special: it survives skip_special_tokens, <|im_end|> does not.
+    ids = codec.encode("<think>x<|im_end|>")
+    assert ids[0] == QWEN_TEXT.id("<think>") and codec.decode(ids) == "<think>x"
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn", "qwen4_exp"])
+def test_mlx_lm_tokenizes_a_chat_exactly_as_we_do(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    """mlx-lm's tokenizer (``transformers``, which picks its class by ``model_type``) and
+    ours give the same prompt tokens, so benchmarks against mlx-lm compare like with like."""
+    tokenizer_utils = pytest.importorskip("mlx_lm.tokenizer_utils")
+    install = request.getfixturevalue(f"{family}_install")
+    theirs = tokenizer_utils.load(install)
+    ours = load_text(install)
+    expected = theirs.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert ours.encode_chat(CHAT) == list(expected)
+    assert ours.encode("raw text", add_special_tokens=True) == theirs.encode("raw text")
 
 
 def test_chat_template_renders_gemma_turns(codec: TextCodec) -> None:
@@ -93,7 +138,7 @@ def test_template_refusals_are_invalid_input(codec: TextCodec) -> None:
 
 def test_hugging_face_variants_of_the_text_files(tmp_path: Path) -> None:
     """AddedToken dicts, a named template list, chat_template.jinja, a nested text_config."""
-    files = synthetic_text_files(arch(128))
+    files = GEMMA_TEXT.files(128)
     config = json.loads(files["tokenizer_config.json"])
     template = config.pop("chat_template")
     config["eos_token"] = {"content": "<eos>", "special": True}
@@ -128,28 +173,22 @@ def test_stream_decoder_holds_back_an_incomplete_character() -> None:
     assert decoder.flush() == ""
 
 
-@given(st.lists(st.integers(0, 127), max_size=40))
-def test_stream_deltas_concatenate_to_the_full_decode(ids: list[int]) -> None:
-    codec = _shared_codec()
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@given(ids=st.lists(st.integers(0, 127), max_size=40))
+def test_stream_deltas_concatenate_to_the_full_decode(kind: str, ids: list[int]) -> None:
+    codec = _shared_codec(kind)
     decoder = codec.stream_decoder()
     text = "".join(decoder.add(i) for i in ids) + decoder.flush()
     assert text == codec.decode(ids)
 
 
-_CODEC: list[TextCodec] = []
-
-
-def _shared_codec() -> TextCodec:
-    """One codec for every hypothesis example (fixtures are not reset between them)."""
-    if not _CODEC:
-        files = synthetic_text_files(arch(128))
-        tokenizer = Tokenizer.from_str(files["tokenizer.json"])
-        _CODEC.append(
-            TextCodec(
-                tokenizer, chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[]
-            )
-        )
-    return _CODEC[0]
+@functools.cache
+def _shared_codec(kind: str) -> TextCodec:
+    """One codec per kind for every hypothesis example (fixtures are not reset between them)."""
+    tokenizer = Tokenizer.from_str(KINDS[kind].files(128)["tokenizer.json"])
+    return TextCodec(
+        tokenizer, chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[]
+    )
 
 
 @given(

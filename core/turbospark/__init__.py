@@ -1,24 +1,33 @@
 """turbospark: run LLM families on MLX and keep many conversations warm on one model.
 
-The public API (a contract; see DESIGN.md) is re-exported here.
+The public API (a contract, called exactly as README's "Python API" shows it;
+``tests/test_public_api.py`` holds it to that) is re-exported here. Names
+load on first use (PEP 562), so importing a light submodule -- the CLI's
+parser, the errors -- does not pull in MLX.
 """
 
-from turbospark.errors import (
-    ContextOverflow,
-    InstallError,
-    InvalidInput,
-    PluginError,
-    RewindError,
-    SessionPoolUnsupported,
-    TurbosparkError,
-    VisionMapError,
-)
-from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, hookimpl
-from turbospark.install import build_synthetic_install, peek_manifest_arch
-from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
-from turbospark.reuse import ReuseReason, ReuseReport
-from turbospark.runner import Runner
-from turbospark.vision import MropePositions, VisionInjection
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from turbospark.errors import (
+        ContextOverflow,
+        InstallError,
+        InvalidInput,
+        PluginError,
+        RewindError,
+        SessionPoolUnsupported,
+        TurbosparkError,
+        VisionMapError,
+    )
+    from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, hookimpl
+    from turbospark.install import build_synthetic_install, peek_manifest_arch
+    from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
+    from turbospark.reuse import ReuseReason, ReuseReport
+    from turbospark.runner import Runner
+    from turbospark.vision import MropePositions, VisionInjection
 
 __all__ = [
     "ArchConfig",
@@ -44,3 +53,37 @@ __all__ = [
     "hookimpl",
     "peek_manifest_arch",
 ]
+
+# The module defining each public name, imported when the name is first used.
+_MODULES = {
+    "turbospark.errors": [
+        "ContextOverflow",
+        "InstallError",
+        "InvalidInput",
+        "PluginError",
+        "RewindError",
+        "SessionPoolUnsupported",
+        "TurbosparkError",
+        "VisionMapError",
+    ],
+    "turbospark.hookspecs": ["ArchConfig", "ComponentSpec", "FamilySpec", "hookimpl"],
+    "turbospark.install": ["build_synthetic_install", "peek_manifest_arch"],
+    "turbospark.policies": ["DraftPolicies", "ExpertCacheSlots", "SteeringPolicy"],
+    "turbospark.reuse": ["ReuseReason", "ReuseReport"],
+    "turbospark.runner": ["Runner"],
+    "turbospark.vision": ["MropePositions", "VisionInjection"],
+}
+_SOURCES = {name: module for module, names in _MODULES.items() for name in names}
+assert sorted(_SOURCES) == sorted(__all__), "every public name needs its module, and no more"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SOURCES:
+        raise AttributeError(f"module 'turbospark' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_SOURCES[name]), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

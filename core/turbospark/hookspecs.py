@@ -86,7 +86,11 @@ class FamilySpec(BaseModel):
     model_types: list[str] = Field(description="Hugging Face model_type values this family loads")
     arch_config: type[ArchConfig]
     components: list[ComponentSpec]
-    state_source: str = Field(description="the file defining the state, named in refusals")
+    state_source: str = Field(
+        description="the file defining the state, named in refusals; derive it "
+        "(turbospark.family.source_file(state_module)) so it is right wherever the family "
+        "is installed"
+    )
 
     def component(self, name: str) -> ComponentSpec:
         for spec in self.components:

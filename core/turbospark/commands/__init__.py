@@ -1,17 +1,27 @@
-"""CLI subcommands, one module each (see turbospark.cli)."""
+"""CLI subcommands, one module each (see turbospark.cli).
+
+A command module's top level imports only what building its parser needs;
+MLX, the server and the conformance kit load inside ``run``, so ``turbospark
+--help`` and the commands that do not need them start fast
+(``tests/test_cli.py`` checks which modules a command imports).
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from turbospark.install import read_manifest
-from turbospark.text import TextCodec, load_text
+if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.text import TextCodec
 
 
 def install_text(path: str | Path) -> TextCodec:
     """The install's tokenizer, after checking *path* is an install at all (so a
     wrong directory is named as such, not as a missing tokenizer)."""
+    from turbospark.install import read_manifest
+    from turbospark.text import load_text
+
     read_manifest(path)
     return load_text(path)
 

@@ -12,19 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from turbospark.commands import add_pool_memory_flag, install_text
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
 from turbospark.errors import TurbosparkError
-from turbospark.generate import (
-    Completion,
-    GenerationConfig,
-    check_prompt,
-    collect,
-    stream_generate,
-)
-from turbospark.runner import Runner
-from turbospark.text import TextCodec
+
+if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.generate import Completion, GenerationConfig
+    from turbospark.runner import Runner
+    from turbospark.text import TextCodec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +54,8 @@ def turn(
     runner: Runner, codec: TextCodec, messages: list[dict[str, str]], config: GenerationConfig
 ) -> Completion:
     """Stream one reply to stdout; a bad prompt is refused before any output."""
+    from turbospark.generate import check_prompt, collect, stream_generate
+
     ids = codec.encode_chat(messages)
     check_prompt(runner, ids)
     reply = collect(stream_generate(runner, codec, ids, config), on_text=print_text)
@@ -65,6 +64,8 @@ def turn(
 
 
 def run(args: argparse.Namespace) -> int:
+    from turbospark.runner import Runner
+
     codec = install_text(args.model)
     config = generation_config(args)
     runner = Runner.open(

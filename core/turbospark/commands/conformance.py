@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from typing import TYPE_CHECKING
 
-from turbospark.conformance.run import KitReport, run_kit
+from turbospark.errors import TurbosparkError
+
+if TYPE_CHECKING:  # pytest and hypothesis load in run(): they are the conformance extra's
+    from turbospark.conformance.run import KitReport
 
 MARKS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
 
@@ -36,6 +40,11 @@ def positive(value: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        from turbospark.conformance.run import run_kit
+    except ImportError as exc:  # the core without its conformance extra
+        raise TurbosparkError(str(exc)) from None
+
     report = run_kit(args.family, examples=args.examples)
     print(report.model_dump_json(indent=2) if args.json else render(report))
     return 0 if report.passed else 1

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from turbospark.plugins import default_registry
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
@@ -20,6 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from turbospark.plugins import default_registry
+
     registry = default_registry()
     families = [
         {

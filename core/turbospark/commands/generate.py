@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from turbospark.commands import install_text
-from turbospark.generate import GenerationConfig, collect, stream_generate
-from turbospark.runner import Runner
-from turbospark.text import TextCodec
+
+if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.generate import GenerationConfig
+    from turbospark.text import TextCodec
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -25,6 +27,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    from turbospark.generate import GenerationConfig
+
     return GenerationConfig(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -57,6 +61,9 @@ def prompt_ids(codec: TextCodec, prompt: str, raw: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from turbospark.generate import collect, stream_generate
+    from turbospark.runner import Runner
+
     codec = install_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights
     runner = Runner.open(args.model, context_length=args.context_length)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from turbospark.importer import DTYPES, import_checkpoint
+# turbospark.importer.DTYPES, written out so building the parser loads no MLX
+# (tests/test_cli.py holds the two equal).
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from turbospark.importer import import_checkpoint
+
     manifest = import_checkpoint(
         args.hf_dir, args.out, dtype=args.dtype, family=args.family, model_id=args.model_id
     )

@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from turbospark.commands import add_pool_memory_flag, byte_size, install_text
 from turbospark.errors import InvalidInput
-from turbospark.runner import Runner
-from turbospark.server.app import create_app
-from turbospark.server.limits import ServerLimits
-from turbospark.server.worker import RunnerWorker
+from turbospark.server.settings import ServerLimits
+
+if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.runner import Runner
 
 DEFAULT_MAX_TOKENS = 2048
 DEFAULT_MAX_BATCH = 8
@@ -139,6 +138,12 @@ def limits_of(args: argparse.Namespace) -> ServerLimits:
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from turbospark.runner import Runner
+    from turbospark.server.app import create_app
+    from turbospark.server.worker import RunnerWorker
+
     check_args(args)
     codec = install_text(args.model)
     worker = RunnerWorker()

@@ -50,7 +50,7 @@ from turbospark.server.errors import (
     refusal,
     validation_error,
 )
-from turbospark.server.limits import Admission, Deadline, ServerLimits, Ticket, read_body
+from turbospark.server.limits import Admission, Deadline, Ticket, read_body
 from turbospark.server.openapi import openapi_document
 from turbospark.server.prompt_bound import PromptBound
 from turbospark.server.schemas import (
@@ -71,6 +71,7 @@ from turbospark.server.schemas import (
     Usage,
     new_id,
 )
+from turbospark.server.settings import ServerLimits
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 

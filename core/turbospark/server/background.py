@@ -15,7 +15,7 @@ from types import TracebackType
 import uvicorn
 from starlette.applications import Starlette
 
-from turbospark.server.limits import ServerLimits
+from turbospark.server.settings import ServerLimits
 
 
 class ThreadedServer:

@@ -38,7 +38,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 # The longest canonical decomposition of one code point (U+1F82 is four);
-# tests/test_limits.py recomputes it from unicodedata.
+# tests/test_server_limits.py recomputes it from unicodedata.
 MAX_CANONICAL_DECOMPOSITION = 4
 
 _SAME_OR_LONGER_NORMALIZERS = {"Lowercase", "NFD", "NFKD", "Prepend"}

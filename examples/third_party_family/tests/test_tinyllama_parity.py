@@ -48,3 +48,24 @@ def test_matches_mlx_lm(tmp_path: Path, dims: dict[str, object]) -> None:
         expected_step = reference(mx.array([[token]]), cache=cache)[0, -1]
         ours = runner.produce(token, len(PROMPT) + step)
         np.testing.assert_allclose(ours, expected_step, atol=ATOL, rtol=ATOL)
+
+
+def test_mlx_lm_tokenizes_a_chat_exactly_as_we_do(tmp_path: Path) -> None:
+    """Llama 3's byte-level tokenizer and chat template: mlx-lm (through
+    ``transformers``) and turbospark give the same prompt tokens."""
+    tokenizer_utils = pytest.importorskip("mlx_lm.tokenizer_utils")
+    from turbospark.text import load_text
+
+    build_synthetic_install("tinyllama", tmp_path, vocab_size=128, num_layers=1)
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there, how are you? 42 + 7 = 49."},
+        {"role": "assistant", "content": " Good to hear it. "},
+        {"role": "user", "content": "And the weather?"},
+    ]
+    theirs = tokenizer_utils.load(tmp_path).apply_chat_template(chat, add_generation_prompt=True)
+    ours = load_text(tmp_path)
+    assert ours.encode_chat(chat) == list(theirs)
+    assert ours.decode(ours.encode_chat(chat), skip_special_tokens=False).startswith(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    )

@@ -2,45 +2,35 @@
 
 The entry point ``turbospark:tinyllama`` in ``pyproject.toml`` names this
 module; turbospark registers it in a plugin manager of its own and calls the
-hooks below (see ``turbospark.hookspecs`` for what each must do).
+hooks below (see ``turbospark.hookspecs`` for what each must do). The three
+that every family writes alike (declare the family, which components a pool
+may park, build a synthetic install) come from :class:`turbospark.family.CommonHooks`,
+derived from what this package declares; the rest are tinyllama's own.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark.errors import InvalidInput
-from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.family import CommonHooks
+from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import logits_for
 from turbospark.state import KVComponent, State
-from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
+from turbospark_tinyllama import state as state_module
 from turbospark_tinyllama import synthetic
 from turbospark_tinyllama.model import Llama, LlamaConfig, sanitize
-from turbospark_tinyllama.state import COMPONENTS, new_state
+from turbospark_tinyllama.state import new_state
 
 NAME = "tinyllama"
 
-
-@hookimpl
-def turbospark_family() -> FamilySpec:
-    return FamilySpec(
-        name=NAME,
-        model_types=["llama"],
-        arch_config=LlamaConfig,
-        components=COMPONENTS,
-        state_source="turbospark_tinyllama/state.py",
-    )
-
-
-@hookimpl
-def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
-    return [spec.name for spec in COMPONENTS if spec.swappable]
+common = CommonHooks(NAME, ["llama"], LlamaConfig, state_module, synthetic.build)
+turbospark_family = common.turbospark_family
+turbospark_pool_capability = common.turbospark_pool_capability
+turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
 
 
 @hookimpl
@@ -71,8 +61,3 @@ def turbospark_forward(
     hidden = model(tokens, start, kv, vision)  # (L, hidden)
     # The head runs only where logits are read; the runner evaluates state arrays.
     return logits_for(hidden, model.head, logits)
-
-
-@hookimpl
-def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
-    return build_checked(NAME, synthetic.build, path, dims)  # unknown dims refused by name

@@ -2,19 +2,52 @@
 
 :mod:`turbospark.synthetic` does the shared part: seeded random tensors, and
 the write through :func:`turbospark.install.write_install` (the writer a real
-import uses) with a real tokenizer and chat template from
-:func:`turbospark.text.synthetic_text_files`. The install loads unchanged in
-``mlx_lm.utils.load_model``. Norm scales are random rather than ones, so a
-skipped or misplaced norm changes the logits.
+import uses). The family's own part is :data:`LLAMA3_TEXT`: a byte-level BPE
+tokenizer and the chat template of Llama 3, as its checkpoints ship them, so
+mlx-lm (through ``transformers``) tokenizes a chat exactly as turbospark does.
+The install loads unchanged in ``mlx_lm.utils.load_model``. Norm scales are
+random rather than ones, so a skipped or misplaced norm changes the logits.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from turbospark.synthetic import RandomWeights, write_synthetic
-from turbospark.text import EOS_ID
+from turbospark.synthetic import RandomWeights, SyntheticText, write_synthetic
 from turbospark_tinyllama.model import LlamaConfig
+
+# Llama 3's chat template (tools and dates trimmed): every message in a header
+# block, content trimmed, an empty assistant header as the generation prompt.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+
+LLAMA3_TEXT = SyntheticText(
+    kind="byte_level",
+    specials=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ),
+    bos="<|begin_of_text|>",
+    eos="<|eot_id|>",
+    stops=("<|end_of_text|>", "<|eot_id|>"),
+    chat_template=LLAMA3_CHAT_TEMPLATE,
+    # Llama 3's pre-tokenizer regex (tiktoken's cl100k pattern).
+    split_pattern=(
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+)
 
 
 def build(
@@ -45,7 +78,7 @@ def build(
         head_dim=head_dim,
         rope_theta=rope_theta,
         tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=EOS_ID,
+        eos_token_id=LLAMA3_TEXT.id(LLAMA3_TEXT.eos),
     )
     w = RandomWeights(seed)
     q_dim, kv_dim = num_attention_heads * head_dim, num_key_value_heads * head_dim
@@ -65,4 +98,4 @@ def build(
     w.scale("model.norm.weight", (hidden_size,))
     if not tie_word_embeddings:
         w.linear("lm_head.weight", (vocab_size, hidden_size))
-    return write_synthetic(path, arch, model_id, w.tensors, dtype)
+    return write_synthetic(path, arch, model_id, w.tensors, dtype, LLAMA3_TEXT)

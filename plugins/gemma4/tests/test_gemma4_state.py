@@ -22,7 +22,7 @@ from turbospark.install import (
 )
 from turbospark.plugins import default_registry
 from turbospark.state import State, state_position
-from turbospark.text import synthetic_text_files
+from turbospark.synthetic import GEMMA_TEXT
 from turbospark.vision import MropePositions, VisionInjection, VisionMap
 from turbospark_gemma4.model import Gemma4Config
 
@@ -145,7 +145,11 @@ def _rewrite(src: Path, dst: Path, edit: Any) -> None:
     edit(weights)
     arch = peek_manifest_arch(src)
     write_install(
-        dst, arch=arch, model_id="edited", weights=weights, extra_files=synthetic_text_files(arch)
+        dst,
+        arch=arch,
+        model_id="edited",
+        weights=weights,
+        extra_files=GEMMA_TEXT.files(arch.vocab_size),
     )
 
 

@@ -2,37 +2,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.family import CommonHooks
+from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State
-from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
+from turbospark_gemma4 import state as state_module
 from turbospark_gemma4 import synthetic
 from turbospark_gemma4.model import Gemma4, Gemma4Config, sanitize
-from turbospark_gemma4.state import COMPONENTS, new_state
+from turbospark_gemma4.state import new_state
 
-
-@hookimpl
-def turbospark_family() -> FamilySpec:
-    return FamilySpec(
-        name="gemma4",
-        model_types=["gemma4_text"],
-        arch_config=Gemma4Config,
-        components=COMPONENTS,
-        state_source="plugins/gemma4/turbospark_gemma4/state.py",
-    )
-
-
-@hookimpl
-def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
-    return [spec.name for spec in COMPONENTS if spec.swappable]
+common = CommonHooks("gemma4", ["gemma4_text"], Gemma4Config, state_module, synthetic.build)
+turbospark_family = common.turbospark_family
+turbospark_pool_capability = common.turbospark_pool_capability
+turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
 
 
 @hookimpl
@@ -69,8 +56,3 @@ def turbospark_forward_batch(
 ) -> mx.array | None:
     hidden = model(tokens, mx.array(positions), state, None, last_only=logits != "all")
     return batch_logits_for(hidden, model.head, logits)
-
-
-@hookimpl
-def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
-    return build_checked("gemma4", synthetic.build, path, dims)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turbospark.synthetic import RandomWeights, write_synthetic
-from turbospark.text import EOS_ID, PAD_ID
+from turbospark.synthetic import GEMMA_TEXT, RandomWeights, write_synthetic
 from turbospark_gemma4.model import Gemma4Config
 
 
@@ -71,8 +70,8 @@ def build(
         num_experts=num_experts if moe else None,
         top_k_experts=top_k_experts if moe else None,
         moe_intermediate_size=moe_intermediate_size if moe else None,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        eos_token_id=GEMMA_TEXT.id(GEMMA_TEXT.eos),
+        pad_token_id=GEMMA_TEXT.id("<pad>"),
     )
     w = RandomWeights(seed)
     n, hidden, ple = num_layers, hidden_size, hidden_size_per_layer_input
@@ -118,4 +117,4 @@ def build(
             w.scale(f"{p}.post_per_layer_input_norm.weight", (hidden,))
         w.scale(f"{p}.layer_scalar", (1,), spread=0.5)
 
-    return write_synthetic(path, arch, model_id, w.tensors, dtype)
+    return write_synthetic(path, arch, model_id, w.tensors, dtype, GEMMA_TEXT)

@@ -2,38 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark.errors import InvalidInput
-from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.family import CommonHooks
+from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import logits_for
 from turbospark.state import State, state_position
-from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
+from turbospark_qwen4_exp import state as state_module
 from turbospark_qwen4_exp import synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig, sanitize
-from turbospark_qwen4_exp.state import COMPONENTS, new_state
+from turbospark_qwen4_exp.state import new_state
 
-
-@hookimpl
-def turbospark_family() -> FamilySpec:
-    return FamilySpec(
-        name="qwen4_exp",
-        model_types=["qwen4_exp"],
-        arch_config=Qwen4ExpConfig,
-        components=COMPONENTS,
-        state_source="plugins/qwen4_exp/turbospark_qwen4_exp/state.py",
-    )
-
-
-@hookimpl
-def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
-    return [spec.name for spec in COMPONENTS if spec.swappable]
+common = CommonHooks("qwen4_exp", ["qwen4_exp"], Qwen4ExpConfig, state_module, synthetic.build)
+turbospark_family = common.turbospark_family
+turbospark_pool_capability = common.turbospark_pool_capability
+turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
 
 
 @hookimpl
@@ -67,8 +54,3 @@ def turbospark_forward(
         )
     hidden = model(tokens, start, state, vision)  # (L, hidden)
     return logits_for(hidden, model.head, logits)
-
-
-@hookimpl
-def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
-    return build_checked("qwen4_exp", synthetic.build, path, dims)

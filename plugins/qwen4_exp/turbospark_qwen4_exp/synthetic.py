@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 from mlx.utils import tree_flatten
 
-from turbospark.synthetic import write_synthetic
-from turbospark.text import EOS_ID
+from turbospark.synthetic import QWEN_TEXT, write_synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig
 
 _DEPTHWISE = ("conv1d.weight", "ple_conv.weight")
@@ -74,7 +73,7 @@ def build(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
-        eos_token_id=EOS_ID,
+        eos_token_id=QWEN_TEXT.id(QWEN_TEXT.eos),
         intermediate_size=intermediate_size,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
@@ -107,4 +106,4 @@ def build(
         if name.endswith(_DEPTHWISE):
             value = np.moveaxis(value, 1, 2)  # MLX (C, K, 1) -> PyTorch (C, 1, K)
         tensors[name] = value
-    return write_synthetic(path, arch, model_id, tensors, dtype)
+    return write_synthetic(path, arch, model_id, tensors, dtype, QWEN_TEXT)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import turbospark_qwen_gdn.state
 from turbospark.errors import InstallError, InvalidInput
 from turbospark.hf_config import HFConfig, arch_from_config
 from turbospark.install import build_synthetic_install
@@ -41,7 +43,13 @@ def test_family_declaration() -> None:
     family = default_registry().get("qwen_gdn")
     spec = family.spec
     assert spec.model_types == ["qwen3_5", "qwen3_5_text"]
-    assert spec.state_source == "plugins/qwen_gdn/turbospark_qwen_gdn/state.py"
+    assert spec.state_source == inspect.getsourcefile(
+        turbospark_qwen_gdn.state
+    )  # wherever it is installed
+    assert (
+        spec.state_source.endswith("turbospark_qwen_gdn/state.py")
+        and Path(spec.state_source).is_file()
+    )
     kv, gdn = spec.component("kv"), spec.component("gdn")
     assert (kv.swappable, kv.rewindable, kv.persistable) == (True, True, True)
     assert (gdn.swappable, gdn.rewindable, gdn.persistable) == (True, False, True)

@@ -2,38 +2,27 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.family import CommonHooks
+from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State
-from turbospark.synthetic import build_checked
 from turbospark.vision import VisionMap
+from turbospark_qwen_gdn import state as state_module
 from turbospark_qwen_gdn import synthetic
 from turbospark_qwen_gdn.model import QwenGdn, QwenGdnConfig, sanitize
-from turbospark_qwen_gdn.state import COMPONENTS, new_state
+from turbospark_qwen_gdn.state import new_state
 
-
-@hookimpl
-def turbospark_family() -> FamilySpec:
-    return FamilySpec(
-        name="qwen_gdn",
-        # HF's text sub-config is "qwen3_5_text", but checkpoints (and mlx-lm) use "qwen3_5".
-        model_types=["qwen3_5", "qwen3_5_text"],
-        arch_config=QwenGdnConfig,
-        components=COMPONENTS,
-        state_source="plugins/qwen_gdn/turbospark_qwen_gdn/state.py",
-    )
-
-
-@hookimpl
-def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
-    return [spec.name for spec in COMPONENTS if spec.swappable]
+# Checkpoints (and mlx-lm) use "qwen3_5"; transformers writes "qwen3_5_text" too.
+common = CommonHooks(
+    "qwen_gdn", ["qwen3_5", "qwen3_5_text"], QwenGdnConfig, state_module, synthetic.build
+)
+turbospark_family = common.turbospark_family
+turbospark_pool_capability = common.turbospark_pool_capability
+turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
 
 
 @hookimpl
@@ -69,8 +58,3 @@ def turbospark_forward_batch(
 ) -> mx.array | None:
     hidden = model(tokens, mx.array(positions), state)  # (B, L, hidden)
     return batch_logits_for(hidden, model.head, logits)
-
-
-@hookimpl
-def turbospark_build_synthetic_install(path: Path, dims: dict[str, Any]) -> ArchConfig:
-    return build_checked("qwen_gdn", synthetic.build, path, dims)

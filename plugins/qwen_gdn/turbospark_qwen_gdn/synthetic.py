@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from turbospark.synthetic import RandomWeights, write_synthetic
-from turbospark.text import EOS_ID
+from turbospark.synthetic import QWEN_TEXT, RandomWeights, write_synthetic
 from turbospark_qwen_gdn.model import QwenGdnConfig, RopeParameters
 
 
@@ -79,7 +78,7 @@ def build(
             partial_rotary_factor=partial_rotary_factor,
             mrope_section=_mrope_section(rotary),
         ),
-        eos_token_id=EOS_ID,
+        eos_token_id=QWEN_TEXT.id(QWEN_TEXT.eos),
     )
     w = RandomWeights(seed)
     hidden, root = hidden_size, "model.language_model"
@@ -117,4 +116,4 @@ def build(
         w.centred(f"{p}.input_layernorm.weight", (hidden,))
         w.centred(f"{p}.post_attention_layernorm.weight", (hidden,))
 
-    return write_synthetic(path, arch, model_id, w.tensors, dtype)
+    return write_synthetic(path, arch, model_id, w.tensors, dtype, QWEN_TEXT)

@@ -1,0 +1,78 @@
+"""Chat templates: rendering a checkpoint's own, and the shapes the built-in families ship.
+
+A checkpoint's ``chat_template`` is jinja2 written for ``transformers``, which
+renders it in a sandbox with ``trim_blocks``/``lstrip_blocks``, the
+``loopcontrols`` extension, a ``tojson`` filter and a ``raise_exception``
+global; :func:`compile_template` builds the same environment so a template
+renders here exactly as it does there (and in mlx-lm, which calls
+``transformers``).
+
+The constants are the built-in families' template *shapes*, as their real
+checkpoints ship them in ``tokenizer_config.json``, trimmed of tool calling and
+images; synthetic installs carry them so a chat prompt on a random-weight
+model has the same structure (and the same tokens, in mlx-lm too) as on the
+real one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """*source* compiled in the environment ``transformers`` renders chat templates in."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
+# Gemma (2, 3 and 4 alike): system text folded into the first user turn, roles
+# must alternate, ``assistant`` rendered as ``model``.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}"
+    "{% set first_user_prefix = '' %}"
+    "{% set loop_messages = messages %}"
+    "{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+# Qwen3 / Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``,
+# earlier assistant turns lose their reasoning (the text up to ``</think>``), and
+# ``enable_thinking=False`` pre-fills an empty think block.
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% set content = message['content'].split('</think>')[-1].lstrip('\\n') %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{% endif %}"
+)
