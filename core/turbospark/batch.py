@@ -57,11 +57,12 @@ class BatchedComponent(Protocol):
     def rollback(self, held: object) -> None:
         """Become what :meth:`hold` returned (a step that failed midway)."""
 
-    def extract(self, row: int, position: int, back: int, held: object) -> StateComponent:
+    def extract(self, row: int, position: int, back: int, held: object | None) -> StateComponent:
         """A one-row component for *row*, whose next write position after
         dropping its last *back* tokens is *position* (copied, so the batch
         can be dropped). A component that cannot rewind reads a row going
-        back from *held*, taken before the step."""
+        back from *held* (:meth:`hold`, taken before the step; None when
+        nothing went back)."""
 
 
 class BatchLayerKV:
@@ -244,7 +245,7 @@ class BatchKV:
         for layer, (keys, values, left, fill) in zip(self.layers, held, strict=True):
             layer.keys, layer.values, layer.left, layer.fill = keys, values, left, fill
 
-    def extract(self, row: int, position: int, back: int, held: object) -> KVComponent:
+    def extract(self, row: int, position: int, back: int, held: object | None) -> KVComponent:
         del held  # rewindable: a row going back drops its last columns
         layers = [layer.extract(row, position, back) for layer in self.layers]
         return KVComponent.adopt(self.name, layers, self.window, self.headroom, position)

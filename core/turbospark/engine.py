@@ -166,7 +166,7 @@ class _Batch:
             if row in going:
                 back = going[row]
                 row.session.state = {
-                    name: component.extract(i, row.leaves_at, back, self.held[name])
+                    name: component.extract(i, row.leaves_at, back, self.held.get(name))
                     for name, component in self.state.items()
                 }
         stay = [i for i, row in enumerate(self.rows) if row not in going]
@@ -304,7 +304,8 @@ class Engine:
                 if self.warming and not self._queue[0].warm_up:
                     return  # real requests wait for the warm-up to finish
                 job = self._queue.popleft()
-            if job.cancelled.is_set():
+            if job.cancelled.is_set():  # given up while queued: it never starts
+                job.emit(Chunk(text="", finish_reason="stop"))
                 continue
             try:
                 row = self._start(job)

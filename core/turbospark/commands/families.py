@@ -28,6 +28,10 @@ def run(args: argparse.Namespace) -> int:
             "model_types": fam.spec.model_types,
             "state_source": fam.spec.state_source,
             "components": [c.model_dump() for c in fam.spec.components],
+            # Sessions decode in one forward only when every component merges and
+            # the family implements the batched forward; otherwise row by row.
+            "batched_decode": all(c.batchable for c in fam.spec.components)
+            and bool(fam.manager().hook.turbospark_forward_batch.get_hookimpls()),
         }
         for fam in registry.families.values()
     ]
@@ -39,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         print(registry.describe_installed())
     for fam in families:
         print(f"{fam['name']}  ({', '.join(fam['model_types'])})  from {fam['source']}")
+        decode = "batched (one forward per step)" if fam["batched_decode"] else "row by row"
+        print(f"    concurrent requests decode {decode}")
         for c in fam["components"]:
             rewind = {
                 True: "rewindable",
@@ -49,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
                 "swappable" if c["swappable"] else "not swappable",
                 rewind[c["rewindable"]],
                 "persistable" if c["persistable"] else "not persistable",
+                "batchable" if c["batchable"] else "not batchable",
             ]
             print(f"    {c['name']:<14} {', '.join(flags)}  — {c['description']}")
     for b in broken:

@@ -441,10 +441,13 @@ class GDNComponent:
         assert isinstance(held, tuple)
         self._tails, self._states = list(held[0]), list(held[1])
 
-    def extract(self, row: int, position: int, back: int, held: object) -> GDNComponent:
+    def extract(self, row: int, position: int, back: int, held: object | None) -> GDNComponent:
         """Row *row* on its own; going *back* reads the references *held* before the step."""
-        assert isinstance(held, tuple)
-        tails, states = held if back else (self._tails, self._states)
+        if back:
+            assert isinstance(held, tuple), "a row going back needs the references held"
+            tails, states = held
+        else:
+            tails, states = self._tails, self._states
         one = GDNComponent(len(self._tails))
         one._tails = [mx.contiguous(tail[row : row + 1]) for tail in tails]
         one._states = [mx.contiguous(state[row : row + 1]) for state in states]
