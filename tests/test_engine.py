@@ -226,3 +226,22 @@ def test_a_bad_request_is_refused_and_nothing_changes(gemma4_install):
     assert isinstance(bad.emit.error, TurbosparkError)
     assert "vocabulary" in str(bad.emit.error)
     assert [list(s.values()) for s in runner.session_states()] == before
+
+
+def test_a_row_reaching_the_context_length_ends_alone(gemma4_install):
+    """One row runs into the context length mid-batch: it ends with "length"
+    exactly where it would alone, and the rows beside it carry on."""
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=3)
+    config = GenerationConfig(max_tokens=10, temperature=0.0, stop_token_ids=[])
+    long_prompt = [2, *(3 + i % 100 for i in range(CONTEXT - 4))]  # room for 3 more tokens
+    prompts = [PROMPTS[0], long_prompt, PROMPTS[1]]
+    jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in prompts]
+    run_all(engine, [(0, job) for job in jobs])
+    assert_sessions_sound(runner)
+    for job, prompt in zip(jobs, prompts, strict=True):
+        expected = alone(gemma4_install, codec, prompt, config)
+        assert job.emit.tokens == expected.tokens
+        assert job.emit.chunks[-1].finish_reason == expected.finish_reason
+    assert len(jobs[1].emit.tokens) == 4 and jobs[1].emit.chunks[-1].finish_reason == "length"
