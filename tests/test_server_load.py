@@ -166,6 +166,8 @@ def test_load_with_faults_loses_nothing(tmp_path: Path) -> None:
                 path, body, reply = detail  # type: ignore[misc]
                 assert reply == sent_alone(path, body), (path, body)
         assert svc.admission.active == 0
+        rows = svc.engine.call(lambda: (svc.engine.active_rows, svc.engine.queue_depth)).result()
+        assert rows == (0, 0), "a batch row or queued request leaked"
         nbytes = svc.engine.call(svc.runner.session_nbytes).result()
         assert len(nbytes) == len(before[0]) == 4  # no session leaked or lost
         memory = mx.get_active_memory()
