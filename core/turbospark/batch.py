@@ -50,9 +50,16 @@ class BatchedComponent(Protocol):
     def filter(self, rows: list[int]) -> None:
         """Keep only *rows*, in that order."""
 
+    def prepare(self, length: int) -> None:
+        """Make room for a step of *length* tokens now, so the step itself
+        writes in place and :meth:`hold` needs no reference to a buffer that
+        the step updates (a held buffer could not be donated: every step would
+        copy it whole)."""
+
     def hold(self) -> object:
-        """References to every array and index as they are now (no copy): taken
-        before each step, to extract a row going back or to undo a failed step."""
+        """What a failed step needs to be undone, and a row going back needs to
+        be extracted, taken before each step after :meth:`prepare`: indices,
+        and references to arrays the step replaces rather than updates."""
 
     def rollback(self, held: object) -> None:
         """Become what :meth:`hold` returned (a step that failed midway)."""
@@ -121,6 +128,9 @@ class BatchLayerKV:
 
     def arrays(self) -> list[mx.array]:
         return [self.keys, self.values]
+
+    def prepare(self, length: int) -> None:
+        self._make_room(length)
 
     def _make_room(self, length: int) -> None:
         if self.fill + length <= self.keys.shape[2]:
@@ -237,13 +247,19 @@ class BatchKV:
         for layer in self.layers:
             layer.filter(rows)
 
+    def prepare(self, length: int) -> None:
+        for layer in self.layers:
+            layer.prepare(length)
+
     def hold(self) -> object:
-        return [(lay.keys, lay.values, list(lay.left), lay.fill) for lay in self.layers]
+        # After prepare() a step only writes columns past `fill`: the indices
+        # are all it takes to undo it, and no buffer stays referenced.
+        return [(list(layer.left), layer.fill) for layer in self.layers]
 
     def rollback(self, held: object) -> None:
         assert isinstance(held, list)
-        for layer, (keys, values, left, fill) in zip(self.layers, held, strict=True):
-            layer.keys, layer.values, layer.left, layer.fill = keys, values, left, fill
+        for layer, (left, fill) in zip(self.layers, held, strict=True):
+            layer.left, layer.fill = left, fill
 
     def extract(self, row: int, position: int, back: int, held: object | None) -> KVComponent:
         del held  # rewindable: a row going back drops its last columns

@@ -137,6 +137,8 @@ class _Batch:
     def step(self) -> None:
         """Feed every row's pending id (still lazy) and queue the next ids."""
         tokens = mx.concatenate([row.pending.reshape(1) for row in self.rows])
+        for component in self.state.values():
+            component.prepare(1)
         self.held = {name: component.hold() for name, component in self.state.items()}
         try:
             logits = self.runner.forward_batch(

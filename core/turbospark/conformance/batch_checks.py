@@ -71,6 +71,8 @@ class BatchChecks:
                     component.filter(keep)
                 rows.remove(1)
             tokens = [kit.tokens(200 + 10 * step + s, 1)[0] for s in rows]
+            for component in batch.values():
+                component.prepare(1)
             held = {name: component.hold() for name, component in batch.items()}
             out = kit.hook.turbospark_forward_batch(
                 model=kit.model,

@@ -434,6 +434,9 @@ class GDNComponent:
         self._tails = [tail[index] for tail in self._tails]
         self._states = [state[index] for state in self._states]
 
+    def prepare(self, length: int) -> None:
+        del length  # every step replaces the arrays: nothing to make room for
+
     def hold(self) -> object:
         return list(self._tails), list(self._states)
 
