@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from turbospark import build_synthetic_install
+from turbospark.text import TextCodec, load_text
 
 VOCAB = 128
 
@@ -36,3 +37,20 @@ def qwen4_exp_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen4_exp")
     build_synthetic_install("qwen4_exp", path, vocab_size=VOCAB, model_id="qwen4-pool")
     return path
+
+
+@pytest.fixture(scope="module")
+def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny gemma4 install a server test module serves, under its ``MODEL`` name
+    (modules with an install of their own define this fixture themselves)."""
+    model = request.module.MODEL
+    path = tmp_path_factory.mktemp(model)
+    build_synthetic_install(
+        "gemma4", path, vocab_size=128, num_layers=2, sliding_window=8, model_id=model
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def codec(install: Path) -> TextCodec:
+    return load_text(install)

@@ -10,28 +10,13 @@ import httpx
 import pytest
 from serving import CONTEXT, client, serving
 
-from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.generate import GenerationConfig, generate
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
-from turbospark.text import TextCodec, load_text
+from turbospark.text import TextCodec
 
 MODEL = "tiny-serve"
-
-
-@pytest.fixture(scope="module")
-def install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("serve-gemma4")
-    build_synthetic_install(
-        "gemma4", path, vocab_size=128, num_layers=2, sliding_window=8, model_id=MODEL
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
-def codec(install: Path) -> TextCodec:
-    return load_text(install)
 
 
 @pytest.fixture(scope="module")

@@ -23,28 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import client, service, serving, sessions
 
-from turbospark import build_synthetic_install
 from turbospark.server import ThreadedServer
-from turbospark.text import TextCodec, load_text
+from turbospark.text import TextCodec
 
 MODEL = "tiny-hostile"
 # A short context bounds every generation the fuzzer asks for (max_tokens may be huge).
 CONTEXT = 256
 FUZZ_EXAMPLES = int(os.environ.get("TURBOSPARK_FUZZ_EXAMPLES", "40"))
-
-
-@pytest.fixture(scope="module")
-def install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hostile-gemma4")
-    build_synthetic_install(
-        "gemma4", path, vocab_size=128, num_layers=2, sliding_window=8, model_id=MODEL
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
-def codec(install: Path) -> TextCodec:
-    return load_text(install)
 
 
 @pytest.fixture(scope="module")

@@ -19,28 +19,13 @@ from hypothesis import strategies as st
 from serving import client, service, serving, sessions
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.server import ThreadedServer
 from turbospark.server.prompt_bound import MAX_CANONICAL_DECOMPOSITION, PromptBound
 from turbospark.server.settings import ServerLimits
-from turbospark.text import TextCodec, load_text
+from turbospark.text import TextCodec
 
 MODEL = "tiny-limits"
-
-
-@pytest.fixture(scope="module")
-def install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("limits-gemma4")
-    build_synthetic_install(
-        "gemma4", path, vocab_size=128, num_layers=2, sliding_window=8, model_id=MODEL
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
-def codec(install: Path) -> TextCodec:
-    return load_text(install)
 
 
 LIMITS = ServerLimits(max_request_bytes=64 * 1024, header_timeout=0.5)

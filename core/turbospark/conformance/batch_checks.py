@@ -23,11 +23,11 @@ from typing import final
 
 import mlx.core as mx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from turbospark.conformance.diagnose import fail
-from turbospark.conformance.kit import FamilyKit
+from turbospark.conformance.kit import FamilyKit, kit_settings
 from turbospark.conformance.turns import take_turn
 from turbospark.conformance.vision_checks import install_vision
 from turbospark.engine import Engine, Job
@@ -126,15 +126,7 @@ class BatchChecks:
                 alone[(ids, max_tokens)] = done.tokens
             return alone[(ids, max_tokens)]
 
-        @settings(
-            max_examples=kit.examples,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            print_blob=False,
-            report_multiple_bugs=False,
-            suppress_health_check=list(HealthCheck),
-        )
+        @kit_settings(kit)
         @given(plan=_plans(kit))
         def play(plan: _Plan) -> None:
             runner = kit.open(slots, context=f"{plan!r}: ")

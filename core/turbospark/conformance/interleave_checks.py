@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import final
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from turbospark.conformance.kit import FamilyKit
+from turbospark.conformance.kit import FamilyKit, kit_settings
 from turbospark.conformance.turns import Step, run_script
 
 NAMES = "ABC"
@@ -69,15 +69,7 @@ class InterleavingChecks:
         conversation; a failure names the turn, the session and the component."""
         slot_choices = [1] if kit.not_swappable else [2, 3, 1]  # shrinks toward a pool of 2
 
-        @settings(
-            max_examples=kit.examples,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            print_blob=False,
-            report_multiple_bugs=False,
-            suppress_health_check=list(HealthCheck),
-        )
+        @kit_settings(kit)
         @given(schedule=schedules(kit, slot_choices))
         def play(schedule: Schedule) -> None:
             context = f"{schedule!r}, "

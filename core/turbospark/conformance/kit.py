@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 from turbospark.conformance.diagnose import session_states, shared_components
 from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
@@ -39,6 +40,20 @@ def examples_from_env(default: int) -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{EXAMPLES_ENV} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def kit_settings(kit: FamilyKit) -> settings:
+    """How the kit's property checks run: reproducible (derandomized, no example
+    database), no deadline on a CPU shared with other work, and one bug reported."""
+    return settings(
+        max_examples=kit.examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        print_blob=False,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 @dataclass
