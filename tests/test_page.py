@@ -6,19 +6,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from serving import CONTEXT, client, service, serving
+from serving import CONTEXT, client, service, serving, serving_with_disk
 
 from turbospark import build_synthetic_install
-from turbospark.runner import Runner
-from turbospark.server import ThreadedServer, create_app
+from turbospark.server import ThreadedServer
 from turbospark.server.sessions import SessionsView
-from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec, load_text
 
 MODEL = "tiny-sessions"
@@ -39,24 +36,6 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def codec(install: Path) -> TextCodec:
     return load_text(install)
-
-
-@contextmanager
-def serving_with_disk(install: Path, codec: TextCodec, directory: Path) -> Iterator[ThreadedServer]:
-    """``turbospark serve --session-slots 4 --session-dir DIR``."""
-    worker = RunnerWorker()
-
-    def open_runner() -> Runner:
-        runner = Runner.open(
-            install, context_length=CONTEXT, session_slots=4, session_dir=directory
-        )
-        runner.set_prefix_reuse(True)
-        return runner
-
-    app = create_app(worker.run(open_runner), codec, worker=worker)
-    with ThreadedServer(app) as server:
-        server.service = app.state.service  # type: ignore[attr-defined]
-        yield server
 
 
 def view(server: ThreadedServer) -> dict[str, Any]:
@@ -114,7 +93,7 @@ def test_the_view_reports_every_session_and_reveals_none(
 ) -> None:
     alice = [{"role": "user", "content": ALICE}]
     bob = [{"role": "user", "content": BOB}]
-    with serving_with_disk(install, codec, tmp_path / "sessions") as server:
+    with serving_with_disk(install, codec, tmp_path / "sessions", slots=4) as server:
         empty = view(server)
         assert empty["sessions"] == [] and empty["pool"]["empty_slots"] == 4
         replies = [chat(server, alice)]

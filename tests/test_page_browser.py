@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serving import CONTEXT, serving
+from serving import CONTEXT, serving_with_disk
 
 from turbospark import build_synthetic_install
 from turbospark.generate import GenerationConfig, generate
@@ -142,7 +142,7 @@ def test_two_conversations_in_a_real_browser(
     install: Path, codec: TextCodec, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
     expected = greedy(install, codec, [{"role": "user", "content": FIRST}])
-    with serving(install, codec, slots=4) as server:
+    with serving_with_disk(install, codec, tmp_path / "sessions", slots=4) as server:
         server: ThreadedServer
         browser.get(server.base_url + "/")
         wait(browser, "the model's name", lambda d: MODEL in d.find_element(By.ID, "model").text)
@@ -170,17 +170,24 @@ def test_two_conversations_in_a_real_browser(
             lambda d: r if len(r := d.execute_script(PANEL)) == 2 else None,
         )
         assert sorted(where for where, _ in rows) == ["live", "parked"]
+        # Both are on disk too (write-through), and the panel lists their files.
+        wait(
+            browser,
+            "two session files",
+            lambda d: len(d.find_elements(By.CSS_SELECTOR, "#disk tr.file")) == 2,
+        )
         assert len({conversation for _, conversation in rows}) == 2
 
         # Back to the first conversation: its earlier turns are still on the page.
         browser.find_element(By.CSS_SELECTOR, '#conversations .conversation[data-id="1"]').click()
         assert len(browser.find_elements(By.CSS_SELECTOR, "#turns .turn")) == 4
 
+        # Nothing refused by the page's Content-Security-Policy, no script error (read
+        # while the server is up: the page keeps polling it).
+        problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not problems, problems
+
         shot = tmp_path / "page.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
         if target := os.environ.get("TURBOSPARK_PAGE_SCREENSHOT"):
             shutil.copyfile(shot, target)
-
-    # Nothing refused by the page's Content-Security-Policy, no script error.
-    problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-    assert not problems, problems
