@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import mlx.core as mx
 
@@ -121,7 +121,7 @@ class RowInfo:
     """One request in flight as the sessions view shows it: where it is, what its
     session holds, and why that session was chosen. Counts only, never ids."""
 
-    phase: str  # "prefilling" or "decoding" ("batched" when in the merged state)
+    phase: Literal["prefilling", "decoding", "batched"]  # batched: in the merged state
     session: Session
     prompt_tokens: int
     position: int  # tokens in the session's state now

@@ -164,7 +164,7 @@ def _session(
         request=None
         if row is None
         else RequestView(
-            phase=row.phase,  # type: ignore[arg-type]
+            phase=row.phase,
             prompt_tokens=row.prompt_tokens,
             generated_tokens=row.generated,
             cached_tokens=row.kept,
