@@ -65,3 +65,23 @@ def sessions(server: ThreadedServer) -> list[tuple[int, int, int]]:
         ]
 
     return service(server).engine.call(read).result()
+
+
+@contextmanager
+def serving_with_disk(
+    install: Path, codec: TextCodec, directory: Path, slots: int
+) -> Iterator[ThreadedServer]:
+    """``turbospark serve --session-slots N --session-dir DIR``, as :func:`serving`."""
+    worker = RunnerWorker()
+
+    def open_runner() -> Runner:
+        runner = Runner.open(
+            install, context_length=CONTEXT, session_slots=slots, session_dir=directory
+        )
+        runner.set_prefix_reuse(True)
+        return runner
+
+    app = create_app(worker.run(open_runner), codec, worker=worker)
+    with ThreadedServer(app) as server:
+        server.service = app.state.service  # type: ignore[attr-defined]
+        yield server

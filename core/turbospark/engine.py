@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import mlx.core as mx
 
@@ -114,6 +114,22 @@ class _Row:
         return (limit is not None and len(self.generated) + 1 >= limit) or (
             self.position >= self.context_length
         )
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """One request in flight as the sessions view shows it: where it is, what its
+    session holds, and why that session was chosen. Counts only, never ids."""
+
+    phase: Literal["prefilling", "decoding", "batched"]  # batched: in the merged state
+    session: Session
+    prompt_tokens: int
+    position: int  # tokens in the session's state now
+    generated: int
+    kept: int
+    reuse_reason: str
+    reuse_detail: str
+    batch_size: int  # rows decoding in the same forward now (1 when alone)
 
 
 class _Batch:
@@ -204,6 +220,9 @@ class Engine:
         self._batch = _Batch(runner)
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.warming = False
+        # Requests that discarded a parked session with content (at admission or
+        # at check-in): the sessions view shows it, so an eviction is seen when it happens.
+        self.evictions = 0
 
     # -- the outside: any thread ----------------------------------------------------
 
@@ -237,6 +256,34 @@ class Engine:
     @property
     def active_rows(self) -> int:
         return len(self._prefilling) + len(self._solo) + len(self._batch.rows)
+
+    def in_flight(self) -> list[RowInfo]:
+        """Every request holding a session now. Call on the runner thread
+        (through :meth:`call`): the rows change at every step."""
+        batched = len(self._batch.rows)
+        rows = [(row, "prefilling", 1, row.next_prefill) for row in self._prefilling]
+        rows += [(row, "decoding", 1, row.position) for row in self._solo]
+        rows += [(row, "batched", batched, row.position) for row in self._batch.rows]
+        return [
+            RowInfo(
+                phase=phase,
+                session=row.session,
+                prompt_tokens=len(row.job.ids),
+                position=position,
+                generated=len(row.generated),
+                kept=row.kept,
+                reuse_reason=str(row.report.reason),
+                reuse_detail=row.report.detail,
+                batch_size=size,
+            )
+            for row, phase, size, position in rows
+            if not row.job.warm_up
+        ]
+
+    @property
+    def batch_nbytes(self) -> int:
+        """Bytes of the merged state the batched rows decode in (0 when none)."""
+        return sum(c.nbytes for c in self._batch.state.values())
 
     def run(self, stop: threading.Event) -> None:
         """Step until *stop* is set, sleeping while there is nothing to do. A
@@ -322,6 +369,7 @@ class Engine:
         sampler = Sampler(config)
         started = time.perf_counter()
         kept, report, evicted = acquire(runner, job.ids)
+        self._evicted(job, evicted)
         session = runner.checkout()
         stop_ids = frozenset(
             self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
@@ -478,9 +526,14 @@ class Engine:
             self._batch.leave({row: 0})
         self._finish(row, "stop")
 
+    def _evicted(self, job: Job, evicted: bool) -> None:
+        """Count a real request's eviction (the warm-up's sessions are forgotten anyway)."""
+        if evicted and not job.warm_up:
+            self.evictions += 1
+
     def _fail(self, row: _Row, exc: Exception) -> None:
         log.warning("request failed: %s", exc, exc_info=exc)
-        self.runner.checkin(row.session)
+        self._evicted(row.job, self.runner.checkin(row.session))
         self.runner.flush()
         row.job.emit(exc)
 
@@ -489,6 +542,7 @@ class Engine:
         if row.stops.stopped is None:
             tail = row.stops.feed(row.decoder.flush()) + row.stops.flush()
         evicted_at_checkin = self.runner.checkin(row.session)
+        self._evicted(row.job, evicted_at_checkin)
         self.runner.flush()  # write-through to the disk tier: a reply sent is a session kept
         now = time.perf_counter()
         prefilled = row.prefilled or now

@@ -8,6 +8,7 @@ is a monotonic tick, not wall time, so behaviour is reproducible.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,6 +18,10 @@ from turbospark.state import Snapshot, State, state_nbytes, state_position
 
 if TYPE_CHECKING:
     from turbospark.disk_store import DiskTier
+
+# Conversation numbers: a count, never derived from content, so the sessions view
+# (server/sessions.py) can follow a conversation without revealing anything of it.
+_conversations = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,10 @@ class Session:
     # Its file in the disk tier, if it has one (written by disk_store); a cleared
     # or reloaded session is a new conversation and must never overwrite it.
     disk_name: str | None = None
+    # Which conversation this is: kept while it is parked, promoted, checked out,
+    # extended or rewound; a new one on clear() or load(), the same rule as
+    # disk_name. A number that vanishes from memory is a conversation that left it.
+    conversation: int = field(default_factory=lambda: next(_conversations))
 
     @property
     def position(self) -> int:
@@ -75,6 +84,7 @@ class Session:
         self.checkpoints.clear()
         self.undo = None
         self.disk_name = None
+        self.conversation = next(_conversations)
         for component in self.state.values():
             component.reset()
 
@@ -98,6 +108,7 @@ class Session:
         self.checkpoints = list(snapshot.checkpoints)
         self.undo = None
         self.disk_name = None
+        self.conversation = next(_conversations)
 
     def drop_checkpoints_after(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]

@@ -212,6 +212,16 @@ class Runner:
         parked = [] if self._pool is None else [s.nbytes for s in self._pool.parked]
         return [self._live.nbytes, *parked]
 
+    def sessions(self) -> list[Session]:
+        """The live session, then the parked slots, as objects: for inspection
+        on the runner thread (the server's sessions view), never to feed."""
+        return [self._live, *([] if self._pool is None else self._pool.parked)]
+
+    @property
+    def max_parked_bytes(self) -> int | None:
+        """The parked-memory cap (``--max-parked-memory``); None: slots alone bound it."""
+        return None if self._pool is None else self._pool.max_bytes
+
     def session_slot_evicted(self) -> bool:
         """Whether the last :meth:`reset` (or a swap in :meth:`try_reuse_prefix`
         that pushed the pool past ``max_parked_bytes``) discarded a parked

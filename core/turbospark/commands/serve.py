@@ -183,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}) on "
         f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
-        f"{on_disk}, up to {args.max_batch} request(s) per batch",
+        f"{on_disk}, up to {args.max_batch} request(s) per batch; "
+        f"the page is at http://{args.host}:{args.port}/",
         flush=True,
     )
     config = limits_of(args).uvicorn_config(app, host=args.host, port=args.port, log_level="info")

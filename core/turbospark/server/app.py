@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API over one runner.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
-streaming), ``GET /v1/models``, ``GET /health``, and ``GET /openapi.json`` (the
-request and response schemas, generated from the pydantic models). There are no conversation ids:
+streaming), ``GET /v1/models``, ``GET /health``, ``GET /openapi.json`` (the
+request and response schemas, generated from the pydantic models), and the
+page for people with its sessions view (``GET /``, ``GET /turbospark/sessions``:
+``sessions.py``). There are no conversation ids:
 the runner picks the session by token content (SEMANTICS.md), so any OpenAI
 client gets prefix reuse by simply resending its conversation.
 
@@ -71,6 +73,7 @@ from turbospark.server.schemas import (
     Usage,
     new_id,
 )
+from turbospark.server.sessions import ROUTES as PAGE_ROUTES
 from turbospark.server.settings import ServerLimits
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
@@ -489,6 +492,7 @@ def create_app(
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
+            *PAGE_ROUTES,
         ],
         exception_handlers=HANDLERS,
         lifespan=lifespan,

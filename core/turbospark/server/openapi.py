@@ -19,6 +19,7 @@ from turbospark.server.schemas import (
     ModelList,
     TextCompletion,
 )
+from turbospark.server.sessions import SessionsView
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -62,6 +63,7 @@ def openapi_document() -> dict[str, Any]:
         (TextCompletion, "serialization"),
         (ModelList, "serialization"),
         (ErrorBody, "serialization"),
+        (SessionsView, "serialization"),
     ]
     refs, schema = models_json_schema(models, ref_template=_REF)
     ref = {model: refs[(model, mode)] for model, mode in models}
@@ -80,6 +82,21 @@ def openapi_document() -> dict[str, Any]:
                 }
             },
             "/health": {"get": {"responses": {"200": {"description": "the server is up"}}}},
+            "/turbospark/sessions": {
+                "get": {
+                    "responses": {
+                        "200": {
+                            "description": "every warm session: counts, sizes and reasons, "
+                            "never token ids or text",
+                            "content": _json(ref[SessionsView]),
+                        },
+                        "503": {
+                            "description": "the engine is busy warming up",
+                            "content": _json(error),
+                        },
+                    }
+                }
+            },
         },
         "components": {"schemas": schema.get("$defs", {})},
     }
