@@ -110,7 +110,7 @@ HOSTILE = [
     (COMPLETIONS, json.dumps({"model": MODEL, "prompt": [10**30]}), "prompt"),
     (COMPLETIONS, json.dumps({"model": MODEL, "prompt": ["a"] * 17}), "prompt"),
     (COMPLETIONS, json.dumps({"model": MODEL, "prompt": ["a", [1]]}), "prompt"),
-    (CHAT, json.dumps(chat(messages=[{"role": "tool", "content": "x"}])), "messages.0.role"),
+    (CHAT, json.dumps(chat(messages=[{"role": "robot", "content": "x"}])), "messages.0.role"),
 ]  # fmt: skip
 
 

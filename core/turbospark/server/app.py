@@ -75,6 +75,14 @@ from turbospark.server.schemas import (
     new_id,
 )
 from turbospark.server.settings import ServerLimits
+from turbospark.server.tools import (
+    StreamSplitter,
+    Tool,
+    ToolCallDelta,
+    check_choice,
+    forced_grammar,
+    parse,
+)
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
@@ -143,23 +151,29 @@ class Service:
         self.worker.shutdown()
 
     async def response_grammar(
-        self, response_format: ResponseFormat | None, deadline: Deadline
+        self,
+        response_format: ResponseFormat | None,
+        deadline: Deadline,
+        forced_call: str | None = None,
     ) -> Callable[[], Grammar] | None:
-        """A factory of per-row grammar constraints for *response_format*, the
-        grammar checked (a schema that cannot compile is a 400) on the text pool."""
-        if response_format is None or response_format.type == "text":
+        """A factory of per-row grammar constraints for *response_format* (or a
+        forced tool call's Lark grammar), the grammar checked on the text pool:
+        one that cannot compile is a 400 naming its parameter."""
+        if forced_call is not None:
+            param, source = "tools", forced_call
+        elif response_format is None or response_format.type == "text":
             return None
-        spec = response_format.json_schema
-        schema = spec.schema_ if spec is not None else None
+        else:
+            spec = response_format.json_schema
+            param, source = "response_format", spec.schema_ if spec is not None else None
 
         def compile_() -> Callable[[], Grammar]:
             compiler = self._grammar_compiler()
             try:
-                grammar = compiler.check(compiler.json_schema(schema), "response_format")
+                grammar = source if isinstance(source, str) else compiler.json_schema(source)
+                grammar = compiler.check(grammar, param)
             except (TurbosparkError, ValueError) as exc:
-                raise APIError(
-                    400, str(exc), param="response_format", code="invalid_value"
-                ) from exc
+                raise APIError(400, str(exc), param=param, code="invalid_value") from exc
             return functools.partial(compiler.processor, grammar)
 
         future = asyncio.get_running_loop().run_in_executor(self.text_pool, compile_)
@@ -207,19 +221,33 @@ class Service:
         return parsed
 
     async def prompt_ids(
-        self, prompt: list[Message] | str | list[int], deadline: Deadline
+        self,
+        prompt: list[Message] | str | list[int],
+        deadline: Deadline,
+        tools: list[Tool] | None = None,
     ) -> list[int]:
         """The prompt's ids, checked, rendered and tokenized on the text pool."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             work = functools.partial(self._completion_ids, prompt)
         else:
-            work = functools.partial(self._chat_ids, prompt)
+            work = functools.partial(self._chat_ids, prompt, tools)
         future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
         return await deadline.run(future, "while the prompt was tokenized")
 
-    def _chat_ids(self, messages: list[Message]) -> list[int]:
+    def _chat_ids(self, messages: list[Message], tools: list[Tool] | None) -> list[int]:
+        extra: dict[str, Any] = {}
+        if tools:
+            if "tools" not in (self.codec.chat_template or ""):
+                raise APIError(
+                    400,
+                    "tools are not supported by this install: its chat template does not "
+                    "render them",
+                    param="tools",
+                    code="invalid_value",
+                )
+            extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         try:
-            text = self.codec.apply_chat_template([m.template_dict() for m in messages])
+            text = self.codec.apply_chat_template([m.template_dict() for m in messages], **extra)
         except TurbosparkError as exc:
             raise refusal(exc, "messages") from exc
         self._fits(len(text), "messages")
@@ -354,6 +382,20 @@ async def _sse_stream(
     yield _sse("[DONE]")
 
 
+def _message(text: str, calling: bool) -> AssistantMessage:
+    """The reply, its tool-call blocks parsed out when the request offered tools."""
+    if not calling:
+        return AssistantMessage(content=text)
+    prose, calls = parse(text)
+    return AssistantMessage(content=prose or None, tool_calls=calls or None)
+
+
+def _finish(done: Completion, calling: bool) -> str:
+    if calling and done.finish_reason == "stop" and parse(done.text)[1]:
+        return "tool_calls"
+    return done.finish_reason
+
+
 async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
     deadline = service.deadline()
@@ -369,8 +411,20 @@ async def _chat(
     ticket: Ticket,
     request: Request,
 ) -> Response:
-    ids = await service.prompt_ids(body.messages, deadline)
-    grammar = await service.response_grammar(body.response_format, deadline)
+    why = check_choice(body.tools, body.tool_choice)
+    if why is not None:
+        raise APIError(400, why, param="tool_choice", code="invalid_value")
+    calling = bool(body.tools) and body.tool_choice != "none"
+    forced = forced_grammar(body.tools or [], body.tool_choice) if calling else None
+    if forced is not None and body.response_format is not None:
+        raise APIError(
+            400,
+            "response_format cannot be combined with a forced tool_choice",
+            param="response_format",
+            code="invalid_value",
+        )
+    ids = await service.prompt_ids(body.messages, deadline, body.tools)
+    grammar = await service.response_grammar(body.response_format, deadline, forced)
     config = body.generation_config(service.chunk_size, service.default_max_tokens)
     choices = draws(
         [ids],
@@ -391,8 +445,8 @@ async def _chat(
                 choices=[
                     ChatChoice(
                         index=i,
-                        message=AssistantMessage(content=d.text),
-                        finish_reason=d.finish_reason,
+                        message=_message(d.text, calling),
+                        finish_reason=_finish(d, calling),
                         logprobs=chat_logprobs(codec, d.tokens, d.logprobs)
                         if body.logprobs
                         else None,
@@ -404,6 +458,7 @@ async def _chat(
         )
 
     started: set[int] = set()
+    splitters: dict[int, StreamSplitter] = {}
 
     def render(index: int, chunk: Chunk) -> BaseModel | None:
         """Each choice's first event carries the role; empty deltas are not sent."""
@@ -411,16 +466,25 @@ async def _chat(
         if chunk.finish_reason is None and not chunk.text and not first and not chunk.logprobs:
             return None
         started.add(index)
+        text, calls, finish = chunk.text, None, chunk.finish_reason
+        if calling:  # prose goes out at once; tool-call blocks when the choice ends
+            splitter = splitters.setdefault(index, StreamSplitter())
+            text = splitter.feed(text)
+            if finish is not None:
+                tail, parsed = splitter.finish()
+                text += tail
+                if parsed:
+                    calls = [ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(parsed)]
+                    finish = "tool_calls" if finish == "stop" else finish
         delta = Delta(
             role="assistant" if first else None,
-            content=chunk.text if chunk.text or first else None,
+            content=text if text or (first and not calls) else None,
+            tool_calls=calls,
         )
         logprobs = None
         if chunk.logprobs is not None and chunk.token is not None:
             logprobs = chat_logprobs(codec, [chunk.token], [chunk.logprobs])
-        choice = ChatChunkChoice(
-            index=index, delta=delta, finish_reason=chunk.finish_reason, logprobs=logprobs
-        )
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return ChatCompletionChunk(id=ident, model=service.model_id, choices=[choice])
 
     def usage_event(usage: Usage) -> BaseModel:

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from turbospark.generate import FinishReason, GenerationConfig, GenerationStats
+from turbospark.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 
 def _well_formed(text: str) -> str:
@@ -146,8 +147,10 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool result's call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -163,13 +166,21 @@ class Message(BaseModel):
                     )
         return value
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
         """What the chat template sees: text parts joined, ``developer`` as ``system``."""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
         else:
             content = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class JsonSchemaFormat(BaseModel):
@@ -200,6 +211,9 @@ class ChatCompletionRequest(BaseRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _logprobs_asked(self) -> ChatCompletionRequest:
@@ -370,9 +384,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -403,7 +421,7 @@ class TextLogprobs(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -416,12 +434,13 @@ class ChatCompletion(_Response):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     logprobs: ChoiceLogprobs | None = None
 
 
