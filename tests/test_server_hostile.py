@@ -91,10 +91,11 @@ HOSTILE = [
     (CHAT, "\xff\xfe{}", None),
     (CHAT, "", None),
     (CHAT, '"just a string"', None),
-    (COMPLETIONS, json.dumps({"model": MODEL, "prompt": [[1, 2], [3]]}), "prompt"),
+    (COMPLETIONS, json.dumps({"model": MODEL, "prompt": [[1, 2], "x"]}), "prompt"),
     (COMPLETIONS, json.dumps({"model": MODEL, "prompt": [10**30]}), "prompt"),
-    (COMPLETIONS, json.dumps({"model": MODEL, "prompt": ["a", "b"]}), "prompt"),
-    (CHAT, json.dumps(chat(messages=[{"role": "tool", "content": "x"}])), "messages.0.role"),
+    (COMPLETIONS, json.dumps({"model": MODEL, "prompt": ["a"] * 17}), "prompt"),
+    (COMPLETIONS, json.dumps({"model": MODEL, "prompt": ["a", [1]]}), "prompt"),
+    (CHAT, json.dumps(chat(messages=[{"role": "robot", "content": "x"}])), "messages.0.role"),
 ]  # fmt: skip
 
 

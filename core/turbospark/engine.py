@@ -82,6 +82,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     warm_up: bool = False  # the engine's own start-up request, admitted first
+    # Per-row sampling extras (turbospark.logits_processors; fresh objects per job).
+    processors: list[object] = field(default_factory=list)
+    top_logprobs: int | None = None  # keep each sample's log-probabilities (Chunk.logprobs)
 
 
 @dataclass(eq=False)
@@ -166,7 +169,7 @@ class _Batch:
             self.rollback()
             raise
         for i, row in enumerate(self.rows):
-            row.following = row.sampler(logits[i])
+            row.following = row.sampler(logits[i], fed=row.pending)
         mx.async_eval(
             [row.following for row in self.rows],
             [a for component in self.state.values() for a in component.arrays()],
@@ -366,7 +369,7 @@ class Engine:
     def _start(self, job: Job) -> _Row:
         runner, config = self.runner, job.config
         check_prompt(runner, job.ids)
-        sampler = Sampler(config)
+        sampler = Sampler(config, job.processors, job.top_logprobs)
         started = time.perf_counter()
         kept, report, evicted = acquire(runner, job.ids)
         self._evicted(job, evicted)
@@ -442,7 +445,7 @@ class Engine:
         try:
             if fed:
                 out = self.runner.feed(row.session, [row.pending], row.position, logits=True)
-                row.following = row.sampler(out)
+                row.following = row.sampler(out, fed=row.pending)
                 mx.async_eval(row.following)
             token = int(row.pending.item())
         except Exception as exc:
@@ -506,7 +509,8 @@ class Engine:
                 finish = "stop"
             elif not fed:
                 finish = "length"
-            row.job.emit(Chunk(text=text, token=token))
+            logprobs = row.sampler.logprobs(len(row.generated) - 1)
+            row.job.emit(Chunk(text=text, token=token, logprobs=logprobs))
             if finish is None:
                 row.position += 1
                 row.pending = row.following

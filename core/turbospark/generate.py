@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import mlx.core as mx
@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from turbospark.errors import ContextOverflow
 from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
-from turbospark.sampling import Sampler, SamplingParams
+from turbospark.sampling import Sampler, SamplingParams, TokenLogprobs
 from turbospark.text import StopStrings, TextCodec
 
 FinishReason = Literal["stop", "length"]
@@ -125,6 +125,7 @@ class Chunk:
     token: int | None = None
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class Completion:
     tokens: list[int]
     finish_reason: FinishReason
     stats: GenerationStats
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
 
 
 def encode_prompt(codec: TextCodec, prompt: str | Sequence[int]) -> list[int]:
@@ -258,6 +260,7 @@ def collect(chunks: Iterable[Chunk], on_text: Callable[[str], None] | None = Non
     *on_text* as it arrives (the CLI prints it)."""
     parts: list[str] = []
     tokens: list[int] = []
+    logprobs: list[TokenLogprobs] = []
     final = Chunk(text="")
     for final in chunks:
         parts.append(final.text)
@@ -265,9 +268,11 @@ def collect(chunks: Iterable[Chunk], on_text: Callable[[str], None] | None = Non
             on_text(final.text)
         if final.token is not None:
             tokens.append(final.token)
+        if final.logprobs is not None:
+            logprobs.append(final.logprobs)
     if final.finish_reason is None or final.stats is None:
         raise ValueError("the stream ended without its final chunk")
-    return Completion("".join(parts), tokens, final.finish_reason, final.stats)
+    return Completion("".join(parts), tokens, final.finish_reason, final.stats, logprobs)
 
 
 def _prefill(runner: Runner, ids: list[int], start: int, chunk_size: int) -> mx.array:

@@ -9,6 +9,9 @@ whatever else the process draws.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,21 +50,77 @@ def apply_top_p(logits: mx.array, p: float) -> mx.array:
     return mx.where(keep, logits, -mx.inf)
 
 
-class Sampler:
-    """Stateful sampler for one request: owns its PRNG key and splits it per token."""
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled id's log-probability and the *k* most likely ids' (most likely
+    first), from the processed logits before temperature, as OpenAI reports them."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Sampler:
+    """Stateful sampler for one request: owns its PRNG key and splits it per token.
+
+    *processors* (:mod:`turbospark.logits_processors`) change the logits first,
+    in order. With *top_logprobs* set (0 is the sampled id alone) each sample's
+    log-probabilities are kept, still lazy, for :meth:`logprobs`.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        processors: Sequence[object] = (),
+        top_logprobs: int | None = None,
+    ) -> None:
         self.params = params
+        self.processors = list(processors)
+        self.top_logprobs = top_logprobs
         seed = (
             params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1).item())
         )
         self._key = mx.random.key(seed)
+        self._fed: mx.array | None = None
+        self._accepted = 0  # samples fed back so far: the index of the next one
+        self._records: list[tuple[mx.array, mx.array, mx.array]] = []
 
-    def __call__(self, logits: mx.array) -> mx.array:
-        """A scalar ``uint32`` token id (lazy) from ``(vocab,)`` float32 logits."""
+    def __call__(self, logits: mx.array, fed: mx.array | None = None) -> mx.array:
+        """A scalar ``uint32`` token id (lazy) from ``(vocab,)`` float32 logits.
+
+        *fed* is the previous sample, just fed to the model (None for the first
+        call, after the prompt). A retried step passes the same array again: the
+        processors are told of each fed id once."""
+        if fed is not None and fed is not self._fed:
+            self._fed = fed
+            self._accepted += 1
+            for processor in self.processors:
+                processor.accept(fed)  # type: ignore[attr-defined]
+        for processor in self.processors:
+            logits = processor(logits)  # type: ignore[operator]
+        token = self._sample(logits)
+        if self.top_logprobs is not None:
+            del self._records[self._accepted :]
+            self._records.append(self._logprobs(logits, token))
+        return token
+
+    def _sample(self, logits: mx.array) -> mx.array:
         p = self.params
         if p.temperature == 0.0:
             return mx.argmax(logits)
         scaled = apply_top_p(apply_top_k(logits / p.temperature, p.top_k), p.top_p)
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(scaled, key=sub)
+
+    def _logprobs(self, logits: mx.array, token: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+        k = self.top_logprobs or 0
+        top = mx.argsort(-logprobs)[:k] if k else mx.zeros((0,), mx.uint32)
+        return logprobs[token], top, logprobs[top]
+
+    def logprobs(self, index: int) -> TokenLogprobs | None:
+        """The log-probabilities of sample *index* (0 is the first), when kept."""
+        if self.top_logprobs is None or index >= len(self._records):
+            return None
+        chosen, top, values = self._records[index]
+        pairs = list(zip(top.tolist(), values.tolist(), strict=True))
+        return TokenLogprobs(logprob=float(chosen.item()), top=pairs)

@@ -33,17 +33,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from turbospark.engine import Engine, Job
+from turbospark.engine import Engine
 from turbospark.errors import TurbosparkError
 from turbospark.generate import (
     Chunk,
     Completion,
-    GenerationConfig,
+    GenerationStats,
     check_prompt,
     collect,
     encode_prompt,
 )
+from turbospark.logits_processors import Grammar, GrammarCompiler
 from turbospark.runner import Runner
+from turbospark.server.draws import Draw, chat_logprobs, draws, text_logprobs
 from turbospark.server.errors import (
     HANDLERS,
     APIError,
@@ -68,6 +70,7 @@ from turbospark.server.schemas import (
     Message,
     ModelCard,
     ModelList,
+    ResponseFormat,
     TextChoice,
     TextCompletion,
     Usage,
@@ -75,6 +78,14 @@ from turbospark.server.schemas import (
 )
 from turbospark.server.sessions import ROUTES as PAGE_ROUTES
 from turbospark.server.settings import ServerLimits
+from turbospark.server.tools import (
+    StreamSplitter,
+    Tool,
+    ToolCallDelta,
+    check_choice,
+    forced_grammar,
+    parse,
+)
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
@@ -117,6 +128,8 @@ class Service:
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turbospark-text")
         self.engine = engine
         self._stop = threading.Event()
+        self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
+        self._grammar_lock = threading.Lock()
 
     def start(self, warm_up: list[int] | None) -> None:
         """Warm up (when given prompt ids), then run the engine's loop on the
@@ -139,6 +152,43 @@ class Service:
         self.text_pool.shutdown(wait=True, cancel_futures=True)
         self.worker.run(self.runner.close)
         self.worker.shutdown()
+
+    async def response_grammar(
+        self,
+        response_format: ResponseFormat | None,
+        deadline: Deadline,
+        forced_call: str | None = None,
+    ) -> Callable[[], Grammar] | None:
+        """A factory of per-row grammar constraints for *response_format* (or a
+        forced tool call's Lark grammar), the grammar checked on the text pool:
+        one that cannot compile is a 400 naming its parameter."""
+        if forced_call is not None:
+            param, source = "tools", forced_call
+        elif response_format is None or response_format.type == "text":
+            return None
+        else:
+            spec = response_format.json_schema
+            param, source = "response_format", spec.schema_ if spec is not None else None
+
+        def compile_() -> Callable[[], Grammar]:
+            compiler = self._grammar_compiler()
+            try:
+                grammar = source if isinstance(source, str) else compiler.json_schema(source)
+                grammar = compiler.check(grammar, param)
+            except (TurbosparkError, ValueError) as exc:
+                raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+            return functools.partial(compiler.processor, grammar)
+
+        future = asyncio.get_running_loop().run_in_executor(self.text_pool, compile_)
+        return await deadline.run(future, "while the grammar was compiled")
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(
+                    self.codec.tokenizer.to_str(), self.codec.eos_token_ids
+                )
+            return self._grammar
 
     def deadline(self) -> Deadline:
         return Deadline(self.limits.request_timeout)
@@ -174,19 +224,33 @@ class Service:
         return parsed
 
     async def prompt_ids(
-        self, prompt: list[Message] | str | list[int], deadline: Deadline
+        self,
+        prompt: list[Message] | str | list[int],
+        deadline: Deadline,
+        tools: list[Tool] | None = None,
     ) -> list[int]:
         """The prompt's ids, checked, rendered and tokenized on the text pool."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             work = functools.partial(self._completion_ids, prompt)
         else:
-            work = functools.partial(self._chat_ids, prompt)
+            work = functools.partial(self._chat_ids, prompt, tools)
         future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
         return await deadline.run(future, "while the prompt was tokenized")
 
-    def _chat_ids(self, messages: list[Message]) -> list[int]:
+    def _chat_ids(self, messages: list[Message], tools: list[Tool] | None) -> list[int]:
+        extra: dict[str, Any] = {}
+        if tools:
+            if "tools" not in (self.codec.chat_template or ""):
+                raise APIError(
+                    400,
+                    "tools are not supported by this install: its chat template does not "
+                    "render them",
+                    param="tools",
+                    code="invalid_value",
+                )
+            extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         try:
-            text = self.codec.apply_chat_template([m.template_dict() for m in messages])
+            text = self.codec.apply_chat_template([m.template_dict() for m in messages], **extra)
         except TurbosparkError as exc:
             raise refusal(exc, "messages") from exc
         self._fits(len(text), "messages")
@@ -219,45 +283,52 @@ class Service:
         return ids
 
     async def chunks(
-        self, ids: list[int], config: GenerationConfig, deadline: Deadline
-    ) -> AsyncIterator[Chunk]:
-        """The request's chunks as the engine produces them, within the deadline.
-        When the consumer stops (a client that left, the deadline) the request
-        is cancelled: its row is freed at the engine's next step, and a request
-        given up while still queued never starts."""
+        self, draws: list[Draw], deadline: Deadline
+    ) -> AsyncIterator[tuple[int, Chunk]]:
+        """Each draw's chunks, tagged with its index, as the engine produces them,
+        within the deadline. The draws are rows of the engine's batch. When the
+        consumer stops (a client that left, the deadline, a draw that failed)
+        every draw is cancelled: its row is freed at the engine's next step, and
+        one given up while still queued never starts."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Chunk | Exception] = asyncio.Queue()
-        job = Job(
-            ids=ids,
-            config=config,
-            emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-        )
-        self.engine.submit(job)
+        queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
+
+        def emitter(index: int) -> Callable[[Chunk | Exception], None]:
+            return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+
+        jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
+        for job in jobs:
+            self.engine.submit(job)
+        running = len(jobs)
         try:
-            while True:
-                item = await deadline.run(queue.get(), "while generating")
+            while running:
+                index, item = await deadline.run(queue.get(), "while generating")
                 if isinstance(item, Exception):
                     raise item
-                yield item
+                yield index, item
                 if item.finish_reason is not None:
-                    return
+                    running -= 1
         finally:
-            job.cancelled.set()
+            for job in jobs:
+                job.cancelled.set()
             self.engine.wake()
 
     async def complete(
-        self, ids: list[int], config: GenerationConfig, deadline: Deadline, request: Request
-    ) -> Completion:
-        """The whole completion; a client that hangs up meanwhile frees its row."""
+        self, draws: list[Draw], deadline: Deadline, request: Request
+    ) -> list[Completion]:
+        """Every draw's whole completion; a client that hangs up meanwhile frees the rows."""
 
-        async def gather() -> Completion:
-            return collect([chunk async for chunk in self.chunks(ids, config, deadline)])
+        async def gather() -> list[Completion]:
+            parts: list[list[Chunk]] = [[] for _ in draws]
+            async for index, chunk in self.chunks(draws, deadline):
+                parts[index].append(chunk)
+            return [collect(chunks) for chunks in parts]
 
         task = asyncio.ensure_future(gather())
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
             if not task.done() and await request.is_disconnected():
-                task.cancel()  # closes the stream: the engine drops the row next step
+                task.cancel()  # closes the stream: the engine drops the rows next step
                 raise ClientGone
         return task.result()
 
@@ -286,20 +357,25 @@ def _sse(payload: BaseModel | dict[str, Any] | str) -> str:
 
 
 async def _sse_stream(
-    chunks: AsyncIterator[Chunk],
-    render: Callable[[Chunk], BaseModel | None],
+    chunks: AsyncIterator[tuple[int, Chunk]],
+    render: Callable[[int, Chunk], BaseModel | None],
     usage_event: Callable[[Usage], BaseModel] | None,
+    n: int,
     param: str,
 ) -> AsyncIterator[str]:
-    """SSE events for a stream of chunks; an error after the headers went out
-    can only be reported in-band, as an ``error`` event."""
+    """SSE events for the choices' chunks; the usage event (when asked) comes
+    once every choice is done. An error after the headers went out can only be
+    reported in-band, as an ``error`` event."""
+    stats: dict[int, GenerationStats] = {}
     try:
-        async for chunk in chunks:
-            event = render(chunk)
+        async for index, chunk in chunks:
+            event = render(index, chunk)
             if event is not None:
                 yield _sse(event)
-            if chunk.stats is not None and usage_event is not None:
-                yield _sse(usage_event(Usage.from_stats(chunk.stats)))
+            if chunk.stats is not None:
+                stats[index] = chunk.stats
+        if usage_event is not None:
+            yield _sse(usage_event(Usage.of_choices([stats[i] for i in sorted(stats)], n)))
     except APIError as exc:  # the deadline
         yield _sse(error_json(exc.body))
     except TurbosparkError as exc:
@@ -307,6 +383,20 @@ async def _sse_stream(
     except Exception as exc:  # the headers are sent: report in-band, then end the stream
         yield _sse(error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body))
     yield _sse("[DONE]")
+
+
+def _message(text: str, calling: bool) -> AssistantMessage:
+    """The reply, its tool-call blocks parsed out when the request offered tools."""
+    if not calling:
+        return AssistantMessage(content=text)
+    prose, calls = parse(text)
+    return AssistantMessage(content=prose or None, tool_calls=calls or None)
+
+
+def _finish(done: Completion, calling: bool) -> str:
+    if calling and done.finish_reason == "stop" and parse(done.text)[1]:
+        return "tool_calls"
+    return done.finish_reason
 
 
 async def chat_completions(request: Request) -> Response:
@@ -324,47 +414,90 @@ async def _chat(
     ticket: Ticket,
     request: Request,
 ) -> Response:
-    ids = await service.prompt_ids(body.messages, deadline)
+    why = check_choice(body.tools, body.tool_choice)
+    if why is not None:
+        raise APIError(400, why, param="tool_choice", code="invalid_value")
+    calling = bool(body.tools) and body.tool_choice != "none"
+    forced = forced_grammar(body.tools or [], body.tool_choice) if calling else None
+    if forced is not None and body.response_format is not None:
+        raise APIError(
+            400,
+            "response_format cannot be combined with a forced tool_choice",
+            param="response_format",
+            code="invalid_value",
+        )
+    ids = await service.prompt_ids(body.messages, deadline, body.tools)
+    grammar = await service.response_grammar(body.response_format, deadline, forced)
     config = body.generation_config(service.chunk_size, service.default_max_tokens)
+    choices = draws(
+        [ids],
+        body,
+        config,
+        vocab_size=service.codec.vocab_size,
+        top_logprobs=body.kept_logprobs,
+        grammar=grammar,
+    )
     ident = new_id("chatcmpl")
+    codec = service.codec
     if not body.stream:
-        done = await service.complete(ids, config, deadline, request)
+        done = await service.complete(choices, deadline, request)
         return JSONResponse(
             ChatCompletion(
                 id=ident,
                 model=service.model_id,
                 choices=[
                     ChatChoice(
-                        message=AssistantMessage(content=done.text),
-                        finish_reason=done.finish_reason,
+                        index=i,
+                        message=_message(d.text, calling),
+                        finish_reason=_finish(d, calling),
+                        logprobs=chat_logprobs(codec, d.tokens, d.logprobs)
+                        if body.logprobs
+                        else None,
                     )
+                    for i, d in enumerate(done)
                 ],
-                usage=Usage.from_stats(done.stats),
+                usage=Usage.of_choices([d.stats for d in done], body.n),
             ).model_dump()
         )
 
-    first = True
+    started: set[int] = set()
+    splitters: dict[int, StreamSplitter] = {}
 
-    def render(chunk: Chunk) -> BaseModel | None:
-        """The first event carries the role; empty deltas are not sent."""
-        nonlocal first
-        if chunk.finish_reason is None and not chunk.text and not first:
+    def render(index: int, chunk: Chunk) -> BaseModel | None:
+        """Each choice's first event carries the role; empty deltas are not sent."""
+        first = index not in started
+        if chunk.finish_reason is None and not chunk.text and not first and not chunk.logprobs:
             return None
+        started.add(index)
+        text, calls, finish = chunk.text, None, chunk.finish_reason
+        if calling:  # prose goes out at once; tool-call blocks when the choice ends
+            splitter = splitters.setdefault(index, StreamSplitter())
+            text = splitter.feed(text)
+            if finish is not None:
+                tail, parsed = splitter.finish()
+                text += tail
+                if parsed:
+                    calls = [ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(parsed)]
+                    finish = "tool_calls" if finish == "stop" else finish
         delta = Delta(
             role="assistant" if first else None,
-            content=chunk.text if chunk.text or first else None,
+            content=text if text or (first and not calls) else None,
+            tool_calls=calls,
         )
-        first = False
-        choice = ChatChunkChoice(delta=delta, finish_reason=chunk.finish_reason)
+        logprobs = None
+        if chunk.logprobs is not None and chunk.token is not None:
+            logprobs = chat_logprobs(codec, [chunk.token], [chunk.logprobs])
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return ChatCompletionChunk(id=ident, model=service.model_id, choices=[choice])
 
     def usage_event(usage: Usage) -> BaseModel:
         return ChatCompletionChunk(id=ident, model=service.model_id, choices=[], usage=usage)
 
     events = _sse_stream(
-        service.chunks(ids, config, deadline),
+        service.chunks(choices, deadline),
         render,
         usage_event if body.include_usage else None,
+        body.n,
         "messages",
     )
     return EventStream(events, ticket.hand_over())
@@ -385,33 +518,69 @@ async def _complete(
     ticket: Ticket,
     request: Request,
 ) -> Response:
-    ids = await service.prompt_ids(body.prompt, deadline)
+    prompts = [await service.prompt_ids(prompt, deadline) for prompt in body.prompts]
     config = body.generation_config(service.chunk_size, service.default_max_tokens)
+    choices = draws(
+        prompts,
+        body,
+        config,
+        vocab_size=service.codec.vocab_size,
+        top_logprobs=body.kept_logprobs,
+    )
+    codec = service.codec
+    # echo: each choice's text starts with its prompt (ids given are decoded).
+    echoes = [
+        (p if isinstance(p, str) else codec.decode(p)) if body.echo else "" for p in body.prompts
+    ]
     ident = new_id("cmpl")
     if not body.stream:
-        done = await service.complete(ids, config, deadline, request)
+        done = await service.complete(choices, deadline, request)
         return JSONResponse(
             TextCompletion(
                 id=ident,
                 model=service.model_id,
-                choices=[TextChoice(text=done.text, finish_reason=done.finish_reason)],
-                usage=Usage.from_stats(done.stats),
+                choices=[
+                    TextChoice(
+                        index=i,
+                        text=echoes[i // body.n] + d.text,
+                        finish_reason=d.finish_reason,
+                        logprobs=text_logprobs(codec, d.tokens, d.logprobs)
+                        if body.logprobs is not None
+                        else None,
+                    )
+                    for i, d in enumerate(done)
+                ],
+                usage=Usage.of_choices([d.stats for d in done], body.n),
             ).model_dump()
         )
 
-    def render(chunk: Chunk) -> BaseModel | None:
-        if not chunk.text and chunk.finish_reason is None:
+    offsets: dict[int, int] = {}
+
+    def render(index: int, chunk: Chunk) -> BaseModel | None:
+        echo = echoes[index // body.n] if index not in offsets else ""
+        if not chunk.text and not echo and chunk.finish_reason is None and not chunk.logprobs:
             return None
-        choice = TextChoice(text=chunk.text, finish_reason=chunk.finish_reason)
+        offset = offsets.setdefault(index, 0)
+        logprobs = None
+        if chunk.logprobs is not None and chunk.token is not None:
+            logprobs = text_logprobs(codec, [chunk.token], [chunk.logprobs], offset)
+        offsets[index] = offset + len(chunk.text)
+        choice = TextChoice(
+            index=index,
+            text=echo + chunk.text,
+            finish_reason=chunk.finish_reason,
+            logprobs=logprobs,
+        )
         return TextCompletion(id=ident, model=service.model_id, choices=[choice])
 
     def usage_event(usage: Usage) -> BaseModel:
         return TextCompletion(id=ident, model=service.model_id, choices=[], usage=usage)
 
     events = _sse_stream(
-        service.chunks(ids, config, deadline),
+        service.chunks(choices, deadline),
         render,
         usage_event if body.include_usage else None,
+        body.n,
         "prompt",
     )
     return EventStream(events, ticket.hand_over())
@@ -421,6 +590,19 @@ async def models(request: Request) -> Response:
     service: Service = request.app.state.service
     cards = ModelList(data=[ModelCard(id=service.model_id, created=service.created)])
     return JSONResponse(cards.model_dump())
+
+
+async def model(request: Request) -> Response:
+    service: Service = request.app.state.service
+    name = request.path_params["model"]
+    if name != service.model_id:
+        raise APIError(
+            404,
+            f"the model '{name}' does not exist; this server serves '{service.model_id}'",
+            param="model",
+            code="model_not_found",
+        )
+    return JSONResponse(ModelCard(id=service.model_id, created=service.created).model_dump())
 
 
 async def health(request: Request) -> Response:
@@ -490,6 +672,7 @@ def create_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             *PAGE_ROUTES,

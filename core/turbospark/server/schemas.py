@@ -12,9 +12,18 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from turbospark.generate import FinishReason, GenerationConfig, GenerationStats
+from turbospark.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 
 def _well_formed(text: str) -> str:
@@ -40,10 +49,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Most choices one request may ask for (``n`` times the prompts of a legacy batch):
+# each is a row of the engine's batch, so this bounds what one request holds.
+MAX_CHOICES = 16
+
+
 class BaseRequest(BaseModel):
-    """Fields shared by both completion endpoints (OpenAI's names and defaults)."""
+    """Fields shared by both completion endpoints (OpenAI's names and defaults).
+
+    An explicit ``null`` means the default, as in OpenAI's API (clients send
+    ``"temperature": null`` for "unset")."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULLABLE}
+        return data
 
     model: Text
     max_tokens: int | None = Field(default=None, ge=0)
@@ -58,7 +82,36 @@ class BaseRequest(BaseModel):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="independent completions")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # Token id (a JSON object's keys are strings) -> bias added to its logit.
+    logit_bias: (
+        dict[
+            Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]
+        ]
+        | None
+    ) = Field(default=None, max_length=1024)
+
+    # OpenAI options this server refuses by name (see _UNIMPLEMENTED), never ignores.
+    functions: Any = Field(default=None, exclude=True, description="refused: use tools")
+    function_call: Any = Field(default=None, exclude=True, description="refused: use tool_choice")
+    audio: Any = Field(default=None, exclude=True, description="refused: text-only models")
+    prediction: Any = Field(default=None, exclude=True, description="refused")
+    web_search_options: Any = Field(default=None, exclude=True, description="refused")
+
+    @field_validator(*("functions", "function_call", "audio", "prediction", "web_search_options"))
+    @classmethod
+    def _refuse_unimplemented(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False, [], {}):
+            raise ValueError(
+                f"'{info.field_name}' is not supported: {_UNIMPLEMENTED[info.field_name]}"
+            )
+        return None
+
+    @property
+    def bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def generation_config(
         self, chunk_size: int, default_max_tokens: int | None
@@ -94,21 +147,84 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool result's call
 
-    def template_dict(self) -> dict[str, str]:
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """One clear line for an image (or audio, file) part, not a union's worth."""
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"content parts of type '{kind}' are not supported: this server "
+                        "serves text-only models; send 'text' parts"
+                    )
+        return value
+
+    def template_dict(self) -> dict[str, Any]:
         """What the chat template sees: text parts joined, ``developer`` as ``system``."""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
         else:
             content = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Text = "response"
+    # The schema itself (JSON Schema): checked by compiling it (logits_processors.py).
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with the schema")
+        return self
 
 
 class ChatCompletionRequest(BaseRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def kept_logprobs(self) -> int | None:
+        """How many top alternatives each token reports (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def _max_tokens(self) -> int | None:
         # The newer name wins, as in OpenAI's API.
@@ -119,17 +235,78 @@ class ChatCompletionRequest(BaseRequest):
         )
 
 
-class CompletionRequest(BaseRequest):
-    prompt: Text | Annotated[list[int], Field(min_length=1)]
-    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's completions default
+TokenIds = Annotated[list[int], Field(min_length=1)]
 
-    @field_validator("prompt", mode="before")
+
+class CompletionRequest(BaseRequest):
+    # One prompt (text or ids) or a batch of them: each gets its own ``n`` choices.
+    prompt: (
+        Text
+        | TokenIds
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
+    )
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's completions default
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    suffix: Text | None = Field(default=None, description="refused: no family has FIM tokens")
+
+    @field_validator("suffix")
     @classmethod
-    def _single_prompt(cls, value: Any) -> Any:
-        # A one-element batch is the same request; real batches are refused.
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-            return value[0]
-        return value
+    def _no_fill_in_the_middle(cls, value: str | None) -> None:
+        if value:
+            raise ValueError(
+                "'suffix' (fill-in-the-middle) is not supported: the served families have "
+                "no FIM tokens"
+            )
+        return None
+
+    @property
+    def kept_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @model_validator(mode="after")
+    def _choices_fit(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of={self.best_of} with n={self.n} is not supported (no server-side "
+                "ranking); leave best_of out or equal to n"
+            )
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs is not supported (prompt tokens get no logprobs); "
+                "drop one of them"
+            )
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"{len(self.prompts)} prompts times n={self.n} is {len(self.prompts) * self.n} "
+                f"choices; one request may ask for at most {MAX_CHOICES}"
+            )
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a lone prompt is a batch of one."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+# Options OpenAI has that this server refuses (and why), rather than ignore.
+_UNIMPLEMENTED = {
+    "functions": "use 'tools' (the deprecated 'functions' form is not served)",
+    "function_call": "use 'tool_choice' (the deprecated 'function_call' form is not served)",
+    "audio": "this server serves text-only models",
+    "prediction": "predicted outputs are not implemented",
+    "web_search_options": "this server has no web search",
+}
+
+# Fields whose explicit null means "the default" (OpenAI's semantics).
+_NULLABLE = frozenset(
+    {"temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "max_tokens"}
+    | {"presence_penalty", "frequency_penalty", "logprobs", "echo", "best_of"}
+)
 
 
 # -- responses ------------------------------------------------------------------------
@@ -160,6 +337,19 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     turbospark: TurbosparkUsage
+
+    @classmethod
+    def of_choices(cls, stats: list[GenerationStats], n: int) -> Usage:
+        """One request's usage over its choices: each prompt counts once (the
+        first of its *n* choices), every choice's completion counts."""
+        first = stats[::n]
+        usage = cls.from_stats(stats[0])
+        usage.prompt_tokens = sum(s.prompt_tokens for s in first)
+        usage.completion_tokens = sum(s.generated_tokens for s in stats)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage.prompt_tokens_details.cached_tokens = sum(s.reused_tokens for s in first)
+        usage.turbospark.batch_size = max(s.batch_size for s in stats)
+        return usage
 
     @classmethod
     def from_stats(cls, stats: GenerationStats) -> Usage:
@@ -194,16 +384,45 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat's ``logprobs``: one entry per generated token."""
+
+    content: list[TokenLogprob]
+
+
+class TextLogprobs(BaseModel):
+    """Legacy completions' ``logprobs`` (parallel lists, one entry per token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: FinishReason
-    logprobs: None = None
+    finish_reason: ChatFinishReason
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(_Response):
@@ -215,13 +434,14 @@ class ChatCompletion(_Response):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
+    finish_reason: ChatFinishReason | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -234,7 +454,7 @@ class TextChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class TextCompletion(_Response):

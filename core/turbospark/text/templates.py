@@ -63,13 +63,44 @@ GEMMA_CHAT_TEMPLATE = (
 
 # Qwen3 / Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``,
 # earlier assistant turns lose their reasoning (the text up to ``</think>``), and
-# ``enable_thinking=False`` pre-fills an empty think block.
+# ``enable_thinking=False`` pre-fills an empty think block. With ``tools``, the
+# system turn lists them in ``<tools>`` and asks for ``<tool_call>`` JSON blocks;
+# an assistant's ``tool_calls`` are rendered as those blocks, and consecutive
+# ``tool`` results as ``<tool_response>`` blocks in one user turn (Qwen3's shape).
 QWEN_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>'
+    "<|im_end|>\\n' }}"
+    "{% set skip_first = messages[0]['role'] == 'system' %}"
+    "{% else %}{% set skip_first = false %}{% endif %}"
     "{% for message in messages %}"
+    "{% if loop.first and skip_first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
     "{% if message['role'] == 'assistant' %}"
     "{% set content = message['content'].split('</think>')[-1].lstrip('\\n') %}"
     "{% else %}{% set content = message['content'] %}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}"
