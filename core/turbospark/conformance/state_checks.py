@@ -20,7 +20,7 @@ from turbospark.conformance.diagnose import (
     component_differences,
     fail,
     live_state,
-    shared_components,
+    shared_below,
 )
 from turbospark.conformance.kit import FamilyKit
 from turbospark.errors import RewindError
@@ -33,6 +33,12 @@ SHORT = 16  # prompt length for components that keep every token
 def feed_in_chunks(kit: FamilyKit, state: State, tokens: Sequence[int], start: int) -> None:
     for offset in range(0, len(tokens), CHUNK):
         kit.forward(state, tokens[offset : offset + CHUNK], start + offset, "none")
+
+
+def explain_state(kit: FamilyKit, state: State, history: Sequence[int]) -> str:
+    """The per-entry report of *state* against a fresh run of *history*."""
+    found = component_differences(kit, state, kit.fresh_state(history))
+    return "what differs: " + ("; ".join(found) or "no component (the forward itself diverged)")
 
 
 def array_bytes(component: StateComponent) -> int:
@@ -87,7 +93,9 @@ class StateChecks:
     def test_state_matches_declaration(self, kit: FamilyKit) -> None:
         """A fresh state holds exactly the declared components, each a
         :class:`~turbospark.state.StateComponent` at position 0, honestly sized,
-        and never the same object as another session's."""
+        and sharing no mutable object or array with another fresh state or a
+        reset one, anywhere below the components (a K/V list kept on the model
+        object would make every "fresh" state one and the same)."""
         declared = [c.name for c in kit.spec.components]
         state, other = kit.new_state(), kit.new_state()
         if sorted(state) != sorted(declared):
@@ -103,7 +111,7 @@ class StateChecks:
                 )
             if component.position != 0:
                 fail(f"component '{name}' of a fresh state is at position {component.position}")
-        shared = shared_components([("one fresh state", state), ("another fresh state", other)])
+        shared = shared_below(("one fresh state", state), ("another fresh state", other))
         if shared:
             fail("turbospark_new_state must build new objects every call: " + "; ".join(shared))
         undeclared = sorted(set(kit.swappable) - set(declared))
@@ -121,6 +129,11 @@ class StateChecks:
             fail(
                 f"the state holds {state_nbytes(state)} bytes after {SHORT} tokens, {before} fresh"
             )
+        for each in state.values():
+            each.reset()
+        shared = shared_below(("a reset state", state), ("a new state", kit.new_state()))
+        if shared:
+            fail("reset() and turbospark_new_state must not share objects: " + "; ".join(shared))
 
     @final
     def test_nbytes_honest(self, kit: FamilyKit, component: str) -> None:
@@ -139,6 +152,17 @@ class StateChecks:
                     f"{comp.position} but its arrays() hold {array_bytes(comp)} bytes"
                 )
             sizes.append(comp.nbytes)
+        # A fresh state must stay fresh while another is written; else the
+        # reset() verdict below would blame the wrong side.
+        new = kit.new_state()[component]
+        if new.position != 0 or new.nbytes != fresh_bytes or len(new.arrays()) != fresh_arrays:
+            fail(
+                f"a new state built after another took {2 * SHORT} tokens has component "
+                f"'{component}' at position {new.position} holding {new.nbytes} bytes in "
+                f"{len(new.arrays())} array(s); the first fresh one held {fresh_bytes} bytes in "
+                f"{fresh_arrays}: turbospark_new_state hands out state another session writes "
+                "(kept on the model object?)"
+            )
         if not fresh_bytes <= sizes[0] <= sizes[1]:
             fail(
                 f"component '{component}' nbytes went {fresh_bytes} -> {sizes[0]} -> {sizes[1]} "
@@ -167,7 +191,8 @@ class StateChecks:
             found = component_differences(kit, state, kit.fresh_state(prompt))
             fail(
                 f"after reset() a new conversation's logits differ from a fresh state's by up to "
-                f"{gap:.3g}; what leaked across reset(): " + ("; ".join(found) or "no component")
+                f"{gap:.3g}; what leaked across reset(): "
+                + ("; ".join(found) or "no component (the forward itself diverged)")
             )
 
     @final
@@ -213,12 +238,13 @@ class StateChecks:
         if comp.position != keep:
             fail(f"'{component}' is at {comp.position} after rewinding {back} from {length}")
         tail = kit.tokens(7, back + 2)
-        gap = kit.logits_gap(kit.forward(state, tail, keep), kit.fresh_logits(prompt[:keep] + tail))
+        history = prompt[:keep] + tail
+        gap = kit.logits_gap(kit.forward(state, tail, keep), kit.fresh_logits(history))
         if gap is not None:
             fail(
                 f"after rewinding '{component}' by {back} of {length} tokens and feeding "
                 f"{len(tail)} different ones, logits differ from an uninterrupted run by up to "
-                f"{gap:.3g}"
+                f"{gap:.3g}; " + explain_state(kit, state, history)
             )
 
     @final
@@ -266,7 +292,8 @@ class StateChecks:
         if gap is not None:
             fail(
                 f"restoring '{component}' from its snapshot at position {keep} and feeding the "
-                f"same tokens again gives logits that differ by up to {gap:.3g}"
+                f"same tokens again gives logits that differ by up to {gap:.3g}; "
+                + explain_state(kit, state, prompt)
             )
         if len(held) == len(state):
             fresh = kit.new_state()
@@ -276,7 +303,8 @@ class StateChecks:
             if gap is not None:
                 fail(
                     f"a fresh state restored from snapshots taken at {keep} (including "
-                    f"'{component}') gives logits that differ by up to {gap:.3g}"
+                    f"'{component}') gives logits that differ by up to {gap:.3g}; "
+                    + explain_state(kit, fresh, prompt)
                 )
 
     @final
