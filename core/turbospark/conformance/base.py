@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from turbospark.conformance.interleave_checks import InterleavingChecks
+from turbospark.conformance.long_checks import LongContextChecks
 from turbospark.conformance.pool_checks import PoolChecks
 from turbospark.conformance.reference_checks import ReferenceChecks
 from turbospark.conformance.state_checks import StateChecks
@@ -32,7 +33,9 @@ from turbospark.plugins import FamilyRegistry
 
 
 # pytest collects base classes last-first: state checks run first, the property test last.
-class FamilyConformance(InterleavingChecks, VisionChecks, PoolChecks, StateChecks, ReferenceChecks):
+class FamilyConformance(
+    InterleavingChecks, LongContextChecks, VisionChecks, PoolChecks, StateChecks, ReferenceChecks
+):
     """Every check a family plugin must pass. Set :attr:`family`; tune the rest."""
 
     family: ClassVar[str]

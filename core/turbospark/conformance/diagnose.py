@@ -143,9 +143,24 @@ def first_difference(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> 
     return f"first at index {tuple(int(i) for i in np.argwhere(bad)[0])}" if bad.any() else ""
 
 
+def ring_tails(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows two ring buffers both hold (aligned at the newest), when their
+    shapes differ along one axis only; else None."""
+    axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=False)) if x != y]
+    if a.ndim != b.ndim or len(axes) != 1:
+        return None
+    n = min(a.shape[axes[0]], b.shape[axes[0]])
+    tail = [slice(None)] * a.ndim
+    tail[axes[0]] = slice(-n, None) if n else slice(0, 0)
+    return a[tuple(tail)], b[tuple(tail)]
+
+
 def component_differences(kit: FamilyKit, state: State, reference: State) -> list[str]:
     """One line per component of *state* that differs from *reference*: position,
-    then (for persistable components) the snapshot's keys, shapes and values."""
+    then (for persistable components) the snapshot's keys, shapes and values,
+    with the first index that differs. A sliding-window component (declared
+    ``rewindable="window"``) may hold fewer rows than a fresh run: only the rows
+    both hold are compared, and its scalar entries (a ring's offset) are not."""
     found = []
     for name, component in state.items():
         ref = reference[name]
@@ -157,6 +172,7 @@ def component_differences(kit: FamilyKit, state: State, reference: State) -> lis
             continue
         if not kit.component(name).persistable:
             continue
+        ring = kit.component(name).rewindable == "window"
         ours, theirs = component.snapshot(), ref.snapshot()
         if set(ours) != set(theirs):
             odd = sorted(set(ours) ^ set(theirs))
@@ -166,15 +182,22 @@ def component_differences(kit: FamilyKit, state: State, reference: State) -> lis
             continue
         for key in sorted(ours):
             a, b = np.asarray(ours[key]), np.asarray(theirs[key])
-            if a.shape != b.shape:
+            tails = ring_tails(a, b) if ring else None
+            if ring and a.ndim == 0:
+                continue
+            if tails is not None:
+                a, b = tails
+            elif a.shape != b.shape:
                 found.append(
                     f"component '{name}' entry '{key}' has shape {a.shape}, a fresh run {b.shape}"
                 )
-            elif not np.allclose(a, b, atol=kit.atol, rtol=kit.rtol):
+                continue
+            if not np.allclose(a, b, atol=kit.atol, rtol=kit.rtol):
                 gap = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
                 where = first_difference(a, b, kit.atol, kit.rtol)
+                rows = " (in the rows both hold)" if tails is not None else ""
                 found.append(
-                    f"component '{name}' entry '{key}' differs from a fresh run by up to "
+                    f"component '{name}' entry '{key}' differs from a fresh run{rows} by up to "
                     f"{gap:.3g}, {where}"
                 )
     return found
