@@ -2,7 +2,8 @@
 
 :class:`MutantGemma4` is the real gemma4 plugin under another name, with a
 *mutation* applied to every new state; the ``mutant_kit`` fixture registers
-one (``request.param`` is ``(name, mutation)``), builds its synthetic install
+one (``request.param`` is ``(name, mutation)``, or ``(name, mutation, subclass)``
+for a fault in a hook other than the new state), builds its synthetic install
 and unregisters it afterwards. The conformance kit must fail each mutant
 naming the fault, and pass the unmutated wrapper (mutation ``None``), so the
 failures are the fault's.
@@ -87,11 +88,10 @@ class MutantGemma4:
 @pytest.fixture
 def mutant_kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FamilyKit]:
     """A kit over a freshly registered mutant, unregistered afterwards."""
-    name, mutation = request.param
+    name, mutation, *wrapper = request.param  # optionally a MutantGemma4 subclass
+    plugin = (wrapper or [MutantGemma4])[0](name, mutation, default_registry().get("gemma4").plugin)
     registry = FamilyRegistry()
-    registry.register(
-        MutantGemma4(name, mutation, default_registry().get("gemma4").plugin), name=name
-    )
+    registry.register(plugin, name=name)
     try:
         arch = (
             registry.get(name)

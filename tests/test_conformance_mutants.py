@@ -3,8 +3,9 @@
 Each mutant is a throwaway plugin wrapping the real gemma4 family through
 ``FamilyRegistry.register`` (``mutant_families.py``), with one fault: a state component object shared
 between sessions (only the KV is really swapped), a KV whose ``reset()``
-forgets its position but keeps its rows, or a KV whose snapshots hold the
-buffers the forward writes in place. The kit's checks are run
+forgets its position but keeps its rows, a KV whose snapshots hold the
+buffers the forward writes in place, a KV whose rewind skips its last layer,
+or a forward whose RoPE is one position off on continued chunks. The kit's checks are run
 programmatically on the mutant and must fail naming the component; the
 unmutated wrapper passes the same checks, so the failures are the fault's.
 """
@@ -17,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mutant_families import MutantGemma4
 
 from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
+from turbospark.hookspecs import LogitsWanted, hookimpl
 from turbospark.state import KVComponent, Snapshot, State
+from turbospark.vision import VisionMap
 
 
 class LeakyResetKV(KVComponent):
@@ -55,6 +60,42 @@ class AliasingSnapshotKV(KVComponent):
 
 def alias_snapshots(state: State, model: object) -> State:
     return {**state, "kv": AliasingSnapshotKV(len(state["kv"].layers))}
+
+
+class RewindSkipsLastLayerKV(KVComponent):
+    """Rewinds every layer but the last one: its rows past the cut stay."""
+
+    def rewind(self, n: int) -> None:
+        for layer in self.layers[:-1]:
+            layer.rewind(n)
+        self._position -= n
+
+
+def skip_a_layer_on_rewind(state: State, model: object) -> State:
+    return {**state, "kv": RewindSkipsLastLayerKV(len(state["kv"].layers))}
+
+
+class RopeOffByOne(MutantGemma4):
+    """Rotates a continued chunk (``start > 0``) as if it began one position later."""
+
+    @hookimpl
+    def turbospark_forward(
+        self,
+        model: nn.Module,
+        tokens: mx.array,
+        start: int,
+        state: State,
+        vision: VisionMap | None,
+        logits: LogitsWanted,
+    ) -> mx.array | None:
+        return self.base.turbospark_forward(
+            model=model,
+            tokens=tokens,
+            start=start + 1 if start else start,
+            state=state,
+            vision=vision,
+            logits=logits,
+        )
 
 
 class ShareWindow:
@@ -144,10 +185,54 @@ def test_aliasing_snapshot_is_caught(
     assert re.search(pattern, str(failure.value)), str(failure.value)
 
 
+SKIPPED_LAYER_FAILURES = [
+    (
+        CHECKS.test_rewind_then_refeed,
+        ("kv",),
+        r"after rewinding 'kv' by 6 of 16 tokens .* what differs: component 'kv' entry '0\.keys' "
+        r"has shape \(1, \d+, 24, \d+\), a fresh run \(1, \d+, 18, \d+\)",
+    ),
+]
+ROPE_FAILURES = [
+    (
+        CHECKS.test_chunked_prefill_equals_sequential,
+        (),
+        r"prefill token by token, 0 decode step\(s\) in: logits differ .* component 'kv' entry "
+        r"'0\.keys' differs from a fresh run by up to \S+ first at index \(0, \d+, 1, \d+\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "mutant_kit", [("gemma4_skips_layer", skip_a_layer_on_rewind)], indirect=True
+)
+@pytest.mark.parametrize("check, args, pattern", SKIPPED_LAYER_FAILURES)
+def test_rewind_skipping_a_layer_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
+@pytest.mark.parametrize("mutant_kit", [("gemma4_rope", None, RopeOffByOne)], indirect=True)
+@pytest.mark.parametrize("check, args, pattern", ROPE_FAILURES)
+def test_rope_off_by_one_on_continued_chunks_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
 @pytest.mark.parametrize("mutant_kit", [("gemma4_unmutated", None)], indirect=True)
 @pytest.mark.parametrize(
     "check, args, pattern",
-    SHARED_WINDOW_FAILURES + LEAKY_RESET_FAILURES + ALIASING_SNAPSHOT_FAILURES,
+    SHARED_WINDOW_FAILURES
+    + LEAKY_RESET_FAILURES
+    + ALIASING_SNAPSHOT_FAILURES
+    + SKIPPED_LAYER_FAILURES
+    + ROPE_FAILURES,
 )
 def test_the_wrapper_alone_passes(
     mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
