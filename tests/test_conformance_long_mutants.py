@@ -27,11 +27,11 @@ from turbospark.state import KVComponent, LayeredComponent, LayerKV, State
 
 
 class DropsRowOnRegrow(LayerKV):
-    """Grows like :class:`LayerKV`, but regrowing a full block copies it one row
-    short: the block's last row is zeros afterwards."""
+    """Grows like :class:`LayerKV`, but regrowing a full buffer copies it one row
+    short: its last row is zeros afterwards."""
 
     def _make_room(self, keys: mx.array, values: mx.array) -> None:
-        full = self.keys is not None and self.fill == self.keys.shape[2] == self.step
+        full = self.keys is not None and self.fill == self.keys.shape[2]
         super()._make_room(keys, values)
         if full:
             self.keys[:, :, self.fill - 1] = 0

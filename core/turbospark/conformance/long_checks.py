@@ -167,21 +167,23 @@ class LongContextChecks:
             pytest.skip(f"not rewindable: {component}")
         length, (first, second) = self.long_plan(kit)
         prompt = kit.tokens(PROMPT_SEED, length)
+        cut = second - 7
         state = kit.new_state()
-        self._feed(kit, state, prompt, 0, schedule([first, first + 1, second - 6], length))
+        self._feed(kit, state, prompt, 0, schedule([first, first + 1], cut))
+        held = {n: c.snapshot() for n, c in state.items() if kit.component(n).persistable}
+        self._feed(kit, state, prompt[cut:], cut, schedule([second - 6], length, cut))
         comp = state[component]
-        back = min(comp.max_safe_rewind, length - (second - 7))
+        back = min(comp.max_safe_rewind, length - cut)
         if back < 1:
             fail(
                 f"'{component}' is declared rewindable={spec.rewindable!r} but can rewind "
                 f"nothing after {length} tokens (max_safe_rewind {comp.max_safe_rewind})"
             )
         target = length - back
-        donor = kit.new_state()
-        self._feed(kit, donor, prompt[:target], 0, [target])
-        held = {n: c.snapshot() for n, c in donor.items() if kit.component(n).persistable}
         comp.rewind(back)
-        self._return_others(kit, state, component, held, back)
+        # The others come back from their snapshots at the cut, or (a window that
+        # cannot rewind that far stops short of it) by rewinding.
+        self._return_others(kit, state, component, held if target == cut else {}, back)
         tail = kit.tokens(PROMPT_SEED + 1, 40)
         history = prompt[:target] + tail
         expected = np.asarray(kit.fresh_logits(history, "all"), dtype=np.float32)[target:]
