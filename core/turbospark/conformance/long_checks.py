@@ -12,7 +12,7 @@ was in, and which component entry differs from a fresh run, first index
 included.
 
 The dims stay tiny (the synthetic install's) and the prompts long; on the
-built-in families these add about a second each.
+built-in families these add 3-5 s of CPU to a kit run (13-19 s in all).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 
 from turbospark.conformance.diagnose import component_differences, fail
 from turbospark.conformance.kit import FamilyKit
+from turbospark.conformance.state_checks import return_others_to
 from turbospark.conformance.turns import Step, run_script
 from turbospark.state import State
 
@@ -106,29 +107,6 @@ class LongContextChecks:
             at += size
         return np.concatenate(rows)
 
-    def _return_others(
-        self,
-        kit: FamilyKit,
-        state: State,
-        component: str,
-        held: dict[str, dict],
-        back: int,
-    ) -> None:
-        """Put every component but *component* back *back* tokens: from *held*
-        snapshots when persistable, else by rewinding, else skip the check."""
-        for name, other in state.items():
-            if name == component:
-                continue
-            if name in held:
-                other.restore(held[name])
-            elif kit.component(name).rewindable is not False and other.max_safe_rewind >= back:
-                other.rewind(back)
-            else:
-                pytest.skip(
-                    f"'{name}' can neither rewind {back} token(s) nor be restored from a snapshot, "
-                    f"so '{component}' cannot be tested alone"
-                )
-
     @final
     def test_long_prompt_chunked_equals_one_chunk(self, kit: FamilyKit) -> None:
         """A long prompt fed in uneven chunks that end just before, exactly on and
@@ -183,7 +161,7 @@ class LongContextChecks:
         comp.rewind(back)
         # The others come back from their snapshots at the cut, or (a window that
         # cannot rewind that far stops short of it) by rewinding.
-        self._return_others(kit, state, component, held if target == cut else {}, back)
+        return_others_to(kit, state, component, held if target == cut else {}, back)
         tail = kit.tokens(PROMPT_SEED + 1, 40)
         history = prompt[:target] + tail
         expected = np.asarray(kit.fresh_logits(history, "all"), dtype=np.float32)[target:]
@@ -224,7 +202,7 @@ class LongContextChecks:
             map(str, sizes)
         )
         state[component].restore(held[component])
-        self._return_others(kit, state, component, held, length - keep)
+        return_others_to(kit, state, component, held, length - keep)
         rows = self._feed(kit, state, prompt[keep:], keep, sizes)
         self._diverged(
             kit, f"'{component}' {text}", state, rows, expected[keep:], prompt, keep, sizes

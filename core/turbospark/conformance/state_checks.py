@@ -45,6 +45,25 @@ def array_bytes(component: StateComponent) -> int:
     return sum(a.nbytes for a in component.arrays())
 
 
+def return_others_to(
+    kit: FamilyKit, state: State, component: str, held: dict[str, Snapshot], back: int
+) -> None:
+    """Put every component but *component* back *back* tokens: restore its
+    snapshot when *held* has one (exact), else rewind it, else skip the check."""
+    for name, other in state.items():
+        if name == component:
+            continue
+        if name in held:
+            other.restore(held[name])
+        elif kit.component(name).rewindable is not False and other.max_safe_rewind >= back:
+            other.rewind(back)
+        else:
+            pytest.skip(
+                f"'{name}' can neither rewind {back} token(s) nor be restored from a snapshot, "
+                f"so '{component}' cannot be tested alone"
+            )
+
+
 def expect_refused_rewind(component: StateComponent, name: str, n: int) -> None:
     """``rewind(n)`` past ``max_safe_rewind`` must raise and change nothing."""
     position = component.position
@@ -70,24 +89,6 @@ class StateChecks:
 
     def prompt_length(self, kit: FamilyKit, component: str) -> int:
         return self.long_prompt if kit.component(component).rewindable == "window" else SHORT
-
-    def _return_others_to(
-        self, kit: FamilyKit, state: State, component: str, held: dict[str, Snapshot], back: int
-    ) -> None:
-        """Put every component but *component* back *back* tokens: restore its
-        snapshot when persistable (exact), else rewind it, else skip the check."""
-        for name, other in state.items():
-            if name == component:
-                continue
-            if name in held:
-                other.restore(held[name])
-            elif kit.component(name).rewindable is not False and other.max_safe_rewind >= back:
-                other.rewind(back)
-            else:
-                pytest.skip(
-                    f"'{name}' can neither rewind {back} token(s) nor be restored from a snapshot, "
-                    f"so '{component}' cannot be tested alone"
-                )
 
     @final
     def test_state_matches_declaration(self, kit: FamilyKit) -> None:
@@ -234,7 +235,7 @@ class StateChecks:
         if comp.max_safe_rewind < comp.position:
             expect_refused_rewind(comp, component, comp.max_safe_rewind + 1)
         comp.rewind(back)
-        self._return_others_to(kit, state, component, held, back)
+        return_others_to(kit, state, component, held, back)
         if comp.position != keep:
             fail(f"'{component}' is at {comp.position} after rewinding {back} from {length}")
         tail = kit.tokens(7, back + 2)
@@ -281,7 +282,7 @@ class StateChecks:
                     "aliases a buffer the forward writes in place"
                 )
         state[component].restore(snap)
-        self._return_others_to(kit, state, component, held, length - keep)
+        return_others_to(kit, state, component, held, length - keep)
         if state[component].position != keep:
             fail(
                 f"'{component}' restored from a snapshot at {keep} is at "
