@@ -62,30 +62,36 @@ def shared_components(sessions: Sequence[tuple[str, State]]) -> list[str]:
     return found
 
 
-IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, range, type, Enum)
-OPAQUE = (FunctionType, MethodType, ModuleType, nn.Module)
+CONTAINERS = (mx.array, np.ndarray, list, dict, set, bytearray)
+OPAQUE = (type, Enum, FunctionType, MethodType, ModuleType, nn.Module)
 WALK_DEPTH = 8
 
 
-def is_immutable(value: Any) -> bool:
-    frozen = isinstance(value, BaseModel) and value.model_config.get("frozen", False)
-    return isinstance(value, IMMUTABLE) or frozen
+def is_mutable(value: Any) -> bool:
+    """Arrays, mutable containers and instances with attributes; not the model,
+    classes, functions, enums, frozen pydantic models, or attribute-less
+    singletons such as ``mx.float32``."""
+    if isinstance(value, OPAQUE):
+        return False
+    if isinstance(value, BaseModel) and value.model_config.get("frozen", False):
+        return False
+    return isinstance(value, CONTAINERS) or hasattr(value, "__dict__") or bool(_slots(value))
 
 
 def walk_state(state: State, visit: Callable[[str, Any], bool]) -> None:
     """Call ``visit(path, obj)`` on every mutable object and array below *state*'s
     components (``state['kv'].layers[0].keys``), descending into an object only
     when *visit* returns True. Arrays count as mutable: ``a[...] = x`` writes
-    them in place. The model (an ``nn.Module``) is shared by design and skipped,
-    as are functions and modules; tuples and frozen pydantic models are walked
-    but not reported."""
+    them in place. The model (an ``nn.Module``) is shared by design and skipped
+    (see :func:`is_mutable`); tuples are walked through but not reported."""
     seen: set[int] = set()
 
     def walk(value: Any, path: str, depth: int) -> None:
-        if is_immutable(value) or isinstance(value, OPAQUE) or id(value) in seen:
+        walked = isinstance(value, tuple | frozenset)  # walked through, never reported
+        if not (walked or is_mutable(value)) or id(value) in seen:
             return
         seen.add(id(value))
-        if not isinstance(value, tuple | frozenset) and not visit(path, value):
+        if not walked and not visit(path, value):
             return
         if isinstance(value, mx.array | np.ndarray) or depth >= WALK_DEPTH:
             return
