@@ -1,10 +1,12 @@
-"""Fixtures for runner-level tests: synthetic installs built once per session."""
+"""Fixtures for runner-level tests: synthetic installs built once per session, and the
+conformance mutants' kit (``mutant_kit``, from ``mutant_families``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from mutant_families import mutant_kit  # noqa: F401  (the conformance mutants' fixture)
 
 from turbospark import build_synthetic_install
 from turbospark.text import TextCodec, load_text

@@ -1,10 +1,11 @@
 """The conformance kit catches broken families and says what leaked.
 
 Each mutant is a throwaway plugin wrapping the real gemma4 family through
-``FamilyRegistry.register``, with one fault: a state component object shared
+``FamilyRegistry.register`` (``mutant_families.py``), with one fault: a state component object shared
 between sessions (only the KV is really swapped), a KV whose ``reset()``
-forgets its position but keeps its rows, or a KV whose snapshots hold the
-buffers the forward writes in place. The kit's checks are run
+forgets its position but keeps its rows, a KV whose snapshots hold the
+buffers the forward writes in place, a KV whose rewind skips its last layer,
+or a forward whose RoPE is one position off on continued chunks. The kit's checks are run
 programmatically on the mutant and must fail naming the component; the
 unmutated wrapper passes the same checks, so the failures are the fault's.
 """
@@ -12,23 +13,20 @@ unmutated wrapper passes the same checks, so the failures are the fault's.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mutant_families import MutantGemma4
 
 from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
-from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
-from turbospark.install import MANIFEST, read_manifest
-from turbospark.plugins import FamilyRegistry, default_registry
+from turbospark.hookspecs import LogitsWanted, hookimpl
 from turbospark.state import KVComponent, Snapshot, State
 from turbospark.vision import VisionMap
-
-Mutation = Callable[[State], State]
 
 
 class LeakyResetKV(KVComponent):
@@ -38,7 +36,7 @@ class LeakyResetKV(KVComponent):
         self._position = 0
 
 
-def leak_across_reset(state: State) -> State:
+def leak_across_reset(state: State, model: object) -> State:
     return {**state, "kv": LeakyResetKV(len(state["kv"].layers))}
 
 
@@ -60,53 +58,25 @@ class AliasingSnapshotKV(KVComponent):
         self._position = int(snapshot["position"].item())
 
 
-def alias_snapshots(state: State) -> State:
+def alias_snapshots(state: State, model: object) -> State:
     return {**state, "kv": AliasingSnapshotKV(len(state["kv"].layers))}
 
 
-class ShareWindow:
-    """Hands every session the same ``window`` object: only ``kv`` is really swapped."""
+class RewindSkipsLastLayerKV(KVComponent):
+    """Rewinds every layer but the last one: its rows past the cut stay."""
 
-    def __init__(self) -> None:
-        self.shared: Any = None
-
-    def __call__(self, state: State) -> State:
-        self.shared = self.shared or state["window"]
-        return {**state, "window": self.shared}
+    def rewind(self, n: int) -> None:
+        for layer in self.layers[:-1]:
+            layer.rewind(n)
+        self._position -= n
 
 
-class MutantGemma4:
-    """gemma4 (the plugin module *base*) under another family name, with
-    *mutation* applied to every new state."""
+def skip_a_layer_on_rewind(state: State, model: object) -> State:
+    return {**state, "kv": RewindSkipsLastLayerKV(len(state["kv"].layers))}
 
-    def __init__(self, name: str, mutation: Mutation | None, base: Any) -> None:
-        self.name = name
-        self.mutation = mutation
-        self.base = base
 
-    @hookimpl
-    def turbospark_family(self) -> FamilySpec:
-        spec = self.base.turbospark_family()
-        return spec.model_copy(update={"name": self.name, "model_types": [f"{self.name}_text"]})
-
-    @hookimpl
-    def turbospark_pool_capability(self, arch: ArchConfig) -> list[str]:
-        return self.base.turbospark_pool_capability(arch=arch)
-
-    @hookimpl
-    def turbospark_load_model(
-        self, arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
-    ) -> nn.Module:
-        return self.base.turbospark_load_model(arch=arch, weights=weights, dtype=dtype)
-
-    @hookimpl
-    def turbospark_new_state(
-        self, arch: ArchConfig, model: nn.Module, context_length: int
-    ) -> State:
-        state = self.base.turbospark_new_state(
-            arch=arch, model=model, context_length=context_length
-        )
-        return state if self.mutation is None else self.mutation(state)
+class RopeOffByOne(MutantGemma4):
+    """Rotates a continued chunk (``start > 0``) as if it began one position later."""
 
     @hookimpl
     def turbospark_forward(
@@ -119,37 +89,24 @@ class MutantGemma4:
         logits: LogitsWanted,
     ) -> mx.array | None:
         return self.base.turbospark_forward(
-            model=model, tokens=tokens, start=start, state=state, vision=vision, logits=logits
+            model=model,
+            tokens=tokens,
+            start=start + 1 if start else start,
+            state=state,
+            vision=vision,
+            logits=logits,
         )
 
-    @hookimpl
-    def turbospark_build_synthetic_install(self, path: Path, dims: dict[str, Any]) -> ArchConfig:
-        arch = self.base.turbospark_build_synthetic_install(path=path, dims=dims)
-        manifest = read_manifest(path).model_copy(update={"family": self.name})
-        (path / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
-        return arch.model_copy(update={"family": self.name})
 
+class ShareWindow:
+    """Hands every session the same ``window`` object: only ``kv`` is really swapped."""
 
-@pytest.fixture
-def mutant_kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FamilyKit]:
-    """A kit over a freshly registered mutant, unregistered afterwards."""
-    name, mutation = request.param
-    registry = FamilyRegistry()
-    registry.register(
-        MutantGemma4(name, mutation, default_registry().get("gemma4").plugin), name=name
-    )
-    try:
-        arch = (
-            registry.get(name)
-            .manager()
-            .hook.turbospark_build_synthetic_install(
-                path=tmp_path, dims={"num_layers": 2, "sliding_window": 8}
-            )
-        )
-        assert arch.family == name
-        yield FamilyKit.create(name, tmp_path, registry, examples=10)
-    finally:
-        registry.unregister(name)
+    def __init__(self) -> None:
+        self.shared: Any = None
+
+    def __call__(self, state: State, model: object) -> State:
+        self.shared = self.shared or state["window"]
+        return {**state, "window": self.shared}
 
 
 CHECKS = FamilyConformance()
@@ -228,10 +185,54 @@ def test_aliasing_snapshot_is_caught(
     assert re.search(pattern, str(failure.value)), str(failure.value)
 
 
+SKIPPED_LAYER_FAILURES = [
+    (
+        CHECKS.test_rewind_then_refeed,
+        ("kv",),
+        r"after rewinding 'kv' by 6 of 16 tokens .* what differs: component 'kv' entry '0\.keys' "
+        r"has shape \(1, \d+, 24, \d+\), a fresh run \(1, \d+, 18, \d+\)",
+    ),
+]
+ROPE_FAILURES = [
+    (
+        CHECKS.test_chunked_prefill_equals_sequential,
+        (),
+        r"prefill token by token, 0 decode step\(s\) in: logits differ .* component 'kv' entry "
+        r"'0\.keys' differs from a fresh run by up to \S+ first at index \(0, \d+, 1, \d+\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "mutant_kit", [("gemma4_skips_layer", skip_a_layer_on_rewind)], indirect=True
+)
+@pytest.mark.parametrize("check, args, pattern", SKIPPED_LAYER_FAILURES)
+def test_rewind_skipping_a_layer_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
+@pytest.mark.parametrize("mutant_kit", [("gemma4_rope", None, RopeOffByOne)], indirect=True)
+@pytest.mark.parametrize("check, args, pattern", ROPE_FAILURES)
+def test_rope_off_by_one_on_continued_chunks_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
 @pytest.mark.parametrize("mutant_kit", [("gemma4_unmutated", None)], indirect=True)
 @pytest.mark.parametrize(
     "check, args, pattern",
-    SHARED_WINDOW_FAILURES + LEAKY_RESET_FAILURES + ALIASING_SNAPSHOT_FAILURES,
+    SHARED_WINDOW_FAILURES
+    + LEAKY_RESET_FAILURES
+    + ALIASING_SNAPSHOT_FAILURES
+    + SKIPPED_LAYER_FAILURES
+    + ROPE_FAILURES,
 )
 def test_the_wrapper_alone_passes(
     mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
@@ -255,9 +256,10 @@ def test_conformance_command_fails_a_mutant_naming_the_leak(
     )
     (tmp_path / "turbospark_leaky_cli.py").write_text(
         "import importlib\n\n"
+        "from mutant_families import MutantGemma4\n"
         "from turbospark_gemma4 import plugin as gemma4\n\n"
         f"mutants = importlib.import_module({__name__!r})  # this test module, already imported\n"
-        "plugin = mutants.MutantGemma4('gemma4_leaky_cli', mutants.leak_across_reset, gemma4)\n"
+        "plugin = MutantGemma4('gemma4_leaky_cli', mutants.leak_across_reset, gemma4)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("TURBOSPARK_PLUGINS", f"gemma4_leaky_cli,{tmp_path.name}")

@@ -144,6 +144,8 @@ def test_the_example_own_tests_pass_in_the_fresh_venv(venv: Venv, tmp_path: Path
         "test_tinyllama_parity.py::test_matches_mlx_lm[gqa] PASSED",
         "test_tinyllama_parity.py::test_matches_mlx_lm[mha_tied] PASSED",
         "test_tinyllama_parity.py::test_mlx_lm_tokenizes_a_chat_exactly_as_we_do PASSED",
+        "test_tinyllama_parity.py::test_long_uneven_chunked_prefill_matches_mlx_lm PASSED",
+        "TestTinyLlama::test_long_prompt_chunked_equals_one_chunk PASSED",
         "TestTinyLlama::test_snapshot_round_trip[kv] PASSED",
         "TestTinyLlama::test_interleaved_conversations_never_cross_talk PASSED",
     ):

@@ -18,7 +18,9 @@ import pytest
 from turbospark import Runner, build_synthetic_install, hookimpl
 from turbospark.cli import main
 from turbospark.errors import FamilyNotFound, PluginError
+from turbospark.hf_config import HFConfig
 from turbospark.hookspecs import FamilySpec
+from turbospark.importer import resolve_arch
 from turbospark.plugins import FamilyRegistry, default_registry
 
 
@@ -153,3 +155,29 @@ def test_families_command_lists_broken_plugins(
     assert main(["families"]) == 0
     text = capsys.readouterr().out
     assert "BROKEN throwaway_import (turbospark-throwaway==0.1.0): import of" in text
+
+
+class OtherGemma4Loader:
+    """A differently named family that also claims gemma4's ``model_type``."""
+
+    @hookimpl
+    def turbospark_family(self) -> FamilySpec:
+        return default_registry().get("gemma4").spec.model_copy(update={"name": "gemma4_fork"})
+
+
+def test_a_model_type_claimed_twice_is_refused_naming_both(
+    registry: FamilyRegistry, tmp_path: Path
+) -> None:
+    """Importing by ``model_type`` never picks one of two claimants silently;
+    ``--family`` still chooses, and each family still opens its own installs."""
+    registry.register(OtherGemma4Loader(), name="gemma4_fork")
+    with pytest.raises(PluginError) as refused:
+        registry.for_model_type("gemma4_text")
+    assert str(refused.value) == (
+        "Hugging Face model_type 'gemma4_text' is claimed by families 'gemma4' (<registered>) "
+        "and 'gemma4_fork' (<registered>); pass --family NAME to choose one, or uninstall the other"
+    )
+    build_synthetic_install("gemma4", tmp_path, registry=registry, num_layers=2)
+    config = HFConfig.model_validate_json((tmp_path / "config.json").read_text())
+    assert resolve_arch(config, "gemma4", registry).family == "gemma4"
+    assert opens(registry, tmp_path / "again")

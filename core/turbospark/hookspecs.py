@@ -53,8 +53,10 @@ class ArchConfig(BaseModel):
     eos_token_id: int | list[int] | None = None
 
     def hf_config(self) -> dict[str, Any]:
-        """The ``config.json`` this arch writes: every field but ``family``, nulls
-        included (a missing key means the family default, a null means none)."""
+        """The ``config.json`` this arch writes: every field the config class
+        declares but ``family``, a None written as null, never omitted (a missing
+        key means the family default, a null means none; mlx-lm requires some,
+        such as ``head_dim``). ``tests/test_synthetic_configs.py`` holds it to that."""
         return self.model_dump(mode="json", exclude={"family"})
 
 

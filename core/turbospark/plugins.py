@@ -123,9 +123,18 @@ class FamilyRegistry:
         )
 
     def for_model_type(self, model_type: str) -> Family:
-        for family in self.families.values():
-            if model_type in family.spec.model_types:
-                return family
+        """The one family that loads *model_type*. Two claiming it is refused,
+        naming both with their distributions: picking the first found would
+        depend on entry-point order, silently."""
+        claims = [f for f in self.families.values() if model_type in f.spec.model_types]
+        if len(claims) > 1:
+            named = " and ".join(f"'{f.name}' ({f.source})" for f in claims)
+            raise PluginError(
+                f"Hugging Face model_type '{model_type}' is claimed by families {named}; "
+                "pass --family NAME to choose one, or uninstall the other"
+            )
+        if claims:
+            return claims[0]
         raise FamilyNotFound(
             f"no installed family loads Hugging Face model_type '{model_type}'; "
             f"{self.describe_installed()}; pass --family NAME to load it with one of them"

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from turbospark.conformance.batch_checks import BatchChecks
 from turbospark.conformance.interleave_checks import InterleavingChecks
+from turbospark.conformance.long_checks import LongContextChecks
 from turbospark.conformance.pool_checks import PoolChecks
 from turbospark.conformance.reference_checks import ReferenceChecks
 from turbospark.conformance.state_checks import StateChecks
@@ -34,7 +35,13 @@ from turbospark.plugins import FamilyRegistry
 
 # pytest collects base classes last-first: state checks run first, the property test last.
 class FamilyConformance(
-    BatchChecks, InterleavingChecks, VisionChecks, PoolChecks, StateChecks, ReferenceChecks
+    BatchChecks,
+    InterleavingChecks,
+    LongContextChecks,
+    VisionChecks,
+    PoolChecks,
+    StateChecks,
+    ReferenceChecks,
 ):
     """Every check a family plugin must pass. Set :attr:`family`; tune the rest."""
 

@@ -2,18 +2,25 @@
 
 A logits mismatch only says that something is wrong. These helpers look at
 the sessions a runner holds and name the culprit: a component object shared
-by two sessions (parking one changes the other), or a component whose
-contents differ from a fresh run of the conversation it is supposed to hold.
+by two sessions (parking one changes the other), a mutable object or array
+shared anywhere below two fresh states' components (found by walking them),
+or a component whose contents differ from a fresh run of the conversation it
+is supposed to hold, down to the entry and the first differing index.
 The runner's sessions are read here and only here (the kit ships in the
 core, beside the runner it inspects).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable, Sequence
+from enum import Enum
+from types import FunctionType, MethodType, ModuleType
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from pydantic import BaseModel
 
 from turbospark.state import State
 
@@ -23,6 +30,7 @@ if TYPE_CHECKING:
 
 
 def fail(message: str) -> NoReturn:
+    __tracebackhide__ = True  # pytest shows the check's line, not this one
     raise AssertionError(message)
 
 
@@ -54,9 +62,111 @@ def shared_components(sessions: Sequence[tuple[str, State]]) -> list[str]:
     return found
 
 
+CONTAINERS = (mx.array, np.ndarray, list, dict, set, bytearray)
+OPAQUE = (type, Enum, FunctionType, MethodType, ModuleType, nn.Module)
+WALK_DEPTH = 8
+
+
+def is_mutable(value: Any) -> bool:
+    """Arrays, mutable containers and instances with attributes; not the model,
+    classes, functions, enums, frozen pydantic models, or attribute-less
+    singletons such as ``mx.float32``."""
+    if isinstance(value, OPAQUE):
+        return False
+    if isinstance(value, BaseModel) and value.model_config.get("frozen", False):
+        return False
+    return isinstance(value, CONTAINERS) or hasattr(value, "__dict__") or bool(_slots(value))
+
+
+def walk_state(state: State, visit: Callable[[str, Any], bool]) -> None:
+    """Call ``visit(path, obj)`` on every mutable object and array below *state*'s
+    components (``state['kv'].layers[0].keys``), descending into an object only
+    when *visit* returns True. Arrays count as mutable: ``a[...] = x`` writes
+    them in place. The model (an ``nn.Module``) is shared by design and skipped
+    (see :func:`is_mutable`); tuples are walked through but not reported."""
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        walked = isinstance(value, tuple | frozenset)  # walked through, never reported
+        if not (walked or is_mutable(value)) or id(value) in seen:
+            return
+        seen.add(id(value))
+        if not walked and not visit(path, value):
+            return
+        if isinstance(value, mx.array | np.ndarray) or depth >= WALK_DEPTH:
+            return
+        if isinstance(value, dict):
+            items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+        elif isinstance(value, list | tuple | set | frozenset):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            attrs = dict(getattr(value, "__dict__", {}))
+            attrs.update({k: getattr(value, k) for k in _slots(value) if hasattr(value, k)})
+            items = [(f"{path}.{k}", v) for k, v in attrs.items()]
+        for child_path, child in items:
+            walk(child, child_path, depth + 1)
+
+    for name, component in state.items():
+        walk(component, f"state[{name!r}]", 0)
+
+
+def _slots(value: Any) -> list[str]:
+    return [s for cls in type(value).__mro__ for s in getattr(cls, "__slots__", ())]
+
+
+def shared_below(first: tuple[str, State], second: tuple[str, State]) -> list[str]:
+    """One line per mutable object or array that two states both hold, anywhere
+    below their components, naming where it sits in each (the shallowest place:
+    a shared list is reported once, not once per element)."""
+    (first_label, first_state), (second_label, second_state) = first, second
+    places: dict[int, str] = {}
+
+    def record(path: str, value: Any) -> bool:
+        places[id(value)] = path
+        return True
+
+    walk_state(first_state, record)
+    found = []
+
+    def compare(path: str, value: Any) -> bool:
+        if id(value) not in places:
+            return True
+        component = path.split("'")[1]
+        found.append(
+            f"component '{component}' of {second_label} holds {path} "
+            f"({type(value).__name__}), the same object as {first_label}'s "
+            f"{places[id(value)]}: a write through one reaches the other"
+        )
+        return False
+
+    walk_state(second_state, compare)
+    return found
+
+
+def first_difference(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> str:
+    """Where two same-shaped arrays first differ: ``index (0, 1, 249, 3)``."""
+    bad = ~np.isclose(a, b, atol=atol, rtol=rtol)
+    return f"first at index {tuple(int(i) for i in np.argwhere(bad)[0])}" if bad.any() else ""
+
+
+def ring_tails(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows two ring buffers both hold (aligned at the newest), when their
+    shapes differ along one axis only; else None."""
+    axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=False)) if x != y]
+    if a.ndim != b.ndim or len(axes) != 1:
+        return None
+    n = min(a.shape[axes[0]], b.shape[axes[0]])
+    tail = [slice(None)] * a.ndim
+    tail[axes[0]] = slice(-n, None) if n else slice(0, 0)
+    return a[tuple(tail)], b[tuple(tail)]
+
+
 def component_differences(kit: FamilyKit, state: State, reference: State) -> list[str]:
     """One line per component of *state* that differs from *reference*: position,
-    then (for persistable components) the snapshot's keys, shapes and values."""
+    then (for persistable components) the snapshot's keys, shapes and values,
+    with the first index that differs. A sliding-window component (declared
+    ``rewindable="window"``) may hold fewer rows than a fresh run: only the rows
+    both hold are compared, and its scalar entries (a ring's offset) are not."""
     found = []
     for name, component in state.items():
         ref = reference[name]
@@ -68,6 +178,7 @@ def component_differences(kit: FamilyKit, state: State, reference: State) -> lis
             continue
         if not kit.component(name).persistable:
             continue
+        ring = kit.component(name).rewindable == "window"
         ours, theirs = component.snapshot(), ref.snapshot()
         if set(ours) != set(theirs):
             odd = sorted(set(ours) ^ set(theirs))
@@ -77,14 +188,23 @@ def component_differences(kit: FamilyKit, state: State, reference: State) -> lis
             continue
         for key in sorted(ours):
             a, b = np.asarray(ours[key]), np.asarray(theirs[key])
-            if a.shape != b.shape:
+            tails = ring_tails(a, b) if ring else None
+            if ring and a.ndim == 0:
+                continue
+            if tails is not None:
+                a, b = tails
+            elif a.shape != b.shape:
                 found.append(
                     f"component '{name}' entry '{key}' has shape {a.shape}, a fresh run {b.shape}"
                 )
-            elif not np.allclose(a, b, atol=kit.atol, rtol=kit.rtol):
+                continue
+            if not np.allclose(a, b, atol=kit.atol, rtol=kit.rtol):
                 gap = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+                where = first_difference(a, b, kit.atol, kit.rtol)
+                rows = " (in the rows both hold)" if tails is not None else ""
                 found.append(
-                    f"component '{name}' entry '{key}' differs from a fresh run by up to {gap:.3g}"
+                    f"component '{name}' entry '{key}' differs from a fresh run{rows} by up to "
+                    f"{gap:.3g}, {where}"
                 )
     return found
 

@@ -4,7 +4,9 @@ A :class:`FamilyKit` drives the family two ways. Session checks go through
 :class:`~turbospark.Runner`, the path users take. Component checks call the
 family's hooks directly (load, new state, forward), so a fault is pinned on
 the family rather than on the runner. References ("a fresh single-session run
-of this history") come from the hooks too, and are cached per history.
+of this history") come from the hooks too, on a *separately loaded* model and
+cached per history: a family that keeps state on its model object (so every
+"fresh" state shares it) cannot pollute the reference it is compared with.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class FamilyKit:
     rtol: float = 1e-4
     examples: int = 15
     context_length: int = 1024
-    _references: dict[tuple[int, ...], mx.array] = field(default_factory=dict, repr=False)
+    _references: dict[tuple[tuple[int, ...], LogitsWanted], mx.array] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def create(
@@ -114,23 +118,40 @@ class FamilyKit:
 
     # -- driving the hooks directly -----------------------------------------------
 
-    @cached_property
-    def model(self) -> Any:
+    def load_model(self) -> Any:
         manifest = read_manifest(self.install)
         return self.hook.turbospark_load_model(
             arch=self.arch, weights=load_weights(self.install, manifest), dtype=mx.float32
         )
 
-    def new_state(self) -> State:
+    @cached_property
+    def model(self) -> Any:
+        """The model every state under test runs on."""
+        return self.load_model()
+
+    @cached_property
+    def reference_model(self) -> Any:
+        """A second load, used only for references: nothing a check does to
+        :attr:`model` (or to states built on it) can reach it."""
+        return self.load_model()
+
+    def new_state(self, *, reference: bool = False) -> State:
+        model = self.reference_model if reference else self.model
         return self.hook.turbospark_new_state(
-            arch=self.arch, model=self.model, context_length=self.context_length
+            arch=self.arch, model=model, context_length=self.context_length
         )
 
     def forward(
-        self, state: State, tokens: Sequence[int], start: int, logits: LogitsWanted = "last"
+        self,
+        state: State,
+        tokens: Sequence[int],
+        start: int,
+        logits: LogitsWanted = "last",
+        *,
+        reference: bool = False,
     ) -> mx.array | None:
         out = self.hook.turbospark_forward(
-            model=self.model,
+            model=self.reference_model if reference else self.model,
             tokens=mx.array(list(tokens), dtype=mx.int32),
             start=start,
             state=state,
@@ -140,18 +161,21 @@ class FamilyKit:
         mx.eval(*([] if out is None else [out]), *(a for c in state.values() for a in c.arrays()))
         return out
 
-    def fresh_logits(self, history: Sequence[int]) -> mx.array:
-        """Logits after *history* fed in one chunk to a fresh state: the reference."""
-        key = tuple(int(t) for t in history)
+    def fresh_logits(self, history: Sequence[int], logits: LogitsWanted = "last") -> mx.array:
+        """Logits after *history* fed in one chunk to a fresh state of the
+        reference model: the reference (``(vocab,)``, or ``(L, vocab)`` for "all")."""
+        key = (tuple(int(t) for t in history), logits)
         if key not in self._references:
-            out = self.forward(self.new_state(), key, 0)
+            out = self.forward(self.new_state(reference=True), key[0], 0, logits, reference=True)
             assert out is not None
             self._references[key] = out
         return self._references[key]
 
     def fresh_state(self, history: Sequence[int]) -> State:
-        state = self.new_state()
-        self.forward(state, history, 0, "none")
+        """A fresh state of the reference model after *history*: what a state
+        that holds this conversation should contain."""
+        state = self.new_state(reference=True)
+        self.forward(state, history, 0, "none", reference=True)
         return state
 
     # -- the user's path --------------------------------------------------------
@@ -173,6 +197,7 @@ class FamilyKit:
         """No component object may be held by two sessions, or handed out again by
         ``turbospark_new_state``: it would corrupt the reference run too, so no
         logits comparison could say what leaked."""
+        __tracebackhide__ = True
         shared = shared_components([*session_states(runner), ("a new state", self.new_state())])
         if shared:
             raise AssertionError(context + "; ".join(shared))

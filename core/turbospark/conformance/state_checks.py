@@ -20,7 +20,7 @@ from turbospark.conformance.diagnose import (
     component_differences,
     fail,
     live_state,
-    shared_components,
+    shared_below,
 )
 from turbospark.conformance.kit import FamilyKit
 from turbospark.errors import RewindError
@@ -35,8 +35,33 @@ def feed_in_chunks(kit: FamilyKit, state: State, tokens: Sequence[int], start: i
         kit.forward(state, tokens[offset : offset + CHUNK], start + offset, "none")
 
 
+def explain_state(kit: FamilyKit, state: State, history: Sequence[int]) -> str:
+    """The per-entry report of *state* against a fresh run of *history*."""
+    found = component_differences(kit, state, kit.fresh_state(history))
+    return "what differs: " + ("; ".join(found) or "no component (the forward itself diverged)")
+
+
 def array_bytes(component: StateComponent) -> int:
     return sum(a.nbytes for a in component.arrays())
+
+
+def return_others_to(
+    kit: FamilyKit, state: State, component: str, held: dict[str, Snapshot], back: int
+) -> None:
+    """Put every component but *component* back *back* tokens: restore its
+    snapshot when *held* has one (exact), else rewind it, else skip the check."""
+    for name, other in state.items():
+        if name == component:
+            continue
+        if name in held:
+            other.restore(held[name])
+        elif kit.component(name).rewindable is not False and other.max_safe_rewind >= back:
+            other.rewind(back)
+        else:
+            pytest.skip(
+                f"'{name}' can neither rewind {back} token(s) nor be restored from a snapshot, "
+                f"so '{component}' cannot be tested alone"
+            )
 
 
 def expect_refused_rewind(component: StateComponent, name: str, n: int) -> None:
@@ -65,29 +90,13 @@ class StateChecks:
     def prompt_length(self, kit: FamilyKit, component: str) -> int:
         return self.long_prompt if kit.component(component).rewindable == "window" else SHORT
 
-    def _return_others_to(
-        self, kit: FamilyKit, state: State, component: str, held: dict[str, Snapshot], back: int
-    ) -> None:
-        """Put every component but *component* back *back* tokens: restore its
-        snapshot when persistable (exact), else rewind it, else skip the check."""
-        for name, other in state.items():
-            if name == component:
-                continue
-            if name in held:
-                other.restore(held[name])
-            elif kit.component(name).rewindable is not False and other.max_safe_rewind >= back:
-                other.rewind(back)
-            else:
-                pytest.skip(
-                    f"'{name}' can neither rewind {back} token(s) nor be restored from a snapshot, "
-                    f"so '{component}' cannot be tested alone"
-                )
-
     @final
     def test_state_matches_declaration(self, kit: FamilyKit) -> None:
         """A fresh state holds exactly the declared components, each a
         :class:`~turbospark.state.StateComponent` at position 0, honestly sized,
-        and never the same object as another session's."""
+        and sharing no mutable object or array with another fresh state or a
+        reset one, anywhere below the components (a K/V list kept on the model
+        object would make every "fresh" state one and the same)."""
         declared = [c.name for c in kit.spec.components]
         state, other = kit.new_state(), kit.new_state()
         if sorted(state) != sorted(declared):
@@ -103,7 +112,7 @@ class StateChecks:
                 )
             if component.position != 0:
                 fail(f"component '{name}' of a fresh state is at position {component.position}")
-        shared = shared_components([("one fresh state", state), ("another fresh state", other)])
+        shared = shared_below(("one fresh state", state), ("another fresh state", other))
         if shared:
             fail("turbospark_new_state must build new objects every call: " + "; ".join(shared))
         undeclared = sorted(set(kit.swappable) - set(declared))
@@ -121,6 +130,11 @@ class StateChecks:
             fail(
                 f"the state holds {state_nbytes(state)} bytes after {SHORT} tokens, {before} fresh"
             )
+        for each in state.values():
+            each.reset()
+        shared = shared_below(("a reset state", state), ("a new state", kit.new_state()))
+        if shared:
+            fail("reset() and turbospark_new_state must not share objects: " + "; ".join(shared))
 
     @final
     def test_nbytes_honest(self, kit: FamilyKit, component: str) -> None:
@@ -139,6 +153,17 @@ class StateChecks:
                     f"{comp.position} but its arrays() hold {array_bytes(comp)} bytes"
                 )
             sizes.append(comp.nbytes)
+        # A fresh state must stay fresh while another is written; else the
+        # reset() verdict below would blame the wrong side.
+        new = kit.new_state()[component]
+        if new.position != 0 or new.nbytes != fresh_bytes or len(new.arrays()) != fresh_arrays:
+            fail(
+                f"a new state built after another took {2 * SHORT} tokens has component "
+                f"'{component}' at position {new.position} holding {new.nbytes} bytes in "
+                f"{len(new.arrays())} array(s); the first fresh one held {fresh_bytes} bytes in "
+                f"{fresh_arrays}: turbospark_new_state hands out state another session writes "
+                "(kept on the model object?)"
+            )
         if not fresh_bytes <= sizes[0] <= sizes[1]:
             fail(
                 f"component '{component}' nbytes went {fresh_bytes} -> {sizes[0]} -> {sizes[1]} "
@@ -167,7 +192,8 @@ class StateChecks:
             found = component_differences(kit, state, kit.fresh_state(prompt))
             fail(
                 f"after reset() a new conversation's logits differ from a fresh state's by up to "
-                f"{gap:.3g}; what leaked across reset(): " + ("; ".join(found) or "no component")
+                f"{gap:.3g}; what leaked across reset(): "
+                + ("; ".join(found) or "no component (the forward itself diverged)")
             )
 
     @final
@@ -209,16 +235,17 @@ class StateChecks:
         if comp.max_safe_rewind < comp.position:
             expect_refused_rewind(comp, component, comp.max_safe_rewind + 1)
         comp.rewind(back)
-        self._return_others_to(kit, state, component, held, back)
+        return_others_to(kit, state, component, held, back)
         if comp.position != keep:
             fail(f"'{component}' is at {comp.position} after rewinding {back} from {length}")
         tail = kit.tokens(7, back + 2)
-        gap = kit.logits_gap(kit.forward(state, tail, keep), kit.fresh_logits(prompt[:keep] + tail))
+        history = prompt[:keep] + tail
+        gap = kit.logits_gap(kit.forward(state, tail, keep), kit.fresh_logits(history))
         if gap is not None:
             fail(
                 f"after rewinding '{component}' by {back} of {length} tokens and feeding "
                 f"{len(tail)} different ones, logits differ from an uninterrupted run by up to "
-                f"{gap:.3g}"
+                f"{gap:.3g}; " + explain_state(kit, state, history)
             )
 
     @final
@@ -255,7 +282,7 @@ class StateChecks:
                     "aliases a buffer the forward writes in place"
                 )
         state[component].restore(snap)
-        self._return_others_to(kit, state, component, held, length - keep)
+        return_others_to(kit, state, component, held, length - keep)
         if state[component].position != keep:
             fail(
                 f"'{component}' restored from a snapshot at {keep} is at "
@@ -266,7 +293,8 @@ class StateChecks:
         if gap is not None:
             fail(
                 f"restoring '{component}' from its snapshot at position {keep} and feeding the "
-                f"same tokens again gives logits that differ by up to {gap:.3g}"
+                f"same tokens again gives logits that differ by up to {gap:.3g}; "
+                + explain_state(kit, state, prompt)
             )
         if len(held) == len(state):
             fresh = kit.new_state()
@@ -276,7 +304,8 @@ class StateChecks:
             if gap is not None:
                 fail(
                     f"a fresh state restored from snapshots taken at {keep} (including "
-                    f"'{component}') gives logits that differ by up to {gap:.3g}"
+                    f"'{component}') gives logits that differ by up to {gap:.3g}; "
+                    + explain_state(kit, fresh, prompt)
                 )
 
     @final

@@ -57,6 +57,7 @@ def check_turn(
     kit: FamilyKit, runner: Runner, turn: Turn, history: Sequence[int], context: str = ""
 ) -> None:
     """Fail, naming what leaked, unless *turn* matches a fresh run of *history*."""
+    __tracebackhide__ = True  # a failure points at the check, not at the kit
     kit.check_apart(runner, f"{context}after {turn.describe()}: ")
     if runner.position != len(history):
         raise AssertionError(
@@ -76,6 +77,7 @@ def decode(
     kit: FamilyKit, runner: Runner, turn: Turn, history: Sequence[int], context: str = ""
 ) -> list[int]:
     """Greedy-decode one token after *turn*, check its logits too; the new history."""
+    __tracebackhide__ = True
     token = int(mx.argmax(turn.logits).item())
     logits = runner.produce(token, len(history))
     history = [*history, token]
@@ -108,6 +110,7 @@ def run_script(
     """Play *steps* through the caller contract, decoding one token after each
     prompt; every prompt's and decode's logits are checked against a fresh run.
     *histories* (conversation -> tokens so far) is updated in place."""
+    __tracebackhide__ = True
     histories = {} if histories is None else histories
     turns = []
     for index, step in enumerate(steps):
