@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 
@@ -28,8 +29,10 @@ def serving(
     *,
     context: int = CONTEXT,
     limits: ServerLimits | None = None,
+    **options: Any,
 ) -> Iterator[ThreadedServer]:
-    """A fresh runner served as ``turbospark serve`` does: opened on the worker thread."""
+    """A fresh runner served as ``turbospark serve`` does: opened on the worker thread.
+    *options* go to ``create_app`` (``api_key``, ``cors_origins``, ...)."""
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
@@ -37,7 +40,7 @@ def serving(
         runner.set_prefix_reuse(True)
         return runner
 
-    app = create_app(worker.run(open_runner), codec, worker=worker, limits=limits)
+    app = create_app(worker.run(open_runner), codec, worker=worker, limits=limits, **options)
     with ThreadedServer(app, limits=limits) as server:
         server.service = app.state.service  # type: ignore[attr-defined]
         yield server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-prefix-reuse", action="store_true", help="prefill every prompt from scratch"
     )
     parser.add_argument("--model-id", help="the served model name (default: the manifest's)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TURBOSPARK_API_KEY"),
+        metavar="KEY",
+        help="require this key ('Authorization: Bearer KEY' or 'x-api-key') on /v1/* and the "
+        "sessions view; /health and the page stay open (default: $TURBOSPARK_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browsers on this origin (e.g. https://app.example.com) call the API; repeatable",
+    )
     defaults = ServerLimits()
     parser.add_argument(
         "--max-request-bytes",
@@ -173,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         warm_up=warm_up,
         limits=limits_of(args),
+        api_key=args.api_key,
+        cors_origins=args.cors_origin,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     disk = runner.session_disk

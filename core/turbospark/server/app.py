@@ -21,7 +21,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -45,6 +45,7 @@ from turbospark.generate import (
 )
 from turbospark.logits_processors import Grammar, GrammarCompiler
 from turbospark.runner import Runner
+from turbospark.server.access import access_middleware
 from turbospark.server.draws import Draw, chat_logprobs, draws, text_logprobs
 from turbospark.server.errors import (
     HANDLERS,
@@ -630,13 +631,16 @@ def create_app(
     limits: ServerLimits | None = None,
     max_batch: int = 8,
     warm_up: list[int] | None = None,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> Starlette:
     """The Starlette app serving *runner*. Prefix reuse is the caller's choice
     (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
     *max_batch* requests decode together (:mod:`turbospark.engine`); the rest
     wait in arrival order. With *warm_up* prompt ids, the engine runs them
     (alone and batched) before it admits the first request; ``/health`` says
-    ``warming`` meanwhile.
+    ``warming`` meanwhile. With *api_key*, conversations and the sessions view
+    need it; *cors_origins* lets those browser origins in (``server/access.py``).
 
     Pass the *worker* whose thread opened the runner (``worker.run(lambda:
     Runner.open(...))``). Without one, a new worker thread serves a runner
@@ -679,6 +683,7 @@ def create_app(
         ],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
+        middleware=access_middleware(api_key, cors_origins),
     )
     app.state.service = service
     return app
