@@ -119,7 +119,7 @@ def run_clients(
             with httpx.Client(timeout=600.0) as http:
                 barrier.wait()
                 for turn, messages in enumerate(chats[index]):
-                    row = chat_request(http, base, messages, max_tokens, extra)
+                    row = request_with_retries(http, base, messages, max_tokens, extra)
                     rows[index].append({"client": index, "turn": turn, **row})
         except BaseException as exc:  # reported below, after every thread ended
             errors.append(exc)
@@ -139,12 +139,47 @@ def run_clients(
     completion = sum(row["completion_tokens"] for row in flat)
     return {
         "wall_s": wall,
+        "retries": sum(row["retries"] for row in flat),
         "completion_tokens": completion,
         "completion_tok_s": completion / wall,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p95_s": percentile(ttfts, 95),
         "requests": flat,
     }
+
+
+def request_with_retries(
+    http: httpx.Client,
+    base: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    extra: dict[str, Any],
+    attempts: int = 5,
+) -> dict[str, Any]:
+    """:func:`chat_request`, sent again when the connection is refused or reset.
+
+    mlx_lm.server is a ``ThreadingHTTPServer``: HTTP/1.0 (a new connection per
+    request) and Python's default listen backlog of 5, so 16 clients connecting
+    at once on a loaded machine can find a connection reset before any reply.
+    The client then tries again; the time lost counts in its TTFT and request
+    time, and ``retries`` says how often it happened."""
+    started = time.perf_counter()
+    for attempt in range(attempts):
+        try:
+            row = chat_request(http, base, messages, max_tokens, extra)
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+            continue
+        lost = time.perf_counter() - started - row["request_s"]
+        return {
+            **row,
+            "ttft_s": row["ttft_s"] + lost,
+            "request_s": row["request_s"] + lost,
+            "retries": attempt,
+        }
+    raise AssertionError("unreachable")
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -281,6 +316,7 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per key the median over repetitions; every request kept (with its ``rep``)."""
     keys = ("wall_s", "completion_tokens", "completion_tok_s", "ttft_p50_s", "ttft_p95_s")
     out: dict[str, Any] = {key: statistics.median(run[key] for run in runs) for key in keys}
+    out["retries"] = sum(run["retries"] for run in runs)
     out["per_rep"] = [{key: run[key] for key in keys} for run in runs]
     out["requests"] = [row for run in runs for row in run["requests"]]
     return out
@@ -301,6 +337,7 @@ def summary(result: dict[str, Any]) -> list[str]:
             f" p95 {a['ttft_p95_s'] * 1e3:7.1f} ms  wall {a['wall_s']:6.2f} s | mlx_lm.server "
             f"{b['completion_tok_s']:7.1f} tok/s  TTFT p50 {b['ttft_p50_s'] * 1e3:7.1f} p95 "
             f"{b['ttft_p95_s'] * 1e3:7.1f} ms  wall {b['wall_s']:6.2f} s | {ratio}"
+            + (f" | retries {b['retries']}" if b.get("retries") else "")
         )
     return lines
 

@@ -121,7 +121,7 @@ def test_concurrency_workload_and_ratios(bench: dict) -> None:
             for i in range(2)
         ]  # fmt: skip
         return {"wall_s": 1.0, "completion_tokens": 2 * completion, "completion_tok_s": tok_s,
-                "ttft_p50_s": 0.1, "ttft_p95_s": 0.2, "requests": rows}  # fmt: skip
+                "ttft_p50_s": 0.1, "ttft_p95_s": 0.2, "retries": 0, "requests": rows}  # fmt: skip
 
     level = {"turbospark": c.medians([run(30.0, 9, 4)]), "mlx_lm": c.medians([run(20.0, 9, 4)])}
     assert c.compare(level, 4)["tok_s_ratio"] == pytest.approx(1.5)
