@@ -78,7 +78,7 @@ QUICK = Plan(
     swap_reps=8,
     swap_vs_mlx_lm=False,
     dispatch_tokens=128,
-    concurrency=ConcurrencyPlan(clients=(1, 8)),
+    concurrency=ConcurrencyPlan(clients=(1, 8), reply_tokens=32),
 )
 FULL = Plan(
     forward_sizes=("small", "medium"),
