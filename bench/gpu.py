@@ -3,7 +3,7 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import install, machine
+from bench.concurrency import bench_concurrency
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
@@ -30,7 +31,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--family", action="append", choices=["gemma4", "qwen_gdn"])
     parser.add_argument(
-        "--only", action="append", choices=["forward", "swap", "interleaved", "serving"]
+        "--only",
+        action="append",
+        choices=["forward", "swap", "interleaved", "serving", "concurrency"],
     )
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
@@ -63,11 +66,12 @@ def main() -> None:
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)
             else:
                 path = install(family, f"chat_{args.size}", "bfloat16", args.cache_dir)
-                result = (
-                    bench_interleaved(path, GPU.chat)
-                    if piece == "interleaved"
-                    else bench_servers(path, GPU.chat, args.out / "logs")
-                )
+                if piece == "interleaved":
+                    result = bench_interleaved(path, GPU.chat)
+                elif piece == "concurrency":
+                    result = bench_concurrency(path, GPU.concurrency, args.out / "logs")
+                else:
+                    result = bench_servers(path, GPU.chat, args.out / "logs")
             emit(family, piece, result, started)
 
 

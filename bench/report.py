@@ -19,6 +19,12 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         out["prefill_tokens_saved"] = interleaved["prefill_tokens_saved"]
     if serving := result.get("serving"):
         out["ttft_ratio_vs_mlx_lm_server"] = serving.get("ttft_ratio_vs_mlx_lm_server")
+    if concurrency := result.get("concurrency"):
+        widest = max(concurrency["levels"], key=int)
+        level = concurrency["levels"][widest]
+        out["concurrency_clients"] = int(widest)
+        out["concurrency_tok_s_ratio_vs_mlx_lm_server"] = level.get("tok_s_ratio")
+        out["concurrency_ttft_p50_ratio_vs_mlx_lm_server"] = level.get("ttft_p50_ratio")
     return out
 
 
@@ -75,6 +81,18 @@ def print_table(report: dict[str, Any]) -> None:
                     f"  {a['conversation']}.{a['turn']:<3} {a['prompt_tokens']:8d} "
                     f"{a['ttft_s'] * 1e3:13.1f} {b['ttft_s'] * 1e3:15.1f}"
                 )
+        if concurrency := res.get("concurrency"):
+            from bench.concurrency import summary
+
+            c = concurrency["settings"]
+            first = concurrency["first_request_ttft_s"]
+            print(
+                f"concurrency: {c['turns']}-turn chats, {c['reply_tokens']} tokens a reply; first "
+                f"request TTFT ours {first['turbospark'] * 1e3:.0f} ms, mlx_lm.server "
+                f"{first['mlx_lm'] * 1e3:.0f} ms"
+            )
+            for line in summary(concurrency):
+                print("  " + line)
         if swap := res.get("swap"):
             print(
                 "swap: history  swap ms  (scoring ms/record)  reset ms  re-prefill ms  "

@@ -9,7 +9,8 @@ reference numbers that ``bench/README.md`` discusses.
 Sections (``--only`` picks some): ``forward`` (prefill/decode tok/s against
 mlx-lm on the same install), ``interleaved`` (K conversations round-robin,
 pool against no pool, in process), ``serving`` (the same chats over HTTP,
-``turbospark serve`` against ``mlx_lm.server``), ``swap`` (swap cost against
+``turbospark serve`` against ``mlx_lm.server``), ``concurrency`` (N clients
+at once, each a multi-turn chat, against both servers), ``swap`` (swap cost against
 history length, pool memory), ``dispatch`` (the hook path's per-token cost).
 Benchmarks never decide whether the test suite passes.
 """
@@ -29,6 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine
+from bench.concurrency import ConcurrencyPlan, bench_concurrency
 from bench.dispatch import bench_dispatch
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
@@ -37,7 +39,7 @@ from bench.serving import bench_servers
 from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
-SECTIONS = ("forward", "interleaved", "serving", "swap", "dispatch")
+SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch")
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
@@ -59,6 +61,7 @@ class Plan:
     swap_reps: int
     swap_vs_mlx_lm: bool
     dispatch_tokens: int
+    concurrency: ConcurrencyPlan
     chat_size: str = "chat"
 
 
@@ -75,6 +78,7 @@ QUICK = Plan(
     swap_reps=8,
     swap_vs_mlx_lm=False,
     dispatch_tokens=128,
+    concurrency=ConcurrencyPlan(clients=(1, 8), reply_tokens=32),
 )
 FULL = Plan(
     forward_sizes=("small", "medium"),
@@ -89,6 +93,7 @@ FULL = Plan(
     swap_reps=20,
     swap_vs_mlx_lm=True,
     dispatch_tokens=200,
+    concurrency=ConcurrencyPlan(clients=(1, 8, 16)),
 )
 GPU = Plan(
     forward_sizes=("medium", "large"),
@@ -103,6 +108,7 @@ GPU = Plan(
     swap_reps=20,
     swap_vs_mlx_lm=True,
     dispatch_tokens=200,
+    concurrency=ConcurrencyPlan(clients=(1, 16)),
     chat_size="chat_large",
 )
 
@@ -128,6 +134,8 @@ def run_family(
         result["interleaved"] = bench_interleaved(chat, plan.chat)
     if "serving" in sections:
         result["serving"] = bench_servers(chat, plan.chat, out / "logs")
+    if "concurrency" in sections:
+        result["concurrency"] = bench_concurrency(chat, plan.concurrency, out / "logs")
     if "swap" in sections:
         result["swap"] = bench_swap(
             install(family, plan.swap_size, dtype, cache),

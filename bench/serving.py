@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,26 +42,41 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(kind: str, path: Path, port: int, slots: int) -> list[str]:
+def server_command(
+    kind: str, path: Path, port: int, slots: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """The command line of *kind*'s server on loopback, plus *extra* flags of its own."""
     if kind == "turbospark":
         return [
             sys.executable, "-m", "turbospark", "serve", str(path),
             "--session-slots", str(slots), "--port", str(port), "--model-id", MODEL,
-            "--context-length", "8192",
+            "--context-length", "8192", "--host", "127.0.0.1", *extra,
         ]  # fmt: skip
     return [
         sys.executable, "-m", "mlx_lm.server", "--model", str(path),
-        "--port", str(port), "--log-level", "WARNING",
+        "--port", str(port), "--host", "127.0.0.1", "--log-level", "WARNING", *extra,
     ]  # fmt: skip
 
 
+def _ready(kind: str, base: str) -> bool:
+    """Whether the server takes requests at full speed: ours answers HTTP while it
+    warms up (``/health`` says ``warming``; a request then waits for the warm-up)."""
+    if httpx.get(f"{base}/v1/models", timeout=2.0).status_code != 200:
+        return False
+    if kind != "turbospark":
+        return True
+    return httpx.get(f"{base}/health", timeout=2.0).json().get("status") == "ok"
+
+
 @contextmanager
-def running_server(kind: str, path: Path, slots: int, log: Path) -> Iterator[str]:
-    """Start a server, wait until ``/v1/models`` answers, yield its base URL; always kill it."""
+def running_server(
+    kind: str, path: Path, slots: int, log: Path, extra: Sequence[str] = ()
+) -> Iterator[str]:
+    """Start a server, wait until it is ready (:func:`_ready`), yield its base URL; always kill it."""
     port = _free_port()
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            server_command(kind, path, port, slots),
+            server_command(kind, path, port, slots, extra),
             stdout=sink,
             stderr=subprocess.STDOUT,
             env=os.environ.copy(),
@@ -73,7 +88,7 @@ def running_server(kind: str, path: Path, slots: int, log: Path) -> Iterator[str
                 if proc.poll() is not None:
                     raise RuntimeError(f"{kind} server exited with {proc.returncode}; see {log}")
                 try:
-                    if httpx.get(f"{base}/v1/models", timeout=2.0).status_code == 200:
+                    if _ready(kind, base):
                         break
                 except httpx.HTTPError:
                     pass
@@ -93,9 +108,14 @@ def running_server(kind: str, path: Path, slots: int, log: Path) -> Iterator[str
 
 
 def chat_request(
-    client: httpx.Client, base: str, messages: list[dict[str, str]], max_tokens: int
+    client: httpx.Client,
+    base: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chat completion: time to first token, total time, usage."""
+    """One streamed chat completion: time to first token, total time, usage.
+    *extra* body fields (``ignore_eos``, ``logit_bias``) go to this server only."""
     body = {
         "model": MODEL,
         "messages": messages,
@@ -103,6 +123,7 @@ def chat_request(
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     start = time.perf_counter()
     first: float | None = None
@@ -132,6 +153,8 @@ def chat_request(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "prefill_tokens": prompt - cached,
+        "completion_tokens": int(usage.get("completion_tokens", 0)),
+        "batch_size": (usage.get("turbospark") or {}).get("batch_size"),
     }
 
 

@@ -21,6 +21,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     try:
         from bench import (
             common,
+            concurrency,
             dispatch,
             forward,
             interleaved,
@@ -36,6 +37,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "gemma4": common.install("gemma4", "tiny", "float32", cache),
         "qwen_gdn": common.install("qwen_gdn", "tiny", "float32", cache),
         "common": common,
+        "concurrency": concurrency,
         "dispatch": dispatch,
         "forward": forward,
         "interleaved": interleaved,
@@ -96,3 +98,34 @@ def test_session_disk(bench: dict, family: str) -> None:
     out = bench["session_disk"].bench_session_disk(bench[family], [16], reps=1)
     (row,) = out["rows"]
     assert row["reload_ms"] > 0 and row["reprefill_ms"] > 0 and row["bytes_per_token"] > 0
+
+
+def test_concurrency_workload_and_ratios(bench: dict) -> None:
+    """The server-free parts of the concurrency benchmark: the chats, the
+    percentiles, and ratios refused unless prompts and lengths match."""
+    c = bench["concurrency"]
+    plan = c.ConcurrencyPlan(clients=(2,), turns=3, reply_tokens=4, user_chars=8)
+    chats = c.conversations(2, plan, seed=1)
+    assert [len(turns) for turns in chats] == [3, 3]
+    # Each turn resends the previous ones with the reply appended.
+    assert chats[0][2][:-1] == chats[0][1] + [chats[0][2][-2]]
+    assert [m["role"] for m in chats[0][2]] == ["user", "assistant"] * 2 + ["user"]
+    assert chats[0] != chats[1]
+    assert c.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+    assert c.percentile([7.0], 95) == 7.0
+
+    def run(tok_s: float, prompt: int, completion: int) -> dict:
+        rows = [
+            {"rep": 0, "client": i, "turn": 0, "prompt_tokens": prompt, "ttft_s": 0.1,
+             "completion_tokens": completion}
+            for i in range(2)
+        ]  # fmt: skip
+        return {"wall_s": 1.0, "completion_tokens": 2 * completion, "completion_tok_s": tok_s,
+                "ttft_p50_s": 0.1, "ttft_p95_s": 0.2, "retries": 0, "requests": rows}  # fmt: skip
+
+    level = {"turbospark": c.medians([run(30.0, 9, 4)]), "mlx_lm": c.medians([run(20.0, 9, 4)])}
+    assert c.compare(level, 4)["tok_s_ratio"] == pytest.approx(1.5)
+    level["mlx_lm"] = c.medians([run(20.0, 10, 4)])
+    assert "ratio_refused" in c.compare(level, 4) and "tok_s_ratio" not in c.compare(level, 4)
+    level["mlx_lm"] = c.medians([run(20.0, 9, 3)])
+    assert not c.compare(level, 4)["same_completion_tokens"]
