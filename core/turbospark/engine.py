@@ -168,8 +168,14 @@ class _Batch:
         except Exception:
             self.rollback()
             raise
+        # Plain greedy rows (most of a temperature-0 batch) take their ids in one
+        # op; the others sample row by row with their own parameters.
+        greedy = mx.argmax(logits, axis=-1)
         for i, row in enumerate(self.rows):
-            row.following = row.sampler(logits[i], fed=row.pending)
+            if row.sampler.plain_greedy:
+                row.following = greedy[i]
+            else:
+                row.following = row.sampler(logits[i], fed=row.pending)
         mx.async_eval(
             [row.following for row in self.rows],
             [a for component in self.state.values() for a in component.arrays()],

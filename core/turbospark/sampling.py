@@ -84,6 +84,11 @@ class Sampler:
         self._accepted = 0  # samples fed back so far: the index of the next one
         self._records: list[tuple[mx.array, mx.array, mx.array]] = []
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax and nothing else: a batch takes such rows' ids in one op."""
+        return self.params.temperature == 0.0 and not self.processors and self.top_logprobs is None
+
     def __call__(self, logits: mx.array, fed: mx.array | None = None) -> mx.array:
         """A scalar ``uint32`` token id (lazy) from ``(vocab,)`` float32 logits.
 
