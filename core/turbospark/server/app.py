@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one runner.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
-streaming), ``GET /v1/models``, ``GET /health``, ``GET /openapi.json`` (the
+streaming), Anthropic's ``POST /v1/messages`` (``anthropic.py``) and OpenAI's
+``POST /v1/responses`` (``responses.py``), translated onto the chat path, ``GET /v1/models``, ``GET /health``, ``GET /openapi.json`` (the
 request and response schemas, generated from the pydantic models), and the
 page for people with its sessions view (``GET /``, ``GET /turbospark/sessions``:
 ``sessions.py``). There are no conversation ids:
@@ -60,7 +61,6 @@ from turbospark.server.openapi import openapi_document
 from turbospark.server.prompt_bound import PromptBound
 from turbospark.server.schemas import (
     AssistantMessage,
-    BaseRequest,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -90,7 +90,7 @@ from turbospark.server.tools import (
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
-R = TypeVar("R", bound=BaseRequest)
+R = TypeVar("R", bound=BaseModel)  # every request body has a ``model``
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
 
@@ -183,6 +183,45 @@ class Service:
         future = asyncio.get_running_loop().run_in_executor(self.text_pool, compile_)
         return await deadline.run(future, "while the grammar was compiled")
 
+    async def chat_draws(
+        self, body: ChatCompletionRequest, deadline: Deadline
+    ) -> tuple[list[Draw], bool]:
+        """A chat request's draws (its prompt rendered with its tools, a forced
+        call's grammar) and whether tool calls are parsed out of the replies.
+        The Anthropic and Responses endpoints translate into this request."""
+        why = check_choice(body.tools, body.tool_choice)
+        if why is not None:
+            raise APIError(400, why, param="tool_choice", code="invalid_value")
+        calling = bool(body.tools) and body.tool_choice != "none"
+        forced = forced_grammar(body.tools or [], body.tool_choice) if calling else None
+        if forced is not None and body.response_format is not None:
+            raise APIError(
+                400,
+                "response_format cannot be combined with a forced tool_choice",
+                param="response_format",
+                code="invalid_value",
+            )
+        ids = await self.prompt_ids(body.messages, deadline, body.tools)
+        grammar = await self.response_grammar(body.response_format, deadline, forced)
+        config = body.generation_config(self.chunk_size, self.default_max_tokens)
+        choices = draws(
+            [ids],
+            body,
+            config,
+            vocab_size=self.codec.vocab_size,
+            top_logprobs=body.kept_logprobs,
+            grammar=grammar,
+        )
+        return choices, calling
+
+    async def run(self, request: Request, handler: Callable[..., Any], model: type[R]) -> Response:
+        """Parse *model* within the request's deadline, take a queue place, and
+        hand both to ``handler(service, body, deadline, ticket, request)``."""
+        deadline = self.deadline()
+        body = await self.parse(request, model, deadline)
+        with self.admission.admit() as ticket:
+            return await handler(self, body, deadline, ticket, request)
+
     def _grammar_compiler(self) -> GrammarCompiler:
         with self._grammar_lock:
             if self._grammar is None:
@@ -214,10 +253,11 @@ class Service:
             parsed = model.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from exc
-        if parsed.model != self.model_id:
+        asked = getattr(parsed, "model", None)
+        if asked != self.model_id:
             raise APIError(
                 404,
-                f"the model '{parsed.model}' does not exist; this server serves "
+                f"the model '{asked}' does not exist; this server serves "
                 f"'{self.model_id}' (see GET /v1/models)",
                 param="model",
                 code="model_not_found",
@@ -415,29 +455,7 @@ async def _chat(
     ticket: Ticket,
     request: Request,
 ) -> Response:
-    why = check_choice(body.tools, body.tool_choice)
-    if why is not None:
-        raise APIError(400, why, param="tool_choice", code="invalid_value")
-    calling = bool(body.tools) and body.tool_choice != "none"
-    forced = forced_grammar(body.tools or [], body.tool_choice) if calling else None
-    if forced is not None and body.response_format is not None:
-        raise APIError(
-            400,
-            "response_format cannot be combined with a forced tool_choice",
-            param="response_format",
-            code="invalid_value",
-        )
-    ids = await service.prompt_ids(body.messages, deadline, body.tools)
-    grammar = await service.response_grammar(body.response_format, deadline, forced)
-    config = body.generation_config(service.chunk_size, service.default_max_tokens)
-    choices = draws(
-        [ids],
-        body,
-        config,
-        vocab_size=service.codec.vocab_size,
-        top_logprobs=body.kept_logprobs,
-        grammar=grammar,
-    )
+    choices, calling = await service.chat_draws(body, deadline)
     ident = new_id("chatcmpl")
     codec = service.codec
     if not body.stream:
@@ -647,6 +665,8 @@ def create_app(
     opened elsewhere; its model is evaluated here first, because MLX cannot
     evaluate on one thread what another thread left lazy (e.g. RoPE tables).
     """
+    from turbospark.server import anthropic, responses  # they build on this module
+
     if worker is None:
         worker = RunnerWorker()
         mx.eval(runner.model)
@@ -679,6 +699,9 @@ def create_app(
             Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
+            Route("/v1/messages", anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses.create, methods=["POST"]),
             *PAGE_ROUTES,
         ],
         exception_handlers=HANDLERS,

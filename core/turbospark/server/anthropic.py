@@ -1,0 +1,424 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+A request is translated into the chat path's own request (``system`` and the
+content blocks into messages, ``tools`` and ``tool_choice`` into OpenAI's, so
+the install's template renders them and ``tools.py`` parses the calls back)
+and runs through :class:`~turbospark.server.app.Service` as a chat request
+does: the same deadline, queue place and engine rows. Replies and refusals
+take Anthropic's shapes: ``content`` blocks (``text``, ``tool_use``),
+``stop_reason``, SSE events with ``event:`` lines, and errors as
+``{"type": "error", "error": {"type", "message"}}``.
+
+``usage.input_tokens`` counts the prompt tokens that were computed and
+``cache_read_input_tokens`` the reused prefix (Anthropic's split).
+Fields this server cannot honour are refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from turbospark.errors import TurbosparkError
+from turbospark.generate import Chunk, Completion, GenerationStats
+from turbospark.server.app import EventStream, Service
+from turbospark.server.errors import APIError, refusal
+from turbospark.server.limits import Deadline, Ticket
+from turbospark.server.schemas import ChatCompletionRequest, Message, Text, TextPart
+from turbospark.server.tools import (
+    FunctionCall,
+    FunctionDef,
+    FunctionName,
+    NamedToolChoice,
+    StreamSplitter,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    parse,
+)
+from turbospark.text import TextCodec
+
+# Anthropic options this server cannot honour: refused by name, never ignored.
+_REFUSED = {
+    "thinking": "extended thinking is not implemented",
+    "mcp_servers": "this server connects to no MCP servers",
+    "container": "this server runs no code containers",
+    "context_management": "context management is not implemented",
+    "output_config": "output configuration (structured outputs, effort) is not implemented",
+}
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: Text
+
+
+class ToolUseBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tool_use"]
+    id: Text
+    name: Text
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tool_result"]
+    tool_use_id: Text
+    content: Text | list[TextBlock] = ""
+    is_error: bool = False
+
+    def text(self) -> str:
+        body = (
+            self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        )
+        return f"Error: {body}" if self.is_error else body
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+_KINDS = {"text", "tool_use", "tool_result"}
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user", "assistant"]
+    content: Text | list[Block]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_blocks(cls, data: Any) -> Any:
+        """One clear line for an image (document, thinking, ...) block."""
+        blocks = data.get("content") if isinstance(data, dict) else None
+        for block in blocks if isinstance(blocks, list) else []:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in _KINDS:
+                raise ValueError(
+                    f"content blocks of type '{kind}' are not supported: this server serves "
+                    f"text-only models; send {sorted(_KINDS)} blocks"
+                )
+        return data
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["custom"] | None = None  # server tools (bash, web search, ...) are refused
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    input_schema: dict[str, Any]
+
+    def openai(self) -> Tool:
+        return Tool(
+            type="function",
+            function=FunctionDef(
+                name=self.name, description=self.description, parameters=self.input_schema
+            ),
+        )
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> AnthropicToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("'name' goes with type 'tool', and only with it")
+        return self
+
+    def openai(self) -> ToolChoice:
+        if self.type == "tool":
+            assert self.name is not None
+            return NamedToolChoice(type="function", function=FunctionName(name=self.name))
+        return {"auto": "auto", "any": "required", "none": "none"}[self.type]  # type: ignore[return-value]
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text
+    system: Text | list[TextBlock] | None = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in _REFUSED.items():
+                value = data.get(name)
+                if value not in (None, False, [], {}) and not (
+                    name == "thinking"
+                    and isinstance(value, dict)
+                    and value.get("type") == "disabled"
+                ):
+                    raise ValueError(f"'{name}' is not supported: {why}")
+        return data
+
+    def messages_openai(self) -> list[Message]:
+        out: list[Message] = []
+        if self.system:
+            system = (
+                self.system
+                if isinstance(self.system, str)
+                else "".join(b.text for b in self.system)
+            )
+            out.append(Message(role="system", content=system))
+        for message in self.messages:
+            out.extend(_openai_messages(message))
+        return out
+
+    def chat(self, **options: Any) -> ChatCompletionRequest:
+        """The same request as the chat path's own."""
+        return ChatCompletionRequest(
+            model=self.model,
+            messages=self.messages_openai(),
+            tools=[t.openai() for t in self.tools] if self.tools else None,
+            tool_choice=self.tool_choice.openai() if self.tool_choice else None,
+            **options,
+        )
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Annotated[list[Text], Field(max_length=16)] | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stream: bool = False
+
+    def chat_request(self) -> ChatCompletionRequest:
+        return self.chat(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=self.stop_sequences,
+        )
+
+
+def _openai_messages(message: AnthropicMessage) -> list[Message]:
+    """One Anthropic turn as chat messages: a user's ``tool_result`` blocks become
+    ``tool`` messages, an assistant's ``tool_use`` blocks its ``tool_calls``."""
+    if isinstance(message.content, str):
+        return [Message(role=message.role, content=message.content)]
+    if message.role == "assistant":
+        text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
+        calls = [
+            ToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=json.dumps(b.input)))
+            for b in message.content
+            if isinstance(b, ToolUseBlock)
+        ]
+        return [Message(role="assistant", content=text or None, tool_calls=calls or None)]
+    out: list[Message] = []
+    texts: list[TextPart] = []
+    for block in message.content:
+        if isinstance(block, ToolResultBlock):
+            if texts:
+                out.append(Message(role="user", content=texts))
+                texts = []
+            out.append(Message(role="tool", tool_call_id=block.tool_use_id, content=block.text()))
+        elif isinstance(block, TextBlock):
+            texts.append(TextPart(type="text", text=block.text))
+        else:
+            raise APIError(400, "a user turn cannot hold tool_use blocks", param="messages")
+    if texts or not out:
+        out.append(Message(role="user", content=texts))
+    return out
+
+
+# -- replies ------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(exc: APIError) -> dict[str, Any]:
+    detail = exc.body.error
+    kind = _ERROR_TYPES.get(
+        exc.status, "invalid_request_error" if exc.status < 500 else "api_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": detail.message}}
+
+
+def error_response(exc: APIError) -> Response:
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+
+
+def _usage(stats: GenerationStats) -> dict[str, int]:
+    return {
+        "input_tokens": stats.prompt_tokens - stats.reused_tokens,
+        "output_tokens": stats.generated_tokens,
+        "cache_read_input_tokens": stats.reused_tokens,
+    }
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call.id.removeprefix("call_"),
+        "name": call.function.name,
+        "input": json.loads(call.function.arguments),
+    }
+
+
+def _stop(
+    codec: TextCodec, body: MessagesRequest, finish: str, tokens: list[int], called: bool
+) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and the ``stop_sequence`` that ended the reply."""
+    if finish == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if body.stop_sequences and tokens and tokens[-1] not in codec.eos_token_ids:
+        full = codec.decode(tokens)
+        hits = [s for s in body.stop_sequences if s in full]
+        if hits:  # generation stopped at the first match to complete: the one ending last
+            return "stop_sequence", max(hits, key=lambda s: full.rfind(s) + len(s))
+    return "end_turn", None
+
+
+def _message(ident: str, model: str, content: list[dict[str, Any]], **rest: Any) -> dict[str, Any]:
+    return {"id": ident, "type": "message", "role": "assistant", "model": model,
+            "content": content, **rest}  # fmt: skip
+
+
+def _event(kind: str, payload: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
+
+
+async def messages(request: Request) -> Response:
+    service: Service = request.app.state.service
+    try:
+        return await service.run(request, _messages, MessagesRequest)
+    except APIError as exc:
+        return error_response(exc)
+
+
+async def count_tokens(request: Request) -> Response:
+    service: Service = request.app.state.service
+    try:
+        deadline = service.deadline()
+        body = await service.parse(request, CountTokensRequest, deadline)
+        chat = body.chat()
+        ids = await service.prompt_ids(chat.messages, deadline, chat.tools)
+    except APIError as exc:
+        return error_response(exc)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def _messages(
+    service: Service, body: MessagesRequest, deadline: Deadline, ticket: Ticket, request: Request
+) -> Response:
+    choices, calling = await service.chat_draws(body.chat_request(), deadline)
+    ident = f"msg_{uuid.uuid4().hex}"
+    if not body.stream:
+        (done,) = await service.complete(choices, deadline, request)
+        return JSONResponse(_whole(service, body, ident, done, calling))
+    chunks = service.chunks(choices, deadline)
+    events = _stream(service, body, ident, chunks, calling, len(choices[0].ids))
+    return EventStream(events, ticket.hand_over())
+
+
+def _whole(
+    service: Service, body: MessagesRequest, ident: str, done: Completion, calling: bool
+) -> dict[str, Any]:
+    prose, calls = parse(done.text) if calling else (done.text, [])
+    content = ([{"type": "text", "text": prose}] if prose or not calls else []) + [
+        _tool_use(c) for c in calls
+    ]
+    reason, sequence = _stop(service.codec, body, done.finish_reason, done.tokens, bool(calls))
+    return _message(
+        ident,
+        service.model_id,
+        content,
+        stop_reason=reason,
+        stop_sequence=sequence,
+        usage=_usage(done.stats),
+    )
+
+
+async def _stream(
+    service: Service,
+    body: MessagesRequest,
+    ident: str,
+    chunks: AsyncIterator[tuple[int, Chunk]],
+    calling: bool,
+    prompt_tokens: int,
+) -> AsyncIterator[str]:
+    """Anthropic's events: the text block's deltas as they come, each tool call
+    as a ``tool_use`` block (its input in one ``input_json_delta``) once the
+    reply ends, then ``message_delta`` (stop reason, usage) and ``message_stop``."""
+    usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0}
+    start = _message(ident, service.model_id, [], stop_reason=None, stop_sequence=None, usage=usage)
+    yield _event("message_start", {"message": start})
+    splitter = StreamSplitter() if calling else None
+    tokens: list[int] = []
+    index, text_open = 0, False
+    try:
+        async for _, chunk in chunks:
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            text = splitter.feed(chunk.text) if splitter is not None else chunk.text
+            calls: list[ToolCall] = []
+            if chunk.finish_reason is not None and splitter is not None:
+                tail, calls = splitter.finish()
+                text += tail
+            if text:
+                if not text_open:
+                    block = {"type": "text", "text": ""}
+                    yield _event("content_block_start", {"index": index, "content_block": block})
+                    text_open = True
+                delta = {"type": "text_delta", "text": text}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+            if chunk.finish_reason is None:
+                continue
+            if text_open:
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+            for call in calls:
+                block = _tool_use(call)
+                arguments = json.dumps(block["input"])
+                yield _event(
+                    "content_block_start", {"index": index, "content_block": block | {"input": {}}}
+                )
+                delta = {"type": "input_json_delta", "partial_json": arguments}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+            assert chunk.stats is not None
+            reason, sequence = _stop(service.codec, body, chunk.finish_reason, tokens, bool(calls))
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            yield _event("message_delta", {"delta": delta, "usage": _usage(chunk.stats)})
+        yield _event("message_stop", {})
+    except APIError as exc:  # the deadline
+        yield _event("error", error_body(exc))
+    except TurbosparkError as exc:
+        yield _event("error", error_body(refusal(exc, "messages")))
+    except Exception as exc:  # the headers are sent: report in-band, then end the stream
+        yield _event(
+            "error", error_body(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        )

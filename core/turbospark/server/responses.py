@@ -1,0 +1,395 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, stateless.
+
+The request (``input`` as a string or items, ``instructions``, function
+``tools``) is translated into the chat path's own request and runs through
+:class:`~turbospark.server.app.Service` as a chat request does. The reply is a
+``response`` object whose ``output`` holds a ``message`` (``output_text``) and
+``function_call`` items; streamed, it is the Responses event sequence
+(``response.created`` ... ``response.output_text.delta`` ...
+``response.completed``). Nothing is stored: ``store: true``,
+``previous_response_id`` and the other options that need state are refused
+by name, as is anything else this server cannot honour.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from turbospark.errors import TurbosparkError
+from turbospark.generate import Chunk, GenerationStats
+from turbospark.server.app import EventStream, Service
+from turbospark.server.errors import APIError, error_json, refusal
+from turbospark.server.limits import Deadline, Ticket
+from turbospark.server.schemas import ChatCompletionRequest, Message, Text
+from turbospark.server.tools import (
+    FunctionCall,
+    FunctionDef,
+    FunctionName,
+    NamedToolChoice,
+    StreamSplitter,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    parse,
+)
+
+_REFUSED = {
+    "previous_response_id": "this server stores no responses; resend the conversation",
+    "conversation": "this server stores no conversations; resend them",
+    "background": "background responses are not implemented",
+    "reasoning": "reasoning options are not implemented",
+    "include": "no extra output can be included",
+    "prompt": "stored prompts are not implemented",
+    "store": "this server stores no responses (send store: false or leave it out)",
+}
+
+
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_text", "output_text", "text"]
+    text: Text
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[InputText]
+
+    def chat(self) -> Message:
+        text = (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+        return Message(role=self.role, content=text)
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text
+
+
+class FunctionOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text
+
+
+Item = InputMessage | FunctionCallItem | FunctionOutputItem
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: Text
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text
+    input: Text | Annotated[list[Item], Field(min_length=1)]
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}  # null means the default
+        for name, why in _REFUSED.items():
+            if data.get(name) not in (None, False, [], {}):
+                raise ValueError(f"'{name}' is not supported: {why}")
+        fmt = (data.get("text") or {}).get("format") if isinstance(data.get("text"), dict) else None
+        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+            raise ValueError("'text.format' other than 'text' is not supported here")
+        for tool in data.get("tools") or []:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise ValueError(f"tools of type '{kind}' are not supported: send 'function' tools")
+        return data
+
+    def chat_request(self) -> ChatCompletionRequest:
+        messages: list[Message] = []
+        if self.instructions:
+            messages.append(Message(role="system", content=self.instructions))
+        items = (
+            [InputMessage(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else self.input
+        )
+        for item in items:
+            if isinstance(item, InputMessage):
+                messages.append(item.chat())
+            elif isinstance(item, FunctionCallItem):
+                call = ToolCall(
+                    id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+                )
+                last = messages[-1] if messages else None
+                if last is not None and last.role == "assistant" and last.tool_calls:
+                    last.tool_calls.append(call)  # one turn's calls stay one turn
+                else:
+                    messages.append(Message(role="assistant", tool_calls=[call]))
+            else:
+                messages.append(
+                    Message(role="tool", tool_call_id=item.call_id, content=item.output)
+                )
+        tools = [
+            Tool(type="function", function=FunctionDef(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+            ))
+            for t in self.tools or []
+        ]  # fmt: skip
+        choice: ToolChoice | None = None
+        if isinstance(self.tool_choice, NamedFunction):
+            choice = NamedToolChoice(
+                type="function", function=FunctionName(name=self.tool_choice.name)
+            )
+        else:
+            choice = self.tool_choice
+        return ChatCompletionRequest(
+            model=self.model,
+            messages=messages,
+            max_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            tools=tools or None,
+            tool_choice=choice,
+        )
+
+
+def _usage(stats: GenerationStats) -> dict[str, Any]:
+    return {
+        "input_tokens": stats.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": stats.reused_tokens},
+        "output_tokens": stats.generated_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+    }
+
+
+def _text_item(ident: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "message", "id": ident, "status": status, "role": "assistant",
+            "content": [part] if status == "completed" else []}  # fmt: skip
+
+
+def _call_item(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": "fc_" + uuid.uuid4().hex,
+        "call_id": call.id,
+        "name": call.function.name,
+        "arguments": call.function.arguments,
+        "status": "completed",
+    }
+
+
+def _output(text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    items = [_text_item("msg_" + uuid.uuid4().hex, text)] if text or not calls else []
+    return items + [_call_item(c) for c in calls]
+
+
+def _response(
+    service: Service, body: ResponsesRequest, ident: str, created: int, **rest: Any
+) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "object": "response",
+        "created_at": created,
+        "model": service.model_id,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tools": [t.model_dump() for t in body.tools or []],
+        "tool_choice": body.tool_choice.model_dump()
+        if isinstance(body.tool_choice, NamedFunction)
+        else body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "metadata": body.metadata or {},
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "error": None,
+        "incomplete_details": None,
+        "output": [],
+        "usage": None,
+        "status": "in_progress",
+        **rest,
+    }
+
+
+def _ending(finish: str) -> dict[str, Any]:
+    if finish == "length":
+        return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
+    return {"status": "completed"}
+
+
+async def create(request: Request) -> Response:
+    service: Service = request.app.state.service
+    return await service.run(request, _create, ResponsesRequest)
+
+
+async def _create(
+    service: Service, body: ResponsesRequest, deadline: Deadline, ticket: Ticket, request: Request
+) -> Response:
+    choices, calling = await service.chat_draws(body.chat_request(), deadline)
+    ident, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+    if not body.stream:
+        (done,) = await service.complete(choices, deadline, request)
+        text, calls = parse(done.text) if calling else (done.text, [])
+        return JSONResponse(
+            _response(
+                service,
+                body,
+                ident,
+                created,
+                output=_output(text, calls),
+                usage=_usage(done.stats),
+                **_ending(done.finish_reason),
+            )
+        )
+    events = _stream(service, body, ident, created, service.chunks(choices, deadline), calling)
+    return EventStream(events, ticket.hand_over())
+
+
+async def _stream(
+    service: Service,
+    body: ResponsesRequest,
+    ident: str,
+    created: int,
+    chunks: AsyncIterator[tuple[int, Chunk]],
+    calling: bool,
+) -> AsyncIterator[str]:
+    sequence = 0
+
+    def event(kind: str, **payload: Any) -> str:
+        nonlocal sequence
+        sequence += 1
+        data = {"type": kind, "sequence_number": sequence - 1, **payload}
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    response = _response(service, body, ident, created)
+    yield event("response.created", response=response)
+    yield event("response.in_progress", response=response)
+    splitter = StreamSplitter() if calling else None
+    message_id = "msg_" + uuid.uuid4().hex
+    opened, text_all = False, ""
+    try:
+        async for _, chunk in chunks:
+            text = splitter.feed(chunk.text) if splitter is not None else chunk.text
+            calls: list[ToolCall] = []
+            if chunk.finish_reason is not None and splitter is not None:
+                tail, calls = splitter.finish()
+                text += tail
+            if (text or (chunk.finish_reason is not None and not calls)) and not opened:
+                opened = True
+                item = _text_item(message_id, "", "in_progress")
+                yield event("response.output_item.added", output_index=0, item=item)
+                part = {"type": "output_text", "text": "", "annotations": []}
+                yield event(
+                    "response.content_part.added",
+                    item_id=message_id,
+                    output_index=0,
+                    content_index=0,
+                    part=part,
+                )
+            if text:
+                text_all += text
+                yield event(
+                    "response.output_text.delta",
+                    item_id=message_id,
+                    output_index=0,
+                    content_index=0,
+                    delta=text,
+                )
+            if chunk.finish_reason is None:
+                continue
+            output: list[dict[str, Any]] = []
+            if opened:
+                part = {"type": "output_text", "text": text_all, "annotations": []}
+                yield event(
+                    "response.output_text.done",
+                    item_id=message_id,
+                    output_index=0,
+                    content_index=0,
+                    text=text_all,
+                )
+                yield event(
+                    "response.content_part.done",
+                    item_id=message_id,
+                    output_index=0,
+                    content_index=0,
+                    part=part,
+                )
+                item = _text_item(message_id, text_all)
+                yield event("response.output_item.done", output_index=0, item=item)
+                output.append(item)
+            for call in calls:
+                item = _call_item(call)
+                at = len(output)
+                yield event(
+                    "response.output_item.added",
+                    output_index=at,
+                    item=item | {"arguments": "", "status": "in_progress"},
+                )
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=at,
+                    delta=item["arguments"],
+                )
+                yield event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=at,
+                    arguments=item["arguments"],
+                )
+                yield event("response.output_item.done", output_index=at, item=item)
+                output.append(item)
+            assert chunk.stats is not None
+            ending = _ending(chunk.finish_reason)
+            final = response | {"output": output, "usage": _usage(chunk.stats)} | ending
+            kind = (
+                "response.completed" if ending["status"] == "completed" else "response.incomplete"
+            )
+            yield event(kind, response=final)
+    except APIError as exc:  # the deadline
+        yield event("error", **json.loads(error_json(exc.body))["error"])
+    except TurbosparkError as exc:
+        yield event("error", **json.loads(error_json(refusal(exc, "input").body))["error"])
+    except Exception as exc:  # the headers are sent: report in-band, then end the stream
+        failure = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        yield event("error", **json.loads(error_json(failure.body))["error"])
