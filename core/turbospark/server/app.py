@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over one runner.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
-streaming), ``GET /v1/models``, ``GET /health``, ``GET /openapi.json`` (the
-request and response schemas, generated from the pydantic models), and the
+streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus:
+``metrics.py``), ``GET /openapi.json`` (the request and response schemas,
+generated from the pydantic models), and the
 page for people with its sessions view (``GET /``, ``GET /turbospark/sessions``:
 ``sessions.py``). There are no conversation ids:
 the runner picks the session by token content (SEMANTICS.md), so any OpenAI
@@ -56,6 +57,7 @@ from turbospark.server.errors import (
     validation_error,
 )
 from turbospark.server.limits import Admission, Deadline, Ticket, read_body
+from turbospark.server.metrics import Metrics
 from turbospark.server.openapi import openapi_document
 from turbospark.server.prompt_bound import PromptBound
 from turbospark.server.schemas import (
@@ -660,6 +662,8 @@ def create_app(
         limits=limits or ServerLimits(),
         engine=Engine(runner, codec, max_batch=max_batch, prefill_budget=chunk_size),
     )
+    metrics = Metrics(service.engine)
+    service.engine.observer = metrics.observe
     schema = openapi_document()
 
     async def openapi(request: Request) -> Response:
@@ -673,11 +677,16 @@ def create_app(
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route(
+                "/v1/chat/completions",
+                metrics.counted("chat.completions", chat_completions),
+                methods=["POST"],
+            ),
+            Route("/v1/completions", metrics.counted("completions", completions), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             *PAGE_ROUTES,
         ],
@@ -686,4 +695,5 @@ def create_app(
         middleware=access_middleware(api_key, cors_origins),
     )
     app.state.service = service
+    app.state.metrics = metrics
     return app
