@@ -85,9 +85,8 @@ from turbospark.server.tools import (
     StreamSplitter,
     Tool,
     ToolCallDelta,
+    ToolSyntax,
     check_choice,
-    forced_grammar,
-    parse,
 )
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
@@ -133,6 +132,7 @@ class Service:
         self._stop = threading.Event()
         self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
         self._grammar_lock = threading.Lock()
+        self.tool_syntax = ToolSyntax.of(codec.chat_template)  # how this template calls tools
 
     def start(self, warm_up: list[int] | None) -> None:
         """Warm up (when given prompt ids), then run the engine's loop on the
@@ -388,16 +388,16 @@ async def _sse_stream(
     yield _sse("[DONE]")
 
 
-def _message(text: str, calling: bool) -> AssistantMessage:
+def _message(text: str, calling: bool, syntax: ToolSyntax) -> AssistantMessage:
     """The reply, its tool-call blocks parsed out when the request offered tools."""
     if not calling:
         return AssistantMessage(content=text)
-    prose, calls = parse(text)
+    prose, calls = syntax.parse(text)
     return AssistantMessage(content=prose or None, tool_calls=calls or None)
 
 
-def _finish(done: Completion, calling: bool) -> str:
-    if calling and done.finish_reason == "stop" and parse(done.text)[1]:
+def _finish(done: Completion, calling: bool, syntax: ToolSyntax) -> str:
+    if calling and done.finish_reason == "stop" and syntax.parse(done.text)[1]:
         return "tool_calls"
     return done.finish_reason
 
@@ -421,7 +421,8 @@ async def _chat(
     if why is not None:
         raise APIError(400, why, param="tool_choice", code="invalid_value")
     calling = bool(body.tools) and body.tool_choice != "none"
-    forced = forced_grammar(body.tools or [], body.tool_choice) if calling else None
+    syntax = service.tool_syntax
+    forced = syntax.forced(body.tools or [], body.tool_choice) if calling else None
     if forced is not None and body.response_format is not None:
         raise APIError(
             400,
@@ -451,8 +452,8 @@ async def _chat(
                 choices=[
                     ChatChoice(
                         index=i,
-                        message=_message(d.text, calling),
-                        finish_reason=_finish(d, calling),
+                        message=_message(d.text, calling, syntax),
+                        finish_reason=_finish(d, calling, syntax),
                         logprobs=chat_logprobs(codec, d.tokens, d.logprobs)
                         if body.logprobs
                         else None,
@@ -474,7 +475,7 @@ async def _chat(
         started.add(index)
         text, calls, finish = chunk.text, None, chunk.finish_reason
         if calling:  # prose goes out at once; tool-call blocks when the choice ends
-            splitter = splitters.setdefault(index, StreamSplitter())
+            splitter = splitters.setdefault(index, StreamSplitter(syntax))
             text = splitter.feed(text)
             if finish is not None:
                 tail, parsed = splitter.finish()
