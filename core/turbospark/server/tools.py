@@ -187,7 +187,7 @@ def check_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> str | N
     return None
 
 
-# -- Gemma 4's native syntax (not wired to a template yet) -----------------------------
+# -- Gemma 4's native syntax ----------------------------------------------------------
 #
 # Based on Google's "Function calling with Gemma 4" guide
 # (ai.google.dev/gemma/docs/capabilities/text/function-calling-gemma4), as quoted by
