@@ -144,12 +144,6 @@ def test_a_legacy_batch_prompt_gets_choices_per_prompt(server: ThreadedServer) -
         ("/v1/completions", {"prompt": "a", "best_of": 3}, None, "best_of"),
         (
             "/v1/chat/completions",
-            {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
-            "chat template",
-        ),
-        (
-            "/v1/chat/completions",
             {
                 "messages": HI,
                 "response_format": {

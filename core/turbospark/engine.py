@@ -64,6 +64,8 @@ from turbospark.text import StopStrings, StreamDecoder, TextCodec
 log = logging.getLogger("turbospark.engine")
 
 Emit = Callable[[Chunk | Exception], None]
+# Told of every real request's end: its stats when it finished, None when it failed.
+Observer = Callable[["Job", GenerationStats | None], None]
 T = TypeVar("T")
 
 
@@ -215,6 +217,7 @@ class Engine:
         *,
         max_batch: int = 8,
         prefill_budget: int | None = None,
+        observer: Observer | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -232,6 +235,7 @@ class Engine:
         # Requests that discarded a parked session with content (at admission or
         # at check-in): the sessions view shows it, so an eviction is seen when it happens.
         self.evictions = 0
+        self.observer = observer  # called on the runner thread (metrics)
 
     # -- the outside: any thread ----------------------------------------------------
 
@@ -265,6 +269,11 @@ class Engine:
     @property
     def active_rows(self) -> int:
         return len(self._prefilling) + len(self._solo) + len(self._batch.rows)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows decoding in the merged batched state now (0 when none)."""
+        return len(self._batch.rows)
 
     def in_flight(self) -> list[RowInfo]:
         """Every request holding a session now. Call on the runner thread
@@ -546,6 +555,15 @@ class Engine:
         self._evicted(row.job, self.runner.checkin(row.session))
         self.runner.flush()
         row.job.emit(exc)
+        self._observe(row.job, None)
+
+    def _observe(self, job: Job, stats: GenerationStats | None) -> None:
+        if self.observer is None or job.warm_up:
+            return
+        try:
+            self.observer(job, stats)
+        except Exception:  # metrics never fail a request
+            log.exception("the engine's observer failed")
 
     def _finish(self, row: _Row, finish: FinishReason) -> None:
         tail = ""
@@ -570,6 +588,7 @@ class Engine:
             batch_size=row.batch_peak,
         )
         row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))
+        self._observe(row.job, stats)
         if row.job.warm_up:
             return
         log.info(

@@ -57,6 +57,34 @@ class Penalties:
         return logits - self.presence * seen - self.frequency * self.counts.astype(logits.dtype)
 
 
+class RepetitionPenalty:
+    """HF's and vLLM's ``repetition_penalty`` over every id already in the prompt
+    or the output: a seen id's logit is divided by *penalty* when positive and
+    multiplied by it when negative (so ``penalty > 1`` discourages repeats,
+    ``< 1`` encourages them, ``1`` does nothing)."""
+
+    def __init__(self, penalty: float, prompt: list[int]) -> None:
+        if not penalty > 0:
+            raise InvalidInput(f"repetition_penalty must be greater than 0, got {penalty}")
+        self.penalty = penalty
+        self.prompt = prompt
+        self.seen: mx.array | None = None
+
+    def accept(self, token: mx.array) -> None:
+        assert self.seen is not None  # a token is accepted only after a first call
+        self.seen = self.seen.at[token.reshape(1)].maximum(mx.array([True]))
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        if self.seen is None:
+            vocab = logits.shape[-1]
+            seen = np.zeros(vocab, np.bool_)
+            ids = np.asarray(self.prompt, np.int64)
+            seen[ids[(ids >= 0) & (ids < vocab)]] = True
+            self.seen = mx.array(seen)
+        penalized = mx.where(logits > 0, logits / self.penalty, logits * self.penalty)
+        return mx.where(self.seen, penalized, logits)
+
+
 class LogitBias:
     """OpenAI's ``logit_bias``: a fixed amount added to chosen ids' logits."""
 

@@ -40,7 +40,6 @@ from turbospark.server.tools import (
     Tool,
     ToolCall,
     ToolChoice,
-    parse,
 )
 from turbospark.text import TextCodec
 
@@ -346,7 +345,7 @@ async def _messages(
 def _whole(
     service: Service, body: MessagesRequest, ident: str, done: Completion, calling: bool
 ) -> dict[str, Any]:
-    prose, calls = parse(done.text) if calling else (done.text, [])
+    prose, calls = service.tool_syntax.parse(done.text) if calling else (done.text, [])
     content = ([{"type": "text", "text": prose}] if prose or not calls else []) + [
         _tool_use(c) for c in calls
     ]
@@ -375,7 +374,7 @@ async def _stream(
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0}
     start = _message(ident, service.model_id, [], stop_reason=None, stop_sequence=None, usage=usage)
     yield _event("message_start", {"message": start})
-    splitter = StreamSplitter() if calling else None
+    splitter = StreamSplitter(service.tool_syntax) if calling else None
     tokens: list[int] = []
     index, text_open = 0, False
     try:

@@ -2,8 +2,10 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
 streaming), Anthropic's ``POST /v1/messages`` (``anthropic.py``) and OpenAI's
-``POST /v1/responses`` (``responses.py``), translated onto the chat path, ``GET /v1/models``, ``GET /health``, ``GET /openapi.json`` (the
-request and response schemas, generated from the pydantic models), and the
+``POST /v1/responses`` (``responses.py``), translated onto the chat path,
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus:
+``metrics.py``), ``GET /openapi.json`` (the request and response schemas,
+generated from the pydantic models), and the
 page for people with its sessions view (``GET /``, ``GET /turbospark/sessions``:
 ``sessions.py``). There are no conversation ids:
 the runner picks the session by token content (SEMANTICS.md), so any OpenAI
@@ -57,6 +59,7 @@ from turbospark.server.errors import (
     validation_error,
 )
 from turbospark.server.limits import Admission, Deadline, Ticket, read_body
+from turbospark.server.metrics import Metrics
 from turbospark.server.openapi import openapi_document
 from turbospark.server.prompt_bound import PromptBound
 from turbospark.server.schemas import (
@@ -83,9 +86,8 @@ from turbospark.server.tools import (
     StreamSplitter,
     Tool,
     ToolCallDelta,
+    ToolSyntax,
     check_choice,
-    forced_grammar,
-    parse,
 )
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
@@ -131,6 +133,7 @@ class Service:
         self._stop = threading.Event()
         self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
         self._grammar_lock = threading.Lock()
+        self.tool_syntax = ToolSyntax.of(codec.chat_template)  # how this template calls tools
 
     def start(self, warm_up: list[int] | None) -> None:
         """Warm up (when given prompt ids), then run the engine's loop on the
@@ -193,7 +196,8 @@ class Service:
         if why is not None:
             raise APIError(400, why, param="tool_choice", code="invalid_value")
         calling = bool(body.tools) and body.tool_choice != "none"
-        forced = forced_grammar(body.tools or [], body.tool_choice) if calling else None
+        syntax = self.tool_syntax
+        forced = syntax.forced(body.tools or [], body.tool_choice) if calling else None
         if forced is not None and body.response_format is not None:
             raise APIError(
                 400,
@@ -426,16 +430,16 @@ async def _sse_stream(
     yield _sse("[DONE]")
 
 
-def _message(text: str, calling: bool) -> AssistantMessage:
+def _message(text: str, calling: bool, syntax: ToolSyntax) -> AssistantMessage:
     """The reply, its tool-call blocks parsed out when the request offered tools."""
     if not calling:
         return AssistantMessage(content=text)
-    prose, calls = parse(text)
+    prose, calls = syntax.parse(text)
     return AssistantMessage(content=prose or None, tool_calls=calls or None)
 
 
-def _finish(done: Completion, calling: bool) -> str:
-    if calling and done.finish_reason == "stop" and parse(done.text)[1]:
+def _finish(done: Completion, calling: bool, syntax: ToolSyntax) -> str:
+    if calling and done.finish_reason == "stop" and syntax.parse(done.text)[1]:
         return "tool_calls"
     return done.finish_reason
 
@@ -456,6 +460,7 @@ async def _chat(
     request: Request,
 ) -> Response:
     choices, calling = await service.chat_draws(body, deadline)
+    syntax = service.tool_syntax
     ident = new_id("chatcmpl")
     codec = service.codec
     if not body.stream:
@@ -467,8 +472,8 @@ async def _chat(
                 choices=[
                     ChatChoice(
                         index=i,
-                        message=_message(d.text, calling),
-                        finish_reason=_finish(d, calling),
+                        message=_message(d.text, calling, syntax),
+                        finish_reason=_finish(d, calling, syntax),
                         logprobs=chat_logprobs(codec, d.tokens, d.logprobs)
                         if body.logprobs
                         else None,
@@ -490,7 +495,7 @@ async def _chat(
         started.add(index)
         text, calls, finish = chunk.text, None, chunk.finish_reason
         if calling:  # prose goes out at once; tool-call blocks when the choice ends
-            splitter = splitters.setdefault(index, StreamSplitter())
+            splitter = splitters.setdefault(index, StreamSplitter(syntax))
             text = splitter.feed(text)
             if finish is not None:
                 tail, parsed = splitter.finish()
@@ -680,6 +685,8 @@ def create_app(
         limits=limits or ServerLimits(),
         engine=Engine(runner, codec, max_batch=max_batch, prefill_budget=chunk_size),
     )
+    metrics = Metrics(service.engine)
+    service.engine.observer = metrics.observe
     schema = openapi_document()
 
     async def openapi(request: Request) -> Response:
@@ -693,11 +700,16 @@ def create_app(
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route(
+                "/v1/chat/completions",
+                metrics.counted("chat.completions", chat_completions),
+                methods=["POST"],
+            ),
+            Route("/v1/completions", metrics.counted("completions", completions), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
@@ -709,4 +721,5 @@ def create_app(
         middleware=access_middleware(api_key, cors_origins),
     )
     app.state.service = service
+    app.state.metrics = metrics
     return app

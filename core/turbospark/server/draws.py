@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 from turbospark.engine import Emit, Job
 from turbospark.generate import GenerationConfig
-from turbospark.logits_processors import Grammar, LogitBias, LogitsProcessor, Penalties
+from turbospark.logits_processors import (
+    Grammar,
+    LogitBias,
+    LogitsProcessor,
+    Penalties,
+    RepetitionPenalty,
+)
 from turbospark.sampling import TokenLogprobs
 from turbospark.server.errors import APIError
 from turbospark.server.schemas import (
@@ -37,6 +43,7 @@ class Draw:
     top_logprobs: int | None = None
     grammar: Callable[[], Grammar] | None = None
     penalties: tuple[float, float] = (0.0, 0.0)
+    repetition: float = 1.0  # HF/vLLM's repetition_penalty (1: off)
     bias: dict[int, float] = field(default_factory=dict)
 
     def job(self, emit: Emit) -> Job:
@@ -45,6 +52,8 @@ class Draw:
             processors.append(LogitBias(self.bias))
         if any(self.penalties):
             processors.append(Penalties(*self.penalties))
+        if self.repetition != 1.0:
+            processors.append(RepetitionPenalty(self.repetition, self.ids))
         if self.grammar is not None:
             processors.append(self.grammar())  # last: nothing may re-allow a masked id
         return Job(
@@ -88,6 +97,7 @@ def draws(
                     top_logprobs=top_logprobs,
                     grammar=grammar,
                     penalties=(body.presence_penalty, body.frequency_penalty),
+                    repetition=body.repetition_penalty,
                     bias=bias,
                 )
             )

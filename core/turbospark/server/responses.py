@@ -38,7 +38,6 @@ from turbospark.server.tools import (
     Tool,
     ToolCall,
     ToolChoice,
-    parse,
 )
 
 _REFUSED = {
@@ -269,7 +268,7 @@ async def _create(
     ident, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if not body.stream:
         (done,) = await service.complete(choices, deadline, request)
-        text, calls = parse(done.text) if calling else (done.text, [])
+        text, calls = service.tool_syntax.parse(done.text) if calling else (done.text, [])
         return JSONResponse(
             _response(
                 service,
@@ -304,7 +303,7 @@ async def _stream(
     response = _response(service, body, ident, created)
     yield event("response.created", response=response)
     yield event("response.in_progress", response=response)
-    splitter = StreamSplitter() if calling else None
+    splitter = StreamSplitter(service.tool_syntax) if calling else None
     message_id = "msg_" + uuid.uuid4().hex
     opened, text_all = False, ""
     try:

@@ -85,6 +85,13 @@ class BaseRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="independent completions")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=100.0,
+        description="extension (HF/vLLM): divide positive / multiply negative logits of "
+        "every id in the prompt or output by this (1: off)",
+    )
     # Token id (a JSON object's keys are strings) -> bias added to its logit.
     logit_bias: (
         dict[
@@ -305,7 +312,8 @@ _UNIMPLEMENTED = {
 # Fields whose explicit null means "the default" (OpenAI's semantics).
 _NULLABLE = frozenset(
     {"temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "max_tokens"}
-    | {"presence_penalty", "frequency_penalty", "logprobs", "echo", "best_of"}
+    | {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "echo"}
+    | {"best_of"}
 )
 
 

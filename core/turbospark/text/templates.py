@@ -38,9 +38,29 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 # Gemma (2, 3 and 4 alike): system text folded into the first user turn, roles
-# must alternate, ``assistant`` rendered as ``model``.
+# must alternate, ``assistant`` rendered as ``model``. With ``tools`` it writes
+# Gemma 4's native tool syntax (Google's "Function calling with Gemma 4" guide):
+# each tool as ``<|tool>declaration:NAME{description:...,parameters:{...}}<tool|>``
+# at the top of the first user turn, an assistant's ``tool_calls`` as
+# ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, and ``tool`` results as
+# ``<|tool_response>response:NAME{value:...}<tool_response|>`` in a user turn;
+# strings are wrapped in ``<|"|>``, keys are bare. (The turns stay Gemma 3's
+# ``<start_of_turn>``: the synthetic tokenizer's specials.)
+_GEMMA4_VALUE = (
+    "{% macro g4(v) %}"
+    "{% if v is none %}null"
+    "{% elif v is sameas true %}true{% elif v is sameas false %}false"
+    "{% elif v is string %}{{ '<|\"|>' + v + '<|\"|>' }}"
+    "{% elif v is mapping %}{{ '{' }}"
+    "{% for k, x in v.items() %}{{ k }}:{{ g4(x) }}{% if not loop.last %},{% endif %}"
+    "{% endfor %}{{ '}' }}"
+    "{% elif v is iterable %}["
+    "{% for x in v %}{{ g4(x) }}{% if not loop.last %},{% endif %}{% endfor %}]"
+    "{% else %}{{ v | tojson }}{% endif %}"
+    "{% endmacro %}"
+)
 GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
+    _GEMMA4_VALUE + "{{ bos_token }}"
     "{% if messages[0]['role'] == 'system' %}"
     "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}"
     "{% set loop_messages = messages[1:] %}"
@@ -48,15 +68,40 @@ GEMMA_CHAT_TEMPLATE = (
     "{% set first_user_prefix = '' %}"
     "{% set loop_messages = messages %}"
     "{% endif %}"
+    "{% if tools %}{% set ns = namespace(tools='') %}{% for tool in tools %}"
+    "{% set fn = tool['function'] %}"
+    "{% set ns.tools = ns.tools + '<|tool>declaration:' + fn['name'] + g4({"
+    "'description': fn['description'] or '', 'parameters': fn['parameters']}) + '<tool|>' %}"
+    "{% endfor %}{% set first_user_prefix = ns.tools + '\\n' + first_user_prefix %}{% endif %}"
     "{% for message in loop_messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else "
+    "('user' if message['role'] == 'tool' else message['role']) %}"
+    "{% set before = loop_messages[loop.index0 - 1] if not loop.first else none %}"
+    "{% set after = loop_messages[loop.index0 + 1] if not loop.last else none %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if before is none or before['role'] != 'tool' %}"
+    "{{ '<start_of_turn>user\\n' }}{% endif %}"
+    "{% set ns2 = namespace(name='') %}"
+    "{% for m in messages %}{% for c in (m['tool_calls'] or []) %}"
+    "{% if c['id'] == message['tool_call_id'] %}{% set ns2.name = c['function']['name'] %}"
+    "{% endif %}{% endfor %}{% endfor %}"
+    "{{ '<|tool_response>response:' + ns2.name + g4({'value': message['content']}) }}"
+    "{{ '<tool_response|>' }}"
+    "{% if after is none or after['role'] != 'tool' %}{{ '<end_of_turn>\\n' }}{% endif %}"
+    "{% else %}"
+    "{% if (role == 'user') == (before is not none and before['role'] != 'assistant') "
+    "or (role == 'model' and before is none) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{% endif %}"
-    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
-    "{% else %}{% set role = message['role'] %}{% endif %}"
     "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
     "{{ message['content'] | trim }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<|tool_call>call:' + call['function']['name'] + g4(call['function']['arguments']) }}"
+    "{{ '<tool_call|>' }}"
+    "{% endfor %}{% endif %}"
     "{{ '<end_of_turn>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
