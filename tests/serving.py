@@ -88,3 +88,19 @@ def serving_with_disk(
     with ThreadedServer(app) as server:
         server.service = app.state.service  # type: ignore[attr-defined]
         yield server
+
+
+def forced_call(api: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str, str]:
+    """The (name, arguments) of a tool call forced through the chat API: named
+    when not streaming, ``required`` when streaming; the finish reason checked."""
+    if not stream:
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+        reply = api.chat.completions.create(**kwargs, tool_choice=choice)
+        assert reply.choices[0].finish_reason == "tool_calls", reply
+        call = reply.choices[0].message.tool_calls[0]
+        return call.function.name, call.function.arguments
+    events = list(api.chat.completions.create(**kwargs, tool_choice="required", stream=True))
+    deltas = [c for e in events for c in e.choices]
+    calls = [t for c in deltas for t in c.delta.tool_calls or []]
+    assert deltas[-1].finish_reason == "tool_calls"
+    return calls[0].function.name, calls[0].function.arguments

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import jsonschema
 import pytest
-from serving import client, serving
+from serving import client, forced_call, serving
 
 from turbospark import build_synthetic_install
 from turbospark.server import ThreadedServer
@@ -57,18 +57,7 @@ def test_parse_and_stream_split() -> None:
 def test_a_forced_call_is_well_formed_and_parsed(server: ThreadedServer, stream: bool) -> None:
     api = client(server)
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, seed=1)
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    if not stream:
-        reply = api.chat.completions.create(**kwargs, tool_choice=choice)
-        call = reply.choices[0].message.tool_calls[0]
-        assert reply.choices[0].finish_reason == "tool_calls"
-        name, arguments = call.function.name, call.function.arguments
-    else:
-        events = list(api.chat.completions.create(**kwargs, tool_choice="required", stream=True))
-        deltas = [c for e in events for c in e.choices]
-        calls = [t for c in deltas for t in c.delta.tool_calls or []]
-        assert deltas[-1].finish_reason == "tool_calls"
-        name, arguments = calls[0].function.name, calls[0].function.arguments
+    name, arguments = forced_call(api, stream, **kwargs)
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), PARAMS)
 

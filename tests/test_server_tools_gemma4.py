@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from serving import client, serving
+from serving import client, forced_call, serving
 
 from turbospark import build_synthetic_install
 from turbospark.server import ThreadedServer
@@ -112,18 +112,7 @@ def test_stream_split_in_gemma4_syntax() -> None:
 def test_a_forced_gemma4_call_is_parsed(server: ThreadedServer, stream: bool) -> None:
     api = client(server)
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, seed=1)
-    if not stream:
-        choice = {"type": "function", "function": {"name": "get_weather"}}
-        reply = api.chat.completions.create(**kwargs, tool_choice=choice)
-        assert reply.choices[0].finish_reason == "tool_calls", reply
-        call = reply.choices[0].message.tool_calls[0]
-        name, arguments = call.function.name, call.function.arguments
-    else:
-        events = list(api.chat.completions.create(**kwargs, tool_choice="required", stream=True))
-        deltas = [c for e in events for c in e.choices]
-        calls = [t for c in deltas for t in c.delta.tool_calls or []]
-        assert deltas[-1].finish_reason == "tool_calls"
-        name, arguments = calls[0].function.name, calls[0].function.arguments
+    name, arguments = forced_call(api, stream, **kwargs)
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), PARAMS)
 
