@@ -173,13 +173,15 @@ def test_a_full_queue_answers_503_with_retry_after(install: Path, codec: TextCod
 def test_the_request_timeout_ends_a_request_and_its_generation(
     install: Path, codec: TextCodec
 ) -> None:
-    with serving(install, codec, slots=2, limits=ServerLimits(request_timeout=0.3)) as running:
+    # 1 s: room for a 2-token request on a loaded CI machine, far short of 2000 tokens.
+    with serving(install, codec, slots=2, limits=ServerLimits(request_timeout=1.0)) as running:
         url = f"{running.base_url}/v1/completions"
         body = {
             "model": MODEL,
             "prompt": "tell me everything",
             "max_tokens": 2000,
             "temperature": 0,
+            "ignore_eos": True,  # no early stop can beat the deadline
         }
         whole = httpx.post(url, json=body, timeout=30)
         assert whole.status_code == 504
