@@ -104,3 +104,15 @@ def forced_call(api: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str, s
     calls = [t for c in deltas for t in c.delta.tool_calls or []]
     assert deltas[-1].finish_reason == "tool_calls"
     return calls[0].function.name, calls[0].function.arguments
+
+
+# The tool the tool-calling tests call, with a schema a forced call must satisfy.
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}

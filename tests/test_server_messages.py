@@ -10,6 +10,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from serving import WEATHER_PARAMS as PARAMS
 from serving import serving
 
 from turbospark import build_synthetic_install
@@ -17,15 +18,6 @@ from turbospark.server import ThreadedServer
 from turbospark.text import load_text
 
 MODEL = "tiny-messages"
-PARAMS = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [{"name": "get_weather", "description": "The weather", "input_schema": PARAMS}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import jsonschema
 import pytest
+from serving import WEATHER_PARAMS as PARAMS
 from serving import client, forced_call, serving
 
 from turbospark import build_synthetic_install
@@ -17,15 +18,6 @@ from turbospark.server.tools import StreamSplitter, parse
 from turbospark.text import load_text
 
 MODEL = "tiny-tools"
-PARAMS = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from serving import WEATHER_PARAMS as PARAMS
 from serving import client, forced_call, serving
 
 from turbospark import build_synthetic_install
@@ -22,15 +23,6 @@ from turbospark.text import TextCodec, load_text
 from turbospark.text.templates import compile_template
 
 MODEL = "tiny-gemma-tools"
-PARAMS = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",

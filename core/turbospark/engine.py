@@ -172,9 +172,10 @@ class _Batch:
             raise
         # Plain greedy rows (most of a temperature-0 batch) take their ids in one
         # op; the others sample row by row with their own parameters.
-        greedy = mx.argmax(logits, axis=-1)
+        plain = [row.sampler.plain_greedy for row in self.rows]
+        greedy = mx.argmax(logits, axis=-1) if any(plain) else None
         for i, row in enumerate(self.rows):
-            if row.sampler.plain_greedy:
+            if plain[i]:
                 row.following = greedy[i]
             else:
                 row.following = row.sampler(logits[i], fed=row.pending)
