@@ -252,3 +252,61 @@ def test_a_kill_during_writes_leaves_a_whole_file(gemma4_install, tmp_path):
     kept, logits = serve_turn(runner, prompt)
     assert kept == len(tokens) and runner.last_reuse.reason == ReuseReason.RESTORED_FROM_DISK
     assert mx.allclose(logits, fresh_logits(gemma4_install, prompt, kept), atol=1e-5)
+
+
+def _as_version_1(path: Path) -> None:
+    """Rewrite a session file the way format version 1 hashed it: one sha256 stream
+    over the metadata and every tensor's name, dtype, shape and bytes (written here
+    independently of turbospark.disk)."""
+    import hashlib
+    import json
+
+    arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+    meta = json.loads(metadata["turbospark"])
+    meta.update(version=1, content_sha256="")
+    digest = hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode())
+    for name in sorted(arrays):
+        value = arrays[name]
+        digest.update(f"\0{name}\0{value.dtype}\0{tuple(value.shape)}\0".encode())
+        digest.update(memoryview(value))
+    meta["content_sha256"] = digest.hexdigest()
+    mx.save_safetensors(str(path), arrays, metadata={"turbospark": json.dumps(meta, separators=(",", ":"))})  # fmt: skip
+
+
+def test_a_version_1_file_still_loads_and_is_still_verified(gemma4_install, saved):
+    victim = next(p for p in session_files(saved) if read_meta(p).tokens == CONVERSATIONS[1])
+    _as_version_1(victim)
+    assert read_meta(victim).version == 1
+    damaged = victim.read_bytes()
+    runner = disk_runner(gemma4_install, saved)
+    prompt = [*CONVERSATIONS[1], 5]
+    kept, logits = serve_turn(runner, prompt)
+    assert runner.last_reuse.reason == ReuseReason.RESTORED_FROM_DISK, runner.last_reuse
+    assert mx.allclose(logits, fresh_logits(gemma4_install, prompt, kept), atol=1e-5)
+    runner.close()  # the session grew: it is written again, as version 2
+    victim.write_bytes(damaged)
+    _flip_last_byte(victim)
+    runner = disk_runner(gemma4_install, saved)
+    serve_turn(runner, prompt)
+    assert [reason for _, reason in runner.session_disk.rejected] == ["checksum"]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32, mx.int32, mx.bool_])
+def test_every_state_dtype_round_trips_bit_for_bit(tmp_path, dtype):
+    from turbospark.disk import ModelIdentity, read_session, write_session
+    from turbospark.pool import Checkpoint, SessionSnapshot
+
+    values = mx.random.normal((3, 5, 7)) * 100
+    state = {"kv": {"keys": values.astype(dtype), "offset": mx.array([4], dtype=mx.int32)}}
+    snapshot = SessionSnapshot(
+        tokens=[1, 2, 3, 4], tainted=False, arrays=state,
+        checkpoints=(Checkpoint(2, {"kv": {"keys": values[:, :2].astype(dtype)}}),),
+    )  # fmt: skip
+    model = ModelIdentity(family="f", manifest_sha256="0" * 64, dtype=str(dtype))
+    write_session(tmp_path / "s.safetensors", snapshot, model, ["kv"])
+    meta, loaded = read_session(tmp_path / "s.safetensors", model)
+    assert meta.tokens == [1, 2, 3, 4] and meta.checkpoints == [2]
+    for got, want in [(loaded.arrays["kv"]["keys"], state["kv"]["keys"]),
+                      (loaded.checkpoints[0].snapshots["kv"]["keys"], values[:, :2].astype(dtype))]:  # fmt: skip
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert bytes(memoryview(got)) == bytes(memoryview(mx.contiguous(want)))
