@@ -512,6 +512,15 @@ class Runner:
         session, self._live = self._live, Session(self._new_state())
         return session
 
+    def fork(self, session: Session) -> Session:
+        """A new session holding *session*'s state by reference (MLX arrays are
+        never written in place, so neither sees the other's later tokens): the
+        other completions of one prompt start from its single prefill. It is not
+        the live session nor parked; the engine drops it when its request ends."""
+        forked = Session(self._new_state())
+        forked.load(session.held())
+        return forked
+
     def checkin(self, session: Session) -> bool:
         """A request is done with *session*: it becomes the live session again,
         and the one live before it is parked (the LRU rule, then the memory cap,

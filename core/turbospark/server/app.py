@@ -49,7 +49,7 @@ from turbospark.generate import (
 from turbospark.logits_processors import Grammar, GrammarCompiler
 from turbospark.runner import Runner
 from turbospark.server.access import access_middleware
-from turbospark.server.draws import Draw, chat_logprobs, draws, text_logprobs
+from turbospark.server.draws import Draw, chat_logprobs, draws, leads, text_logprobs
 from turbospark.server.errors import (
     HANDLERS,
     APIError,
@@ -342,7 +342,7 @@ class Service:
             return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (index, item))
 
         jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
-        for job in jobs:
+        for job in leads(jobs):  # one prefill per prompt, its other choices forked
             self.engine.submit(job)
         running = len(jobs)
         try:
