@@ -563,6 +563,40 @@ class Runner:
             model=self.model, tokens=tokens, positions=positions, state=state, logits="last"
         )
 
+    # -- embeddings --------------------------------------------------------------
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the family gives final hidden states (``turbospark_forward_hidden``)."""
+        return bool(self._hook.turbospark_forward_hidden.get_hookimpls())
+
+    def embed(self, tokens: Sequence[int], chunk_size: int = 512) -> mx.array:
+        """The mean of *tokens*' final-normed hidden states, L2-normalized (float32,
+        ``(hidden,)``), computed in a throwaway state in chunks: no session, live
+        or parked, is read or changed."""
+        if not self.embeds:
+            raise InvalidInput(
+                f"the {self.family.name} family gives no hidden states (it implements no "
+                "turbospark_forward_hidden hook), so it cannot serve embeddings"
+            )
+        ids = self.check_ids(tokens)
+        if len(ids) > self.context_length:
+            raise ContextOverflow(
+                f"an embedding input is {len(ids)} tokens but the context length is "
+                f"{self.context_length}; shorten it or serve with a larger --context-length"
+            )
+        state = self._new_state()
+        total = mx.zeros((self.arch.hidden_size,), dtype=mx.float32)
+        for start in range(0, len(ids), chunk_size):
+            chunk = mx.array(ids[start : start + chunk_size], dtype=mx.int32)
+            hidden = self._hook.turbospark_forward_hidden(
+                model=self.model, tokens=chunk, start=start, state=state
+            )  # (L, hidden)
+            total = total + hidden.astype(mx.float32).sum(axis=0)
+            mx.eval(total, *_state_arrays(state))  # one chunk's graph at a time
+        mean = total / len(ids)
+        return mean / mx.maximum(mx.linalg.norm(mean), 1e-12)
+
     # -- vision ------------------------------------------------------------------
 
     def set_prompt_vision(

@@ -3,6 +3,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
 streaming), Anthropic's ``POST /v1/messages`` (``anthropic.py``) and OpenAI's
 ``POST /v1/responses`` (``responses.py``), translated onto the chat path,
+``POST /v1/embeddings`` (``embeddings.py``: pooled hidden states, no session touched),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus:
 ``metrics.py``), ``GET /openapi.json`` (the request and response schemas,
 generated from the pydantic models), and the
@@ -670,7 +671,7 @@ def create_app(
     opened elsewhere; its model is evaluated here first, because MLX cannot
     evaluate on one thread what another thread left lazy (e.g. RoPE tables).
     """
-    from turbospark.server import anthropic, responses  # they build on this module
+    from turbospark.server import anthropic, embeddings, responses  # they build on this module
 
     if worker is None:
         worker = RunnerWorker()
@@ -714,6 +715,9 @@ def create_app(
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
+            Route(
+                "/v1/embeddings", metrics.counted("embeddings", embeddings.create), methods=["POST"]
+            ),
             *PAGE_ROUTES,
         ],
         exception_handlers=HANDLERS,

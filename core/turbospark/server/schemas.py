@@ -499,3 +499,15 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str  # authentication_error, invalid_request_error, not_found_error, ...
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """A refusal on Anthropic's routes, in Anthropic's shape (``errors.py``)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
