@@ -40,6 +40,7 @@ from turbospark.server.tools import (
     Tool,
     ToolCall,
     ToolChoice,
+    ToolSyntax,
 )
 from turbospark.text import TextCodec
 
@@ -315,9 +316,13 @@ async def _messages(
 
 
 def _whole(
-    service: Service, body: MessagesRequest, ident: str, done: Completion, calling: bool
+    service: Service,
+    body: MessagesRequest,
+    ident: str,
+    done: Completion,
+    calling: ToolSyntax | None,
 ) -> dict[str, Any]:
-    prose, calls = service.tool_syntax.parse(done.text) if calling else (done.text, [])
+    prose, calls = calling.parse(done.text) if calling else (done.text, [])
     content = ([{"type": "text", "text": prose}] if prose or not calls else []) + [
         _tool_use(c) for c in calls
     ]
@@ -337,7 +342,7 @@ async def _stream(
     body: MessagesRequest,
     ident: str,
     chunks: AsyncIterator[tuple[int, Chunk]],
-    calling: bool,
+    calling: ToolSyntax | None,
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
     """Anthropic's events: the text block's deltas as they come, each tool call
@@ -346,7 +351,7 @@ async def _stream(
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0}
     start = _message(ident, service.model_id, [], stop_reason=None, stop_sequence=None, usage=usage)
     yield _event("message_start", {"message": start})
-    splitter = StreamSplitter(service.tool_syntax) if calling else None
+    splitter = StreamSplitter(calling) if calling else None
     tokens: list[int] = []
     index, text_open = 0, False
     try:

@@ -106,23 +106,36 @@ GEMMA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
-# Qwen3 / Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``,
+# Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``,
 # earlier assistant turns lose their reasoning (the text up to ``</think>``), and
-# ``enable_thinking=False`` pre-fills an empty think block. With ``tools``, the
-# system turn lists them in ``<tools>`` and asks for ``<tool_call>`` JSON blocks;
-# an assistant's ``tool_calls`` are rendered as those blocks, and consecutive
-# ``tool`` results as ``<tool_response>`` blocks in one user turn (Qwen3's shape).
+# ``enable_thinking=False`` pre-fills an empty think block. With ``tools``, as the
+# Qwen3.5 checkpoints' template: the system turn opens with the tools in ``<tools>``
+# (one JSON object a line) and the XML call format's instructions, the system text
+# after them; an assistant's ``tool_calls`` are rendered as
+# ``<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>``
+# blocks (a string V raw, a mapping or list as JSON, other scalars as ``str``), and
+# consecutive ``tool`` results as ``<tool_response>`` blocks in one user turn.
+# (Unlike the checkpoints', the generation prompt opens no ``<think>`` block
+# unless asked to close one: the synthetic installs do not reason.)
 QWEN_CHAT_TEMPLATE = (
     "{% if tools %}"
-    "{{ '<|im_start|>system\\n' }}"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
-    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{ '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:"
+    "\\n\\n<tools>' }}"
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>'
-    "<|im_end|>\\n' }}"
+    "{{ '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following "
+    "format with NO suffix:\\n\\n<tool_call>\\n<function=example_function_name>\\n"
+    "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n"
+    "<parameter=example_parameter_2>\\nThis is the value for the second parameter\\n"
+    "that can span\\nmultiple lines\\n</parameter>\\n</function>\\n</tool_call>\\n\\n"
+    "<IMPORTANT>\\nReminder:\\n- Function calls MUST follow the specified format: an inner "
+    "<function=...></function> block must be nested within <tool_call></tool_call> XML tags"
+    "\\n- Required parameters MUST be specified\\n- You may provide optional reasoning for "
+    "your function call in natural language BEFORE the function call, but NOT after\\n- If "
+    "there is no function call available, answer the question like normal with your current "
+    "knowledge and do not tell the user about function calls\\n</IMPORTANT>' }}"
+    "{% if messages[0]['role'] == 'system' and messages[0]['content'] | trim %}"
+    "{{ '\\n\\n' + messages[0]['content'] | trim }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
     "{% set skip_first = messages[0]['role'] == 'system' %}"
     "{% else %}{% set skip_first = false %}{% endif %}"
     "{% for message in messages %}"
@@ -140,9 +153,17 @@ QWEN_CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + content }}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
     "{% for call in message['tool_calls'] %}"
-    "{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
-    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
-    "{{ call['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\\n<tool_call>\\n<function=' + fn['name'] + '>\\n' }}"
+    "{% elif content | trim %}{{ '\\n\\n<tool_call>\\n<function=' + fn['name'] + '>\\n' }}"
+    "{% else %}{{ '<tool_call>\\n<function=' + fn['name'] + '>\\n' }}{% endif %}"
+    "{% if fn['arguments'] is mapping %}{% for key, value in fn['arguments'].items() %}"
+    "{{ '<parameter=' + key + '>\\n' }}"
+    "{% if value is mapping or (value is sequence and value is not string) %}"
+    "{{ value | tojson }}{% else %}{{ value | string }}{% endif %}"
+    "{{ '\\n</parameter>\\n' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '</function>\\n</tool_call>' }}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endif %}"
