@@ -3,7 +3,9 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain]
+
+``constrain`` runs once (it is per vocabulary, not per family).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ if __package__ in (None, ""):
 
 from bench.common import install, machine
 from bench.concurrency import bench_concurrency
+from bench.constrain import bench_constrain
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
@@ -33,7 +36,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["forward", "swap", "interleaved", "serving", "concurrency"],
+        choices=["forward", "swap", "interleaved", "serving", "concurrency", "constrain"],
     )
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
@@ -54,8 +57,13 @@ def main() -> None:
         sink.flush()
 
     emit("-", "machine", machine(), time.perf_counter())
+    if "constrain" in (args.only or []):
+        started = time.perf_counter()
+        emit("-", "constrain", bench_constrain(args.reps), started)
     for family in args.family or ["gemma4", "qwen_gdn"]:
-        for piece in args.only or ["forward", "swap", "interleaved"]:
+        for piece in [
+            p for p in args.only or ["forward", "swap", "interleaved"] if p != "constrain"
+        ]:
             started = time.perf_counter()
             if piece == "forward":
                 path = install(family, args.size, "bfloat16", args.cache_dir)

@@ -32,6 +32,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def print_constrain(result: dict[str, Any]) -> None:
+    print(f"\n== constrained decoding, vocabulary {result['vocab_size']}")
+    for library in ("llguidance", "xgrammar"):
+        r = result[library]
+        if "error" in r:
+            print(f"{library}: {r['error']}")
+            continue
+        for name in ("json_schema", "json_object"):
+            c = r[name]
+            print(
+                f"{library:<10} {r['version']:<7} {name:<11} compile {c['compile_s'] * 1e3:7.1f} ms  "
+                f"mask {c['mask_us']:7.1f} us/token  step {c['step_us']:7.1f} us/token  "
+                f"({c['tokens']} tokens, {'accepting' if c['accepting'] else 'NOT accepting'})"
+            )
+
+
 def print_table(report: dict[str, Any]) -> None:
     m = report["machine"]
     print(

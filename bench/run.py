@@ -11,7 +11,9 @@ mlx-lm on the same install), ``interleaved`` (K conversations round-robin,
 pool against no pool, in process), ``serving`` (the same chats over HTTP,
 ``turbospark serve`` against ``mlx_lm.server``), ``concurrency`` (N clients
 at once, each a multi-turn chat, against both servers), ``swap`` (swap cost against
-history length, pool memory), ``dispatch`` (the hook path's per-token cost).
+history length, pool memory), ``dispatch`` (the hook path's per-token cost),
+``constrain`` (constrained decoding's per-token cost, llguidance against
+xgrammar, on a 151,643-token vocabulary; once, not per family).
 Benchmarks never decide whether the test suite passes.
 """
 
@@ -31,15 +33,16 @@ if __package__ in (None, ""):
 
 from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine
 from bench.concurrency import ConcurrencyPlan, bench_concurrency
+from bench.constrain import bench_constrain
 from bench.dispatch import bench_dispatch
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
-from bench.report import headline, print_table
+from bench.report import headline, print_constrain, print_table
 from bench.serving import bench_servers
 from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
-SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch")
+SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "constrain")
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
@@ -198,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         report["families"][family] = run_family(
             family, plan, sections, dtype, args.cache_dir, args.out
         )
+    if "constrain" in sections:
+        report["constrain"] = bench_constrain(plan.reps)
     report["wall_s"] = time.perf_counter() - started
 
     stem = mode
@@ -210,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_table(report)
+        if "constrain" in report:
+            print_constrain(report["constrain"])
         print(
             f"\nwrote {args.out / (stem + '.json')}" + ("" if args.no_plot else f" and {stem}.png")
         )

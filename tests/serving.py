@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 
+from turbospark.plugins import FamilyRegistry
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
 from turbospark.server.app import Service
@@ -29,20 +30,25 @@ def serving(
     *,
     context: int = CONTEXT,
     limits: ServerLimits | None = None,
+    registry: FamilyRegistry | None = None,
     **options: Any,
 ) -> Iterator[ThreadedServer]:
-    """A fresh runner served as ``turbospark serve`` does: opened on the worker thread.
-    *options* go to ``create_app`` (``api_key``, ``cors_origins``, ...)."""
+    """A fresh runner served as ``turbospark serve`` does: opened on the worker thread
+    (from *registry*'s families when given). *options* go to ``create_app``
+    (``api_key``, ``cors_origins``, ...)."""
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=context, session_slots=slots)
+        runner = Runner.open(
+            install, context_length=context, session_slots=slots, registry=registry
+        )
         runner.set_prefix_reuse(True)
         return runner
 
     app = create_app(worker.run(open_runner), codec, worker=worker, limits=limits, **options)
     with ThreadedServer(app, limits=limits) as server:
         server.service = app.state.service  # type: ignore[attr-defined]
+        server.app = app  # type: ignore[attr-defined]
         yield server
 
 

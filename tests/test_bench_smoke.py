@@ -22,6 +22,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         from bench import (
             common,
             concurrency,
+            constrain,
             dispatch,
             forward,
             interleaved,
@@ -38,6 +39,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "qwen_gdn": common.install("qwen_gdn", "tiny", "float32", cache),
         "common": common,
         "concurrency": concurrency,
+        "constrain": constrain,
         "dispatch": dispatch,
         "forward": forward,
         "interleaved": interleaved,
@@ -129,3 +131,18 @@ def test_concurrency_workload_and_ratios(bench: dict) -> None:
     assert "ratio_refused" in c.compare(level, 4) and "tok_s_ratio" not in c.compare(level, 4)
     level["mlx_lm"] = c.medians([run(20.0, 9, 3)])
     assert not c.compare(level, 4)["same_completion_tokens"]
+
+
+def test_constrain(bench: dict) -> None:
+    """Both libraries (xgrammar when installed: ``uv sync --group bench``) accept
+    the whole document on a small vocabulary and report positive costs."""
+    out = bench["constrain"].bench_constrain(reps=1, vocab_size=3000)
+    assert out["vocab_size"] == 3000
+    for library in ("llguidance", "xgrammar"):
+        result = out[library]
+        if "error" in result:
+            assert library == "xgrammar" and "uv sync --group bench" in result["error"]
+            continue
+        for name in ("json_schema", "json_object"):
+            row = result[name]
+            assert row["accepting"] and row["mask_us"] > 0 and row["step_us"] > 0, (library, row)

@@ -63,9 +63,7 @@ def test_two_interleaved_conversations_on_two_slots(install: Path, codec: TextCo
     # The only thing A1 and B1 share is the template's opening (capped as SEMANTICS says).
     shared = next(i for i, (x, y) in enumerate(zip(a1_prompt, b1_prompt, strict=False)) if x != y)
     overlap = min(shared, len(b1_prompt) - 1)
-    assert codec.decode(b1_prompt[:shared], skip_special_tokens=False) == (
-        "<bos><start_of_turn>user\n"
-    )
+    assert codec.decode(b1_prompt[:shared], skip_special_tokens=False) == ("<bos><|turn>user\n")
     assert cached[0] == 0
     # B1 matches only that opening: rewinding A to it would overwrite A (the shallow-match
     # rule), so A is parked and B1 starts from the opening it shares with the parked A.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -62,3 +63,29 @@ def test_cors_lets_the_named_origin_in_and_no_other(server: ThreadedServer) -> N
     assert allowed.headers["access-control-allow-origin"] == ORIGIN
     refused = preflight("https://evil.example.com")
     assert "access-control-allow-origin" not in refused.headers
+
+
+def test_anthropic_routes_refuse_in_anthropic_shape(server: ThreadedServer) -> None:
+    """A 401 (and any other refusal) on /v1/messages is Anthropic's error body,
+    so the anthropic SDK raises its own classes; no session is touched."""
+    service = server.service  # type: ignore[attr-defined]
+    before = service.engine.call(service.runner.session_nbytes).result()
+    ask = [{"role": "user", "content": "hi"}]
+    bad = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError, match="needs an API key") as raised:
+        bad.messages.create(model=MODEL, messages=ask, max_tokens=3)
+    assert raised.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": raised.value.body["error"]["message"]},
+    }
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.count_tokens(model=MODEL, messages=ask)
+    assert service.engine.call(service.runner.session_nbytes).result() == before
+    good = anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError, match="nope"):
+        good.messages.create(model="nope", messages=ask, max_tokens=3)
+    wrong_method = httpx.get(f"{server.base_url}/v1/messages", headers={"x-api-key": KEY})
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["type"] == "error"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    assert good.messages.count_tokens(model=MODEL, messages=ask).input_tokens > 0

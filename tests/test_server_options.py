@@ -71,6 +71,9 @@ def test_n_choices_are_independent_rows(server: ThreadedServer) -> None:
     assert {c.message.content for c in many.choices} == {greedy.choices[0].message.content}
     assert many.usage.prompt_tokens == greedy.usage.prompt_tokens  # the prompt counts once
     assert many.usage.completion_tokens == 3 * greedy.usage.completion_tokens
+    usage = many.usage.model_extra["turbospark"]
+    cached = many.usage.prompt_tokens_details.cached_tokens
+    assert usage["prefilled_tokens"] == many.usage.prompt_tokens - cached  # prefilled once
 
     sampled = api.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=12, temperature=1.5, n=2, seed=5
@@ -81,6 +84,11 @@ def test_n_choices_are_independent_rows(server: ThreadedServer) -> None:
     texts = [c.message.content for c in sampled.choices]
     assert texts == [c.message.content for c in again.choices]  # seeded: reproducible
     assert texts[0] != texts[1]  # ...but not one sample twice
+    for j, text in enumerate(texts):  # choice j is the single request with seed 5 + j
+        alone = api.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=12, temperature=1.5, seed=5 + j
+        )
+        assert alone.choices[0].message.content == text
 
     stream = api.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=6, temperature=0, n=2, stream=True

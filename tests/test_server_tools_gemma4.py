@@ -89,7 +89,7 @@ def test_the_template_writes_gemma4_tool_syntax(codec: tuple[Path, TextCodec]) -
     assert declaration in text
     assert f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:2}}<tool_call|>" in text
     assert f"<|tool_response>response:get_weather{{value:{Q}18C and sunny{Q}}}" in text
-    assert text.endswith("<start_of_turn>model\n")
+    assert text.endswith("<|turn>model\n")
 
 
 def test_stream_split_in_gemma4_syntax() -> None:

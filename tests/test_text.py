@@ -19,7 +19,7 @@ from turbospark.synthetic import GEMMA_TEXT, QWEN_TEXT, SyntheticText
 from turbospark.text import StopStrings, TextCodec, load_text
 
 BOS_ID, EOS_ID = GEMMA_TEXT.id("<bos>"), GEMMA_TEXT.id("<eos>")
-START_OF_TURN_ID, END_OF_TURN_ID = GEMMA_TEXT.id("<start_of_turn>"), GEMMA_TEXT.id("<end_of_turn>")
+START_OF_TURN_ID, END_OF_TURN_ID = GEMMA_TEXT.id("<|turn>"), GEMMA_TEXT.id("<turn|>")
 KINDS = {"sentencepiece": GEMMA_TEXT, "byte_level": QWEN_TEXT}
 
 CHAT = [
@@ -120,9 +120,9 @@ def test_chat_template_renders_gemma_turns(codec: TextCodec) -> None:
         {"role": "user", "content": "Bye"},
     ]
     assert codec.apply_chat_template(messages) == (
-        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
-        "<start_of_turn>model\nHello!<end_of_turn>\n"
-        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n"
+        "<|turn>model\nHello!<turn|>\n"
+        "<|turn>user\nBye<turn|>\n<|turn>model\n"
     )
     ids = codec.encode_chat(messages[1:2])
     assert ids[:2] == [BOS_ID, START_OF_TURN_ID] and END_OF_TURN_ID in ids

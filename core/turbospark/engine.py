@@ -7,7 +7,10 @@ flight. Each :meth:`Engine.step`:
    The caller contract of SEMANTICS.md (:func:`turbospark.generate.acquire`)
    picks each request's session and explains the choice; the session is then
    checked out of the runner for the request's lifetime, so concurrent
-   requests never share state;
+   requests never share state. A job's ``forks`` (the other completions of a
+   request with ``n > 1``) are admitted with it and become rows of their own
+   when its prefill ends, each holding the prefilled state by reference, so
+   the prompt is prefilled once; a fork's session is dropped when it ends;
 2. **prefills** waiting prompts, one chunk at a time, at most
    ``prefill_budget`` tokens per step in all, so a long prompt never stalls
    the streams already decoding. Chunk boundaries are the one-request loop's,
@@ -35,6 +38,7 @@ every row is retried alone, so only the culprit sees the error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -55,7 +59,7 @@ from turbospark.generate import (
     check_prompt,
 )
 from turbospark.pool import Session
-from turbospark.reuse import ReuseReport
+from turbospark.reuse import ReuseReason, ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler
 from turbospark.state import State
@@ -87,6 +91,9 @@ class Job:
     # Per-row sampling extras (turbospark.logits_processors; fresh objects per job).
     processors: list[object] = field(default_factory=list)
     top_logprobs: int | None = None  # keep each sample's log-probabilities (Chunk.logprobs)
+    # The other completions of the same prompt (a request's n > 1): they become
+    # rows when this job's prefill ends, each starting from its state by reference.
+    forks: list[Job] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -111,6 +118,7 @@ class _Row:
     batch_peak: int = 1  # the most rows this request decoded beside
     leaves_at: int = 0  # the session's position once the row leaves the batch
     finish: FinishReason = "stop"
+    fork: bool = False  # one of a request's n copies: its session is never checked in
 
     @property
     def final(self) -> bool:
@@ -241,6 +249,8 @@ class Engine:
     # -- the outside: any thread ----------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        if any(fork.ids != job.ids or fork.forks for fork in job.forks):
+            raise ValueError("a job's forks must have its prompt and no forks of their own")
         with self._wake:
             self._queue.append(job)
             self._wake.notify()
@@ -269,7 +279,9 @@ class Engine:
 
     @property
     def active_rows(self) -> int:
-        return len(self._prefilling) + len(self._solo) + len(self._batch.rows)
+        """Rows held now, a prefilling job's forks included (they start with it)."""
+        forks = sum(len(row.job.forks) for row in self._prefilling)
+        return len(self._prefilling) + forks + len(self._solo) + len(self._batch.rows)
 
     @property
     def batch_size(self) -> int:
@@ -345,11 +357,14 @@ class Engine:
         log.info("warmed up in %.1f s", time.perf_counter() - started)
 
     def _fail_all(self, exc: Exception) -> None:
+        forks = [fork for row in self._prefilling for fork in row.job.forks]  # not rows yet
         rows = self._prefilling + self._solo + self._batch.rows
         self._prefilling, self._solo, self._batch = [], [], _Batch(self.runner)
         for row in rows:
             row.session.clear()  # its state may be half-written: never resume it
             self._fail(row, exc)
+        for fork in forks:
+            fork.emit(exc)
 
     def wake(self) -> None:
         with self._wake:
@@ -367,18 +382,27 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        while self._queue and self.active_rows < self.max_batch:
+        """A job and its forks are admitted together, when their rows fit (or,
+        so that an n above ``max_batch`` still runs, when nothing else is active)."""
+        while self._queue:
             with self._wake:
-                if self.warming and not self._queue[0].warm_up:
+                head = self._queue[0]
+                if self.warming and not head.warm_up:
                     return  # real requests wait for the warm-up to finish
+                rows = 1 + len(head.forks)
+                if self.active_rows and self.active_rows + rows > self.max_batch:
+                    return
                 job = self._queue.popleft()
-            if job.cancelled.is_set():  # given up while queued: it never starts
-                job.emit(Chunk(text="", finish_reason="stop"))
+            group = [job, *job.forks]
+            if all(j.cancelled.is_set() for j in group):  # given up while queued
+                for j in group:
+                    j.emit(Chunk(text="", finish_reason="stop"))
                 continue
             try:
                 row = self._start(job)
             except Exception as exc:  # refused before any session changed
-                job.emit(exc)
+                for j in group:
+                    j.emit(exc)
                 continue
             self._prefilling.append(row)
 
@@ -390,9 +414,6 @@ class Engine:
         kept, report, evicted = acquire(runner, job.ids)
         self._evicted(job, evicted)
         session = runner.checkout()
-        stop_ids = frozenset(
-            self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
-        )
         return _Row(
             job=job,
             session=session,
@@ -400,7 +421,7 @@ class Engine:
             report=report,
             evicted=evicted,
             sampler=sampler,
-            stop_ids=stop_ids,
+            stop_ids=self._stop_ids(config),
             decoder=self.codec.stream_decoder(),
             stops=StopStrings(config.stop),
             started=started,
@@ -408,15 +429,21 @@ class Engine:
             context_length=runner.context_length,
         )
 
+    def _stop_ids(self, config: GenerationConfig) -> frozenset[int]:
+        ids = self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
+        return frozenset(ids)
+
     def _prefill(self) -> None:
         """Whole chunks (the one-request loop's boundaries), up to the budget."""
         budget = self.prefill_budget
         for row in list(self._prefilling):
             if budget is not None and budget <= 0:
                 break
-            if row.job.cancelled.is_set():
+            if all(j.cancelled.is_set() for j in (row.job, *row.job.forks)):
                 self._prefilling.remove(row)
                 self._finish(row, "stop")
+                for fork in row.job.forks:
+                    fork.emit(Chunk(text="", finish_reason="stop"))
                 continue
             ids, chunk = row.job.ids, row.job.config.chunk_size
             last = len(ids) - 1
@@ -430,17 +457,49 @@ class Engine:
                     continue
                 logits = self.runner.feed(row.session, ids[last:], last, logits=True)
                 self.runner.checkpoint(row.session)
-                row.pending = row.sampler(logits)
-                mx.async_eval(row.pending)
+                rows = [row] + [self._fork(row, job) for job in row.job.forks]
+                for each in rows:
+                    each.pending = each.sampler(logits)
+                mx.async_eval([each.pending for each in rows])
             except Exception as exc:
                 self._prefilling.remove(row)
                 self._fail(row, exc)
+                for fork in row.job.forks:
+                    fork.emit(exc)
                 continue
             budget = None if budget is None else budget - 1
-            row.position = len(ids)
-            row.prefilled = time.perf_counter()
             self._prefilling.remove(row)
-            self._solo.append(row)
+            for each in rows:
+                each.position = len(ids)
+                each.prefilled = time.perf_counter()
+                self._solo.append(each)
+
+    def _fork(self, row: _Row, job: Job) -> _Row:
+        """A row for *job*, another completion of *row*'s just-prefilled prompt: a
+        session holding *row*'s state by reference (the prompt is prefilled once)."""
+        session = self.runner.fork(row.session)
+        report = ReuseReport(
+            kept=len(job.ids),
+            swapped=False,
+            reason=ReuseReason.FORKED,
+            detail=f"one of {1 + len(row.job.forks)} completions of one prompt: the first's "
+            "prefilled state was taken by reference",
+            prompt_tokens=len(job.ids),
+        )
+        return dataclasses.replace(
+            row,
+            job=job,
+            session=session,
+            kept=len(job.ids),
+            report=report,
+            evicted=False,
+            sampler=Sampler(job.config, job.processors, job.top_logprobs),
+            stop_ids=self._stop_ids(job.config),
+            decoder=self.codec.stream_decoder(),
+            stops=StopStrings(job.config.stop),
+            generated=[],
+            fork=True,
+        )
 
     def _decode(self) -> None:
         for row in self._solo + self._batch.rows:
@@ -551,10 +610,19 @@ class Engine:
         if evicted and not job.warm_up:
             self.evictions += 1
 
+    def _checkin(self, row: _Row) -> bool:
+        """Check *row*'s session back in (True: a parked one was evicted). A fork's
+        is dropped instead: n near-copies of one conversation would push the other
+        conversations out of the pool, and the client continues the first choice."""
+        if row.fork:
+            return False
+        evicted = self.runner.checkin(row.session)
+        self.runner.flush()  # write-through to the disk tier: a reply sent is a session kept
+        return evicted
+
     def _fail(self, row: _Row, exc: Exception) -> None:
         log.warning("request failed: %s", exc, exc_info=exc)
-        self._evicted(row.job, self.runner.checkin(row.session))
-        self.runner.flush()
+        self._evicted(row.job, self._checkin(row))
         row.job.emit(exc)
         self._observe(row.job, None)
 
@@ -570,9 +638,8 @@ class Engine:
         tail = ""
         if row.stops.stopped is None:
             tail = row.stops.feed(row.decoder.flush()) + row.stops.flush()
-        evicted_at_checkin = self.runner.checkin(row.session)
+        evicted_at_checkin = self._checkin(row)
         self._evicted(row.job, evicted_at_checkin)
-        self.runner.flush()  # write-through to the disk tier: a reply sent is a session kept
         now = time.perf_counter()
         prefilled = row.prefilled or now
         stats = GenerationStats(

@@ -10,6 +10,7 @@ Lifecycle, in the order a runner calls the hooks:
 1. declare   -- :func:`turbospark_family`, :func:`turbospark_pool_capability`
 2. load      -- :func:`turbospark_load_model`
 3. serve     -- :func:`turbospark_new_state`, :func:`turbospark_forward`
+                (optional: :func:`turbospark_forward_batch`, :func:`turbospark_forward_hidden`)
 4. persist   -- :func:`turbospark_snapshot_state`, :func:`turbospark_restore_state`
 5. tooling   -- :func:`turbospark_build_synthetic_install`
 """
@@ -175,6 +176,20 @@ def turbospark_forward_batch(
     ``"all"``, ``None`` for ``"none"``. Optional: a family that does not
     implement it (or has a component that is not ``batchable``) is decoded one
     row at a time through :func:`turbospark_forward`, with the same results.
+    """
+
+
+@hookspec(firstresult=True)
+def turbospark_forward_hidden(
+    model: nn.Module, tokens: mx.array, start: int, state: State
+) -> mx.array:
+    """Advance *state* over ``tokens`` (shape ``(L,)``) at ``start ..``, as
+    :func:`turbospark_forward` does, and return the final-normed hidden states
+    ``(L, hidden)`` of every token, before the head.
+
+    Optional: ``/v1/embeddings`` pools them (mean, L2-normalized). A family
+    that does not implement it is refused there by name. The state is a
+    throwaway the runner made for this call, never a session's.
     """
 
 

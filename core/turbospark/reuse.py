@@ -31,6 +31,7 @@ class ReuseReason(StrEnum):
     SHALLOW_MATCH = "shallow_match"  # rewinding would destroy more than it keeps; park instead
     SHARED_PREFIX = "shared_prefix"  # after reset: the opening taken from a parked conversation
     RESTORED_FROM_DISK = "restored_from_disk"  # a session file scored best and was loaded
+    FORKED = "forked"  # one of n completions: the first's prefilled state, by reference
 
 
 class ReuseReport(BaseModel):

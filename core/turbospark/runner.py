@@ -512,6 +512,15 @@ class Runner:
         session, self._live = self._live, Session(self._new_state())
         return session
 
+    def fork(self, session: Session) -> Session:
+        """A new session holding *session*'s state by reference (MLX arrays are
+        never written in place, so neither sees the other's later tokens): the
+        other completions of one prompt start from its single prefill. It is not
+        the live session nor parked; the engine drops it when its request ends."""
+        forked = Session(self._new_state())
+        forked.load(session.held())
+        return forked
+
     def checkin(self, session: Session) -> bool:
         """A request is done with *session*: it becomes the live session again,
         and the one live before it is parked (the LRU rule, then the memory cap,
@@ -553,6 +562,40 @@ class Runner:
         return self._hook.turbospark_forward_batch(
             model=self.model, tokens=tokens, positions=positions, state=state, logits="last"
         )
+
+    # -- embeddings --------------------------------------------------------------
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the family gives final hidden states (``turbospark_forward_hidden``)."""
+        return bool(self._hook.turbospark_forward_hidden.get_hookimpls())
+
+    def embed(self, tokens: Sequence[int], chunk_size: int = 512) -> mx.array:
+        """The mean of *tokens*' final-normed hidden states, L2-normalized (float32,
+        ``(hidden,)``), computed in a throwaway state in chunks: no session, live
+        or parked, is read or changed."""
+        if not self.embeds:
+            raise InvalidInput(
+                f"the {self.family.name} family gives no hidden states (it implements no "
+                "turbospark_forward_hidden hook), so it cannot serve embeddings"
+            )
+        ids = self.check_ids(tokens)
+        if len(ids) > self.context_length:
+            raise ContextOverflow(
+                f"an embedding input is {len(ids)} tokens but the context length is "
+                f"{self.context_length}; shorten it or serve with a larger --context-length"
+            )
+        state = self._new_state()
+        total = mx.zeros((self.arch.hidden_size,), dtype=mx.float32)
+        for start in range(0, len(ids), chunk_size):
+            chunk = mx.array(ids[start : start + chunk_size], dtype=mx.int32)
+            hidden = self._hook.turbospark_forward_hidden(
+                model=self.model, tokens=chunk, start=start, state=state
+            )  # (L, hidden)
+            total = total + hidden.astype(mx.float32).sum(axis=0)
+            mx.eval(total, *_state_arrays(state))  # one chunk's graph at a time
+        mean = total / len(ids)
+        return mean / mx.maximum(mx.linalg.norm(mean), 1e-12)
 
     # -- vision ------------------------------------------------------------------
 

@@ -221,12 +221,12 @@ class SyntheticText:
 
 GEMMA_TEXT = SyntheticText(
     kind="sentencepiece",
-    specials=("<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<unk>"),
+    specials=("<pad>", "<bos>", "<eos>", "<|turn>", "<turn|>", "<unk>"),  # Gemma 4's turns
     bos="<bos>",
     eos="<eos>",
     pad="<pad>",
     unk="<unk>",
-    stops=("<eos>", "<end_of_turn>"),  # as Gemma's generation_config.json lists them
+    stops=("<eos>", "<turn|>"),  # as Gemma 4's generation_config.json lists them
     chat_template=GEMMA_CHAT_TEMPLATE,
 )
 

@@ -80,7 +80,7 @@ def demo_install(family: str, cache_dir: Path) -> Path:
 
 def opening(codec: TextCodec) -> list[int]:
     """The tokens every chat prompt of this install starts with (Gemma's
-    ``<bos><start_of_turn>user\\n``, Qwen's ``<|im_start|>user\\n``): the template
+    ``<bos><|turn>user\\n``, Qwen's ``<|im_start|>user\\n``): the template
     rendered up to where a user message's text goes."""
     marker = "\x00"
     rendered = codec.apply_chat_template(

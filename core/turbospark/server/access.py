@@ -25,8 +25,9 @@ GUARDED = ("/v1/", "/turbospark/")
 
 
 class ApiKeyMiddleware:
-    """Refuse guarded routes without the key: 401, an OpenAI-style error, and
-    nothing reaches a handler (no session is touched)."""
+    """Refuse guarded routes without the key: 401, an error in the route's API
+    shape (OpenAI's, or Anthropic's on ``/v1/messages``), and nothing reaches a
+    handler (no session is touched)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -44,7 +45,7 @@ class ApiKeyMiddleware:
             "this server needs an API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
             code="invalid_api_key",
         )
-        await error_response(refusal)(scope, receive, send)
+        await error_response(refusal, scope["path"])(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])

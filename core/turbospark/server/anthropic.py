@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from turbospark.errors import TurbosparkError
 from turbospark.generate import Chunk, Completion, GenerationStats
 from turbospark.server.app import EventStream, Service
-from turbospark.server.errors import APIError, refusal
+from turbospark.server.errors import APIError, anthropic_error_body, refusal
 from turbospark.server.limits import Deadline, Ticket
 from turbospark.server.schemas import ChatCompletionRequest, Message, Text, TextPart
 from turbospark.server.tools import (
@@ -40,6 +40,7 @@ from turbospark.server.tools import (
     Tool,
     ToolCall,
     ToolChoice,
+    ToolSyntax,
 )
 from turbospark.text import TextCodec
 
@@ -243,29 +244,6 @@ def _openai_messages(message: AnthropicMessage) -> list[Message]:
 
 # -- replies ------------------------------------------------------------------------------
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def error_body(exc: APIError) -> dict[str, Any]:
-    detail = exc.body.error
-    kind = _ERROR_TYPES.get(
-        exc.status, "invalid_request_error" if exc.status < 500 else "api_error"
-    )
-    return {"type": "error", "error": {"type": kind, "message": detail.message}}
-
-
-def error_response(exc: APIError) -> Response:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
-
 
 def _usage(stats: GenerationStats) -> dict[str, int]:
     return {
@@ -310,22 +288,17 @@ def _event(kind: str, payload: dict[str, Any]) -> str:
 
 
 async def messages(request: Request) -> Response:
+    """Refusals take Anthropic's shape from the app's handlers (``errors.py``)."""
     service: Service = request.app.state.service
-    try:
-        return await service.run(request, _messages, MessagesRequest)
-    except APIError as exc:
-        return error_response(exc)
+    return await service.run(request, _messages, MessagesRequest)
 
 
 async def count_tokens(request: Request) -> Response:
     service: Service = request.app.state.service
-    try:
-        deadline = service.deadline()
-        body = await service.parse(request, CountTokensRequest, deadline)
-        chat = body.chat()
-        ids = await service.prompt_ids(chat.messages, deadline, chat.tools)
-    except APIError as exc:
-        return error_response(exc)
+    deadline = service.deadline()
+    body = await service.parse(request, CountTokensRequest, deadline)
+    chat = body.chat()
+    ids = await service.prompt_ids(chat.messages, deadline, chat.tools)
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -343,9 +316,13 @@ async def _messages(
 
 
 def _whole(
-    service: Service, body: MessagesRequest, ident: str, done: Completion, calling: bool
+    service: Service,
+    body: MessagesRequest,
+    ident: str,
+    done: Completion,
+    calling: ToolSyntax | None,
 ) -> dict[str, Any]:
-    prose, calls = service.tool_syntax.parse(done.text) if calling else (done.text, [])
+    prose, calls = calling.parse(done.text) if calling else (done.text, [])
     content = ([{"type": "text", "text": prose}] if prose or not calls else []) + [
         _tool_use(c) for c in calls
     ]
@@ -365,7 +342,7 @@ async def _stream(
     body: MessagesRequest,
     ident: str,
     chunks: AsyncIterator[tuple[int, Chunk]],
-    calling: bool,
+    calling: ToolSyntax | None,
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
     """Anthropic's events: the text block's deltas as they come, each tool call
@@ -374,7 +351,7 @@ async def _stream(
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0}
     start = _message(ident, service.model_id, [], stop_reason=None, stop_sequence=None, usage=usage)
     yield _event("message_start", {"message": start})
-    splitter = StreamSplitter(service.tool_syntax) if calling else None
+    splitter = StreamSplitter(calling) if calling else None
     tokens: list[int] = []
     index, text_open = 0, False
     try:
@@ -414,10 +391,11 @@ async def _stream(
             yield _event("message_delta", {"delta": delta, "usage": _usage(chunk.stats)})
         yield _event("message_stop", {})
     except APIError as exc:  # the deadline
-        yield _event("error", error_body(exc))
+        yield _event("error", anthropic_error_body(exc))
     except TurbosparkError as exc:
-        yield _event("error", error_body(refusal(exc, "messages")))
+        yield _event("error", anthropic_error_body(refusal(exc, "messages")))
     except Exception as exc:  # the headers are sent: report in-band, then end the stream
         yield _event(
-            "error", error_body(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            "error",
+            anthropic_error_body(APIError(500, f"internal error: {type(exc).__name__}: {exc}")),
         )

@@ -3,6 +3,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
 streaming), Anthropic's ``POST /v1/messages`` (``anthropic.py``) and OpenAI's
 ``POST /v1/responses`` (``responses.py``), translated onto the chat path,
+``POST /v1/embeddings`` (``embeddings.py``: pooled hidden states, no session touched),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus:
 ``metrics.py``), ``GET /openapi.json`` (the request and response schemas,
 generated from the pydantic models), and the
@@ -49,7 +50,7 @@ from turbospark.generate import (
 from turbospark.logits_processors import Grammar, GrammarCompiler
 from turbospark.runner import Runner
 from turbospark.server.access import access_middleware
-from turbospark.server.draws import Draw, chat_logprobs, draws, text_logprobs
+from turbospark.server.draws import Draw, chat_logprobs, draws, leads, text_logprobs
 from turbospark.server.errors import (
     HANDLERS,
     APIError,
@@ -188,16 +189,20 @@ class Service:
 
     async def chat_draws(
         self, body: ChatCompletionRequest, deadline: Deadline
-    ) -> tuple[list[Draw], bool]:
+    ) -> tuple[list[Draw], ToolSyntax | None]:
         """A chat request's draws (its prompt rendered with its tools, a forced
-        call's grammar) and whether tool calls are parsed out of the replies.
-        The Anthropic and Responses endpoints translate into this request."""
+        call's grammar) and, when tool calls are parsed out of the replies, the
+        install's tool syntax bound to the request's tools (their parameter
+        types). The Anthropic and Responses endpoints translate into this request."""
         why = check_choice(body.tools, body.tool_choice)
         if why is not None:
             raise APIError(400, why, param="tool_choice", code="invalid_value")
         calling = bool(body.tools) and body.tool_choice != "none"
-        syntax = self.tool_syntax
-        forced = syntax.forced(body.tools or [], body.tool_choice) if calling else None
+        syntax = self.tool_syntax.bound(body.tools or [])
+        try:
+            forced = syntax.forced(body.tools or [], body.tool_choice) if calling else None
+        except ValueError as exc:  # a schema the forcing grammar cannot follow
+            raise APIError(400, str(exc), param="tools", code="invalid_value") from exc
         if forced is not None and body.response_format is not None:
             raise APIError(
                 400,
@@ -216,7 +221,7 @@ class Service:
             top_logprobs=body.kept_logprobs,
             grammar=grammar,
         )
-        return choices, calling
+        return choices, syntax if calling else None
 
     async def run(self, request: Request, handler: Callable[..., Any], model: type[R]) -> Response:
         """Parse *model* within the request's deadline, take a queue place, and
@@ -342,7 +347,7 @@ class Service:
             return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (index, item))
 
         jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
-        for job in jobs:
+        for job in leads(jobs):  # one prefill per prompt, its other choices forked
             self.engine.submit(job)
         running = len(jobs)
         try:
@@ -430,16 +435,16 @@ async def _sse_stream(
     yield _sse("[DONE]")
 
 
-def _message(text: str, calling: bool, syntax: ToolSyntax) -> AssistantMessage:
+def _message(text: str, syntax: ToolSyntax | None) -> AssistantMessage:
     """The reply, its tool-call blocks parsed out when the request offered tools."""
-    if not calling:
+    if syntax is None:
         return AssistantMessage(content=text)
     prose, calls = syntax.parse(text)
     return AssistantMessage(content=prose or None, tool_calls=calls or None)
 
 
-def _finish(done: Completion, calling: bool, syntax: ToolSyntax) -> str:
-    if calling and done.finish_reason == "stop" and syntax.parse(done.text)[1]:
+def _finish(done: Completion, syntax: ToolSyntax | None) -> str:
+    if syntax is not None and done.finish_reason == "stop" and syntax.parse(done.text)[1]:
         return "tool_calls"
     return done.finish_reason
 
@@ -459,8 +464,7 @@ async def _chat(
     ticket: Ticket,
     request: Request,
 ) -> Response:
-    choices, calling = await service.chat_draws(body, deadline)
-    syntax = service.tool_syntax
+    choices, syntax = await service.chat_draws(body, deadline)
     ident = new_id("chatcmpl")
     codec = service.codec
     if not body.stream:
@@ -472,8 +476,8 @@ async def _chat(
                 choices=[
                     ChatChoice(
                         index=i,
-                        message=_message(d.text, calling, syntax),
-                        finish_reason=_finish(d, calling, syntax),
+                        message=_message(d.text, syntax),
+                        finish_reason=_finish(d, syntax),
                         logprobs=chat_logprobs(codec, d.tokens, d.logprobs)
                         if body.logprobs
                         else None,
@@ -494,7 +498,7 @@ async def _chat(
             return None
         started.add(index)
         text, calls, finish = chunk.text, None, chunk.finish_reason
-        if calling:  # prose goes out at once; tool-call blocks when the choice ends
+        if syntax is not None:  # prose goes out at once; tool-call blocks when the choice ends
             splitter = splitters.setdefault(index, StreamSplitter(syntax))
             text = splitter.feed(text)
             if finish is not None:
@@ -670,7 +674,7 @@ def create_app(
     opened elsewhere; its model is evaluated here first, because MLX cannot
     evaluate on one thread what another thread left lazy (e.g. RoPE tables).
     """
-    from turbospark.server import anthropic, responses  # they build on this module
+    from turbospark.server import anthropic, embeddings, responses  # they build on this module
 
     if worker is None:
         worker = RunnerWorker()
@@ -714,6 +718,9 @@ def create_app(
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
+            Route(
+                "/v1/embeddings", metrics.counted("embeddings", embeddings.create), methods=["POST"]
+            ),
             *PAGE_ROUTES,
         ],
         exception_handlers=HANDLERS,

@@ -5,7 +5,9 @@ several); each choice is a :class:`Draw`, submitted as its own engine job, so
 the choices are rows of one batch. Every draw gets fresh per-row state (its
 sampler's key, penalty counts, grammar matcher), so one choice never steers
 another. With a seed, choice *j* samples with ``seed + j``: reproducible, and
-not n copies of one sample.
+not n copies of one sample. The draws of one prompt are submitted as one
+job and its forks (:func:`leads`), so the prompt is prefilled once and the
+other choices start from that state by reference.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ class Draw:
             processors=list(processors),
             top_logprobs=self.top_logprobs,
         )
+
+
+def leads(jobs: list[Job]) -> list[Job]:
+    """The jobs to submit: the first job of each distinct prompt, carrying the
+    later jobs of that prompt as its ``forks`` (the engine's n > 1 path)."""
+    first: dict[tuple[int, ...], Job] = {}
+    for job in jobs:
+        lead = first.setdefault(tuple(job.ids), job)
+        if lead is not job:
+            lead.forks.append(job)
+    return list(first.values())
 
 
 def draws(

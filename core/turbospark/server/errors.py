@@ -1,7 +1,11 @@
-"""OpenAI-style refusals: :class:`APIError`, its JSON rendering, and the app's handlers.
+"""Refusals: :class:`APIError`, its JSON rendering, and the app's handlers.
 
 Every refusal is ``{"error": {message, type, param, code}}`` with a 4xx status
-(5xx only for the server's own limits and faults). Error bodies are rendered
+(5xx only for the server's own limits and faults), except on Anthropic's routes
+(``/v1/messages...``), where it takes Anthropic's shape, ``{"type": "error",
+"error": {type, message}}``, whoever refuses: a handler, the API-key check, a
+wrong method, a fault. The SDKs pick their exception class (e.g.
+``anthropic.AuthenticationError``) from that shape. Error bodies are rendered
 with ``ensure_ascii=True``: a message may quote what the client sent, and a
 lone UTF-16 surrogate in it must not turn a 400 into a 500 while encoding.
 """
@@ -9,6 +13,7 @@ lone UTF-16 surrogate in it must not turn a 400 into a 500 while encoding.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -16,7 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from turbospark.errors import ContextOverflow, InvalidInput, TurbosparkError
-from turbospark.server.schemas import ErrorBody, ErrorDetail
+from turbospark.server.schemas import (
+    AnthropicErrorBody,
+    AnthropicErrorDetail,
+    ErrorBody,
+    ErrorDetail,
+)
 
 
 class APIError(Exception):
@@ -44,14 +54,40 @@ class APIError(Exception):
         )
 
 
-def error_json(body: ErrorBody) -> str:
+ANTHROPIC_ROUTES = "/v1/messages"  # the Messages API and count_tokens below it
+
+# Anthropic's error types by status (docs.anthropic.com, "Errors").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_json(body: ErrorBody | dict[str, Any]) -> str:
     """The body as ASCII JSON, whatever characters the message quotes."""
-    return json.dumps(body.model_dump(), ensure_ascii=True)
+    data = body.model_dump() if isinstance(body, ErrorBody) else body
+    return json.dumps(data, ensure_ascii=True)
 
 
-def error_response(error: APIError) -> Response:
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """The refusal in Anthropic's shape: ``{"type": "error", "error": {type, message}}``."""
+    fallback = "invalid_request_error" if error.status < 500 else "api_error"
+    kind = _ANTHROPIC_TYPES.get(error.status, fallback)
+    detail = AnthropicErrorDetail(type=kind, message=error.body.error.message)
+    return AnthropicErrorBody(error=detail).model_dump()
+
+
+def error_response(error: APIError, path: str = "") -> Response:
+    """The refusal as the route's API shapes it (Anthropic's under ``/v1/messages``)."""
+    anthropic = path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
     return Response(
-        error_json(error.body),
+        error_json(anthropic_error_body(error) if anthropic else error.body),
         status_code=error.status,
         headers=error.headers,
         media_type="application/json",
@@ -90,18 +126,21 @@ def refusal(exc: TurbosparkError, param: str) -> APIError:
 
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return error_response(
-        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
+        request.url.path,
     )
 
 
 async def server_error(request: Request, exc: Exception) -> Response:
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    return error_response(
+        APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path
+    )
 
 
 class ClientGone(Exception):

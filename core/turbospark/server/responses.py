@@ -38,6 +38,7 @@ from turbospark.server.tools import (
     Tool,
     ToolCall,
     ToolChoice,
+    ToolSyntax,
 )
 
 _REFUSED = {
@@ -264,11 +265,11 @@ async def create(request: Request) -> Response:
 async def _create(
     service: Service, body: ResponsesRequest, deadline: Deadline, ticket: Ticket, request: Request
 ) -> Response:
-    choices, calling = await service.chat_draws(body.chat_request(), deadline)
+    choices, calling = await service.chat_draws(body.chat_request(), deadline)  # calling: a syntax
     ident, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if not body.stream:
         (done,) = await service.complete(choices, deadline, request)
-        text, calls = service.tool_syntax.parse(done.text) if calling else (done.text, [])
+        text, calls = calling.parse(done.text) if calling else (done.text, [])
         return JSONResponse(
             _response(
                 service,
@@ -290,7 +291,7 @@ async def _stream(
     ident: str,
     created: int,
     chunks: AsyncIterator[tuple[int, Chunk]],
-    calling: bool,
+    calling: ToolSyntax | None,
 ) -> AsyncIterator[str]:
     sequence = 0
 
@@ -303,7 +304,7 @@ async def _stream(
     response = _response(service, body, ident, created)
     yield event("response.created", response=response)
     yield event("response.in_progress", response=response)
-    splitter = StreamSplitter(service.tool_syntax) if calling else None
+    splitter = StreamSplitter(calling) if calling else None
     message_id = "msg_" + uuid.uuid4().hex
     opened, text_all = False, ""
     try:

@@ -337,6 +337,9 @@ class TurbosparkUsage(BaseModel):
     decode_tokens_per_second: float
     queued_seconds: float = 0.0
     batch_size: int = 1
+    # Prompt tokens computed for this request, over all its choices: with n > 1
+    # the prompt is prefilled once, so this is prompt_tokens - cached_tokens.
+    prefilled_tokens: int = 0
 
 
 class Usage(BaseModel):
@@ -357,6 +360,7 @@ class Usage(BaseModel):
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         usage.prompt_tokens_details.cached_tokens = sum(s.reused_tokens for s in first)
         usage.turbospark.batch_size = max(s.batch_size for s in stats)
+        usage.turbospark.prefilled_tokens = sum(s.prompt_tokens - s.reused_tokens for s in stats)
         return usage
 
     @classmethod
@@ -377,6 +381,7 @@ class Usage(BaseModel):
                 decode_tokens_per_second=stats.decode_tokens_per_second,
                 queued_seconds=stats.queued_seconds,
                 batch_size=stats.batch_size,
+                prefilled_tokens=stats.prompt_tokens - stats.reused_tokens,
             ),
         )
 
@@ -494,3 +499,15 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str  # authentication_error, invalid_request_error, not_found_error, ...
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """A refusal on Anthropic's routes, in Anthropic's shape (``errors.py``)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail

@@ -1,22 +1,33 @@
-"""Tool calling: the request's tools, the model's ``<tool_call>`` blocks parsed back, and forcing a call.
+"""Tool calling: the request's tools, the model's tool-call blocks parsed back, and forcing a call.
 
 The chat template renders ``tools`` in the family's own syntax; a template
 that never mentions ``tools`` cannot, and a request with tools is refused for
-it (never silently dropped). Two syntaxes (:class:`ToolSyntax`, picked from
-the template): the JSON-in-``<tool_call>`` blocks of Qwen's templates, and
-Gemma 4's native ``<|tool_call>call:NAME{...}<tool_call|>`` (the synthetic
-gemma4 template writes it).
+it (never silently dropped). Three syntaxes (:class:`ToolSyntax`, picked from
+the template):
+
+- Qwen3.5's (and Qwen3-Coder's) XML form, which the real Qwen3.5 checkpoints'
+  ``chat_template`` writes and the synthetic qwen_gdn / qwen4_exp templates
+  copy: ``<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n
+  </function>\n</tool_call>``, a string value written raw and any other value
+  as JSON; values are read back by the tool's parameter types, as vLLM's
+  ``qwen3_coder`` parser reads them;
+- Qwen3's JSON-in-``<tool_call>`` blocks (``{"name": ..., "arguments": ...}``),
+  for checkpoints whose template asks for those;
+- Gemma 4's native ``<|tool_call>call:NAME{...}<tool_call|>``.
+
 ``tool_choice: "required"`` or a named function is enforced with an
-llguidance grammar: the reply is one block whose JSON names an allowed
-function and whose arguments match its parameter schema.
+llguidance grammar in the install's syntax: the reply is one block naming an
+allowed function whose arguments match its parameter schema.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -122,7 +133,7 @@ class StreamSplitter:
     def __init__(self, syntax: ToolSyntax | None = None) -> None:
         self.held = ""
         self.calling = False
-        self.syntax = syntax or QWEN_SYNTAX
+        self.syntax = syntax or QWEN_JSON_SYNTAX
 
     def feed(self, text: str) -> str:
         if self.calling:
@@ -185,6 +196,146 @@ def check_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> str | N
     elif choice == "required" and not tools:
         return "tool_choice 'required' needs tools"
     return None
+
+
+# -- Qwen3.5's XML syntax -------------------------------------------------------------
+#
+# As the Qwen3.5 checkpoints' chat_template writes an assistant's tool_calls (and
+# Qwen3-Coder's before it; vLLM and SGLang read it with their ``qwen3_coder`` parser):
+#
+#   <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+#
+# a string VALUE raw, a mapping or a list as JSON, any other scalar as Python's
+# ``str`` (so ``True``); several calls are several blocks.
+
+QWEN_XML_FUNCTION = "<function="
+_XML_BLOCK = re.compile(
+    r"<tool_call>\s*<function=([^>\n]{1,64})>\n?(.*?)</function>\s*</tool_call>", re.DOTALL
+)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
+
+
+def _schema_type(schema: Any) -> str | None:
+    """The schema's one non-null type (``["integer", "null"]`` -> ``integer``)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kinds = [k for k in kind if k != "null"]
+        kind = kinds[0] if len(kinds) == 1 else None
+    return kind if isinstance(kind, str) else None
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """One parameter's text as its schema's type (vLLM's ``qwen3_coder`` reading):
+    a string stays text, a boolean may be Python's ``True``; anything else is read
+    as JSON, and text that is not JSON stays text (nothing is lost)."""
+    kind = _schema_type(schema)
+    if kind == "string":
+        return text
+    if kind == "boolean" and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if kind == "integer" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def parse_qwen_xml(text: str, tools: Sequence[Tool] = ()) -> tuple[str, list[ToolCall]]:
+    """As :func:`parse`, for Qwen3.5's ``<tool_call><function=...>`` blocks; each
+    value is read by its parameter's type in *tools* (untyped: JSON if it parses)."""
+    params = {t.function.name: t.function.parameters.get("properties") or {} for t in tools}
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    at = 0
+    for match in _XML_BLOCK.finditer(text):
+        name, body = match.group(1).strip(), match.group(2)
+        if _XML_PARAMETER.sub("", body).strip():  # text outside the parameters: not a call
+            continue
+        schemas = params.get(name, {})
+        arguments = {
+            m.group(1).strip(): _xml_value(m.group(2), schemas.get(m.group(1).strip()))
+            for m in _XML_PARAMETER.finditer(body)
+        }
+        kept.append(text[at : match.start()])
+        at = match.end()
+        function = FunctionCall(name=name, arguments=json.dumps(arguments))
+        calls.append(ToolCall(id=new_call_id(), function=function))
+    kept.append(text[at:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+class _QwenXmlGrammar:
+    """A Lark grammar (llguidance) for one call's parameters: the required ones,
+    in order, each value following its schema: a string is raw text on one line
+    (no ``<``), an ``enum``/``const`` one of its values as the template writes
+    them, a small integer range exactly, anything else JSON matching the
+    sub-schema (llguidance's ``%json``)."""
+
+    def __init__(self) -> None:
+        self.rules: list[str] = []
+
+    def rule(self, body: str) -> str:
+        name = f"q{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    @staticmethod
+    def written(value: Any) -> str:
+        """A value as the template writes it."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, dict | list):
+            return json.dumps(value)
+        return str(value)
+
+    def value(self, schema: Any) -> str:
+        if not isinstance(schema, dict):
+            return "TEXT"
+        if "const" in schema:
+            return self.rule(json.dumps(self.written(schema["const"])))
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            return self.rule(" | ".join(json.dumps(self.written(v)) for v in schema["enum"]))
+        kind = _schema_type(schema)
+        if kind == "string" or (kind is None and not schema):
+            return "TEXT"
+        if kind == "integer":
+            low, high = schema.get("minimum"), schema.get("maximum")
+            if isinstance(low, int) and isinstance(high, int) and 0 <= high - low <= 100:
+                return self.rule(" | ".join(json.dumps(str(v)) for v in range(low, high + 1)))
+        body = json.dumps(schema | {"x-guidance": {"whitespace_flexible": False}})
+        return self.rule(f"%json {body}")
+
+    def call(self, tool: Tool) -> str:
+        parameters = tool.function.parameters
+        if _schema_type(parameters) not in (None, "object"):
+            raise ValueError(
+                f"tools: the parameters of '{tool.function.name}' must be a JSON schema of "
+                f"type object, got type {parameters.get('type')!r}"
+            )
+        properties = parameters.get("properties") or {}
+        required = [k for k in parameters.get("required", []) if k in properties]
+        pieces = [json.dumps(f"{tool.function.name}>\n")]
+        for key in required:
+            value = self.value(properties[key])
+            pieces += [json.dumps(f"<parameter={key}>\n"), value, json.dumps("\n</parameter>\n")]
+        return self.rule(" ".join(pieces))
+
+
+def forced_qwen_xml_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | None:
+    """As :func:`forced_grammar`, in Qwen3.5's XML syntax (:class:`_QwenXmlGrammar`).
+    ValueError names a tool whose parameters are not an object schema."""
+    if choice in (None, "none", "auto"):
+        return None
+    allowed = tools
+    if isinstance(choice, NamedToolChoice):
+        allowed = [t for t in tools if t.function.name == choice.function.name]
+    grammar = _QwenXmlGrammar()
+    calls = " | ".join(grammar.call(t) for t in allowed)
+    head = f"start: {json.dumps(OPEN + chr(10) + QWEN_XML_FUNCTION)} ({calls}) "
+    head += json.dumps("</function>\n" + CLOSE)
+    return "\n".join([head, *grammar.rules, "TEXT: /[^<\\n]{1,200}/"])
 
 
 # -- Gemma 4's native syntax ----------------------------------------------------------
@@ -375,19 +526,44 @@ def forced_gemma4_grammar(tools: list[Tool], choice: ToolChoice | None) -> str |
 @dataclass(frozen=True)
 class ToolSyntax:
     """How one chat template's tool calls look: where a call starts, how the
-    reply's calls are parsed, and the grammar that forces one."""
+    reply's calls are parsed (given the request's tools), and the grammar that
+    forces one."""
 
     open: str
-    parse: Callable[[str], tuple[str, list[ToolCall]]]
+    parse_with: Callable[[str, Sequence[Tool]], tuple[str, list[ToolCall]]]
     forced: Callable[[list[Tool], ToolChoice | None], str | None]
+    tools: tuple[Tool, ...] = ()
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The reply's prose and its well-formed calls (read with the bound tools' types)."""
+        return self.parse_with(text, self.tools)
+
+    def bound(self, tools: Sequence[Tool]) -> ToolSyntax:
+        """This syntax for one request: its replies are read with *tools*' parameter types."""
+        return dataclasses.replace(self, tools=tuple(tools))
 
     @staticmethod
     def of(chat_template: str | None) -> ToolSyntax:
-        """Gemma 4's syntax when the template writes it, else Qwen's ``<tool_call>`` JSON."""
-        if GEMMA4_OPEN in (chat_template or ""):
+        """The syntax the template writes: Qwen3.5's XML when it writes ``<function=``,
+        Gemma 4's when it writes ``<|tool_call>``, else Qwen3's ``<tool_call>`` JSON."""
+        template = chat_template or ""
+        if QWEN_XML_FUNCTION in template:
+            return QWEN_XML_SYNTAX
+        if GEMMA4_OPEN in template:
             return GEMMA4_SYNTAX
-        return QWEN_SYNTAX
+        return QWEN_JSON_SYNTAX
 
 
-QWEN_SYNTAX = ToolSyntax(OPEN, parse, forced_grammar)
-GEMMA4_SYNTAX = ToolSyntax(GEMMA4_OPEN, parse_gemma4, forced_gemma4_grammar)
+def _untyped(parse_: Callable[[str], tuple[str, list[ToolCall]]]) -> Callable[..., Any]:
+    """A parser whose syntax carries its own value types (JSON, Gemma 4's)."""
+
+    @functools.wraps(parse_)
+    def parse_with(text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
+        return parse_(text)
+
+    return parse_with
+
+
+QWEN_JSON_SYNTAX = ToolSyntax(OPEN, _untyped(parse), forced_grammar)
+QWEN_XML_SYNTAX = ToolSyntax(OPEN, parse_qwen_xml, forced_qwen_xml_grammar)
+GEMMA4_SYNTAX = ToolSyntax(GEMMA4_OPEN, _untyped(parse_gemma4), forced_gemma4_grammar)

@@ -37,15 +37,17 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-# Gemma (2, 3 and 4 alike): system text folded into the first user turn, roles
-# must alternate, ``assistant`` rendered as ``model``. With ``tools`` it writes
-# Gemma 4's native tool syntax (Google's "Function calling with Gemma 4" guide):
-# each tool as ``<|tool>declaration:NAME{description:...,parameters:{...}}<tool|>``
-# at the top of the first user turn, an assistant's ``tool_calls`` as
-# ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, and ``tool`` results as
-# ``<|tool_response>response:NAME{value:...}<tool_response|>`` in a user turn;
-# strings are wrapped in ``<|"|>``, keys are bare. (The turns stay Gemma 3's
-# ``<start_of_turn>``: the synthetic tokenizer's specials.)
+# Gemma 4: every turn in ``<|turn>ROLE\n ... <turn|>\n`` (``assistant`` rendered as
+# ``model``), a real ``system`` turn (Gemma 3 folded it into the first user turn),
+# roles alternating after it, and ``<|turn>model\n`` as the generation prompt. With
+# ``tools`` it writes Gemma 4's native tool syntax (Google's "Function calling with
+# Gemma 4" guide): each tool as ``<|tool>declaration:NAME{description:...,
+# parameters:{...}}<tool|>`` in the system turn, after its text; an assistant's
+# ``tool_calls`` as ``<|tool_call>call:NAME{key:value,...}<tool_call|>``; and ``tool``
+# results as ``<|tool_response>response:NAME{value:...}<tool_response|>`` in a user
+# turn; strings are wrapped in ``<|"|>``, keys are bare. (Where Google's template puts
+# the tool responses, inside the model's turn or a turn of their own, is not settled
+# by the sources read; the synthetic tokenizer keeps the tool markers as text.)
 _GEMMA4_VALUE = (
     "{% macro g4(v) %}"
     "{% if v is none %}null"
@@ -61,18 +63,13 @@ _GEMMA4_VALUE = (
 )
 GEMMA_CHAT_TEMPLATE = (
     _GEMMA4_VALUE + "{{ bos_token }}"
-    "{% if messages[0]['role'] == 'system' %}"
-    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}"
-    "{% set loop_messages = messages[1:] %}"
-    "{% else %}"
-    "{% set first_user_prefix = '' %}"
-    "{% set loop_messages = messages %}"
-    "{% endif %}"
-    "{% if tools %}{% set ns = namespace(tools='') %}{% for tool in tools %}"
-    "{% set fn = tool['function'] %}"
-    "{% set ns.tools = ns.tools + '<|tool>declaration:' + fn['name'] + g4({"
-    "'description': fn['description'] or '', 'parameters': fn['parameters']}) + '<tool|>' %}"
-    "{% endfor %}{% set first_user_prefix = ns.tools + '\\n' + first_user_prefix %}{% endif %}"
+    "{% set system = messages[0]['content'] | trim if messages[0]['role'] == 'system' else '' %}"
+    "{% set loop_messages = messages[1:] if messages[0]['role'] == 'system' else messages %}"
+    "{% if system or tools %}{{ '<|turn>system\\n' + system }}"
+    "{% for tool in tools or [] %}{% set fn = tool['function'] %}"
+    "{{ '<|tool>declaration:' + fn['name'] + g4({'description': fn['description'] or '', "
+    "'parameters': fn['parameters']}) + '<tool|>' }}"
+    "{% endfor %}{{ '<turn|>\\n' }}{% endif %}"
     "{% for message in loop_messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else "
     "('user' if message['role'] == 'tool' else message['role']) %}"
@@ -80,49 +77,62 @@ GEMMA_CHAT_TEMPLATE = (
     "{% set after = loop_messages[loop.index0 + 1] if not loop.last else none %}"
     "{% if message['role'] == 'tool' %}"
     "{% if before is none or before['role'] != 'tool' %}"
-    "{{ '<start_of_turn>user\\n' }}{% endif %}"
+    "{{ '<|turn>user\\n' }}{% endif %}"
     "{% set ns2 = namespace(name='') %}"
     "{% for m in messages %}{% for c in (m['tool_calls'] or []) %}"
     "{% if c['id'] == message['tool_call_id'] %}{% set ns2.name = c['function']['name'] %}"
     "{% endif %}{% endfor %}{% endfor %}"
     "{{ '<|tool_response>response:' + ns2.name + g4({'value': message['content']}) }}"
     "{{ '<tool_response|>' }}"
-    "{% if after is none or after['role'] != 'tool' %}{{ '<end_of_turn>\\n' }}{% endif %}"
+    "{% if after is none or after['role'] != 'tool' %}{{ '<turn|>\\n' }}{% endif %}"
     "{% else %}"
     "{% if (role == 'user') == (before is not none and before['role'] != 'assistant') "
     "or (role == 'model' and before is none) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{% endif %}"
-    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ '<|turn>' + role + '\\n' }}"
     "{{ message['content'] | trim }}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
     "{% for call in message['tool_calls'] %}"
     "{{ '<|tool_call>call:' + call['function']['name'] + g4(call['function']['arguments']) }}"
     "{{ '<tool_call|>' }}"
     "{% endfor %}{% endif %}"
-    "{{ '<end_of_turn>\\n' }}"
+    "{{ '<turn|>\\n' }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
 )
 
-# Qwen3 / Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``,
+# Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``,
 # earlier assistant turns lose their reasoning (the text up to ``</think>``), and
-# ``enable_thinking=False`` pre-fills an empty think block. With ``tools``, the
-# system turn lists them in ``<tools>`` and asks for ``<tool_call>`` JSON blocks;
-# an assistant's ``tool_calls`` are rendered as those blocks, and consecutive
-# ``tool`` results as ``<tool_response>`` blocks in one user turn (Qwen3's shape).
+# ``enable_thinking=False`` pre-fills an empty think block. With ``tools``, as the
+# Qwen3.5 checkpoints' template: the system turn opens with the tools in ``<tools>``
+# (one JSON object a line) and the XML call format's instructions, the system text
+# after them; an assistant's ``tool_calls`` are rendered as
+# ``<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>``
+# blocks (a string V raw, a mapping or list as JSON, other scalars as ``str``), and
+# consecutive ``tool`` results as ``<tool_response>`` blocks in one user turn.
+# (Unlike the checkpoints', the generation prompt opens no ``<think>`` block
+# unless asked to close one: the synthetic installs do not reason.)
 QWEN_CHAT_TEMPLATE = (
     "{% if tools %}"
-    "{{ '<|im_start|>system\\n' }}"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
-    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{ '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:"
+    "\\n\\n<tools>' }}"
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>'
-    "<|im_end|>\\n' }}"
+    "{{ '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following "
+    "format with NO suffix:\\n\\n<tool_call>\\n<function=example_function_name>\\n"
+    "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n"
+    "<parameter=example_parameter_2>\\nThis is the value for the second parameter\\n"
+    "that can span\\nmultiple lines\\n</parameter>\\n</function>\\n</tool_call>\\n\\n"
+    "<IMPORTANT>\\nReminder:\\n- Function calls MUST follow the specified format: an inner "
+    "<function=...></function> block must be nested within <tool_call></tool_call> XML tags"
+    "\\n- Required parameters MUST be specified\\n- You may provide optional reasoning for "
+    "your function call in natural language BEFORE the function call, but NOT after\\n- If "
+    "there is no function call available, answer the question like normal with your current "
+    "knowledge and do not tell the user about function calls\\n</IMPORTANT>' }}"
+    "{% if messages[0]['role'] == 'system' and messages[0]['content'] | trim %}"
+    "{{ '\\n\\n' + messages[0]['content'] | trim }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
     "{% set skip_first = messages[0]['role'] == 'system' %}"
     "{% else %}{% set skip_first = false %}{% endif %}"
     "{% for message in messages %}"
@@ -140,9 +150,17 @@ QWEN_CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + content }}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
     "{% for call in message['tool_calls'] %}"
-    "{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
-    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
-    "{{ call['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\\n<tool_call>\\n<function=' + fn['name'] + '>\\n' }}"
+    "{% elif content | trim %}{{ '\\n\\n<tool_call>\\n<function=' + fn['name'] + '>\\n' }}"
+    "{% else %}{{ '<tool_call>\\n<function=' + fn['name'] + '>\\n' }}{% endif %}"
+    "{% if fn['arguments'] is mapping %}{% for key, value in fn['arguments'].items() %}"
+    "{{ '<parameter=' + key + '>\\n' }}"
+    "{% if value is mapping or (value is sequence and value is not string) %}"
+    "{{ value | tojson }}{% else %}{{ value | string }}{% endif %}"
+    "{{ '\\n</parameter>\\n' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '</function>\\n</tool_call>' }}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endif %}"

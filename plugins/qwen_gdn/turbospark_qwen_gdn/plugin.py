@@ -40,6 +40,13 @@ def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int
 
 
 @hookimpl
+def turbospark_forward_hidden(
+    model: nn.Module, tokens: mx.array, start: int, state: State
+) -> mx.array:
+    return model(tokens[None], start, state)[0]  # (L, hidden)
+
+
+@hookimpl
 def turbospark_forward(
     model: nn.Module,
     tokens: mx.array,
