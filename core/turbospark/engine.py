@@ -46,6 +46,7 @@ from typing import Literal, TypeVar
 
 import mlx.core as mx
 
+from turbospark.draft import Drafter
 from turbospark.generate import (
     Chunk,
     FinishReason,
@@ -58,6 +59,7 @@ from turbospark.pool import Session
 from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler
+from turbospark.speculative import Speculation, settle, speculation_for
 from turbospark.state import State
 from turbospark.text import StopStrings, StreamDecoder, TextCodec
 
@@ -87,6 +89,7 @@ class Job:
     # Per-row sampling extras (turbospark.logits_processors; fresh objects per job).
     processors: list[object] = field(default_factory=list)
     top_logprobs: int | None = None  # keep each sample's log-probabilities (Chunk.logprobs)
+    drafter: Drafter | None = None  # replaces the runner's draft policy (benchmarks' oracles)
 
 
 @dataclass(eq=False)
@@ -111,6 +114,7 @@ class _Row:
     batch_peak: int = 1  # the most rows this request decoded beside
     leaves_at: int = 0  # the session's position once the row leaves the batch
     finish: FinishReason = "stop"
+    spec: Speculation | None = None  # drafting, while the row decodes alone (solo)
 
     @property
     def final(self) -> bool:
@@ -393,7 +397,7 @@ class Engine:
         stop_ids = frozenset(
             self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
         )
-        return _Row(
+        row = _Row(
             job=job,
             session=session,
             kept=kept,
@@ -407,6 +411,16 @@ class Engine:
             next_prefill=kept,
             context_length=runner.context_length,
         )
+        row.spec = speculation_for(
+            runner,
+            sampler,
+            job.ids,
+            row.generated,
+            enabled=config.draft,
+            drafter=job.drafter,
+            session=session,
+        )
+        return row
 
     def _prefill(self) -> None:
         """Whole chunks (the one-request loop's boundaries), up to the budget."""
@@ -456,7 +470,10 @@ class Engine:
             self._decode_solo(row)
 
     def _decode_solo(self, row: _Row) -> None:
-        """One token for one row through the one-row forward (stream_generate's step)."""
+        """One token for one row through the one-row forward (stream_generate's
+        step), or a drafted round of several when the row drafts."""
+        if row.spec is not None and self._decode_drafted(row):
+            return
         fed = not row.final
         try:
             if fed:
@@ -471,6 +488,32 @@ class Engine:
         if token in row.stop_ids and fed:
             self.runner.take_back_session(row.session)
         self._advance(row, token, fed)
+
+    def _decode_drafted(self, row: _Row) -> bool:
+        """A speculative round (stream_generate's, see turbospark.speculative);
+        False when the row takes a plain step instead (paused, or no draft)."""
+        limit = row.job.config.max_tokens
+        remaining = None if limit is None else limit - len(row.generated)
+        depth = row.spec.plan(row.position, remaining)
+        if not depth:
+            return False
+        try:
+            token = int(row.pending.item())
+            verified = None if token in row.stop_ids else row.spec.round(token, row.position, depth)
+            if verified is None:
+                return False
+            emit, keep = settle(verified.tokens, row.stop_ids, remaining)
+            row.spec.commit(row.position, keep)
+        except Exception as exc:
+            self._solo.remove(row)
+            self._fail(row, exc)
+            return True
+        tokens = [*verified.tokens, verified.following]
+        for j in range(min(emit + 1, len(verified.tokens))):  # a stop id after the emitted ends it
+            row.following = mx.array(tokens[j + 1])
+            if not self._advance(row, tokens[j], fed=j < keep):
+                return True
+        return True
 
     def _decode_batch(self) -> None:
         batch = self._batch
@@ -587,6 +630,8 @@ class Engine:
             decode_seconds=now - prefilled,
             queued_seconds=row.started - row.job.submitted,
             batch_size=row.batch_peak,
+            draft_proposed=0 if row.spec is None else row.spec.proposed,
+            draft_accepted=0 if row.spec is None else row.spec.accepted,
         )
         row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))
         self._observe(row.job, stats)
