@@ -280,3 +280,44 @@ def test_an_engine_row_decoding_alone_drafts_and_equals_off(install):
     stats = emit.chunks[-1].stats
     assert 0 < stats.draft_accepted < stats.draft_proposed
     assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+# -- the server and the CLI ---------------------------------------------------------------
+
+
+def test_the_server_reports_drafts_and_takes_a_per_request_opt_out(gemma4_install):
+    import openai
+    from serving import client, serving
+
+    codec = load_text(gemma4_install)
+    with serving(gemma4_install, codec, 1, draft=DraftPolicies.ngram(min_match=1)) as server:
+        api = client(server)
+        ask = {
+            "model": "tiny-gemma4-session-pool",
+            "prompt": "abc abc abc abc",
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+        drafted = api.completions.create(**ask, extra_body={"ignore_eos": True})
+        plain = api.completions.create(**ask, extra_body={"ignore_eos": True, "draft": "off"})
+        assert drafted.choices[0].text == plain.choices[0].text
+        assert plain.usage.turbospark["draft_proposed"] == 0
+        usage = drafted.usage.turbospark
+        assert usage["draft_proposed"] >= usage["draft_accepted"] >= 0
+        with pytest.raises(openai.BadRequestError, match="draft"):
+            api.completions.create(**ask, extra_body={"draft": "maybe"})
+
+
+def test_generate_json_reports_draft_counts_and_refuses_a_bad_depth(qwen_gdn_install, capsys):
+    import json
+
+    from turbospark.cli import main
+
+    argv = ["generate", str(qwen_gdn_install), "--prompt", "abcabcabc", "--raw", "--json"]
+    assert main([*argv, "--max-tokens", "8", "--draft", "ngram", "--draft-depth", "3"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["draft_proposed"] >= stats["draft_accepted"] >= 0
+    assert main([*argv, "--draft", "ngram", "--draft-depth", "0"]) != 0
+    assert "max_draft=0" in capsys.readouterr().err
+    assert main([*argv, "--draft", "mtp"]) != 0
+    assert "no mtp.* weights" in capsys.readouterr().err

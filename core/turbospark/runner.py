@@ -31,6 +31,7 @@ from turbospark.install import (
     Manifest,
     load_weights,
     read_manifest,
+    tensor_names,
     validate_arch,
     verify_files,
 )
@@ -155,6 +156,8 @@ class Runner:
         draft = draft or DraftPolicies.off()
         if draft.enabled:
             check_rollback(spec, draft.mode)
+        if draft.mode == "mtp":
+            _check_mtp(path, manifest)
         pm = family.manager()
         if session_slots > 1:
             _check_pool_capability(
@@ -645,6 +648,19 @@ def _check_disk_options(
             f"session_dir needs every state component of family '{spec.name}' to be "
             f"persistable, but {', '.join(unsaved)} cannot be written (see {spec.state_source})"
         )
+
+
+def _check_mtp(path: Path, manifest: Manifest) -> None:
+    """``DraftPolicies.mtp`` needs the checkpoint's multi-token-prediction head."""
+    if not any(name.startswith("mtp.") for name in tensor_names(path, manifest)):
+        raise InvalidInput(
+            f"DraftPolicies.mtp: the install at {path} carries no mtp.* weights (the "
+            "checkpoint's multi-token-prediction head); use DraftPolicies.ngram() or off()"
+        )
+    raise InvalidInput(
+        f"DraftPolicies.mtp: the install at {path} carries mtp.* weights, but this version "
+        "has no MTP drafter yet; use DraftPolicies.ngram() or off()"
+    )
 
 
 def check_rollback(spec: FamilySpec, mode: str) -> None:
