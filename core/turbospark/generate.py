@@ -20,6 +20,10 @@ of a completion is never fed (nothing would read its logits), so the
 session's record ends one token before the reply does and the next turn's
 prompt rewinds nothing it does not have to.
 
+With a draft policy (or a *drafter*), a step may instead verify drafts in one
+forward and emit several tokens (:mod:`turbospark.speculative`); a round is
+committed before any of its tokens is yielded.
+
 A consumer may stop iterating :func:`stream_generate` at any time (a client
 that hung up): every yield happens after a finished ``produce`` call, so the
 runner's state and its record always agree and the session stays reusable.
@@ -113,6 +117,11 @@ class GenerationStats(BaseModel):
             f"prefill {self.prefill_seconds * 1e3:.1f} ms "
             f"({self.prefill_tokens_per_second:.0f} tok/s), "
             f"decode {self.generated_tokens} tokens at {self.decode_tokens_per_second:.0f} tok/s"
+            + (
+                f" (drafts: {self.draft_accepted}/{self.draft_proposed} accepted)"
+                if self.draft_proposed
+                else ""
+            )
         )
 
     def summary(self) -> dict[str, object]:
