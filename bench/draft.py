@@ -10,7 +10,9 @@ of an edited copy of it.
 
 Every run is greedy with ``ignore_eos`` (``stop_token_ids=[]``) and the same
 number of generated tokens; tok/s is the generation loop's own decode rate
-(``GenerationStats.decode_tokens_per_second``), median over the reps.
+(``GenerationStats.decode_tokens_per_second``). Each point is *reps* pairs of
+an ``off`` run and a drafted run back to back; its speedup is the median of
+the pairs' ratios (a shared, loaded machine drifts less within a pair).
 
     uv run python bench/draft.py INSTALL [--depths 1 2 4] [--tokens 48] [--reps 3]
 """
@@ -21,7 +23,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,55 +54,46 @@ def bench_draft(
     config = GenerationConfig(max_tokens=tokens, stop_token_ids=[])
     prompt = random_tokens(PROMPT_TOKENS, vocab, seed=11)
 
-    def run(ids: list[int], drafter: Drafter | None) -> dict[str, Any]:
-        rows = [generate(runner, codec, ids, config, drafter=drafter) for _ in range(reps)]
-        stats = [r.stats for r in rows]
+    def paired(
+        ids: list[int], make: Callable[[int], Drafter], expected: list[int] | None = None
+    ) -> dict[str, Any]:
+        """*reps* pairs of (off, drafted) runs back to back: the speedup is the
+        median of the pairs' ratios, so load that drifts between pairs cancels."""
+        ratios, off, on = [], [], []
+        for rep in range(reps):
+            plain = generate(runner, codec, ids, config).stats.decode_tokens_per_second
+            done = generate(runner, codec, ids, config, drafter=make(rep))
+            off.append(plain)
+            on.append(done.stats.decode_tokens_per_second)
+            ratios.append(on[-1] / plain)
         return {
-            "tok_s": statistics.median(s.decode_tokens_per_second for s in stats),
-            "tok_s_spread": max(s.decode_tokens_per_second for s in stats)
-            - min(s.decode_tokens_per_second for s in stats),
-            "proposed": stats[-1].draft_proposed,
-            "accepted": stats[-1].draft_accepted,
-            "tokens": rows[-1].tokens,
+            "tok_s": statistics.median(on),
+            "off_tok_s": statistics.median(off),
+            "speedup_vs_off": statistics.median(ratios),
+            "speedup_spread": max(ratios) - min(ratios),
+            "proposed": done.stats.draft_proposed,
+            "accepted": done.stats.draft_accepted,
+            "acceptance": done.stats.draft_accepted / max(1, done.stats.draft_proposed),
+            "output_equals_off": None if expected is None else done.tokens == expected,
         }
 
-    generate(runner, codec, prompt, config)  # warm-up: kernels built, allocator primed
-    off = run(prompt, None)
-    reference = [*prompt, *off.pop("tokens")]
+    reference = [*prompt, *generate(runner, codec, prompt, config).tokens]  # also the warm-up
     curve = []
     for depth in depths:
         generate(runner, codec, prompt, config, drafter=ReplayDrafter(reference, vocab, depth))
         for accuracy in accuracies:
-            drafter = ReplayDrafter(reference, vocab, depth, accuracy, seed=depth)
-            point = run(prompt, drafter)
-            same = point.pop("tokens") == reference[len(prompt) :]
-            curve.append(
-                {
-                    "depth": depth,
-                    "accuracy": accuracy,
-                    **point,
-                    "acceptance": point["accepted"] / max(1, point["proposed"]),
-                    "speedup_vs_off": point["tok_s"] / off["tok_s"],
-                    "output_equals_off": same,
-                }
+            point = paired(
+                prompt,
+                lambda rep, d=depth, a=accuracy: ReplayDrafter(reference, vocab, d, a, seed=rep),
+                reference[len(prompt) :],
             )
+            curve.append({"depth": depth, "accuracy": accuracy, **point})
 
     text = random_tokens(TEXT_TOKENS, vocab, seed=12)
     edited = [*text[: TEXT_TOKENS // 3], *random_tokens(4, vocab, seed=13)]
     copy_prompt = [*text, *edited]  # the text, then an edited copy that is being written
-    copy_off = run(copy_prompt, None)
-    copy_off.pop("tokens")
-    ngram = run(copy_prompt, NgramDrafter(max(depths), 2))
-    ngram.pop("tokens")
-    ngram["speedup_vs_off"] = ngram["tok_s"] / copy_off["tok_s"]
-    return {
-        "off_tok_s": off["tok_s"],
-        "off_tok_s_spread": off["tok_s_spread"],
-        "curve": curve,
-        "ngram_copy": {"off_tok_s": copy_off["tok_s"], **ngram},
-        "tokens": tokens,
-        "reps": reps,
-    }
+    ngram = paired(copy_prompt, lambda rep: NgramDrafter(max(depths), 2))
+    return {"curve": curve, "ngram_copy": ngram, "tokens": tokens, "reps": reps}
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +110,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_curve(family: str, result: dict[str, Any]) -> None:
-    print(f"draft ({family}): off {result['off_tok_s']:.1f} tok/s; speedup by depth x accuracy")
+    print(f"draft ({family}): speedup against off by depth x accuracy (median of paired runs)")
     accuracies = sorted({p["accuracy"] for p in result["curve"]}, reverse=True)
     print("  depth " + "".join(f"{a:>8.0%}" for a in accuracies))
     for depth in sorted({p["depth"] for p in result["curve"]}):
