@@ -10,6 +10,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turbospark.draft import Draft, NgramDrafter, ReplayDrafter
 from turbospark.engine import Engine, Job
@@ -321,3 +323,43 @@ def test_generate_json_reports_draft_counts_and_refuses_a_bad_depth(qwen_gdn_ins
     assert "max_draft=0" in capsys.readouterr().err
     assert main([*argv, "--draft", "mtp"]) != 0
     assert "no mtp.* weights" in capsys.readouterr().err
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(
+    accuracy=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+    depth=st.integers(1, 6),
+    max_tokens=st.integers(1, 20),
+    stop_at=st.one_of(st.none(), st.integers(0, 19)),
+    seed=st.integers(0, 3),
+)
+def test_any_drafting_schedule_ends_exactly_where_off_does(
+    qwen_gdn_install, accuracy, depth, max_tokens, stop_at, seed
+):
+    """Whatever the drafter's depth and luck, the limit and the stop id: the reply,
+    its finish reason and the session it leaves are those of decoding without drafts."""
+    off = _off_reply(qwen_gdn_install)
+    stop = None if stop_at is None else off[stop_at]
+    expected, finish = off[:max_tokens], "length"
+    if stop is not None and stop in expected:
+        expected, finish = expected[: expected.index(stop)], "stop"
+    config = CONFIG.model_copy(
+        update={"max_tokens": max_tokens, "stop_token_ids": [] if stop is None else [stop]}
+    )
+    runner = open_runner(qwen_gdn_install)
+    drafter = ReplayDrafter([*PROMPT, *off], runner.vocab_size, depth, accuracy, seed=seed)
+    done = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+    assert (done.tokens, done.finish_reason) == (expected, finish)
+    fed = expected if finish == "stop" else expected[:-1]
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+_OFF: dict[Path, list[int]] = {}
+
+
+def _off_reply(path: Path) -> list[int]:
+    if path not in _OFF:
+        _OFF[path] = off_completion(
+            path, PROMPT, CONFIG.model_copy(update={"max_tokens": 20})
+        ).tokens
+    return _OFF[path]
