@@ -363,3 +363,13 @@ def _off_reply(path: Path) -> list[int]:
             path, PROMPT, CONFIG.model_copy(update={"max_tokens": 20})
         ).tokens
     return _OFF[path]
+
+
+def test_a_drafter_with_nothing_to_propose_is_asked_again_soon():
+    control = DepthControl(max_depth=4)
+    asked = 0
+    for _ in range(400):
+        if control.next_depth():
+            asked += 1
+            control.record(0, 0)
+    assert 400 / 9 <= asked < 400 / 8 + 5

@@ -25,7 +25,9 @@ Adaptive depth (:class:`DepthControl`): a round whose drafts all pass drafts
 one deeper next time (up to ``max_depth``); a partial one drafts one past what
 passed; a round with nothing accepted halves the depth, and at depth 1 drafting
 pauses for 1, 2, 4 ... 64 steps (plain pipelined decode) before trying again,
-so a hopeless drafter costs a probe every 64 tokens at most.
+so a hopeless drafter costs a probe every 64 tokens at most. A drafter that
+proposes nothing pauses at most 8 steps: its probe is a lookup and a sync,
+no verify.
 
 A request drafts only when it decodes alone through the one-row forward (the
 generation loop; the engine's solo rows) and samples without logits
@@ -45,6 +47,9 @@ from turbospark.runner import Runner, check_rollback
 from turbospark.sampling import Sampler
 
 MAX_PAUSE = 64  # plain steps between probes of a drafter that keeps failing
+# ... and between lookups of one that keeps proposing nothing: such a probe costs
+# only a sync (no verify), and prompt lookup finds matches in bursts.
+MAX_IDLE_PAUSE = 8
 
 
 # -- acceptance -------------------------------------------------------------------
@@ -128,7 +133,7 @@ class DepthControl:
         elif proposed and self.depth > 1:
             self.depth = max(1, self.depth // 2)
         else:  # nothing proposed, or nothing passed at depth 1: pause, longer each time
-            self.pause = self.backoff
+            self.pause = self.backoff if proposed else min(self.backoff, MAX_IDLE_PAUSE)
             self.backoff = min(MAX_PAUSE, 2 * self.backoff)
 
 
