@@ -92,7 +92,9 @@ def bench_draft(
     text = random_tokens(TEXT_TOKENS, vocab, seed=12)
     edited = [*text[: TEXT_TOKENS // 3], *random_tokens(4, vocab, seed=13)]
     copy_prompt = [*text, *edited]  # the text, then an edited copy that is being written
-    ngram = paired(copy_prompt, lambda rep: NgramDrafter(max(depths), 2))
+    # min_match 1: random weights never copy, so longer matches would propose nothing;
+    # this measures what lookups and rejected drafts cost on a copy-heavy context.
+    ngram = paired(copy_prompt, lambda rep: NgramDrafter(max(depths), 1))
     return {"curve": curve, "ngram_copy": ngram, "tokens": tokens, "reps": reps}
 
 
