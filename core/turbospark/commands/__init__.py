@@ -71,8 +71,8 @@ def add_draft_flags(parser: argparse.ArgumentParser) -> None:
         "--draft",
         choices=("ngram", "mtp", "off"),
         default="off",
-        help="speculative decoding: prompt lookup (ngram), the checkpoint's MTP head (mtp), "
-        "or none (off, the default)",
+        help="speculative decoding: prompt lookup (ngram), or none (off, the default); mtp "
+        "(the checkpoint's MTP head) is refused by name for now",
     )
     parser.add_argument(
         "--draft-depth",
