@@ -236,13 +236,13 @@ def test_a_hopeless_drafter_is_probed_rarely():
     assert rounds < 2000 / MAX_PAUSE + 10
 
 
-def test_a_perfect_drafter_drafts_at_full_depth():
+def test_a_perfect_drafter_reaches_full_depth_and_stays():
     control = DepthControl(max_depth=5)
     depths = []
     for _ in range(20):
         depths.append(control.next_depth())
         control.record(depths[-1], depths[-1])
-    assert depths == [5] * 20
+    assert depths == [1, 2, 4] + [5] * 17
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():

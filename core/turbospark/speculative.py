@@ -21,11 +21,12 @@ and a rejection draws from ``max(0, p - q)`` renormalised (Leviathan et al.,
 distribution ``p`` (the sampler's warped logits: temperature, top-k, top-p).
 A deterministic drafter's ``q`` is a point mass at its token.
 
-Adaptive depth (:class:`DepthControl`): a round whose drafts all pass drafts
-one deeper next time (up to ``max_depth``); a partial one drafts one past what
-passed; a round with nothing accepted halves the depth, and at depth 1 drafting
-pauses for 1, 2, 4 ... 64 steps (plain pipelined decode) before trying again,
-so a hopeless drafter costs a probe every 64 tokens at most. A drafter that
+Adaptive depth (:class:`DepthControl`): drafting starts at depth 1; a round
+whose drafts all pass doubles the depth (up to ``max_depth``); a partial one
+drafts one past what passed; a round with nothing accepted halves it and
+pauses drafting for 1, 2, 4 ... 64 steps (plain pipelined decode) before the
+next probe, so a hopeless drafter costs a depth-1 probe every 64 tokens at
+most. A drafter that
 proposes nothing pauses at most 8 steps: its probe is a lookup and a sync,
 no verify.
 
@@ -109,12 +110,9 @@ class DepthControl:
     """How deep the next round drafts (see the module docstring)."""
 
     max_depth: int
-    depth: int = 0
+    depth: int = 1  # start shallow: a drafter earns depth by being right
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
-
-    def __post_init__(self) -> None:
-        self.depth = self.depth or self.max_depth
 
     def next_depth(self) -> int:
         """The depth to draft now; 0 while paused (the step decodes plainly)."""
@@ -125,14 +123,13 @@ class DepthControl:
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed and accepted == proposed:
-            self.depth = min(self.max_depth, self.depth + 1)
+            self.depth = min(self.max_depth, 2 * self.depth)
             self.backoff = 1
         elif accepted:
             self.depth = max(1, accepted + 1)
             self.backoff = 1
-        elif proposed and self.depth > 1:
+        else:  # nothing proposed, or nothing passed: pause, longer each time
             self.depth = max(1, self.depth // 2)
-        else:  # nothing proposed, or nothing passed at depth 1: pause, longer each time
             self.pause = self.backoff if proposed else min(self.backoff, MAX_IDLE_PAUSE)
             self.backoff = min(MAX_PAUSE, 2 * self.backoff)
 
