@@ -3,7 +3,7 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft]
 
 ``constrain`` runs once (it is per vocabulary, not per family).
 """
@@ -22,6 +22,7 @@ if __package__ in (None, ""):
 from bench.common import install, machine
 from bench.concurrency import bench_concurrency
 from bench.constrain import bench_constrain
+from bench.draft import bench_draft
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
@@ -36,7 +37,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["forward", "swap", "interleaved", "serving", "concurrency", "constrain"],
+        choices=["forward", "swap", "interleaved", "serving", "concurrency", "constrain", "draft"],
     )
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
@@ -69,6 +70,10 @@ def main() -> None:
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_forward(path, prompt_tokens=GPU.prompt_tokens, decode_tokens=GPU.decode_tokens,
                                        chunk=GPU.chunk, reps=args.reps, library_loops=True)  # fmt: skip
+            elif piece == "draft":
+                path = install(family, args.size, "bfloat16", args.cache_dir)
+                result = bench_draft(path, GPU.draft_depths, GPU.draft_accuracies,
+                                     GPU.draft_tokens, args.reps)  # fmt: skip
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)

@@ -25,6 +25,10 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         out["concurrency_clients"] = int(widest)
         out["concurrency_tok_s_ratio_vs_mlx_lm_server"] = level.get("tok_s_ratio")
         out["concurrency_ttft_p50_ratio_vs_mlx_lm_server"] = level.get("ttft_p50_ratio")
+    if draft := result.get("draft"):
+        from bench.draft import summary
+
+        out.update(summary(draft))
     return out
 
 
@@ -131,3 +135,7 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{us['hook']:.0f} us, runner {us['runner']:.0f} us | pluggy call "
                 f"{d['pluggy_call_us']:.2f} us vs plain call {d['plain_call_us']:.2f} us"
             )
+        if draft := res.get("draft"):
+            from bench.draft import print_curve
+
+            print_curve(family, draft)

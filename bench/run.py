@@ -13,7 +13,8 @@ pool against no pool, in process), ``serving`` (the same chats over HTTP,
 at once, each a multi-turn chat, against both servers), ``swap`` (swap cost against
 history length, pool memory), ``dispatch`` (the hook path's per-token cost),
 ``constrain`` (constrained decoding's per-token cost, llguidance against
-xgrammar, on a 151,643-token vocabulary; once, not per family).
+xgrammar, on a 151,643-token vocabulary; once, not per family), ``draft``
+(speculative decoding: tok/s against acceptance and depth, against off).
 Benchmarks never decide whether the test suite passes.
 """
 
@@ -35,6 +36,7 @@ from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machin
 from bench.concurrency import ConcurrencyPlan, bench_concurrency
 from bench.constrain import bench_constrain
 from bench.dispatch import bench_dispatch
+from bench.draft import ACCURACIES, bench_draft
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.report import headline, print_constrain, print_table
@@ -42,7 +44,9 @@ from bench.serving import bench_servers
 from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
-SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "constrain")
+SECTIONS = (
+    "forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "constrain", "draft",
+)  # fmt: skip
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
@@ -66,6 +70,10 @@ class Plan:
     dispatch_tokens: int
     concurrency: ConcurrencyPlan
     chat_size: str = "chat"
+    draft_size: str = "small"
+    draft_depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    draft_accuracies: tuple[float, ...] = ACCURACIES
+    draft_tokens: int = 64
 
 
 QUICK = Plan(
@@ -82,6 +90,9 @@ QUICK = Plan(
     swap_vs_mlx_lm=False,
     dispatch_tokens=128,
     concurrency=ConcurrencyPlan(clients=(1, 8), reply_tokens=32),
+    draft_depths=(1, 2, 4, 6),
+    draft_accuracies=(1.0, 0.5, 0.0),
+    draft_tokens=32,
 )
 FULL = Plan(
     forward_sizes=("small", "medium"),
@@ -113,6 +124,8 @@ GPU = Plan(
     dispatch_tokens=200,
     concurrency=ConcurrencyPlan(clients=(1, 16)),
     chat_size="chat_large",
+    draft_size="large",
+    draft_tokens=128,
 )
 
 
@@ -149,6 +162,14 @@ def run_family(
     if "dispatch" in sections:
         result["dispatch"] = bench_dispatch(
             install(family, "tiny", dtype, cache), plan.dispatch_tokens, plan.reps
+        )
+    if "draft" in sections:
+        result["draft"] = bench_draft(
+            install(family, plan.draft_size, dtype, cache),
+            plan.draft_depths,
+            plan.draft_accuracies,
+            plan.draft_tokens,
+            plan.reps if plan.reps < 5 else 3,
         )
     return {**headline(result), **result}
 

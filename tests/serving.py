@@ -11,6 +11,7 @@ from typing import Any
 import openai
 
 from turbospark.plugins import FamilyRegistry
+from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
 from turbospark.server.app import Service
@@ -31,6 +32,7 @@ def serving(
     context: int = CONTEXT,
     limits: ServerLimits | None = None,
     registry: FamilyRegistry | None = None,
+    draft: DraftPolicies | None = None,
     **options: Any,
 ) -> Iterator[ThreadedServer]:
     """A fresh runner served as ``turbospark serve`` does: opened on the worker thread
@@ -40,7 +42,7 @@ def serving(
 
     def open_runner() -> Runner:
         runner = Runner.open(
-            install, context_length=context, session_slots=slots, registry=registry
+            install, context_length=context, session_slots=slots, registry=registry, draft=draft
         )
         runner.set_prefix_reuse(True)
         return runner

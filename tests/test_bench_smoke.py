@@ -146,3 +146,18 @@ def test_constrain(bench: dict) -> None:
         for name in ("json_schema", "json_object"):
             row = result[name]
             assert row["accepting"] and row["mask_us"] > 0 and row["step_us"] > 0, (library, row)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_draft(bench: dict, family: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import draft
+    finally:
+        sys.path.remove(str(ROOT))
+    out = draft.bench_draft(bench[family], depths=[2], accuracies=[1.0, 0.0], tokens=6, reps=1)
+    assert out["ngram_copy"]["tok_s"] > 0 and out["ngram_copy"]["off_tok_s"] > 0
+    full, hopeless = out["curve"]
+    assert full["acceptance"] == 1.0 and full["output_equals_off"]
+    assert hopeless["accepted"] == 0 and hopeless["speedup_vs_off"] > 0
+    assert draft.summary(out)["draft_full_acceptance_depth"] == 2

@@ -50,6 +50,7 @@ from typing import Literal, TypeVar
 
 import mlx.core as mx
 
+from turbospark.draft import Drafter
 from turbospark.generate import (
     Chunk,
     FinishReason,
@@ -62,6 +63,7 @@ from turbospark.pool import Session
 from turbospark.reuse import ReuseReason, ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler
+from turbospark.speculative import Speculation, settle, speculation_for
 from turbospark.state import State
 from turbospark.text import StopStrings, StreamDecoder, TextCodec
 
@@ -94,6 +96,7 @@ class Job:
     # The other completions of the same prompt (a request's n > 1): they become
     # rows when this job's prefill ends, each starting from its state by reference.
     forks: list[Job] = field(default_factory=list)
+    drafter: Drafter | None = None  # replaces the runner's draft policy (benchmarks' oracles)
 
 
 @dataclass(eq=False)
@@ -119,6 +122,7 @@ class _Row:
     leaves_at: int = 0  # the session's position once the row leaves the batch
     finish: FinishReason = "stop"
     fork: bool = False  # one of a request's n copies: its session is never checked in
+    spec: Speculation | None = None  # drafting, while the row decodes alone (solo)
 
     @property
     def final(self) -> bool:
@@ -414,7 +418,7 @@ class Engine:
         kept, report, evicted = acquire(runner, job.ids)
         self._evicted(job, evicted)
         session = runner.checkout()
-        return _Row(
+        row = _Row(
             job=job,
             session=session,
             kept=kept,
@@ -428,6 +432,16 @@ class Engine:
             next_prefill=kept,
             context_length=runner.context_length,
         )
+        row.spec = speculation_for(
+            runner,
+            sampler,
+            job.ids,
+            row.generated,
+            enabled=config.draft,
+            drafter=job.drafter,
+            session=session,
+        )
+        return row
 
     def _stop_ids(self, config: GenerationConfig) -> frozenset[int]:
         ids = self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
@@ -515,7 +529,10 @@ class Engine:
             self._decode_solo(row)
 
     def _decode_solo(self, row: _Row) -> None:
-        """One token for one row through the one-row forward (stream_generate's step)."""
+        """One token for one row through the one-row forward (stream_generate's
+        step), or a drafted round of several when the row drafts."""
+        if row.spec is not None and self._decode_drafted(row):
+            return
         fed = not row.final
         try:
             if fed:
@@ -530,6 +547,32 @@ class Engine:
         if token in row.stop_ids and fed:
             self.runner.take_back_session(row.session)
         self._advance(row, token, fed)
+
+    def _decode_drafted(self, row: _Row) -> bool:
+        """A speculative round (stream_generate's, see turbospark.speculative);
+        False when the row takes a plain step instead (paused, or no draft)."""
+        limit = row.job.config.max_tokens
+        remaining = None if limit is None else limit - len(row.generated)
+        depth = row.spec.plan(row.position, remaining)
+        if not depth:
+            return False
+        try:
+            token = int(row.pending.item())
+            verified = None if token in row.stop_ids else row.spec.round(token, row.position, depth)
+            if verified is None:
+                return False
+            emit, keep = settle(verified.tokens, row.stop_ids, remaining)
+            row.spec.commit(row.position, keep)
+        except Exception as exc:
+            self._solo.remove(row)
+            self._fail(row, exc)
+            return True
+        tokens = [*verified.tokens, verified.following]
+        for j in range(min(emit + 1, len(verified.tokens))):  # a stop id after the emitted ends it
+            row.following = mx.array(tokens[j + 1])
+            if not self._advance(row, tokens[j], fed=j < keep):
+                return True
+        return True
 
     def _decode_batch(self) -> None:
         batch = self._batch
@@ -654,6 +697,8 @@ class Engine:
             decode_seconds=now - prefilled,
             queued_seconds=row.started - row.job.submitted,
             batch_size=row.batch_peak,
+            draft_proposed=0 if row.spec is None else row.spec.proposed,
+            draft_accepted=0 if row.spec is None else row.spec.accepted,
         )
         row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))
         self._observe(row.job, stats)

@@ -20,6 +20,10 @@ of a completion is never fed (nothing would read its logits), so the
 session's record ends one token before the reply does and the next turn's
 prompt rewinds nothing it does not have to.
 
+With a draft policy (or a *drafter*), a step may instead verify drafts in one
+forward and emit several tokens (:mod:`turbospark.speculative`); a round is
+committed before any of its tokens is yielded.
+
 A consumer may stop iterating :func:`stream_generate` at any time (a client
 that hung up): every yield happens after a finished ``produce`` call, so the
 runner's state and its record always agree and the session stays reusable.
@@ -44,10 +48,12 @@ from typing import Literal
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field
 
+from turbospark.draft import Drafter
 from turbospark.errors import ContextOverflow
 from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams, TokenLogprobs
+from turbospark.speculative import settle, speculation_for
 from turbospark.text import StopStrings, TextCodec
 
 FinishReason = Literal["stop", "length"]
@@ -68,6 +74,11 @@ class GenerationConfig(SamplingParams):
         default=None, description="stop ids; None = the install's eos ids"
     )
     chunk_size: int = Field(default=512, gt=0, description="prefill tokens per forward")
+    draft: bool = Field(
+        default=True,
+        description="use the runner's draft policy (False: this request decodes one token "
+        "per forward whatever the policy)",
+    )
 
 
 class GenerationStats(BaseModel):
@@ -84,6 +95,8 @@ class GenerationStats(BaseModel):
     decode_seconds: float
     queued_seconds: float = 0.0  # waiting for a batch row (the engine)
     batch_size: int = 1  # the most requests this one decoded beside, itself included
+    draft_proposed: int = 0  # speculative tokens verified (turbospark.speculative)
+    draft_accepted: int = 0  # of which the target agreed with
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -104,6 +117,11 @@ class GenerationStats(BaseModel):
             f"prefill {self.prefill_seconds * 1e3:.1f} ms "
             f"({self.prefill_tokens_per_second:.0f} tok/s), "
             f"decode {self.generated_tokens} tokens at {self.decode_tokens_per_second:.0f} tok/s"
+            + (
+                f" (drafts: {self.draft_accepted}/{self.draft_proposed} accepted)"
+                if self.draft_proposed
+                else ""
+            )
         )
 
     def summary(self) -> dict[str, object]:
@@ -179,9 +197,12 @@ def stream_generate(
     codec: TextCodec,
     prompt: str | Sequence[int],
     config: GenerationConfig | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[Chunk]:
     """Run one request on *runner*, yielding a :class:`Chunk` per generated token
-    and a final chunk with the finish reason and stats. See the module docstring."""
+    and a final chunk with the finish reason and stats. See the module docstring.
+    *drafter* replaces the runner's draft policy for this request (benchmarks'
+    oracles); ``config.draft = False`` turns drafting off."""
     config = config or GenerationConfig()
     ids = encode_prompt(codec, prompt)
     check_prompt(runner, ids)
@@ -189,6 +210,8 @@ def stream_generate(
         codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
     )
     sampler = Sampler(config)
+    generated: list[int] = []
+    spec = speculation_for(runner, sampler, ids, generated, enabled=config.draft, drafter=drafter)
 
     started = time.perf_counter()
     kept, report, evicted = acquire(runner, ids)
@@ -202,9 +225,32 @@ def stream_generate(
     stops = StopStrings(config.stop)
     limit = config.max_tokens
     position = len(ids)  # where the next generated token is fed
-    generated: list[int] = []
     finish: FinishReason = "length"
     while limit is None or len(generated) < limit:
+        remaining = None if limit is None else limit - len(generated)
+        depth = 0 if spec is None else spec.plan(position, remaining)
+        if depth:
+            # A drafted round: emit what the target confirmed, then go on from its next token.
+            tok = int(pending.item())
+            verified = None if tok in stop_ids else spec.round(tok, position, depth)
+            if verified is not None:
+                emit, keep = settle(verified.tokens, stop_ids, remaining)
+                spec.commit(position, keep)  # before any yield: state and record agree
+                chunks = []
+                for tok in verified.tokens[:emit]:
+                    generated.append(tok)
+                    chunks.append(Chunk(text=stops.feed(decoder.add(tok)), token=tok))
+                    if stops.stopped is not None:
+                        break
+                yield from chunks
+                if stops.stopped is not None or emit < len(verified.tokens):
+                    finish = "stop"
+                    break
+                if keep < emit:
+                    break  # the reply's last token, emitted unfed: "length"
+                position += keep
+                pending = mx.array(verified.following)
+                continue
         more = (limit is None or len(generated) + 1 < limit) and position < runner.context_length
         if more:
             # Build the next forward from the still-lazy id, then queue it, before
@@ -241,6 +287,8 @@ def stream_generate(
         evicted=evicted,
         prefill_seconds=prefilled - started,
         decode_seconds=time.perf_counter() - prefilled,
+        draft_proposed=0 if spec is None else spec.proposed,
+        draft_accepted=0 if spec is None else spec.accepted,
     )
     yield Chunk(text=tail, finish_reason=finish, stats=stats)
 
@@ -250,9 +298,10 @@ def generate(
     codec: TextCodec,
     prompt: str | Sequence[int],
     config: GenerationConfig | None = None,
+    drafter: Drafter | None = None,
 ) -> Completion:
     """:func:`stream_generate`, collected."""
-    return collect(stream_generate(runner, codec, prompt, config))
+    return collect(stream_generate(runner, codec, prompt, config, drafter))
 
 
 def collect(chunks: Iterable[Chunk], on_text: Callable[[str], None] | None = None) -> Completion:

@@ -78,6 +78,12 @@ class ComponentSpec(BaseModel):
         description="merges with other sessions' along the batch axis for one decode step "
         "(the component class has merge(); see turbospark.batch)",
     )
+    traceable: bool = Field(
+        default=False,
+        description="keeps its state after every token of a verify forward (the component "
+        "class has trace() and keep_traced(); see turbospark.speculative), so a non-rewindable "
+        "component can drop rejected draft tokens without a second forward",
+    )
 
 
 class FamilySpec(BaseModel):

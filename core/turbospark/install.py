@@ -142,6 +142,18 @@ def load_weights(path: str | Path, manifest: Manifest) -> dict[str, mx.array]:
     return weights
 
 
+def tensor_names(path: str | Path, manifest: Manifest) -> set[str]:
+    """Every tensor name the install's safetensors files hold, from their JSON
+    headers alone (no tensor is read): cheap checks before a load."""
+    names: set[str] = set()
+    for name in manifest.weight_files:
+        with open(Path(path) / name, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        names.update(k for k in header if k != "__metadata__")
+    return names
+
+
 def load_checked(model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype) -> nn.Module:
     """Load HF-named *weights* into *model*, refusing missing, unexpected or
     mis-shaped tensors by name, then cast floating parameters to *dtype*."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.errors import InvalidInput
 
@@ -31,16 +31,82 @@ class ExpertCacheSlots(BaseModel):
         return cls(slots=slots)
 
 
+DraftMode = Literal["off", "ngram", "mtp"]
+
+
 class DraftPolicies(BaseModel):
-    """Speculative decoding. Only ``off`` is implemented; drafts need snapshot rollback."""
+    """Speculative decoding: how drafts are proposed (``turbospark.speculative``
+    verifies them in one forward and rolls rejected ones back).
+
+    - ``off()`` (the default): one token per forward.
+    - ``ngram(max_draft, min_match)``: prompt lookup. The last ``min_match`` or
+      more tokens are looked up earlier in the prompt and reply, and what
+      followed the most recent match is proposed, up to ``max_draft`` tokens.
+    - ``mtp(depth)``: the checkpoint's multi-token-prediction head proposes
+      ``depth`` tokens (qwen_gdn installs that carry ``mtp.*`` weights).
+
+    ``max_draft`` is the deepest a round may draft; the adaptive depth backs
+    off below it when drafts are rejected.
+    """
 
     model_config = ConfigDict(frozen=True)
 
-    mode: Literal["off"] = "off"
+    mode: DraftMode = "off"
+    max_draft: int = Field(default=0, ge=0)
+    min_match: int = Field(default=0, ge=0)
 
     @classmethod
     def off(cls) -> DraftPolicies:
         return cls()
+
+    @classmethod
+    def ngram(cls, max_draft: int = 4, min_match: int = 2) -> DraftPolicies:
+        if max_draft <= 0:
+            raise InvalidInput(
+                f"DraftPolicies.ngram(max_draft={max_draft}): a draft needs a depth of 1 or more; "
+                "use 4 (or DraftPolicies.off() for no drafts)"
+            )
+        if min_match <= 0:
+            raise InvalidInput(
+                f"DraftPolicies.ngram(min_match={min_match}): a lookup needs at least one token "
+                "to match; use 2"
+            )
+        return cls(mode="ngram", max_draft=max_draft, min_match=min_match)
+
+    @classmethod
+    def mtp(cls, depth: int = 2) -> DraftPolicies:
+        if depth <= 0:
+            raise InvalidInput(
+                f"DraftPolicies.mtp(depth={depth}): a draft needs a depth of 1 or more; "
+                "use 2 (or DraftPolicies.off() for no drafts)"
+            )
+        return cls(mode="mtp", max_draft=depth)
+
+    @classmethod
+    def named(cls, mode: str) -> DraftPolicies:
+        """The CLI's ``--draft ngram|mtp|off`` with each policy's default depth."""
+        makers = {"off": cls.off, "ngram": cls.ngram, "mtp": cls.mtp}
+        if mode not in makers:
+            raise InvalidInput(f"unknown draft policy {mode!r}; use one of ngram, mtp, off")
+        return makers[mode]()
+
+    @model_validator(mode="after")
+    def _depth(self) -> DraftPolicies:
+        # Built directly (a server setting, JSON) the same refusals apply.
+        if self.mode != "off" and self.max_draft <= 0:
+            raise InvalidInput(
+                f"DraftPolicies(mode={self.mode!r}) has a draft depth of {self.max_draft}; "
+                "a draft needs a depth of 1 or more"
+            )
+        if self.mode == "ngram" and self.min_match <= 0:
+            raise InvalidInput(
+                f"DraftPolicies(mode='ngram') has min_match={self.min_match}; use 1 or more"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
 
 
 class SteeringPolicy(BaseModel):

@@ -31,6 +31,7 @@ from turbospark.install import (
     Manifest,
     load_weights,
     read_manifest,
+    tensor_names,
     validate_arch,
     verify_files,
 )
@@ -152,6 +153,11 @@ class Runner:
         _check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
         expert_cache = expert_cache or ExpertCacheSlots.fixed(16)
         _check_expert_cache(installed, expert_cache)
+        draft = draft or DraftPolicies.off()
+        if draft.enabled:
+            check_rollback(spec, draft.mode)
+        if draft.mode == "mtp":
+            _check_mtp(path, manifest)
         pm = family.manager()
         if session_slots > 1:
             _check_pool_capability(
@@ -173,7 +179,7 @@ class Runner:
             session_slots=session_slots,
             max_parked_bytes=max_parked_bytes,
             expert_cache=expert_cache,
-            draft=draft or DraftPolicies.off(),
+            draft=draft,
             steering=steering or SteeringPolicy.off(),
             dtype=compute_dtype,
             session_dir=None if session_dir is None else Path(session_dir),
@@ -312,6 +318,39 @@ class Runner:
             )
         live.cut_to(undo.position, undo)
         live.undo = None
+
+    # -- speculative decoding: one verify forward, then a cut (turbospark.speculative) ----
+
+    def verify(self, session: Session | None, tokens: Sequence[int], start: int) -> mx.array:
+        """Feed *tokens* (a confirmed token, then drafts) at ``start..`` in one
+        forward; float32 logits ``(L, vocab)``, row ``j`` for the token after
+        ``tokens[j]``. Traceable components keep every token's state, so
+        :meth:`accept` cuts back to any prefix without a second forward."""
+        live = session or self._live
+        self.check_ids(tokens)  # before any component is told to trace
+        for name in self.traced_components:
+            live.state[name].trace()  # type: ignore[attr-defined]
+        return self._feed(list(tokens), start, "all", session)
+
+    def accept(self, session: Session | None, start: int, keep: int) -> None:
+        """After :meth:`verify` at *start*: keep its first *keep* tokens. The rest
+        leave every component (rewound, or the traced state at ``start + keep``)
+        and the record, so the session never holds a rejected token."""
+        live = session or self._live
+        end = start + keep
+        for spec in self.family.components:
+            component = live.state[spec.name]
+            if spec.traceable:
+                component.keep_traced(keep)  # type: ignore[attr-defined]
+            elif component.position > end:
+                component.rewind(component.position - end)
+        live.record.truncate(end)
+        live.drop_checkpoints_after(end)
+
+    @property
+    def traced_components(self) -> list[str]:
+        """The components a verify forward traces (non-rewindable, declared traceable)."""
+        return [c.name for c in self.family.components if c.traceable]
 
     @property
     def rigid_components(self) -> list[str]:
@@ -651,6 +690,30 @@ def _check_disk_options(
         raise SessionPoolUnsupported(
             f"session_dir needs every state component of family '{spec.name}' to be "
             f"persistable, but {', '.join(unsaved)} cannot be written (see {spec.state_source})"
+        )
+
+
+def _check_mtp(path: Path, manifest: Manifest) -> None:
+    """``DraftPolicies.mtp`` needs the checkpoint's multi-token-prediction head."""
+    if not any(name.startswith("mtp.") for name in tensor_names(path, manifest)):
+        raise InvalidInput(
+            f"DraftPolicies.mtp: the install at {path} carries no mtp.* weights (the "
+            "checkpoint's multi-token-prediction head); use DraftPolicies.ngram() or off()"
+        )
+    raise InvalidInput(
+        f"DraftPolicies.mtp: the install at {path} carries mtp.* weights, but this version "
+        "has no MTP drafter yet; use DraftPolicies.ngram() or off()"
+    )
+
+
+def check_rollback(spec: FamilySpec, mode: str) -> None:
+    """Drafting needs every component to drop rejected tokens: rewind, or trace."""
+    stuck = [c.name for c in spec.components if c.rewindable is False and not c.traceable]
+    if stuck:
+        raise InvalidInput(
+            f"the {mode!r} draft policy needs every state component of family "
+            f"'{spec.name}' to roll back a rejected draft, but {', '.join(stuck)} can neither "
+            f"rewind nor trace (see {spec.state_source}); use DraftPolicies.off()"
         )
 
 

@@ -109,12 +109,20 @@ class Sampler:
         return token
 
     def _sample(self, logits: mx.array) -> mx.array:
-        p = self.params
-        if p.temperature == 0.0:
+        if self.params.temperature == 0.0:
             return mx.argmax(logits)
-        scaled = apply_top_p(apply_top_k(logits / p.temperature, p.top_k), p.top_p)
+        return mx.random.categorical(self.warp(logits), key=self.next_key())
+
+    def warp(self, logits: mx.array) -> mx.array:
+        """``(vocab,)`` logits as sampling sees them: temperature, top-k, top-p
+        (speculative verification compares drafts against exactly this)."""
+        p = self.params
+        return apply_top_p(apply_top_k(logits / p.temperature, p.top_k), p.top_p)
+
+    def next_key(self) -> mx.array:
+        """A fresh PRNG key from this request's stream."""
         self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(scaled, key=sub)
+        return sub
 
     def _logprobs(self, logits: mx.array, token: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))

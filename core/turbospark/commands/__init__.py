@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.policies import DraftPolicies
     from turbospark.text import TextCodec
 
 
@@ -62,3 +63,36 @@ def add_pool_memory_flag(parser: argparse.ArgumentParser) -> None:
         help="cap on the memory of parked sessions (e.g. 4GiB): the least recently used "
         "are evicted to fit (default: bounded by --session-slots alone)",
     )
+
+
+def add_draft_flags(parser: argparse.ArgumentParser) -> None:
+    """``--draft`` and ``--draft-depth``, shared by generate, chat and serve."""
+    parser.add_argument(
+        "--draft",
+        choices=("ngram", "mtp", "off"),
+        default="off",
+        help="speculative decoding: prompt lookup (ngram), or none (off, the default); mtp "
+        "(the checkpoint's MTP head) is refused by name for now",
+    )
+    parser.add_argument(
+        "--draft-depth",
+        type=int,
+        default=None,
+        help="the most tokens drafted per step (default: 4 for ngram, 2 for mtp)",
+    )
+
+
+def draft_policy(args: argparse.Namespace) -> DraftPolicies:
+    """The policy ``--draft``/``--draft-depth`` name (a bad depth is refused by name)."""
+    from turbospark.errors import InvalidInput
+    from turbospark.policies import DraftPolicies
+
+    if args.draft == "off":
+        if args.draft_depth is not None:
+            raise InvalidInput("--draft-depth sets the depth of a draft policy; add --draft ngram")
+        return DraftPolicies.off()
+    if args.draft_depth is None:
+        return DraftPolicies.named(args.draft)
+    if args.draft == "ngram":
+        return DraftPolicies.ngram(max_draft=args.draft_depth)
+    return DraftPolicies.mtp(depth=args.draft_depth)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import add_pool_memory_flag, install_text
+from turbospark.commands import add_draft_flags, add_pool_memory_flag, draft_policy, install_text
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
 from turbospark.errors import TurbosparkError
 
@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_pool_memory_flag(parser)
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
+    add_draft_flags(parser)
     parser.set_defaults(func=run)
 
 
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         session_slots=args.session_slots,
         max_parked_bytes=args.max_parked_memory,
+        draft=draft_policy(args),
     )
     runner.set_prefix_reuse(True)
     opening = [{"role": "system", "content": args.system}] if args.system else []

@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
                 "persistable" if c["persistable"] else "not persistable",
                 "batchable" if c["batchable"] else "not batchable",
             ]
+            if c["traceable"]:
+                flags.append("traceable (drafts roll back)")
             print(f"    {c['name']:<14} {', '.join(flags)}  — {c['description']}")
     for b in broken:
         print(f"BROKEN {b['name']} ({b['source']}): {b['error']}")

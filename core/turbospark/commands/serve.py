@@ -8,7 +8,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import add_pool_memory_flag, byte_size, install_text
+from turbospark.commands import (
+    add_draft_flags,
+    add_pool_memory_flag,
+    byte_size,
+    draft_policy,
+    install_text,
+)
 from turbospark.errors import InvalidInput
 from turbospark.server.settings import ServerLimits
 
@@ -72,6 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-prefix-reuse", action="store_true", help="prefill every prompt from scratch"
     )
+    add_draft_flags(parser)
     parser.add_argument("--model-id", help="the served model name (default: the manifest's)")
     parser.add_argument(
         "--api-key",
@@ -116,6 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse contradictory flags before anything is loaded."""
+    draft_policy(args)  # a depth below 1 is refused by name
     if args.no_prefix_reuse and args.session_slots > 1:
         raise InvalidInput(
             f"--session-slots {args.session_slots} with --no-prefix-reuse would keep "
@@ -171,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
             max_parked_bytes=args.max_parked_memory,
             session_dir=args.session_dir,
             max_session_disk_bytes=args.max_session_disk,
+            draft=draft_policy(args),
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner

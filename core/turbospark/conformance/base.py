@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from turbospark.conformance.batch_checks import BatchChecks
+from turbospark.conformance.draft_checks import DraftChecks
 from turbospark.conformance.interleave_checks import InterleavingChecks
 from turbospark.conformance.long_checks import LongContextChecks
 from turbospark.conformance.pool_checks import PoolChecks
@@ -35,6 +36,7 @@ from turbospark.plugins import FamilyRegistry
 
 # pytest collects base classes last-first: state checks run first, the property test last.
 class FamilyConformance(
+    DraftChecks,
     BatchChecks,
     InterleavingChecks,
     LongContextChecks,

@@ -77,6 +77,15 @@ def causal_conv_with_tail(
     return mx.conv1d(padded, weight, groups=channels), new_tail
 
 
+def conv_tails(x: mx.array, tail: mx.array | None, kernel: int) -> list[mx.array]:
+    """The conv tail after each token of ``x`` (``(1, L, C)``), continuing from
+    ``tail``: entry ``j`` is the ``K - 1`` inputs ending at token ``j``."""
+    if tail is None:
+        tail = mx.zeros((x.shape[0], kernel - 1, x.shape[2]), dtype=x.dtype)
+    padded = mx.concatenate([tail, x], axis=1)  # (1, K - 1 + L, C)
+    return [mx.contiguous(padded[:, j + 1 : j + kernel]) for j in range(x.shape[1])]
+
+
 # -- the recurrence -------------------------------------------------------------
 
 
@@ -240,6 +249,30 @@ def gated_delta_chunked(
     return y.astype(v.dtype), state
 
 
+def gated_delta_traced(
+    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, list[mx.array]]:
+    """The recurrence token by token, keeping the state after every token: a
+    speculative verify pass (a few tokens) takes the state at the last accepted
+    one with no second forward. The steps are decode's, so an accepted prefix
+    leaves exactly the state one-token decoding would have."""
+    q, k = _expand_heads(q, k, v.shape[2])
+    g = mx.exp(log_g)
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        y, state = gated_delta_step(
+            q[:, t].astype(mx.float32),
+            k[:, t].astype(mx.float32),
+            v[:, t].astype(mx.float32),
+            g[:, t],
+            beta[:, t].astype(mx.float32),
+            state,
+        )
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1).astype(v.dtype), states
+
+
 def gated_delta(
     q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
 ) -> tuple[mx.array, mx.array]:
@@ -327,7 +360,9 @@ class GatedDeltaNet(nn.Module):
         d = self.dims
         batch, length, _ = x.shape
         tail, recurrent = state.layer(index)
-        mixed, tail = causal_conv_with_tail(self.in_proj_qkv(x), tail, self.conv1d.weight)
+        projected = self.in_proj_qkv(x)
+        tails = conv_tails(projected, tail, self.dims.conv_kernel) if state.tracing else None
+        mixed, tail = causal_conv_with_tail(projected, tail, self.conv1d.weight)
         mixed = nn.silu(mixed)
         q, k, v = mx.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
         q = q.reshape(batch, length, d.num_key_heads, d.key_head_dim)
@@ -340,8 +375,12 @@ class GatedDeltaNet(nn.Module):
             )
         log_g = log_decay(self.A_log, self.in_proj_a(x), self.dt_bias)  # (1, L, Hv)
         beta = mx.sigmoid(self.in_proj_b(x))
-        out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
-        state.set_layer(index, tail, recurrent)
+        if tails is not None:
+            out, recurrents = gated_delta_traced(q, k, v, log_g, beta, recurrent)
+            state.set_layer_traced(index, tails, recurrents)
+        else:
+            out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
+            state.set_layer(index, tail, recurrent)
         z = self.in_proj_z(x).reshape(batch, length, d.num_value_heads, d.value_head_dim)
         out = self.norm(out, z)  # (1, L, Hv, Dv)
         return self.out_proj(out.reshape(batch, length, d.value_dim))
@@ -359,6 +398,9 @@ class GDNComponent:
     delta-rule projection cannot be inverted, so dropping tokens means
     restoring a snapshot (or prefilling again). A fresh layer holds ``None``
     (zeros, allocated on first use), which keeps ``nbytes`` honest.
+
+    Traceable: after :meth:`trace`, the next forward keeps every token's state,
+    and :meth:`keep_traced` takes the one at the last accepted draft token.
     """
 
     name = "gdn"
@@ -367,6 +409,10 @@ class GDNComponent:
         self._tails: list[mx.array | None] = [None] * num_layers
         self._states: list[mx.array | None] = [None] * num_layers
         self._position = 0
+        self.tracing = False  # the next forward keeps every token's state (trace())
+        # After a traced forward: per layer, (tail, recurrent) before it and after each token.
+        self._traced: list[list[tuple[mx.array | None, mx.array | None]]] | None = None
+        self._traced_length = 0
 
     def layer(self, index: int) -> tuple[mx.array | None, mx.array | None]:
         return self._tails[index], self._states[index]
@@ -375,9 +421,37 @@ class GDNComponent:
         self._tails[index] = tail
         self._states[index] = recurrent
 
+    def set_layer_traced(
+        self, index: int, tails: list[mx.array], recurrents: list[mx.array]
+    ) -> None:
+        """A traced forward's layer *index*: its state after every token (the last is current)."""
+        assert self._traced is not None, "set_layer_traced outside a traced forward"
+        self._traced[index] = [self.layer(index), *zip(tails, recurrents, strict=True)]
+        self.set_layer(index, tails[-1], recurrents[-1])
+
     def advance(self, n: int) -> None:
         """Called by the family once per forward, after every layer has run."""
         self._position += n
+        if self.tracing:
+            self._traced_length, self.tracing = n, False
+
+    # -- speculative rollback (turbospark.speculative) -----------------------------
+
+    def trace(self) -> None:
+        """Keep the state after every token of the next forward (a verify pass)."""
+        self.tracing = True
+        self._traced = [[] for _ in self._tails]
+
+    def keep_traced(self, n: int) -> None:
+        """Become the state after the first *n* tokens of the traced forward (held
+        references, no compute); the trace is dropped."""
+        traced, self._traced = self._traced, None
+        length = self._traced_length
+        if traced is None or not 0 <= n <= length:
+            raise refuse_rewind(self.name, length - n, 0 if traced is None else length)
+        for i, states in enumerate(traced):
+            self._tails[i], self._states[i] = states[n]
+        self._position -= length - n
 
     @property
     def position(self) -> int:
@@ -395,6 +469,7 @@ class GDNComponent:
         self._tails = [None] * len(self._tails)
         self._states = [None] * len(self._states)
         self._position = 0
+        self.tracing, self._traced = False, None
 
     def rewind(self, n: int) -> None:
         if n != 0:
@@ -458,6 +533,7 @@ class GDNComponent:
         return one
 
     def restore(self, snapshot: Snapshot) -> None:
+        self.tracing, self._traced = False, None
         self._tails = [snapshot.get(f"{i}.conv_tail") for i in range(len(self._tails))]
         self._states = [snapshot.get(f"{i}.recurrent") for i in range(len(self._states))]
         self._position = int(snapshot["position"].item())

@@ -77,6 +77,11 @@ class BaseRequest(BaseModel):
     ignore_eos: bool = Field(
         default=False, description="extension (vLLM's name): generate past the install's eos ids"
     )
+    draft: Literal["on", "off"] = Field(
+        default="on",
+        description="extension: 'off' opts this request out of the server's --draft policy "
+        "(one token per forward); 'on' drafts when the server does",
+    )
     # What the sampler's PRNG key takes (mx.random.key: an unsigned 64-bit seed).
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: Text | list[Text] | None = None
@@ -134,6 +139,7 @@ class BaseRequest(BaseModel):
             max_tokens=default_max_tokens if requested is None else requested,
             chunk_size=chunk_size,
             stop_token_ids=[] if self.ignore_eos else None,
+            draft=self.draft == "on",
         )
 
     def _max_tokens(self) -> int | None:
@@ -311,7 +317,7 @@ _UNIMPLEMENTED = {
 
 # Fields whose explicit null means "the default" (OpenAI's semantics).
 _NULLABLE = frozenset(
-    {"temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "max_tokens"}
+    {"temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "max_tokens", "draft"}
     | {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "echo"}
     | {"best_of"}
 )
@@ -340,6 +346,8 @@ class TurbosparkUsage(BaseModel):
     # Prompt tokens computed for this request, over all its choices: with n > 1
     # the prompt is prefilled once, so this is prompt_tokens - cached_tokens.
     prefilled_tokens: int = 0
+    draft_proposed: int = 0  # speculative tokens verified (--draft)
+    draft_accepted: int = 0  # of which the model agreed with
 
 
 class Usage(BaseModel):
@@ -361,6 +369,8 @@ class Usage(BaseModel):
         usage.prompt_tokens_details.cached_tokens = sum(s.reused_tokens for s in first)
         usage.turbospark.batch_size = max(s.batch_size for s in stats)
         usage.turbospark.prefilled_tokens = sum(s.prompt_tokens - s.reused_tokens for s in stats)
+        usage.turbospark.draft_proposed = sum(s.draft_proposed for s in stats)
+        usage.turbospark.draft_accepted = sum(s.draft_accepted for s in stats)
         return usage
 
     @classmethod
@@ -382,6 +392,8 @@ class Usage(BaseModel):
                 queued_seconds=stats.queued_seconds,
                 batch_size=stats.batch_size,
                 prefilled_tokens=stats.prompt_tokens - stats.reused_tokens,
+                draft_proposed=stats.draft_proposed,
+                draft_accepted=stats.draft_accepted,
             ),
         )
 

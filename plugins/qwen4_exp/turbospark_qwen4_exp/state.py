@@ -16,7 +16,9 @@ by naming them and this file. ``ngram_context`` and ``ple_conv_tail`` keep a
 fixed-size trailing window and drop what falls out of it, so (like the GDN
 conv tail) they cannot go back; they are tiny, so the generation loop's
 checkpoint of non-rewindable components covers them for free. ``qsa`` keeps
-every raw index key, so it can truncate exactly.
+every raw index key, so it can truncate exactly. The three that cannot go
+back are traceable: a speculative verify pass keeps their state after every
+token, so rejected drafts are dropped without a second forward.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ COMPONENTS = [
         swappable=False,
         rewindable=False,
         persistable=True,
+        traceable=True,
     ),
     ComponentSpec(
         name="qsa",
@@ -60,6 +63,7 @@ COMPONENTS = [
         swappable=False,
         rewindable=False,
         persistable=True,
+        traceable=True,
     ),
     ComponentSpec(
         name="ple_conv_tail",
@@ -67,6 +71,7 @@ COMPONENTS = [
         swappable=False,
         rewindable=False,
         persistable=True,
+        traceable=True,
     ),
 ]
 
@@ -181,6 +186,8 @@ class StreamTail:
         self.initial = initial
         self.tail = initial
         self._position = 0
+        self._traced: tuple[mx.array, int] | None = None  # (window, tokens) of a traced extend
+        self._tracing = False
 
     @property
     def position(self) -> int:
@@ -200,11 +207,27 @@ class StreamTail:
         window = mx.concatenate([self.tail, rows], axis=0)
         self.tail = window[window.shape[0] - self.initial.shape[0] :]
         self._position += rows.shape[0]
+        if self._tracing:
+            self._traced, self._tracing = (window, rows.shape[0]), False
         return window
+
+    def trace(self) -> None:
+        """Keep the window of the next :meth:`extend` (a speculative verify pass)."""
+        self._tracing, self._traced = True, None
+
+    def keep_traced(self, n: int) -> None:
+        """Become the tail after the first *n* rows of the traced extend."""
+        traced, self._traced = self._traced, None
+        if traced is None or not 0 <= n <= traced[1]:
+            raise refuse_rewind(self.name, 0 if traced is None else traced[1] - n, 0)
+        window, length = traced
+        self.tail = window[n : n + self.initial.shape[0]]
+        self._position -= length - n
 
     def reset(self) -> None:
         self.tail = self.initial
         self._position = 0
+        self._tracing, self._traced = False, None
 
     def rewind(self, n: int) -> None:
         if n != 0:
@@ -218,6 +241,7 @@ class StreamTail:
 
     def restore(self, snapshot: Snapshot) -> None:
         self.tail = snapshot["tail"]
+        self._tracing, self._traced = False, None
         self._position = int(snapshot["position"].item())
 
 

@@ -4,7 +4,8 @@
   keeps every token, so it rewinds without limit.
 - ``gdn``: per linear layer, the conv tail and the float32 recurrent matrix
   (:class:`~turbospark.layers.gated_delta.GDNComponent`). It can be parked and
-  snapshotted, but not rewound: the recurrence cannot be run backwards.
+  snapshotted, but not rewound: the recurrence cannot be run backwards. A
+  speculative verify pass traces it instead (its state after every token).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ COMPONENTS = [
         rewindable=False,
         persistable=True,
         batchable=True,
+        traceable=True,
     ),
 ]
 

@@ -1,0 +1,102 @@
+"""Speculative decoding: drafts never change greedy output, and rollback leaves no trace.
+
+Two checks, for every family whose components can all drop a rejected draft
+(rewind, or trace the verify pass; a family that cannot is skipped naming the
+components, and the runner refuses draft policies for it the same way):
+
+- **greedy output equals off**: drafters right 100%, 50% and 0% of the time
+  (replaying the reply decoded without drafts) and prompt lookup give, at
+  temperature 0, exactly the tokens decoding without drafts gives, and leave
+  the session holding exactly what decoding without drafts leaves;
+- **rollback leaves no trace**: a verify pass's logits equal fresh runs of
+  each prefix, and after keeping any prefix of it the next step's logits
+  equal a fresh run of the kept history.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+import pytest
+
+from turbospark.conformance.diagnose import fail
+from turbospark.conformance.kit import FamilyKit
+from turbospark.draft import Drafter, NgramDrafter, ReplayDrafter
+from turbospark.generate import GenerationConfig, generate
+from turbospark.text import load_text
+
+GREEDY = GenerationConfig(max_tokens=16, stop_token_ids=[])
+
+
+def require_rollback(kit: FamilyKit) -> None:
+    """Skip, naming them, when some component can neither rewind nor trace."""
+    stuck = [c.name for c in kit.spec.components if c.rewindable is False and not c.traceable]
+    if stuck:
+        pytest.skip(f"cannot roll back a draft: {', '.join(stuck)} neither rewind nor trace")
+
+
+class DraftChecks:
+    """Speculative decoding is invisible at temperature 0."""
+
+    @final
+    def test_drafted_greedy_output_equals_off(self, kit: FamilyKit) -> None:
+        require_rollback(kit)
+        codec = load_text(kit.install)
+        opening = kit.tokens(70, 14)
+        prompt = [*opening, *kit.tokens(71, 6), *opening[:6]]  # a repeat for prompt lookup
+        off = generate(kit.open(1), codec, prompt, GREEDY).tokens
+        reference = [*prompt, *off]
+        drafters: dict[str, Drafter] = {
+            "a 100% right": ReplayDrafter(reference, kit.arch.vocab_size, 4, 1.0),
+            "a 50% right": ReplayDrafter(reference, kit.arch.vocab_size, 4, 0.5, seed=1),
+            "a 0% right": ReplayDrafter(reference, kit.arch.vocab_size, 4, 0.0),
+            "the prompt-lookup": NgramDrafter(4, 1),
+        }
+        for name, drafter in drafters.items():
+            runner = kit.open(1)
+            drafted = generate(runner, codec, prompt, GREEDY, drafter=drafter).tokens
+            if drafted != off:
+                at = next(i for i, (a, b) in enumerate(zip(drafted, off, strict=False)) if a != b)
+                fail(
+                    f"with {name} drafter, greedy output differs from decoding without drafts "
+                    f"at token {at}: {drafted[at]} instead of {off[at]}"
+                )
+            held = runner.sessions()[0].record.tokens
+            if held != reference[:-1]:
+                fail(
+                    f"with {name} drafter, the session holds {len(held)} tokens, not the "
+                    f"{len(reference) - 1} decoding without drafts leaves: a rejected or "
+                    "unemitted token stayed fed"
+                )
+
+    @final
+    def test_a_rejected_draft_leaves_no_trace(self, kit: FamilyKit) -> None:
+        require_rollback(kit)
+        prompt = kit.tokens(72, 12)
+        fed = kit.tokens(73, 5)  # a confirmed token and four drafts
+        after = kit.tokens(74, 1)
+        for keep in (1, 2, 5):
+            runner = kit.open(1)
+            runner.prefill_chunk(prompt, 0)
+            rows = runner.verify(None, fed, len(prompt))
+            for j in range(len(fed)):
+                gap = kit.logits_gap(rows[j], kit.fresh_logits([*prompt, *fed[: j + 1]]))
+                if gap is not None:
+                    fail(
+                        f"row {j} of a verify pass differs from a fresh run of the same "
+                        f"tokens by {gap:.3g}"
+                    )
+            runner.accept(None, len(prompt), keep)
+            history = [*prompt, *fed[:keep]]
+            if runner.position != len(history):
+                fail(
+                    f"keeping {keep} of {len(fed)} verified tokens left position {runner.position}"
+                )
+            nxt = runner.produce(after[0], len(history))
+            gap = kit.logits_gap(nxt, kit.fresh_logits([*history, *after]))
+            if gap is not None:
+                fail(
+                    f"after verifying {len(fed)} tokens and keeping {keep}, the next step's "
+                    f"logits differ from a fresh run of the kept history by {gap:.3g}: "
+                    "a rejected token left a trace in the state"
+                )

@@ -1,0 +1,249 @@
+"""Speculative decoding: verify a round of drafts in one forward, keep what the target agrees with.
+
+A round, for a confirmed token ``t`` (sampled, not yet fed) at ``position``:
+
+1. the drafter (:mod:`turbospark.draft`) proposes ``d_1 .. d_k`` after ``t``;
+2. :meth:`Runner.verify` feeds ``[t, d_1 .. d_k]`` in one forward and returns
+   logits for every position (row ``i`` predicts the token after ``d_i``);
+3. acceptance (:func:`accept_greedy`, :func:`accept_sampled`) keeps the
+   longest prefix ``d_1 .. d_a`` the target agrees with and draws the token
+   after it from the target (a correction, or a bonus when all ``k`` passed);
+4. :meth:`Runner.accept` keeps ``t, d_1 .. d_a`` in state: attention K/V
+   rewinds, recurrent state (GDN, conv tails) takes the state the verify pass
+   traced at that token. No second forward, and no rejected token stays in the
+   session (or its record) once the round is over.
+
+At temperature 0 a draft passes when it equals the target's argmax, so the
+output is token for token what decoding without drafts gives. With sampling,
+a draft ``x`` drawn from ``q`` passes with probability ``min(1, p(x) / q(x))``
+and a rejection draws from ``max(0, p - q)`` renormalised (Leviathan et al.,
+2023; Chen et al., 2023), so every emitted token has exactly the target's
+distribution ``p`` (the sampler's warped logits: temperature, top-k, top-p).
+A deterministic drafter's ``q`` is a point mass at its token.
+
+Adaptive depth (:class:`DepthControl`): drafting starts at depth 1; a round
+whose drafts all pass doubles the depth (up to ``max_depth``); a partial one
+drafts one past what passed; a round with nothing accepted halves it and
+pauses drafting for 1, 2, 4 ... 64 steps (plain pipelined decode) before the
+next probe, so a hopeless drafter costs a depth-1 probe every 64 tokens at
+most. A drafter that
+proposes nothing pauses at most 8 steps: its probe is a lookup and a sync,
+no verify.
+
+A request drafts only when it decodes alone through the one-row forward (the
+generation loop; the engine's solo rows) and samples without logits
+processors or logprobs (those see every sampled token one at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from turbospark.draft import Draft, Drafter, drafter_for
+from turbospark.pool import Session
+from turbospark.runner import Runner, check_rollback
+from turbospark.sampling import Sampler
+
+MAX_PAUSE = 64  # plain steps between probes of a drafter that keeps failing
+# ... and between lookups of one that keeps proposing nothing: such a probe costs
+# only a sync (no verify), and prompt lookup finds matches in bursts.
+MAX_IDLE_PAUSE = 8
+
+
+# -- acceptance -------------------------------------------------------------------
+
+
+def accept_greedy(logits: mx.array, drafts: Sequence[int]) -> tuple[int, int]:
+    """``(accepted, next)``: drafts pass while they equal the argmax of the
+    row before them; *next* is the argmax after the last one that passed.
+    *logits* ``(k + 1, vocab)``."""
+    choice = mx.argmax(logits, axis=-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
+        accepted += 1
+    return accepted, choice[accepted]
+
+
+def accept_sampled(logits: mx.array, draft: Draft, sampler: Sampler) -> tuple[int, int]:
+    """``(accepted, next)`` by rejection sampling with residual correction.
+
+    Draft ``i`` (drawn from ``q_i``) passes with probability
+    ``min(1, p_i(d_i) / q_i(d_i))``; the first rejected one is replaced by a
+    draw from ``max(0, p_i - q_i)`` renormalised; when all pass, the bonus
+    token is drawn from ``p_k``. ``p`` is the target's distribution as the
+    sampler would draw from it (:meth:`Sampler.warp`). *logits* ``(k + 1, vocab)``.
+    """
+    k = len(draft.tokens)
+    p = mx.softmax(mx.stack([sampler.warp(row) for row in logits]), axis=-1)  # (k + 1, vocab)
+    drafted = mx.array(draft.tokens, dtype=mx.int32)
+    rows = mx.arange(k)
+    p_drafted = p[rows, drafted]  # (k,)
+    if draft.probs is None:
+        q = mx.zeros((k, p.shape[-1]), p.dtype)
+        q[rows, drafted] = 1.0  # a deterministic drafter: point masses
+    else:
+        q = draft.probs.astype(p.dtype)
+    q_drafted = q[rows, drafted]
+    # u < p/q, written without the division (q is 1 for point masses).
+    passed = (
+        mx.random.uniform(shape=(k,), key=sampler.next_key()) * q_drafted < p_drafted
+    ).tolist()
+    accepted = passed.index(False) if False in passed else k
+    if accepted == k:
+        target = p[k]
+    else:
+        target = mx.maximum(p[accepted] - q[accepted], 0.0)
+        # p == q leaves nothing (and then the draft always passes): fall back to p.
+        target = mx.where(target.sum() > 0, target, p[accepted])
+    following = mx.random.categorical(mx.log(target), key=sampler.next_key())
+    return accepted, int(following.item())
+
+
+# -- adaptive depth ---------------------------------------------------------------
+
+
+@dataclass
+class DepthControl:
+    """How deep the next round drafts (see the module docstring)."""
+
+    max_depth: int
+    depth: int = 1  # start shallow: a drafter earns depth by being right
+    pause: int = 0  # plain steps left before the next probe
+    backoff: int = 1  # the next pause's length
+
+    def next_depth(self) -> int:
+        """The depth to draft now; 0 while paused (the step decodes plainly)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        return self.depth
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed and accepted == proposed:
+            self.depth = min(self.max_depth, 2 * self.depth)
+            self.backoff = 1
+        elif accepted:
+            self.depth = max(1, accepted + 1)
+            self.backoff = 1
+        else:  # nothing proposed, or nothing passed: pause, longer each time
+            self.depth = max(1, self.depth // 2)
+            self.pause = self.backoff if proposed else min(self.backoff, MAX_IDLE_PAUSE)
+            self.backoff = min(MAX_PAUSE, 2 * self.backoff)
+
+
+# -- a request's drafting ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Round:
+    """A verified round: the confirmed token and the drafts that passed (all fed,
+    uncommitted until :meth:`Speculation.commit`), and the target's next token."""
+
+    tokens: list[int]
+    following: int
+    proposed: int
+
+
+@dataclass
+class Speculation:
+    """One request's drafting: its drafter, adaptive depth and counts.
+
+    *generated* is the caller's list of emitted tokens (read, never written):
+    with *prompt* it is the context the drafter continues.
+    """
+
+    runner: Runner
+    sampler: Sampler
+    drafter: Drafter
+    prompt: Sequence[int]
+    generated: list[int]
+    session: Session | None = None  # None: the runner's live session
+    control: DepthControl = field(init=False)
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self.control = DepthControl(self.drafter.max_depth)
+
+    def plan(self, position: int, remaining: int | None) -> int:
+        """How many drafts the step at *position* may verify (0: a plain step).
+        Never more than the reply has left after the confirmed token (whose
+        last token is not fed), nor than the context has room for."""
+        room = self.runner.context_length - position - 1
+        cap = room if remaining is None else min(room, remaining - 1)
+        if cap <= 0:
+            return 0
+        return min(cap, self.control.next_depth())
+
+    def round(self, token: int, position: int, depth: int) -> Round | None:
+        """Draft after *token*, verify, and decide; None when the drafter had
+        nothing (the caller takes a plain step). State holds the round's tokens
+        fed (traced) until :meth:`commit`."""
+        context = [*self.prompt, *self.generated, token]
+        draft = self.drafter.propose(context, depth)
+        drafts = draft.tokens[:depth]
+        if not drafts:
+            self.control.record(0, 0)
+            return None
+        if len(drafts) < len(draft.tokens):
+            probs = None if draft.probs is None else draft.probs[: len(drafts)]
+            draft = Draft(drafts, probs)
+        logits = self.runner.verify(self.session, [token, *drafts], position)
+        if self.sampler.params.temperature == 0.0:
+            accepted, following = accept_greedy(logits, drafts)
+        else:
+            accepted, following = accept_sampled(logits, draft, self.sampler)
+        self.control.record(len(drafts), accepted)
+        self.proposed += len(drafts)
+        self.accepted += accepted
+        self.rounds += 1
+        return Round([token, *drafts[:accepted]], following, len(drafts))
+
+    def commit(self, position: int, keep: int) -> None:
+        """Keep the first *keep* tokens the round fed at *position*; the rest leave."""
+        self.runner.accept(self.session, position, keep)
+
+
+def settle(
+    tokens: Sequence[int], stop_ids: frozenset[int], remaining: int | None
+) -> tuple[int, int]:
+    """``(emit, keep)`` for a round's tokens: how many the reply takes, and how
+    many stay fed. A stop id ends the reply unfed (it is ``tokens[emit]``); the
+    reply's last token (``remaining`` reached) is emitted but not fed, as
+    without drafts."""
+    for j, token in enumerate(tokens):
+        if token in stop_ids:
+            return j, j
+        if remaining is not None and j + 1 >= remaining:
+            return j + 1, j
+    return len(tokens), len(tokens)
+
+
+def speculation_for(
+    runner: Runner,
+    sampler: Sampler,
+    prompt: Sequence[int],
+    generated: list[int],
+    *,
+    enabled: bool = True,
+    drafter: Drafter | None = None,
+    session: Session | None = None,
+) -> Speculation | None:
+    """A request's :class:`Speculation`, or None when it decodes one token per
+    step: drafts are off (the runner's policy, or the request opted out with
+    *enabled* False), or the sampler has logits processors or keeps logprobs.
+    *drafter* overrides the runner's policy (the benchmark's oracles)."""
+    if not enabled or sampler.processors or sampler.top_logprobs is not None:
+        return None
+    if drafter is not None:
+        check_rollback(runner.family, type(drafter).__name__)
+    else:
+        policy = runner.draft
+        if not policy.enabled:
+            return None
+        drafter = drafter_for(policy.mode, policy.max_draft, policy.min_match)
+    return Speculation(runner, sampler, drafter, prompt, generated, session)

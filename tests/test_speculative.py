@@ -1,0 +1,375 @@
+"""Speculative decoding: policies refused by name, greedy output identical to
+``off`` whatever the drafts, rollback without a trace, sampled speculation
+unbiased, adaptive depth, and the engine's solo rows drafting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turbospark.draft import Draft, NgramDrafter, ReplayDrafter
+from turbospark.engine import Engine, Job
+from turbospark.errors import InvalidInput
+from turbospark.generate import GenerationConfig, generate
+from turbospark.hookspecs import FamilySpec, hookimpl
+from turbospark.plugins import FamilyRegistry
+from turbospark.policies import DraftPolicies
+from turbospark.runner import Runner
+from turbospark.sampling import Sampler, SamplingParams
+from turbospark.speculative import MAX_PAUSE, DepthControl, accept_sampled
+from turbospark.text import load_text
+
+FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
+PROMPT = [*range(3, 30), *range(3, 15)]  # a repeat, so prompt lookup finds matches
+CONFIG = GenerationConfig(max_tokens=24, stop_token_ids=[])
+
+
+def open_runner(path: Path, **kwargs: Any) -> Runner:
+    return Runner.open(path, context_length=256, dtype="float32", **kwargs)
+
+
+@pytest.fixture(params=FAMILIES)
+def install(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"{request.param}_install")
+
+
+# -- bad input ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, named",
+    [
+        (lambda: DraftPolicies.ngram(max_draft=0), "max_draft=0"),
+        (lambda: DraftPolicies.ngram(max_draft=-2), "max_draft=-2"),
+        (lambda: DraftPolicies.ngram(min_match=0), "min_match=0"),
+        (lambda: DraftPolicies.mtp(depth=0), "depth=0"),
+        (lambda: DraftPolicies(mode="mtp", max_draft=0), "depth of 0"),
+        (lambda: DraftPolicies.named("eagle"), "'eagle'"),
+        (lambda: ReplayDrafter([1], 8, max_depth=0), "max_depth=0"),
+    ],
+)
+def test_a_depth_below_one_or_an_unknown_policy_is_refused_by_name(make, named):
+    with pytest.raises(InvalidInput, match=named.replace("(", r"\(")):
+        make()
+
+
+class _Frozen:
+    """qwen_gdn, except that its recurrent state cannot be traced."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    @hookimpl
+    def turbospark_family(self) -> FamilySpec:
+        spec = self.base.turbospark_family()
+        frozen = [c.model_copy(update={"traceable": False}) for c in spec.components]
+        return spec.model_copy(update={"components": frozen})
+
+
+def test_a_family_that_cannot_roll_back_is_refused_by_name(qwen_gdn_install):
+    from turbospark_qwen_gdn import plugin
+
+    registry = FamilyRegistry()
+    registry.register(_Frozen(plugin), "qwen_gdn")
+    with pytest.raises(InvalidInput, match=r"family 'qwen_gdn'.*gdn can neither rewind nor trace"):
+        Runner.open(qwen_gdn_install, draft=DraftPolicies.ngram(), registry=registry)
+    # Off stays possible with the same family.
+    Runner.open(qwen_gdn_install, registry=registry)
+
+
+# -- greedy: identical to off --------------------------------------------------------
+
+
+def off_completion(path: Path, prompt: list[int], config: GenerationConfig = CONFIG):
+    return generate(open_runner(path), load_text(path), prompt, config)
+
+
+@pytest.mark.parametrize("accuracy", [1.0, 0.5, 0.0])
+def test_greedy_output_with_any_drafter_equals_off(install, accuracy):
+    off = off_completion(install, PROMPT)
+    runner = open_runner(install)
+    drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy, seed=3)
+    drafted = generate(runner, load_text(install), PROMPT, CONFIG, drafter=drafter)
+    assert drafted.tokens == off.tokens
+    assert drafted.finish_reason == off.finish_reason
+    assert drafted.stats.draft_proposed > 0
+    if accuracy == 1.0:
+        assert drafted.stats.draft_accepted == drafted.stats.draft_proposed
+    if accuracy == 0.0:
+        assert drafted.stats.draft_accepted == 0
+    # The session ends where off's does: no rejected (or unemitted) token stays fed.
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+def test_greedy_output_with_prompt_lookup_equals_off(install):
+    off = off_completion(install, PROMPT)
+    runner = open_runner(install, draft=DraftPolicies.ngram(max_draft=3, min_match=1))
+    drafted = generate(runner, load_text(install), PROMPT, CONFIG)
+    assert drafted.tokens == off.tokens
+    assert drafted.stats.draft_accepted <= drafted.stats.draft_proposed
+
+
+def test_a_request_can_opt_out_of_the_policy(qwen_gdn_install):
+    runner = open_runner(qwen_gdn_install, draft=DraftPolicies.ngram(min_match=1))
+    config = CONFIG.model_copy(update={"draft": False})
+    done = generate(runner, load_text(qwen_gdn_install), PROMPT, config)
+    assert done.stats.draft_proposed == 0
+
+
+def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(qwen_gdn_install):
+    off = off_completion(qwen_gdn_install, PROMPT)
+    stop = off.tokens[7]  # lands inside a round of depth 4
+    for config in (
+        CONFIG.model_copy(update={"stop_token_ids": [stop]}),
+        CONFIG.model_copy(update={"max_tokens": 6}),
+        CONFIG.model_copy(update={"max_tokens": 1}),
+    ):
+        plain = off_completion(qwen_gdn_install, PROMPT, config)
+        runner = open_runner(qwen_gdn_install)
+        drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4)
+        drafted = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+        assert (drafted.tokens, drafted.finish_reason) == (plain.tokens, plain.finish_reason)
+        fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
+        assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+# -- rollback leaves no trace --------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, 4])
+def test_after_a_rollback_the_next_logits_equal_a_fresh_run(install, keep):
+    drafts = [5, 9, 17, 33]
+    spec = open_runner(install)
+    spec.prefill_chunk(PROMPT, 0)
+    spec.verify(None, [7, *drafts], len(PROMPT))
+    spec.accept(None, len(PROMPT), 1 + keep)  # the confirmed token and `keep` drafts stay
+    kept = [7, *drafts][: 1 + keep]
+    assert spec.position == len(PROMPT) + len(kept)
+    after = spec.produce(40, spec.position)
+
+    fresh = open_runner(install)
+    fresh.prefill_chunk(PROMPT, 0)
+    for i, token in enumerate(kept):
+        fresh.produce(token, len(PROMPT) + i)
+    expected = fresh.produce(40, fresh.position)
+    np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
+    assert spec.sessions()[0].record.tokens == fresh.sessions()[0].record.tokens
+
+
+def test_a_drafted_reply_resumes_from_its_prompt_checkpoint_next_turn(qwen_gdn_install):
+    """The second turn of a GDN chat (reuse through the prompt-boundary
+    checkpoint) is the same whether the first reply was drafted or not."""
+    codec = load_text(qwen_gdn_install)
+    config = CONFIG.model_copy(update={"max_tokens": 10})
+    outputs = []
+    for draft in (DraftPolicies.off(), DraftPolicies.ngram(min_match=1)):
+        runner = open_runner(qwen_gdn_install, draft=draft, session_slots=2)
+        runner.set_prefix_reuse(True)
+        first = generate(runner, codec, PROMPT, config)
+        second = generate(runner, codec, [*PROMPT, 50, 51, 52], config)
+        outputs.append((first.tokens, second.tokens, second.stats.reused_tokens))
+    assert outputs[0] == outputs[1]
+    assert outputs[0][2] > 0
+
+
+# -- sampling stays unbiased ----------------------------------------------------------
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    seen = expected > 0
+    assert counts[~seen].sum() == 0, "a token the target cannot sample was emitted"
+    return float((((counts - expected) ** 2)[seen] / expected[seen]).sum())
+
+
+@pytest.mark.parametrize("drafted_probs", [False, True])
+def test_sampled_speculation_matches_the_target_distribution(qwen_gdn_install, drafted_probs):
+    """The first token after the confirmed one, over many seeded rounds: with an
+    adversarial drafter (it proposes the target's *least* likely kept token, or
+    samples from a skewed q) its distribution is still the target's."""
+    runner = open_runner(qwen_gdn_install)
+    runner.prefill_chunk(PROMPT, 0)
+    params = SamplingParams(temperature=1.0, top_k=6, seed=11)
+    logits = runner.verify(None, [7, 0, 0], len(PROMPT))  # only the rows' logits matter here
+    target = np.array(mx.softmax(Sampler(params).warp(logits[0])))
+    kept = np.flatnonzero(target)
+    worst = int(kept[np.argmin(target[kept])])
+    q = np.zeros_like(target)
+    q[kept] = np.linspace(1, 30, len(kept))
+    q[worst] = 60.0
+    q /= q.sum()  # a skewed draft distribution over the kept tokens
+    sampler = Sampler(params)
+    rng = np.random.default_rng(5)
+    counts = np.zeros_like(target)
+    trials = 1500
+    for _ in range(trials):
+        if drafted_probs:
+            first = int(rng.choice(len(q), p=q))
+            probs = mx.array(np.stack([q, q]).astype(np.float32))
+        else:
+            first, probs = worst, None
+        accepted, following = accept_sampled(logits, Draft([first, worst], probs), sampler)
+        counts[first if accepted >= 1 else following] += 1
+    # 5 degrees of freedom: the 0.1% critical value is 20.5.
+    assert _chi_square(counts, target) < 20.5
+    direct = np.bincount(rng.choice(len(target), size=trials, p=target), minlength=len(target))
+    assert _chi_square(direct.astype(float), target) < 20.5  # the same test passes for p itself
+
+
+# -- adaptive depth -------------------------------------------------------------------
+
+
+def test_a_hopeless_drafter_is_probed_rarely():
+    control = DepthControl(max_depth=4)
+    rounds = 0
+    for _ in range(2000):
+        depth = control.next_depth()
+        if depth:
+            rounds += 1
+            control.record(depth, 0)
+    assert rounds < 2000 / MAX_PAUSE + 10
+
+
+def test_a_perfect_drafter_reaches_full_depth_and_stays():
+    control = DepthControl(max_depth=5)
+    depths = []
+    for _ in range(20):
+        depths.append(control.next_depth())
+        control.record(depths[-1], depths[-1])
+    assert depths == [1, 2, 4] + [5] * 17
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    drafter = NgramDrafter(max_draft=3, min_match=2)
+    context = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2]
+    assert drafter.propose(context, 3).tokens == [3, 5, 6]
+    assert drafter.propose([*context, 3], 3).tokens == [5, 6, 1]  # longer match, same place
+    assert drafter.propose([*context, 3, 7], 3).tokens == []
+
+
+# -- the engine's solo rows -------------------------------------------------------------
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.chunks: list = []
+
+    def __call__(self, item) -> None:
+        if isinstance(item, Exception):
+            raise item
+        self.chunks.append(item)
+
+
+def test_an_engine_row_decoding_alone_drafts_and_equals_off(install):
+    off = off_completion(install, PROMPT)
+    runner = open_runner(install)
+    engine = Engine(runner, load_text(install))
+    drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, 0.75, seed=2)
+    emit = Collector()
+    engine.submit(Job(ids=list(PROMPT), config=CONFIG, emit=emit, drafter=drafter))
+    for _ in range(200):
+        if emit.chunks and emit.chunks[-1].finish_reason is not None:
+            break
+        engine.step()
+    tokens = [c.token for c in emit.chunks if c.token is not None]
+    assert tokens == off.tokens
+    stats = emit.chunks[-1].stats
+    assert 0 < stats.draft_accepted < stats.draft_proposed
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+# -- the server and the CLI ---------------------------------------------------------------
+
+
+def test_the_server_reports_drafts_and_takes_a_per_request_opt_out(gemma4_install):
+    import openai
+    from serving import client, serving
+
+    codec = load_text(gemma4_install)
+    with serving(gemma4_install, codec, 1, draft=DraftPolicies.ngram(min_match=1)) as server:
+        api = client(server)
+        ask = {
+            "model": "tiny-gemma4-session-pool",
+            "prompt": "abc abc abc abc",
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+        drafted = api.completions.create(**ask, extra_body={"ignore_eos": True})
+        plain = api.completions.create(**ask, extra_body={"ignore_eos": True, "draft": "off"})
+        assert drafted.choices[0].text == plain.choices[0].text
+        assert plain.usage.turbospark["draft_proposed"] == 0
+        usage = drafted.usage.turbospark
+        assert usage["draft_proposed"] >= usage["draft_accepted"] >= 0
+        with pytest.raises(openai.BadRequestError, match="draft"):
+            api.completions.create(**ask, extra_body={"draft": "maybe"})
+
+
+def test_generate_json_reports_draft_counts_and_refuses_a_bad_depth(qwen_gdn_install, capsys):
+    import json
+
+    from turbospark.cli import main
+
+    argv = ["generate", str(qwen_gdn_install), "--prompt", "abcabcabc", "--raw", "--json"]
+    assert main([*argv, "--max-tokens", "8", "--draft", "ngram", "--draft-depth", "3"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["draft_proposed"] >= stats["draft_accepted"] >= 0
+    assert main([*argv, "--draft", "ngram", "--draft-depth", "0"]) != 0
+    assert "max_draft=0" in capsys.readouterr().err
+    assert main([*argv, "--draft", "mtp"]) != 0
+    assert "no mtp.* weights" in capsys.readouterr().err
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(
+    accuracy=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+    depth=st.integers(1, 6),
+    max_tokens=st.integers(1, 20),
+    stop_at=st.one_of(st.none(), st.integers(0, 19)),
+    seed=st.integers(0, 3),
+)
+def test_any_drafting_schedule_ends_exactly_where_off_does(
+    qwen_gdn_install, accuracy, depth, max_tokens, stop_at, seed
+):
+    """Whatever the drafter's depth and luck, the limit and the stop id: the reply,
+    its finish reason and the session it leaves are those of decoding without drafts."""
+    off = _off_reply(qwen_gdn_install)
+    stop = None if stop_at is None else off[stop_at]
+    expected, finish = off[:max_tokens], "length"
+    if stop is not None and stop in expected:
+        expected, finish = expected[: expected.index(stop)], "stop"
+    config = CONFIG.model_copy(
+        update={"max_tokens": max_tokens, "stop_token_ids": [] if stop is None else [stop]}
+    )
+    runner = open_runner(qwen_gdn_install)
+    drafter = ReplayDrafter([*PROMPT, *off], runner.vocab_size, depth, accuracy, seed=seed)
+    done = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+    assert (done.tokens, done.finish_reason) == (expected, finish)
+    fed = expected if finish == "stop" else expected[:-1]
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+_OFF: dict[Path, list[int]] = {}
+
+
+def _off_reply(path: Path) -> list[int]:
+    if path not in _OFF:
+        _OFF[path] = off_completion(
+            path, PROMPT, CONFIG.model_copy(update={"max_tokens": 20})
+        ).tokens
+    return _OFF[path]
+
+
+def test_a_drafter_with_nothing_to_propose_is_asked_again_soon():
+    control = DepthControl(max_depth=4)
+    asked = 0
+    for _ in range(400):
+        if control.next_depth():
+            asked += 1
+            control.record(0, 0)
+    assert 400 / 9 <= asked < 400 / 8 + 5
