@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 
+from turbospark.policies import ExpertCacheSlots
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
 from turbospark.server.app import Service
@@ -29,6 +30,7 @@ def serving(
     *,
     context: int = CONTEXT,
     limits: ServerLimits | None = None,
+    expert_cache: ExpertCacheSlots | None = None,
     **options: Any,
 ) -> Iterator[ThreadedServer]:
     """A fresh runner served as ``turbospark serve`` does: opened on the worker thread.
@@ -36,7 +38,9 @@ def serving(
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=context, session_slots=slots)
+        runner = Runner.open(
+            install, context_length=context, session_slots=slots, expert_cache=expert_cache
+        )
         runner.set_prefix_reuse(True)
         return runner
 

@@ -5,20 +5,26 @@ order, batched rows, and every refusal before a weight is read."""
 from __future__ import annotations
 
 import gc
+import json
 import shutil
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from serving import client, service, serving
 
 from turbospark import ExpertCacheSlots, Runner, build_synthetic_install
+from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
 from turbospark.errors import InstallError, InvalidInput
 from turbospark.install import load_weights, read_manifest, write_install
 from turbospark.pool import Session
+from turbospark.text import load_text
 
 TOP_K, EXPERTS = 2, 8
 PROMPT = [3, 17, 42, 9, 88, 5, 61, 23, 100, 7, 12, 77, 31, 54, 2, 90]
@@ -238,3 +244,43 @@ def test_cli_values_parse():
     for bad, message in (("0", "at least one expert slot"), ("many", "auto or all")):
         with pytest.raises(InvalidInput, match=message):
             ExpertCacheSlots.parse(bad)
+
+
+def test_generate_streams_experts_from_the_cli(moe_install, capsys):
+    args = ["generate", str(moe_install), "--prompt", "hello", "--max-tokens", "4", "--json"]
+    assert main([*args, "--expert-cache-slots", "all"]) in (0, None)
+    resident = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--expert-cache-slots", str(TOP_K)]) in (0, None)
+    streamed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert streamed["tokens"] == resident["tokens"]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_the_cli_refuses_too_few_slots_in_one_line(moe_install, capsys, command):
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, str(moe_install), *extra, "--expert-cache-slots", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"top_k_experts={TOP_K}" in err[0]
+
+
+def test_a_bad_slot_count_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", "/nowhere", "--expert-cache-slots", "some"])
+    assert excinfo.value.code == 2
+    assert "'some' is not an expert slot count" in capsys.readouterr().err
+
+
+def test_the_server_exports_the_cache_in_metrics(moe_install):
+    with serving(moe_install, load_text(moe_install), 1, expert_cache=ExpertCacheSlots.fixed(TOP_K)) as server:  # fmt: skip
+        reply = client(server).chat.completions.create(
+            model="synthetic-gemma4", messages=[{"role": "user", "content": "route me"}], max_tokens=3
+        )
+        assert reply.choices[0].message.content is not None
+        text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+        stats = service(server).runner.expert_cache_stats()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["turbospark_expert_cache_slots"] == TOP_K
+    assert samples["turbospark_expert_cache_misses_total"] == stats.misses > 0
+    assert samples["turbospark_expert_cache_hits_total"] == stats.hits
+    assert samples["turbospark_expert_cache_read_bytes_total"] == stats.bytes_read
+    assert samples["turbospark_expert_cache_resident_bytes"] == stats.resident_bytes

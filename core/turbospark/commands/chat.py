@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import add_pool_memory_flag, install_text
+from turbospark.commands import add_expert_cache_flag, add_pool_memory_flag, install_text
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
 from turbospark.errors import TurbosparkError
 
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
+    add_expert_cache_flag(parser)
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
     parser.set_defaults(func=run)
@@ -64,6 +65,7 @@ def turn(
 
 
 def run(args: argparse.Namespace) -> int:
+    from turbospark.policies import ExpertCacheSlots
     from turbospark.runner import Runner
 
     codec = install_text(args.model)
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     runner = Runner.open(
         args.model,
         context_length=args.context_length,
+        expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
         session_slots=args.session_slots,
         max_parked_bytes=args.max_parked_memory,
     )

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import install_text
+from turbospark.commands import add_expert_cache_flag, install_text
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
     from turbospark.generate import GenerationConfig
@@ -50,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--raw", action="store_true", help="skip the chat template")
     add_sampling_args(parser, max_tokens=128)
+    add_expert_cache_flag(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
 
@@ -62,11 +63,16 @@ def prompt_ids(codec: TextCodec, prompt: str, raw: bool) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from turbospark.generate import collect, stream_generate
+    from turbospark.policies import ExpertCacheSlots
     from turbospark.runner import Runner
 
     codec = install_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights
-    runner = Runner.open(args.model, context_length=args.context_length)
+    runner = Runner.open(
+        args.model,
+        context_length=args.context_length,
+        expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
+    )
     ids = prompt_ids(codec, args.prompt, args.raw)
     show = None if args.json else print_text
     done = collect(stream_generate(runner, codec, ids, config), on_text=show)
