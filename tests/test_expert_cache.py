@@ -273,7 +273,9 @@ def test_a_bad_slot_count_is_refused_by_argparse(capsys):
 def test_the_server_exports_the_cache_in_metrics(moe_install):
     with serving(moe_install, load_text(moe_install), 1, expert_cache=ExpertCacheSlots.fixed(TOP_K)) as server:  # fmt: skip
         reply = client(server).chat.completions.create(
-            model="synthetic-gemma4", messages=[{"role": "user", "content": "route me"}], max_tokens=3
+            model="synthetic-gemma4",
+            messages=[{"role": "user", "content": "route me"}],
+            max_tokens=3,
         )
         assert reply.choices[0].message.content is not None
         text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
