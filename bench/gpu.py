@@ -3,7 +3,10 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|experts]
+
+``experts`` runs for gemma4 only, on the ``moe_large`` install (``--size`` is
+for the other pieces).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ if __package__ in (None, ""):
 
 from bench.common import install, machine
 from bench.concurrency import bench_concurrency
+from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
@@ -33,7 +37,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["forward", "swap", "interleaved", "serving", "concurrency"],
+        choices=["forward", "swap", "interleaved", "serving", "concurrency", "experts"],
     )
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
@@ -61,6 +65,12 @@ def main() -> None:
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_forward(path, prompt_tokens=GPU.prompt_tokens, decode_tokens=GPU.decode_tokens,
                                        chunk=GPU.chunk, reps=args.reps, library_loops=True)  # fmt: skip
+            elif piece == "experts":
+                if family != "gemma4":
+                    continue  # only gemma4 has an MoE block
+                path = install(family, "moe_large", "bfloat16", args.cache_dir)
+                result = bench_experts(path, prompt_tokens=64, decode_tokens=GPU.experts_decode,
+                                       reps=args.reps)  # fmt: skip
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)

@@ -115,3 +115,7 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{us['hook']:.0f} us, runner {us['runner']:.0f} us | pluggy call "
                 f"{d['pluggy_call_us']:.2f} us vs plain call {d['plain_call_us']:.2f} us"
             )
+        if experts := res.get("experts"):
+            from bench.experts import print_experts
+
+            print_experts(experts)

@@ -11,7 +11,9 @@ mlx-lm on the same install), ``interleaved`` (K conversations round-robin,
 pool against no pool, in process), ``serving`` (the same chats over HTTP,
 ``turbospark serve`` against ``mlx_lm.server``), ``concurrency`` (N clients
 at once, each a multi-turn chat, against both servers), ``swap`` (swap cost against
-history length, pool memory), ``dispatch`` (the hook path's per-token cost).
+history length, pool memory), ``dispatch`` (the hook path's per-token cost),
+``experts`` (gemma4 only: the routed-expert cache's decode speed, hit rate and
+memory against slot count).
 Benchmarks never decide whether the test suite passes.
 """
 
@@ -32,6 +34,7 @@ if __package__ in (None, ""):
 from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine
 from bench.concurrency import ConcurrencyPlan, bench_concurrency
 from bench.dispatch import bench_dispatch
+from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.report import headline, print_table
@@ -39,7 +42,7 @@ from bench.serving import bench_servers
 from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
-SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch")
+SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "experts")
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
@@ -63,6 +66,8 @@ class Plan:
     dispatch_tokens: int
     concurrency: ConcurrencyPlan
     chat_size: str = "chat"
+    experts_size: str = "moe"
+    experts_decode: int = 32
 
 
 QUICK = Plan(
@@ -110,6 +115,8 @@ GPU = Plan(
     dispatch_tokens=200,
     concurrency=ConcurrencyPlan(clients=(1, 16)),
     chat_size="chat_large",
+    experts_size="moe_large",
+    experts_decode=128,
 )
 
 
@@ -146,6 +153,13 @@ def run_family(
     if "dispatch" in sections:
         result["dispatch"] = bench_dispatch(
             install(family, "tiny", dtype, cache), plan.dispatch_tokens, plan.reps
+        )
+    if "experts" in sections and family == "gemma4":  # the family with an MoE block
+        result["experts"] = bench_experts(
+            install(family, plan.experts_size, dtype, cache),
+            prompt_tokens=64,
+            decode_tokens=plan.experts_decode,
+            reps=plan.reps,
         )
     return {**headline(result), **result}
 

@@ -129,3 +129,17 @@ def test_concurrency_workload_and_ratios(bench: dict) -> None:
     assert "ratio_refused" in c.compare(level, 4) and "tok_s_ratio" not in c.compare(level, 4)
     level["mlx_lm"] = c.medians([run(20.0, 9, 3)])
     assert not c.compare(level, 4)["same_completion_tokens"]
+
+
+def test_experts(bench: dict, tmp_path: Path) -> None:
+    path = bench["common"].install("gemma4", "tiny_moe", "float32", tmp_path)
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.experts import bench_experts
+    finally:
+        sys.path.remove(str(ROOT))
+    out = bench_experts(path, prompt_tokens=8, decode_tokens=3, reps=1)
+    assert set(out["engines"]) == {"fixed(2)", "fixed(4)", "all"}
+    for row in out["engines"].values():
+        assert row["decode_tok_s"] > 0 and row["same_tokens_as_all"]
+        assert 0 <= row["hit_rate"] <= 1 and row["resident_expert_bytes"] > 0

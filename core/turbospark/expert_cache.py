@@ -290,10 +290,13 @@ class ExpertCache:
         targets = free + [self._slot_of[e] for e in victims]
         targets = targets[: len(missing)]
         read = self._read(missing)  # may raise: nothing has changed yet
-        slots = mx.array(targets)
-        for name in self.tables:
+        for name, rows in read.items():
             table = self.tables[name]
-            table[slots] = mx.stack(read[name]).astype(self.dtype)
+            for slot, expert in zip(targets, rows, strict=True):
+                # A slice update at a dynamic start: written in place (the table's only
+                # reference is here), where a scatter costs ~10x as much on the CPU.
+                update = expert.astype(self.dtype)[None]  # (out, in) -> (1, out, in)
+                table = mx.slice_update(table, update, mx.array([slot]), axes=(0,))
             self.tables[name] = table
         mx.eval(*self.tables.values())
         for slot, expert in zip(targets, missing, strict=True):
