@@ -141,7 +141,11 @@ class Runner:
         ``session_dir`` adds the disk tier (SEMANTICS.md): sessions leaving
         memory are written there instead of dropped, the directory's sessions
         are indexed now and scored like parked ones, and :meth:`flush` /
-        :meth:`close` write the warm ones. ``max_session_disk_bytes`` bounds it."""
+        :meth:`close` write the warm ones. ``max_session_disk_bytes`` bounds it.
+
+        ``expert_cache`` (default ``ExpertCacheSlots.all()``) bounds the routed
+        experts resident per MoE layer; the rest stream from the install
+        (:mod:`turbospark.expert_cache`), with identical logits."""
         path = Path(path)
         manifest = read_manifest(path)
         family = (registry or default_registry()).get(manifest.family)
