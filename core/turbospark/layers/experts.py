@@ -9,7 +9,7 @@ from the install (:mod:`turbospark.expert_cache`), with identical results.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -39,16 +39,21 @@ class ExpertLayer(nn.Module):
             del self[name]
         self._cache = cache
 
-    def routed(self, chosen: mx.array, fn: ExpertFn) -> mx.array:
+    def routed(self, chosen: mx.array, fn: ExpertFn, overlap: Sequence[mx.array] = ()) -> mx.array:
         """``fn(tables, indices)`` for the experts *chosen* ``(N, k)`` routes to.
 
         Resident: one call over the full tables. Streamed: the router's choice is
         evaluated, missing experts are read into slots, and ``fn`` runs over slot
         indices; a step routed to more experts than there are slots runs once
         per group, each (token, choice) output taken from the group holding its
-        expert, so every output is computed exactly as in the resident case."""
+        expert, so every output is computed exactly as in the resident case.
+
+        *overlap*: work of the same layer that does not need the experts (a
+        dense branch beside them); when streaming it is started with the router,
+        so it computes while the missing experts are read."""
         if self._cache is None:
             return fn({name: self[name] for name in self.projections}, chosen)
+        mx.async_eval(chosen, *overlap)
         out: mx.array | None = None
         for group in self._cache.groups(chosen):
             y = fn(group.tables, group.indices)

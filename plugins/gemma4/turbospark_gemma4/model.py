@@ -371,7 +371,11 @@ class Experts(ExpertLayer):
         inner, hidden = arch.moe_intermediate_size, arch.hidden_size
         super().__init__(arch.num_experts, expert_shapes(inner, hidden))
 
-    def __call__(self, x: mx.array, chosen: mx.array, weights: mx.array) -> mx.array:
+    def __call__(
+        self, x: mx.array, chosen: mx.array, weights: mx.array, dense: mx.array
+    ) -> mx.array:
+        """The weighted sum of each token's experts; *dense* (the MLP beside
+        them) only starts computing while streamed experts are read."""
         # (N, H) -> (N, 1, 1, H): batch dims (N, 1) broadcast against the (N, k) indices.
         x = x[:, None, None, :]
 
@@ -380,7 +384,8 @@ class Experts(ExpertLayer):
             up = mx.gather_mm(x, w["up_proj"].swapaxes(-1, -2), rhs_indices=idx)
             return mx.gather_mm(geglu(gate, up), w["down_proj"].swapaxes(-1, -2), rhs_indices=idx)
 
-        y = self.routed(chosen, geglu_experts).squeeze(-2)  # (N, k, 1, H) -> (N, k, H)
+        y = self.routed(chosen, geglu_experts, overlap=[dense])
+        y = y.squeeze(-2)  # (N, k, 1, H) -> (N, k, H)
         return (weights[..., None] * y).sum(axis=-2)
 
 
@@ -458,7 +463,7 @@ class DecoderLayer(nn.Module):
             dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
             tokens = h.reshape(-1, h.shape[-1])  # (B*L, H): routing is per token
             chosen, weights = self.router(tokens)
-            sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights)
+            sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights, dense)
             sparse = sparse.reshape(h.shape)
             ff = dense + self.post_feedforward_layernorm_2(sparse)
         else:
