@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mutant_families import MutantGemma4
 from prometheus_client.parser import text_string_to_metric_families
 from serving import client, service, serving
 
@@ -22,7 +23,9 @@ from turbospark import ExpertCacheSlots, Runner, build_synthetic_install
 from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
 from turbospark.errors import InstallError, InvalidInput
+from turbospark.hookspecs import hookimpl
 from turbospark.install import load_weights, read_manifest, write_install
+from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.pool import Session
 from turbospark.text import load_text
 
@@ -286,3 +289,31 @@ def test_the_server_exports_the_cache_in_metrics(moe_install):
     assert samples["turbospark_expert_cache_hits_total"] == stats.hits
     assert samples["turbospark_expert_cache_read_bytes_total"] == stats.bytes_read
     assert samples["turbospark_expert_cache_resident_bytes"] == stats.resident_bytes
+
+
+class SwappedGateUp(MutantGemma4):
+    """gemma4 declaring its fused gate_up bands the wrong way round: resident
+    experts are right, streamed ones read up as gate."""
+
+    @hookimpl
+    def turbospark_moe(self, arch):
+        spec = self.base.turbospark_moe(arch=arch)
+        layers = {}
+        for path, projections in spec.layers.items():
+            gate, up = projections["gate_proj"], projections["up_proj"]
+            layers[path] = {**projections, "gate_proj": up, "up_proj": gate}
+        return spec.model_copy(update={"layers": layers})
+
+
+def test_the_kit_fails_a_family_that_streams_the_wrong_rows(tmp_path):
+    registry = FamilyRegistry()
+    registry.register(SwappedGateUp("swapped", None, default_registry().get("gemma4").plugin), name="swapped")  # fmt: skip
+    try:
+        registry.get("swapped").manager().hook.turbospark_build_synthetic_install(
+            path=tmp_path, dims={"num_layers": 2, "num_experts": EXPERTS, "top_k_experts": TOP_K}
+        )
+        kit = FamilyKit.create("swapped", tmp_path, registry)
+        with pytest.raises(AssertionError, match=rf"fixed\({TOP_K}\): the prompt's logits differ"):
+            FamilyConformance().test_expert_cache_slots_give_identical_logits(kit)
+    finally:
+        registry.unregister("swapped")
