@@ -37,6 +37,7 @@ from bench.common import (
     default_dtype,
     install,
     interleaved,
+    machine,
     median_of,
     random_tokens,
 )
@@ -172,7 +173,7 @@ def main() -> None:
     out = bench_experts(install("gemma4", args.size, dtype, args.cache_dir),
                         args.prompt_tokens, args.decode_tokens, args.reps)  # fmt: skip
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps({"machine": machine(), "dtype": dtype, **out}, indent=2))
     print_experts(out)
 
 

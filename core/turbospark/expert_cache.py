@@ -25,7 +25,9 @@ changed under the server) raises before any slot or table changes.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -250,7 +252,7 @@ class ExpertCache:
 
     @property
     def resident(self) -> dict[int, int]:
-        """Expert -> slot, for the tests and the stats page."""
+        """Expert -> slot, as it stands between steps."""
         return dict(self._slot_of)
 
     def groups(self, chosen: mx.array) -> Iterator[Group]:
@@ -360,12 +362,7 @@ class ExpertStreams:
     @property
     def tensor_names(self) -> set[str]:
         """The install tensors the caches read (left out of the loaded weights)."""
-        return {
-            source.tensor
-            for layer in self.spec.layers.values()
-            for projection in layer.values()
-            for source in projection.sources
-        }
+        return {source.tensor for layer in self.spec.layers.values() for source in _sources(layer)}
 
     def attach(self, model: object) -> None:
         """Point every :class:`~turbospark.layers.experts.ExpertLayer` of *model*
@@ -416,22 +413,29 @@ def plan_streams(
     slices = resolve(spec, entries, check_dtype=streaming)
     if not streaming:
         return None
-    slots = policy.slots
-    if slots is None:  # auto
-        itemsize = mx.zeros((), dtype=dtype).itemsize
-        one_expert = itemsize * sum(
-            o * i for o, i in (p.shape for p in next(iter(slices.values())).values())
-        )
-        expert_names = {p.tensor for layer in spec.layers.values() for p in _sources(layer)}
-        other = sum(
-            int(np.prod(e.shape)) * _itemsize(e.dtype)
-            for name, e in entries.items()
-            if name not in expert_names
-        )
-        slots = auto_slots(spec, one_expert, other, available_memory())
+    slots = policy.slots or _auto(spec, slices, entries, dtype)
     if slots >= spec.num_experts:
         return None
     return ExpertStreams(spec, slices, slots, dtype, policy)
+
+
+def _auto(
+    spec: MoESpec,
+    slices: dict[str, dict[str, ResolvedSlice]],
+    entries: dict[str, TensorEntry],
+    dtype: mx.Dtype,
+) -> int:
+    """:func:`auto_slots` for this install: one expert's bytes in the compute
+    dtype, and every other tensor's bytes as stored."""
+    layer = next(iter(slices.values()))
+    one_expert = dtype.size * sum(out * cols for out, cols in (p.shape for p in layer.values()))
+    streamed = {source.tensor for layer in spec.layers.values() for source in _sources(layer)}
+    other = sum(
+        math.prod(entry.shape) * _itemsize(entry.dtype)
+        for name, entry in entries.items()
+        if name not in streamed
+    )
+    return auto_slots(spec, one_expert, other, available_memory())
 
 
 def _sources(layer: dict[str, ExpertProjection]) -> Iterator[ExpertSlice]:
@@ -440,9 +444,9 @@ def _sources(layer: dict[str, ExpertProjection]) -> Iterator[ExpertSlice]:
 
 
 def _itemsize(dtype: str) -> int:
-    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4}.get(
-        dtype, 2 if dtype[-2:] == "16" else 1
-    )
+    """Bytes per element of a safetensors dtype name (``BF16``, ``F8_E4M3``, ``BOOL``...)."""
+    bits = re.search(r"\d+", dtype)
+    return int(bits.group()) // 8 if bits else 1
 
 
 def resident_stats(spec: MoESpec, model: object, policy: ExpertCacheSlots) -> ExpertCacheStats:
