@@ -149,8 +149,8 @@ for _family, _dims in _LARGE.items():
 
 # The expert cache's benchmark (bench/experts.py): MoE installs whose routed
 # experts are most of the weights (no PLE, as in the MoE releases). "moe":
-# ~200 MB of float32 experts against ~11 MB of the rest, for the CPU;
-# "moe_large": ~3.6 GB of bfloat16 experts against ~0.7 GB, for a GPU.
+# ~200 MB of float32 experts against ~10 MB of the rest, for the CPU;
+# "moe_large": ~3.6 GB of bfloat16 experts against ~0.85 GB, for a GPU.
 SIZES["gemma4"]["tiny_moe"] = {
     **SIZES["gemma4"]["tiny"],
     "num_experts": 8,
