@@ -317,3 +317,10 @@ def test_the_kit_fails_a_family_that_streams_the_wrong_rows(tmp_path):
             FamilyConformance().test_expert_cache_slots_give_identical_logits(kit)
     finally:
         registry.unregister("swapped")
+
+
+def test_a_fixed_policy_needs_its_count():
+    with pytest.raises(ValueError, match="only for it"):
+        ExpertCacheSlots(mode="fixed")
+    with pytest.raises(ValueError, match="only for it"):
+        ExpertCacheSlots(mode="auto", slots=3)

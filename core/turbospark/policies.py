@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.errors import InvalidInput
 
@@ -33,6 +33,12 @@ class ExpertCacheSlots(BaseModel):
 
     mode: Literal["fixed", "auto", "all"] = "all"
     slots: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _slots_only_when_fixed(self) -> ExpertCacheSlots:
+        if (self.mode == "fixed") != (self.slots is not None):
+            raise ValueError("slots is set for mode 'fixed' and only for it")
+        return self
 
     @classmethod
     def fixed(cls, slots: int) -> ExpertCacheSlots:
