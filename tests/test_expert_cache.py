@@ -18,11 +18,14 @@ from hypothesis import strategies as st
 from mutant_families import MutantGemma4
 from prometheus_client.parser import text_string_to_metric_families
 from serving import client, service, serving
+from test_engine import Collector
 
 from turbospark import ExpertCacheSlots, Runner, build_synthetic_install
 from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
+from turbospark.engine import Engine, Job
 from turbospark.errors import InstallError, InvalidInput
+from turbospark.generate import GenerationConfig, generate
 from turbospark.hookspecs import hookimpl
 from turbospark.install import load_weights, read_manifest, write_install
 from turbospark.plugins import FamilyRegistry, default_registry
@@ -324,3 +327,44 @@ def test_a_fixed_policy_needs_its_count():
         ExpertCacheSlots(mode="fixed")
     with pytest.raises(ValueError, match="only for it"):
         ExpertCacheSlots(mode="auto", slots=3)
+
+
+def test_the_engine_batches_rows_over_the_cache_and_fails_them_on_a_lost_file(moe_install, tmp_path):  # fmt: skip
+    """Requests decoding together through the engine under fixed(top_k) emit what
+    each emits alone with every expert resident; when the install disappears
+    mid-decode they fail with the reason, and once it is back the engine serves on."""
+    path = tmp_path / "install"
+    shutil.copytree(moe_install, path)
+    codec = load_text(path)
+    runner = Runner.open(path, context_length=256, session_slots=4,
+                         expert_cache=ExpertCacheSlots.fixed(TOP_K))  # fmt: skip
+    runner.set_prefix_reuse(True)
+    engine = Engine(runner, codec, max_batch=3, prefill_budget=4)
+    prompts = [[2, 5, 9, 14, 20, 31, 40], [2, 5, 9, 60, 61], [2, 70, 71, 72, 73, 74, 75]]
+    config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[], chunk_size=3)
+    jobs = [Job(ids=p, config=config, emit=Collector()) for p in prompts]
+    for job in jobs:
+        engine.submit(job)
+    while not all(job.emit.done for job in jobs):
+        engine.step()
+    assert max(job.emit.chunks[-1].stats.batch_size for job in jobs) > 1
+    for job, prompt in zip(jobs, prompts, strict=True):
+        want = generate(Runner.open(moe_install, context_length=256), codec, prompt, config)
+        assert job.emit.error is None and job.emit.tokens == want.tokens
+
+    lost = [Job(ids=[2, 80 + i, 81, 82], config=config, emit=Collector()) for i in range(2)]
+    for job in lost:
+        engine.submit(job)
+    shutil.move(path / "model.safetensors", tmp_path / "away.safetensors")
+    for _ in range(200):
+        if all(job.emit.done for job in lost):
+            break
+        engine.step()
+    assert all(isinstance(job.emit.error, InstallError) for job in lost)
+    assert "install changed under the runner" in str(lost[0].emit.error)
+    shutil.move(tmp_path / "away.safetensors", path / "model.safetensors")
+    again = Job(ids=prompts[0], config=config, emit=Collector())
+    engine.submit(again)
+    while not again.emit.done:
+        engine.step()
+    assert again.emit.error is None and again.emit.tokens == jobs[0].emit.tokens
