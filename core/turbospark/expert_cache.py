@@ -197,11 +197,6 @@ class ExpertCacheStats(BaseModel):
     bytes_read: int
     resident_bytes: int
 
-    @property
-    def hit_rate(self) -> float:
-        looked = self.hits + self.misses
-        return self.hits / looked if looked else 1.0
-
 
 @dataclass
 class Counters:
