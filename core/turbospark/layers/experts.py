@@ -61,6 +61,7 @@ class ExpertLayer(nn.Module):
                 return y
             mask = group.mask.reshape(*group.mask.shape, *([1] * (y.ndim - 2)))
             out = y if out is None else mx.where(mask, y, out)
-            mx.eval(out)  # the next group may overwrite these slots
+            mx.eval(out)  # before the next group's experts are written into the slots
+            del group, y  # so those writes can reuse the slot tables in place
         assert out is not None
         return out
