@@ -147,6 +147,41 @@ for _family, _dims in _LARGE.items():
     SIZES[_family]["large"] = _dims
     SIZES[_family]["chat_large"] = {**_dims, "vocab_size": SIZES[_family]["chat"]["vocab_size"]}
 
+# The expert cache's benchmark (bench/experts.py): MoE installs whose routed
+# experts are most of the weights (no PLE, as in the MoE releases). "moe":
+# ~200 MB of float32 experts against ~10 MB of the rest, for the CPU;
+# "moe_large": ~3.6 GB of bfloat16 experts against ~0.85 GB, for a GPU.
+SIZES["gemma4"]["tiny_moe"] = {
+    **SIZES["gemma4"]["tiny"],
+    "num_experts": 8,
+    "top_k_experts": 2,
+    "hidden_size_per_layer_input": 0,
+}
+SIZES["gemma4"]["moe"] = {
+    "vocab_size": 1024,
+    "num_layers": 4,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "global_head_dim": 128,
+    "intermediate_size": 256,
+    "hidden_size_per_layer_input": 0,
+    "sliding_window": 128,
+    "num_experts": 32,
+    "top_k_experts": 4,
+    "moe_intermediate_size": 512,
+}
+SIZES["gemma4"]["moe_large"] = {
+    **_LARGE["gemma4"],
+    "num_layers": 12,
+    "intermediate_size": 2048,
+    "hidden_size_per_layer_input": 0,
+    "num_experts": 32,
+    "top_k_experts": 4,
+    "moe_intermediate_size": 768,
+}
+
 
 def default_dtype() -> str:
     """bfloat16 where a GPU runs the model; float32 on the CPU, where MLX's

@@ -3,9 +3,10 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts]
 
-``constrain`` runs once (it is per vocabulary, not per family).
+``constrain`` runs once (it is per vocabulary, not per family). ``experts`` runs
+for gemma4 only, on the ``moe_large`` install (``--size`` is for the other pieces).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bench.common import install, machine
 from bench.concurrency import bench_concurrency
 from bench.constrain import bench_constrain
 from bench.draft import bench_draft
+from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
@@ -37,7 +39,16 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["forward", "swap", "interleaved", "serving", "concurrency", "constrain", "draft"],
+        choices=[
+            "forward",
+            "swap",
+            "interleaved",
+            "serving",
+            "concurrency",
+            "constrain",
+            "draft",
+            "experts",
+        ],
     )
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
@@ -74,6 +85,12 @@ def main() -> None:
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_draft(path, GPU.draft_depths, GPU.draft_accuracies,
                                      GPU.draft_tokens, args.reps)  # fmt: skip
+            elif piece == "experts":
+                if family != "gemma4":
+                    continue  # only gemma4 has an MoE block
+                path = install(family, "moe_large", "bfloat16", args.cache_dir)
+                result = bench_experts(path, prompt_tokens=64, decode_tokens=GPU.experts_decode,
+                                       reps=args.reps)  # fmt: skip
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)

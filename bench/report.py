@@ -139,3 +139,7 @@ def print_table(report: dict[str, Any]) -> None:
             from bench.draft import print_curve
 
             print_curve(family, draft)
+        if experts := res.get("experts"):
+            from bench.experts import print_experts
+
+            print_experts(experts)

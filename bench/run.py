@@ -14,7 +14,9 @@ at once, each a multi-turn chat, against both servers), ``swap`` (swap cost agai
 history length, pool memory), ``dispatch`` (the hook path's per-token cost),
 ``constrain`` (constrained decoding's per-token cost, llguidance against
 xgrammar, on a 151,643-token vocabulary; once, not per family), ``draft``
-(speculative decoding: tok/s against acceptance and depth, against off).
+(speculative decoding: tok/s against acceptance and depth, against off),
+``experts`` (gemma4 only: the routed-expert cache's decode speed, hit rate and
+memory against slot count).
 Benchmarks never decide whether the test suite passes.
 """
 
@@ -37,6 +39,7 @@ from bench.concurrency import ConcurrencyPlan, bench_concurrency
 from bench.constrain import bench_constrain
 from bench.dispatch import bench_dispatch
 from bench.draft import ACCURACIES, bench_draft
+from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.report import headline, print_constrain, print_table
@@ -46,6 +49,7 @@ from bench.workload import ChatWorkload
 
 SECTIONS = (
     "forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "constrain", "draft",
+    "experts",
 )  # fmt: skip
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
@@ -74,6 +78,8 @@ class Plan:
     draft_depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     draft_accuracies: tuple[float, ...] = ACCURACIES
     draft_tokens: int = 64
+    experts_size: str = "moe"
+    experts_decode: int = 32
 
 
 QUICK = Plan(
@@ -126,6 +132,8 @@ GPU = Plan(
     chat_size="chat_large",
     draft_size="large",
     draft_tokens=128,
+    experts_size="moe_large",
+    experts_decode=128,
 )
 
 
@@ -170,6 +178,13 @@ def run_family(
             plan.draft_accuracies,
             plan.draft_tokens,
             plan.reps if plan.reps < 5 else 3,
+        )
+    if "experts" in sections and family == "gemma4":  # the family with an MoE block
+        result["experts"] = bench_experts(
+            install(family, plan.experts_size, dtype, cache),
+            prompt_tokens=64,
+            decode_tokens=plan.experts_decode,
+            reps=plan.reps,
         )
     return {**headline(result), **result}
 

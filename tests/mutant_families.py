@@ -50,9 +50,15 @@ class MutantGemma4:
 
     @hookimpl
     def turbospark_load_model(
-        self, arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+        self, arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype, experts: Any
     ) -> nn.Module:
-        return self.base.turbospark_load_model(arch=arch, weights=weights, dtype=dtype)
+        return self.base.turbospark_load_model(
+            arch=arch, weights=weights, dtype=dtype, experts=experts
+        )
+
+    @hookimpl
+    def turbospark_moe(self, arch: ArchConfig) -> Any:
+        return self.base.turbospark_moe(arch=arch)
 
     @hookimpl
     def turbospark_new_state(

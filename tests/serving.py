@@ -11,7 +11,7 @@ from typing import Any
 import openai
 
 from turbospark.plugins import FamilyRegistry
-from turbospark.policies import DraftPolicies
+from turbospark.policies import DraftPolicies, ExpertCacheSlots
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
 from turbospark.server.app import Service
@@ -33,6 +33,7 @@ def serving(
     limits: ServerLimits | None = None,
     registry: FamilyRegistry | None = None,
     draft: DraftPolicies | None = None,
+    expert_cache: ExpertCacheSlots | None = None,
     **options: Any,
 ) -> Iterator[ThreadedServer]:
     """A fresh runner served as ``turbospark serve`` does: opened on the worker thread
@@ -42,7 +43,12 @@ def serving(
 
     def open_runner() -> Runner:
         runner = Runner.open(
-            install, context_length=context, session_slots=slots, registry=registry, draft=draft
+            install,
+            context_length=context,
+            session_slots=slots,
+            registry=registry,
+            draft=draft,
+            expert_cache=expert_cache,
         )
         runner.set_prefix_reuse(True)
         return runner

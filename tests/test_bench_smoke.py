@@ -161,3 +161,17 @@ def test_draft(bench: dict, family: str) -> None:
     assert full["acceptance"] == 1.0 and full["output_equals_off"]
     assert hopeless["accepted"] == 0 and hopeless["speedup_vs_off"] > 0
     assert draft.summary(out)["draft_full_acceptance_depth"] == 2
+
+
+def test_experts(bench: dict, tmp_path: Path) -> None:
+    path = bench["common"].install("gemma4", "tiny_moe", "float32", tmp_path)
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.experts import bench_experts
+    finally:
+        sys.path.remove(str(ROOT))
+    out = bench_experts(path, prompt_tokens=8, decode_tokens=3, reps=1)
+    assert set(out["engines"]) == {"fixed(2)", "fixed(4)", "all"}
+    for row in out["engines"].values():
+        assert row["decode_tok_s"] > 0 and row["same_tokens_as_all"]
+        assert 0 <= row["hit_rate"] <= 1 and row["resident_expert_bytes"] > 0

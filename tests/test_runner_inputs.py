@@ -243,9 +243,9 @@ class ExplodingForward:
         return self.family.manager().hook.turbospark_pool_capability(arch=arch)
 
     @hookimpl
-    def turbospark_load_model(self, arch, weights, dtype):
+    def turbospark_load_model(self, arch, weights, dtype, experts):
         return self.family.manager().hook.turbospark_load_model(
-            arch=arch, weights=weights, dtype=dtype
+            arch=arch, weights=weights, dtype=dtype, experts=experts
         )
 
     @hookimpl

@@ -134,7 +134,7 @@ def test_a_shallow_match_does_not_destroy_a_gdn_familys_recurrent_state(qwen_gdn
 def test_a_session_pool_is_refused_by_name_on_qwen4_exp(qwen4_exp_install):
     arch = peek_manifest_arch(qwen4_exp_install)
     policies = dict(
-        expert_cache=ExpertCacheSlots.fixed(16),
+        expert_cache=ExpertCacheSlots.all(),
         draft=DraftPolicies.off(),
         steering=SteeringPolicy.off(),
     )

@@ -7,7 +7,8 @@ family hooks take no "which family" argument and are all ``firstresult``.
 
 Lifecycle, in the order a runner calls the hooks:
 
-1. declare   -- :func:`turbospark_family`, :func:`turbospark_pool_capability`
+1. declare   -- :func:`turbospark_family`, :func:`turbospark_pool_capability`,
+   :func:`turbospark_moe`
 2. load      -- :func:`turbospark_load_model`
 3. serve     -- :func:`turbospark_new_state`, :func:`turbospark_forward`
                 (optional: :func:`turbospark_forward_batch`, :func:`turbospark_forward_hidden`)
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import mlx.nn as nn
 
+    from turbospark.expert_cache import ExpertStreams
     from turbospark.state import State
     from turbospark.vision import VisionMap
 
@@ -108,6 +110,45 @@ class FamilySpec(BaseModel):
         raise KeyError(name)
 
 
+class ExpertSlice(BaseModel):
+    """One place in the install where a projection of a layer's experts may live:
+    a tensor ``(num_experts, rows, in)`` whose band ``rows`` of axis 1 is the
+    projection's ``(out, in)`` matrix for each expert (a fused ``gate_up``
+    tensor holds two bands; a split one is the whole axis)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tensor: str = Field(description="the install's (Hugging Face) tensor name")
+    rows: tuple[int, int] | None = Field(
+        default=None, description="[start, stop) along axis 1; None: the whole axis"
+    )
+
+
+class ExpertProjection(BaseModel):
+    """One stacked expert matrix of an :class:`~turbospark.layers.experts.ExpertLayer`
+    and the install layouts it may be read from, tried in order."""
+
+    model_config = ConfigDict(frozen=True)
+
+    shape: tuple[int, int] = Field(description="(out, in) of one expert's matrix")
+    sources: list[ExpertSlice] = Field(min_length=1)
+
+
+class MoESpec(BaseModel):
+    """What :func:`turbospark_moe` returns: the family's routed experts, so the
+    runner can keep only some of them resident (``ExpertCacheSlots``) and stream
+    the rest from the install's safetensors."""
+
+    model_config = ConfigDict(frozen=True)
+
+    num_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0, description="experts each token routes to")
+    layers: dict[str, dict[str, ExpertProjection]] = Field(
+        description="module path of each ExpertLayer (e.g. 'model.layers.0.experts') -> "
+        "its parameter name -> where that projection lives in the install"
+    )
+
+
 # -- 1. declare ---------------------------------------------------------------
 
 
@@ -126,17 +167,30 @@ def turbospark_pool_capability(arch: ArchConfig) -> list[str]:
     """
 
 
+@hookspec(firstresult=True)
+def turbospark_moe(arch: ArchConfig) -> MoESpec | None:
+    """Declare the routed experts of *arch* (``None``, or no implementation:
+    not a mixture of experts). A family that declares them builds its expert
+    blocks as :class:`turbospark.layers.experts.ExpertLayer` and takes the
+    ``experts`` argument of :func:`turbospark_load_model`; the conformance kit
+    then checks that every ``ExpertCacheSlots`` gives the same logits.
+    """
+
+
 # -- 2. load ------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
 def turbospark_load_model(
-    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype, experts: ExpertStreams | None
 ) -> nn.Module:
     """Build the MLX module and load *weights* (Hugging Face tensor names).
 
     Use :func:`turbospark.install.load_checked` so a missing or mis-shaped
-    tensor is refused by name.
+    tensor is refused by name. *experts* (only for a family implementing
+    :func:`turbospark_moe`; others leave the argument out) is set when the
+    runner streams experts: call ``experts.attach(model)`` before loading, and
+    *weights* then holds no expert tensors.
     """
 
 

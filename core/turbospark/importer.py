@@ -150,4 +150,4 @@ def check_weights(arch: ArchConfig, weights: dict[str, mx.array], registry: Fami
     floating = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     dtype = mx.bfloat16 if mx.bfloat16 in floating else (floating or [mx.float32])[0]
     hook = registry.get(arch.family).manager().hook
-    hook.turbospark_load_model(arch=arch, weights=weights, dtype=dtype)
+    hook.turbospark_load_model(arch=arch, weights=weights, dtype=dtype, experts=None)

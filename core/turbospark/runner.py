@@ -25,7 +25,14 @@ from turbospark.errors import (
     SessionPoolUnsupported,
     TurbosparkError,
 )
-from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted
+from turbospark.expert_cache import (
+    ExpertCacheStats,
+    ExpertStreams,
+    check_policy,
+    plan_streams,
+    resident_stats,
+)
+from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, MoESpec
 from turbospark.install import (
     MANIFEST,
     Manifest,
@@ -92,6 +99,8 @@ class Runner:
             kept=0, swapped=False, reason=ReuseReason.NO_HISTORY, detail="no prompt yet"
         )
         self._disk: DiskTier | None = None
+        self._experts: ExpertStreams | None = None  # set by open when experts stream
+        self._moe: MoESpec | None = None
         if session_dir is not None and self._pool is not None:
             self._disk = self._pool.disk = DiskTier(
                 session_dir,
@@ -133,7 +142,11 @@ class Runner:
         ``session_dir`` adds the disk tier (SEMANTICS.md): sessions leaving
         memory are written there instead of dropped, the directory's sessions
         are indexed now and scored like parked ones, and :meth:`flush` /
-        :meth:`close` write the warm ones. ``max_session_disk_bytes`` bounds it."""
+        :meth:`close` write the warm ones. ``max_session_disk_bytes`` bounds it.
+
+        ``expert_cache`` (default ``ExpertCacheSlots.all()``) bounds the routed
+        experts resident per MoE layer; the rest stream from the install
+        (:mod:`turbospark.expert_cache`), with identical logits."""
         path = Path(path)
         manifest = read_manifest(path)
         family = (registry or default_registry()).get(manifest.family)
@@ -151,24 +164,29 @@ class Runner:
         if max_parked_bytes is not None and max_parked_bytes < 0:
             raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
         _check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
-        expert_cache = expert_cache or ExpertCacheSlots.fixed(16)
-        _check_expert_cache(installed, expert_cache)
         draft = draft or DraftPolicies.off()
         if draft.enabled:
             check_rollback(spec, draft.mode)
         if draft.mode == "mtp":
             _check_mtp(path, manifest)
+        expert_cache = expert_cache or ExpertCacheSlots.all()
         pm = family.manager()
+        moe = pm.hook.turbospark_moe(arch=installed)
+        check_policy(expert_cache, moe, spec.name)
         if session_slots > 1:
             _check_pool_capability(
                 spec, pm.hook.turbospark_pool_capability(arch=installed), session_slots
             )
-        verify_files(path, manifest)
         compute_dtype = _dtype(dtype or manifest.dtype)
+        streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
+        verify_files(path, manifest)
+        weights = load_weights(path, manifest)
+        for name in set() if streams is None else streams.tensor_names:
+            weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read
         model = pm.hook.turbospark_load_model(
-            arch=installed, weights=load_weights(path, manifest), dtype=compute_dtype
+            arch=installed, weights=weights, dtype=compute_dtype, experts=streams
         )
-        return cls(
+        runner = cls(
             path=path,
             manifest=manifest,
             arch=installed,
@@ -185,6 +203,9 @@ class Runner:
             session_dir=None if session_dir is None else Path(session_dir),
             max_session_disk_bytes=max_session_disk_bytes,
         )
+        runner._experts = streams
+        runner._moe = moe
+        return runner
 
     def _new_state(self) -> State:
         return self._hook.turbospark_new_state(
@@ -192,6 +213,15 @@ class Runner:
         )
 
     # -- introspection -----------------------------------------------------------
+
+    def expert_cache_stats(self) -> ExpertCacheStats | None:
+        """Hits, misses, bytes read, resident bytes and slots per layer of the
+        routed-expert cache; ``None`` for a model without MoE experts."""
+        if self._experts is not None:
+            return self._experts.stats()
+        return (
+            None if self._moe is None else resident_stats(self._moe, self.model, self.expert_cache)
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -724,13 +754,4 @@ def _check_pool_capability(spec: FamilySpec, swappable: list[str], slots: int) -
             f"--session-slots {slots} needs every state component of family '{spec.name}' to be "
             f"swappable, but {', '.join(missing)} cannot be parked (see {spec.state_source}); "
             "run with --session-slots 1"
-        )
-
-
-def _check_expert_cache(arch: ArchConfig, slots: ExpertCacheSlots) -> None:
-    top_k = getattr(arch, "top_k_experts", None) if getattr(arch, "num_experts", None) else None
-    if top_k and slots.slots < top_k:
-        raise InvalidInput(
-            f"ExpertCacheSlots.fixed({slots.slots}) holds fewer experts than a token routes to "
-            f"(top_k_experts={top_k}); use at least {top_k}"
         )

@@ -96,3 +96,27 @@ def draft_policy(args: argparse.Namespace) -> DraftPolicies:
     if args.draft == "ngram":
         return DraftPolicies.ngram(max_draft=args.draft_depth)
     return DraftPolicies.mtp(depth=args.draft_depth)
+
+
+def expert_slots(text: str) -> str:
+    """``N``, ``auto`` or ``all`` for ``--expert-cache-slots`` (the policy is built
+    in ``run``, so parsing the flag imports nothing heavy)."""
+    word = text.strip().lower()
+    if word in ("auto", "all") or (word.isdigit() and int(word) > 0):
+        return word
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not an expert slot count: use a positive number of experts per layer, "
+        "auto or all"
+    )
+
+
+def add_expert_cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--expert-cache-slots",
+        type=expert_slots,
+        default="all",
+        metavar="N|auto|all",
+        help="MoE models: routed experts kept resident per layer; the rest are read from the "
+        "install when a token routes to them (at least top_k_experts; auto sizes it from free "
+        "memory; default all: every expert resident)",
+    )

@@ -14,7 +14,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import add_draft_flags, add_pool_memory_flag, draft_policy, install_text
+from turbospark.commands import (
+    add_draft_flags,
+    add_expert_cache_flag,
+    add_pool_memory_flag,
+    draft_policy,
+    install_text,
+)
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
 from turbospark.errors import TurbosparkError
 
@@ -34,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
+    add_expert_cache_flag(parser)
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
     add_draft_flags(parser)
@@ -65,6 +72,7 @@ def turn(
 
 
 def run(args: argparse.Namespace) -> int:
+    from turbospark.policies import ExpertCacheSlots
     from turbospark.runner import Runner
 
     codec = install_text(args.model)
@@ -72,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     runner = Runner.open(
         args.model,
         context_length=args.context_length,
+        expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
         session_slots=args.session_slots,
         max_parked_bytes=args.max_parked_memory,
         draft=draft_policy(args),

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import add_draft_flags, draft_policy, install_text
+from turbospark.commands import add_draft_flags, add_expert_cache_flag, draft_policy, install_text
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
     from turbospark.generate import GenerationConfig
@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--raw", action="store_true", help="skip the chat template")
     add_sampling_args(parser, max_tokens=128)
     add_draft_flags(parser)
+    add_expert_cache_flag(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
 
@@ -63,11 +64,17 @@ def prompt_ids(codec: TextCodec, prompt: str, raw: bool) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from turbospark.generate import collect, stream_generate
+    from turbospark.policies import ExpertCacheSlots
     from turbospark.runner import Runner
 
     codec = install_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights
-    runner = Runner.open(args.model, context_length=args.context_length, draft=draft_policy(args))
+    runner = Runner.open(
+        args.model,
+        context_length=args.context_length,
+        draft=draft_policy(args),
+        expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
+    )
     ids = prompt_ids(codec, args.prompt, args.raw)
     show = None if args.json else print_text
     done = collect(stream_generate(runner, codec, ids, config), on_text=show)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from turbospark.commands import (
     add_draft_flags,
+    add_expert_cache_flag,
     add_pool_memory_flag,
     byte_size,
     draft_policy,
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
+    add_expert_cache_flag(parser)
     parser.add_argument(
         "--session-dir",
         type=Path,
@@ -163,6 +165,7 @@ def limits_of(args: argparse.Namespace) -> ServerLimits:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from turbospark.policies import ExpertCacheSlots
     from turbospark.runner import Runner
     from turbospark.server.app import create_app
     from turbospark.server.worker import RunnerWorker
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             session_dir=args.session_dir,
             max_session_disk_bytes=args.max_session_disk,
             draft=draft_policy(args),
+            expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner

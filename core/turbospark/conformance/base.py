@@ -13,7 +13,8 @@ family's own ``turbospark_build_synthetic_install`` hook; the fixtures come
 from :mod:`turbospark.conformance.pytest_plugin` (installed with turbospark as
 a ``pytest11`` plugin). What runs follows from the family's declaration: pool
 checks skip ("not swappable: ...") for a family that refuses a pool,
-snapshot checks skip for a component that is not persistable, and so on.
+snapshot checks skip for a component that is not persistable, the expert
+cache check skips for a family without MoE, and so on.
 Checks are ``@final``: override the class attributes and fixtures, not them.
 """
 
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 
 from turbospark.conformance.batch_checks import BatchChecks
 from turbospark.conformance.draft_checks import DraftChecks
+from turbospark.conformance.expert_checks import ExpertCacheChecks
 from turbospark.conformance.interleave_checks import InterleavingChecks
 from turbospark.conformance.long_checks import LongContextChecks
 from turbospark.conformance.pool_checks import PoolChecks
@@ -37,6 +39,7 @@ from turbospark.plugins import FamilyRegistry
 # pytest collects base classes last-first: state checks run first, the property test last.
 class FamilyConformance(
     DraftChecks,
+    ExpertCacheChecks,
     BatchChecks,
     InterleavingChecks,
     LongContextChecks,

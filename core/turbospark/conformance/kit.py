@@ -121,7 +121,10 @@ class FamilyKit:
     def load_model(self) -> Any:
         manifest = read_manifest(self.install)
         return self.hook.turbospark_load_model(
-            arch=self.arch, weights=load_weights(self.install, manifest), dtype=mx.float32
+            arch=self.arch,
+            weights=load_weights(self.install, manifest),
+            dtype=mx.float32,
+            experts=None,
         )
 
     @cached_property

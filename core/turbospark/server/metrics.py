@@ -63,6 +63,31 @@ class _EngineCollector(Collector):
             "Requests that discarded a parked session with content.",
             engine.evictions,
         )
+        yield from _expert_cache_metrics(engine)
+
+
+def _expert_cache_metrics(engine: Engine) -> Iterator[Metric]:
+    """The routed-expert cache (``Runner.expert_cache_stats``); nothing for a model
+    without MoE experts. Plain counters, read without the runner thread."""
+    stats = engine.runner.expert_cache_stats()
+    if stats is None:
+        return
+    for name, help_text, value in [
+        ("hits", "Experts a step routed to that were resident.", stats.hits),
+        ("misses", "Experts a step routed to that were read from the install.", stats.misses),
+        ("read_bytes", "Bytes of expert weights read from the install.", stats.bytes_read),
+    ]:
+        yield CounterMetricFamily(f"turbospark_expert_cache_{name}", help_text, value)
+    yield GaugeMetricFamily(
+        "turbospark_expert_cache_resident_bytes",
+        "Bytes of routed-expert weights resident now, every MoE layer.",
+        stats.resident_bytes,
+    )
+    yield GaugeMetricFamily(
+        "turbospark_expert_cache_slots",
+        "Experts resident per MoE layer (num_experts under ExpertCacheSlots.all()).",
+        stats.slots_per_layer,
+    )
 
 
 class Metrics:

@@ -53,7 +53,7 @@ def _ours(path: Path) -> tuple[Any, nn.Module]:
     hook = _hook()
     arch = peek_manifest_arch(path)
     model = hook.turbospark_load_model(
-        arch=arch, weights=load_weights(path, read_manifest(path)), dtype=mx.float32
+        arch=arch, weights=load_weights(path, read_manifest(path)), dtype=mx.float32, experts=None
     )
     return arch, model
 

@@ -37,7 +37,9 @@ def _hook() -> Any:
 def _load(path: Path) -> tuple[Gemma4Config, nn.Module]:
     arch = peek_manifest_arch(path)
     weights = load_weights(path, read_manifest(path))
-    return arch, _hook().turbospark_load_model(arch=arch, weights=weights, dtype=mx.float32)
+    return arch, _hook().turbospark_load_model(
+        arch=arch, weights=weights, dtype=mx.float32, experts=None
+    )
 
 
 def _feed(model: nn.Module, state: State, tokens: list[int], start: int, **kw: Any) -> np.ndarray:

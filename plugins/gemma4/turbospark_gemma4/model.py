@@ -29,8 +29,9 @@ import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchLayerKV
-from turbospark.hookspecs import ArchConfig
+from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
 from turbospark.layers.attention import cached_attention, shared_attention
+from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
@@ -362,24 +363,60 @@ class Router(nn.Module):
         return chosen, weights * self.per_expert_scale[chosen]
 
 
-class Experts(nn.Module):
-    """GeGLU experts as stacked ``(E, out, in)`` matrices, applied with ``gather_mm``."""
+class Experts(ExpertLayer):
+    """GeGLU experts as stacked ``(E, out, in)`` matrices, applied with ``gather_mm``
+    (resident, or streamed into slots: :class:`turbospark.layers.experts.ExpertLayer`)."""
 
     def __init__(self, arch: Gemma4Config):
-        super().__init__()
-        experts, hidden, inner = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
-        self.gate_proj = mx.zeros((experts, inner, hidden))
-        self.up_proj = mx.zeros((experts, inner, hidden))
-        self.down_proj = mx.zeros((experts, hidden, inner))
+        inner, hidden = arch.moe_intermediate_size, arch.hidden_size
+        super().__init__(arch.num_experts, expert_shapes(inner, hidden))
 
-    def __call__(self, x: mx.array, chosen: mx.array, weights: mx.array) -> mx.array:
+    def __call__(
+        self, x: mx.array, chosen: mx.array, weights: mx.array, dense: mx.array
+    ) -> mx.array:
+        """The weighted sum of each token's experts; *dense* (the MLP beside
+        them) only starts computing while streamed experts are read."""
         # (N, H) -> (N, 1, 1, H): batch dims (N, 1) broadcast against the (N, k) indices.
         x = x[:, None, None, :]
-        gate = mx.gather_mm(x, self.gate_proj.swapaxes(-1, -2), rhs_indices=chosen)  # (N, k, 1, I)
-        up = mx.gather_mm(x, self.up_proj.swapaxes(-1, -2), rhs_indices=chosen)
-        y = mx.gather_mm(geglu(gate, up), self.down_proj.swapaxes(-1, -2), rhs_indices=chosen)
+
+        def geglu_experts(w: dict[str, mx.array], idx: mx.array) -> mx.array:
+            gate = mx.gather_mm(x, w["gate_proj"].swapaxes(-1, -2), rhs_indices=idx)  # (N, k, 1, I)
+            up = mx.gather_mm(x, w["up_proj"].swapaxes(-1, -2), rhs_indices=idx)
+            return mx.gather_mm(geglu(gate, up), w["down_proj"].swapaxes(-1, -2), rhs_indices=idx)
+
+        y = self.routed(chosen, geglu_experts, overlap=[dense])
         y = y.squeeze(-2)  # (N, k, 1, H) -> (N, k, H)
         return (weights[..., None] * y).sum(axis=-2)
+
+
+def expert_shapes(inner: int, hidden: int) -> dict[str, tuple[int, int]]:
+    """One expert's ``(out, in)`` per projection, after ``sanitize`` splits gate_up."""
+    return {"gate_proj": (inner, hidden), "up_proj": (inner, hidden), "down_proj": (hidden, inner)}
+
+
+def moe_spec(arch: Gemma4Config) -> MoESpec | None:
+    """Where each layer's experts live in an install: a fused ``gate_up_proj``
+    ``(E, 2I, H)`` (the release layout; gate is the first half of axis 1, as
+    ``sanitize`` splits it) or split ``gate_proj``/``up_proj``, under ``model.``
+    or a multimodal release's ``model.language_model.``."""
+    if not arch.enable_moe_block:
+        return None
+    inner = arch.moe_intermediate_size
+    shapes = expert_shapes(inner, arch.hidden_size)
+    fused = {"gate_proj": (0, inner), "up_proj": (inner, 2 * inner)}
+    layers = {}
+    for i in range(arch.num_hidden_layers):
+        prefixes = [f"model.layers.{i}.experts", f"model.language_model.layers.{i}.experts"]
+        layer = {}
+        for name, shape in shapes.items():
+            sources = [ExpertSlice(tensor=f"{p}.{name}") for p in prefixes]
+            if name in fused:
+                sources = [
+                    ExpertSlice(tensor=f"{p}.gate_up_proj", rows=fused[name]) for p in prefixes
+                ] + sources
+            layer[name] = ExpertProjection(shape=shape, sources=sources)
+        layers[f"model.layers.{i}.experts"] = layer
+    return MoESpec(num_experts=arch.num_experts, top_k=arch.top_k_experts, layers=layers)
 
 
 class DecoderLayer(nn.Module):
@@ -426,7 +463,7 @@ class DecoderLayer(nn.Module):
             dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
             tokens = h.reshape(-1, h.shape[-1])  # (B*L, H): routing is per token
             chosen, weights = self.router(tokens)
-            sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights)
+            sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights, dense)
             sparse = sparse.reshape(h.shape)
             ff = dense + self.post_feedforward_layernorm_2(sparse)
         else:

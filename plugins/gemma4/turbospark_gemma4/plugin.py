@@ -5,15 +5,16 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from turbospark.expert_cache import ExpertStreams
 from turbospark.family import CommonHooks
-from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
+from turbospark.hookspecs import ArchConfig, LogitsWanted, MoESpec, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State
 from turbospark.vision import VisionMap
 from turbospark_gemma4 import state as state_module
 from turbospark_gemma4 import synthetic
-from turbospark_gemma4.model import Gemma4, Gemma4Config, sanitize
+from turbospark_gemma4.model import Gemma4, Gemma4Config, moe_spec, sanitize
 from turbospark_gemma4.state import new_state
 
 common = CommonHooks("gemma4", ["gemma4_text"], Gemma4Config, state_module, synthetic.build)
@@ -23,11 +24,20 @@ turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
 
 
 @hookimpl
+def turbospark_moe(arch: ArchConfig) -> MoESpec | None:
+    assert isinstance(arch, Gemma4Config)
+    return moe_spec(arch)
+
+
+@hookimpl
 def turbospark_load_model(
-    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
+    arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype, experts: ExpertStreams | None
 ) -> nn.Module:
     assert isinstance(arch, Gemma4Config)
-    return load_checked(Gemma4(arch), sanitize(weights, arch), dtype)
+    model = Gemma4(arch)
+    if experts is not None:  # streamed: the experts are not among the weights
+        experts.attach(model)
+    return load_checked(model, sanitize(weights, arch), dtype)
 
 
 @hookimpl
