@@ -24,6 +24,7 @@ from turbospark.hookspecs import hookimpl
 from turbospark.install import MANIFEST, sha256_file
 from turbospark.plugins import FamilyRegistry
 from turbospark.reuse import ReuseReason
+from turbospark.state import LayeredComponent
 
 A = [100, 101, 5, 9, 2, 7, 1, 3, 8, 4, 6, 0, 11]
 A_MORE = [99, 98, 97]
@@ -290,3 +291,28 @@ def test_a_failed_forward_taints_the_record_and_restores_the_position(exploding_
     assert kept == len(B)
     logits = runner.prefill_chunk([20, 21], len(B))
     assert mx.allclose(logits, uninterrupted(path, [B, [20, 21]], registry), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_a_forward_failing_before_its_state_advances_leaves_no_trace(family, request):
+    """Layers that ran wrote past the component's position before the forward
+    failed (here: every layer wrote, then ``advance`` raised); a caller that keeps
+    feeding the same session must get the uninterrupted logits."""
+    path = request.getfixturevalue(f"{family}_install")
+    runner = Runner.open(path)
+    runner.prefill_chunk(A, 0)
+    layered = [c for c in runner.session_states()[0].values() if isinstance(c, LayeredComponent)]
+    assert layered
+
+    def advance(n: int) -> None:
+        raise RuntimeError("failed between the layers and advance")
+
+    for component in layered:
+        component.advance = advance
+    with pytest.raises(RuntimeError, match="between the layers"):
+        mx.eval(runner.prefill_chunk([5, 6, 7], len(A)))
+    for component in layered:
+        del component.advance
+    assert runner.position == len(A)
+    logits = runner.prefill_chunk([20, 21], len(A))
+    assert mx.allclose(logits, uninterrupted(path, [A, [20, 21]]), atol=1e-5)

@@ -46,7 +46,7 @@ from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
 from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse, plan_share
-from turbospark.state import Snapshot, State
+from turbospark.state import LayeredComponent, Snapshot, State
 from turbospark.vision import MropePositions, VisionInjection, VisionMap
 
 MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
@@ -307,7 +307,9 @@ class Runner:
         fed = mx.array(ids, dtype=mx.int32) if lazy is None else self.clip_ids(lazy.reshape(1))
         if start < live.position:
             self._rewind(live, live.position - start)
-        live.undo = None if lazy is None else Checkpoint(start, self._rigid_snapshots(live))
+        # The components that cannot rewind, by reference: a failed forward puts them back.
+        before = Checkpoint(start, self._rigid_snapshots(live))
+        live.undo = None if lazy is None else before
         try:
             out = self._hook.turbospark_forward(
                 model=self.model,
@@ -321,7 +323,7 @@ class Runner:
             if lazy is not None:
                 ids = self._validate_write(lazy.reshape(1).tolist(), start, live)  # waits
         except Exception:
-            self._recover(live, start)
+            self._recover(live, before)
             raise
         live.record.write(start, ids, taint=self._vision is not None and session is None)
         return out
@@ -439,13 +441,18 @@ class Runner:
             )
         live.cut_to(live.position - back)
 
-    def _recover(self, live: Session, start: int) -> None:
-        """After a forward failed midway: put state back at *start* (non-rewindable
-        components from the undo references a lazy feed holds), or clear it."""
+    def _recover(self, live: Session, before: Checkpoint) -> None:
+        """After a forward failed midway: put state back where it started, the
+        components that cannot rewind from their references in *before*, the
+        layers that ran ahead of their component's position taken back; or, when
+        the components disagree even so, clear it."""
         live.record.taint()
-        undo, live.undo = live.undo, None
+        live.undo = None
         try:
-            live.cut_to(start, undo if undo is not None and undo.position == start else None)
+            for component in live.state.values():
+                if isinstance(component, LayeredComponent):
+                    component.realign()
+            live.cut_to(before.position, before)
             live.position  # noqa: B018 -- raises if components now disagree
         except (TurbosparkError, RuntimeError):
             live.clear()

@@ -245,6 +245,16 @@ class LayeredComponent(Generic[Part]):
         """Called by the family once per forward, after every layer has run."""
         self._position += n
 
+    def realign(self) -> None:
+        """After a forward failed between its layers and :meth:`advance`: the layers
+        that ran wrote past the component's position; take them back to it, so the
+        next feed writes where the position says (a part that keeps no position of
+        its own has nothing to take back)."""
+        for layer in self.layers:
+            ahead = getattr(layer, "position", self._position) - self._position
+            if ahead > 0:
+                layer.rewind(ahead)
+
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
