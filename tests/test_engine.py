@@ -194,8 +194,11 @@ def test_a_failing_row_fails_alone(gemma4_install, monkeypatch):
     calls = {"batch": 0}
 
     def flaky_batch(tokens, positions, state):
-        calls["batch"] += 1
-        if calls["batch"] == 2:
+        # Counts decode steps only (one token a row): prompts are prefilled
+        # through the same forward, several at once.
+        decode = tokens.shape[1] == 1
+        calls["batch"] += decode
+        if decode and calls["batch"] == 2:
             raise RuntimeError("a plugin failed")
         return real_batch(tokens, positions, state)
 
@@ -245,3 +248,44 @@ def test_a_row_reaching_the_context_length_ends_alone(gemma4_install):
         assert job.emit.tokens == expected.tokens
         assert job.emit.chunks[-1].finish_reason == expected.finish_reason
     assert len(jobs[1].emit.tokens) == 4 and jobs[1].emit.chunks[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request, monkeypatch):
+    """Three fresh prompts of one length: one batched prefill forward takes all
+    of them (last token included), and each row still equals its request alone;
+    then three of different lengths, extending those sessions, catch up together."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install, slots=4)
+    engine = Engine(runner, codec, max_batch=3)
+    real = runner.prefill_batch
+    calls: list[tuple[int, int]] = []
+
+    def spy(sessions, chunks, starts):
+        calls.append((len(chunks), len(chunks[0])))
+        return real(sessions, chunks, starts)
+
+    monkeypatch.setattr(runner, "prefill_batch", spy)
+    config = GenerationConfig(max_tokens=5, temperature=0.0, stop_token_ids=[])
+    firsts = [
+        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(3)
+    ]
+    run_all(engine, [(0, job) for job in firsts])
+    assert calls == [(3, 6)]
+    seconds = [
+        Job(
+            ids=[*job.ids, *job.emit.tokens, *range(50, 50 + 2 * i + 1)],
+            config=config,
+            emit=Collector(),
+        )
+        for i, job in enumerate(firsts)
+    ]
+    run_all(engine, [(0, job) for job in seconds])
+    # The last reply token was never fed: 2, 4 and 6 tokens remain. The shortest
+    # remainder goes for all three, then for the two left; the last goes alone.
+    assert calls[1:] == [(3, 2), (2, 2)], calls
+    for job in [*firsts, *seconds]:
+        assert job.emit.error is None, job.emit.error
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
+    assert_sessions_sound(runner)

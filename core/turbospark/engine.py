@@ -409,38 +409,92 @@ class Engine:
         )
 
     def _prefill(self) -> None:
-        """Whole chunks (the one-request loop's boundaries), up to the budget."""
-        budget = self.prefill_budget
+        """Prompts, up to the budget: several together in one batched forward
+        when the family batches, the rest one chunk at a time."""
         for row in list(self._prefilling):
-            if budget is not None and budget <= 0:
-                break
             if row.job.cancelled.is_set():
                 self._prefilling.remove(row)
                 self._finish(row, "stop")
-                continue
-            ids, chunk = row.job.ids, row.job.config.chunk_size
-            last = len(ids) - 1
-            try:
-                while row.next_prefill < last and (budget is None or budget > 0):
-                    end = min(row.next_prefill + chunk, last)
-                    self.runner.feed(row.session, ids[row.next_prefill : end], row.next_prefill)
-                    budget = None if budget is None else budget - (end - row.next_prefill)
-                    row.next_prefill = end
-                if row.next_prefill < last:
-                    continue
-                logits = self.runner.feed(row.session, ids[last:], last, logits=True)
+        budget = self.prefill_budget
+        together = [row for row in self._prefilling if row.session.position == row.next_prefill]
+        fed: list[_Row] = []
+        if self.runner.batchable and len(together) >= 2:
+            budget, fed = self._prefill_together(together, budget)
+        for row in list(self._prefilling):
+            if budget is not None and budget <= 0:
+                break
+            if row not in fed:
+                budget = self._prefill_alone(row, budget)
+
+    def _prefill_together(
+        self, rows: list[_Row], budget: int | None
+    ) -> tuple[int | None, list[_Row]]:
+        """One batched forward of the same number of prompt tokens for every row
+        in *rows* (the shortest remainder, within the chunk size and the
+        budget), as mlx-lm's ``BatchGenerator`` prefills several prompts at
+        once. A row whose prompt ends in it samples its first id from the
+        forward's last-token logits; the others go on at the next step.
+
+        Equal lengths mean no padding between a row's cache and its new
+        tokens, so every batchable component (a recurrent one included) takes
+        it as is; prompts of different lengths catch up over a few steps
+        (each as long as the next shortest remainder). If the forward fails,
+        no session changed and the rows go on one at a time. Returns the budget
+        left and the rows fed."""
+        if budget is not None:
+            rows = rows[: max(1, budget)]
+        length = min(len(row.job.ids) - row.next_prefill for row in rows)
+        length = min(length, *(row.job.config.chunk_size for row in rows))
+        if budget is not None:
+            length = max(1, min(length, budget // len(rows)))
+        starts = [row.next_prefill for row in rows]
+        chunks = [
+            row.job.ids[start : start + length] for row, start in zip(rows, starts, strict=True)
+        ]
+        try:
+            logits = self.runner.prefill_batch([row.session for row in rows], chunks, starts)
+        except Exception:
+            log.warning("a batched prefill failed; its rows go on one at a time", exc_info=True)
+            return budget, []
+        for i, row in enumerate(rows):
+            row.next_prefill += length
+            if row.next_prefill == len(row.job.ids):
                 self.runner.checkpoint(row.session)
-                row.pending = row.sampler(logits)
-                mx.async_eval(row.pending)
-            except Exception as exc:
-                self._prefilling.remove(row)
-                self._fail(row, exc)
-                continue
-            budget = None if budget is None else budget - 1
-            row.position = len(ids)
-            row.prefilled = time.perf_counter()
+                row.pending = row.sampler(logits[i])
+                self._prefilled(row)
+        mx.async_eval([row.pending for row in rows if row.pending is not None])
+        return (None if budget is None else budget - length * len(rows)), rows
+
+    def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
+        """Whole chunks (the one-request loop's boundaries) of one row, up to the budget."""
+        ids, chunk = row.job.ids, row.job.config.chunk_size
+        last = len(ids) - 1
+        try:
+            while row.next_prefill < last and (budget is None or budget > 0):
+                end = min(row.next_prefill + chunk, last)
+                self.runner.feed(row.session, ids[row.next_prefill : end], row.next_prefill)
+                budget = None if budget is None else budget - (end - row.next_prefill)
+                row.next_prefill = end
+            if row.next_prefill < last:
+                return budget
+            logits = self.runner.feed(row.session, ids[last:], last, logits=True)
+            self.runner.checkpoint(row.session)
+            row.pending = row.sampler(logits)
+            mx.async_eval(row.pending)
+        except Exception as exc:
             self._prefilling.remove(row)
-            self._solo.append(row)
+            self._fail(row, exc)
+            return budget
+        row.next_prefill = len(ids)
+        self._prefilled(row)
+        return None if budget is None else budget - 1
+
+    def _prefilled(self, row: _Row) -> None:
+        """The prompt is in: the row decodes from the next step."""
+        row.position = len(row.job.ids)
+        row.prefilled = time.perf_counter()
+        self._prefilling.remove(row)
+        self._solo.append(row)
 
     def _decode(self) -> None:
         for row in self._solo + self._batch.rows:

@@ -417,11 +417,13 @@ class GDNComponent:
 
     @classmethod
     def merge(cls, parts: list[GDNComponent]) -> GDNComponent:
-        """Several sessions' layers stacked along the batch axis (every part has run)."""
+        """Several sessions' layers stacked along the batch axis. A session that
+        has not run yet (a fresh prompt prefilled beside others) holds None: it
+        stacks as zeros, which is what the layer reads None as."""
         merged = cls(len(parts[0]._tails))
         for i in range(len(merged._tails)):
-            merged._tails[i] = mx.concatenate([p._tails[i] for p in parts], axis=0)
-            merged._states[i] = mx.concatenate([p._states[i] for p in parts], axis=0)
+            merged._tails[i] = _stack([p._tails[i] for p in parts])
+            merged._states[i] = _stack([p._states[i] for p in parts])
         return merged
 
     def extend(self, other: GDNComponent) -> None:
@@ -461,3 +463,12 @@ class GDNComponent:
         self._tails = [snapshot.get(f"{i}.conv_tail") for i in range(len(self._tails))]
         self._states = [snapshot.get(f"{i}.recurrent") for i in range(len(self._states))]
         self._position = int(snapshot["position"].item())
+
+
+def _stack(parts: list[mx.array | None]) -> mx.array | None:
+    """One-row arrays along the batch axis, None (all fresh) or zeros standing in
+    for the fresh ones."""
+    shaped = next((part for part in parts if part is not None), None)
+    if shaped is None:
+        return None
+    return mx.concatenate([mx.zeros_like(shaped) if p is None else p for p in parts], axis=0)
