@@ -49,6 +49,7 @@ from turbospark.generate import (
 from turbospark.logits_processors import Grammar, GrammarCompiler
 from turbospark.runner import Runner
 from turbospark.server.access import access_middleware
+from turbospark.server.bridge import LoopBridge
 from turbospark.server.draws import Draw, chat_logprobs, draws, text_logprobs
 from turbospark.server.errors import (
     HANDLERS,
@@ -130,6 +131,7 @@ class Service:
         self.bound = PromptBound.of(codec.tokenizer)
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turbospark-text")
         self.engine = engine
+        self._loop_bridge: LoopBridge | None = None
         self._stop = threading.Event()
         self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
         self._grammar_lock = threading.Lock()
@@ -327,6 +329,12 @@ class Service:
             raise refusal(exc, param) from exc
         return ids
 
+    def _bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
+        """The one bridge to *loop* (one wake-up per engine step for all its requests)."""
+        if self._loop_bridge is None or self._loop_bridge.loop is not loop:
+            self._loop_bridge = LoopBridge(loop)
+        return self._loop_bridge
+
     async def chunks(
         self, draws: list[Draw], deadline: Deadline
     ) -> AsyncIterator[tuple[int, Chunk]]:
@@ -335,11 +343,11 @@ class Service:
         consumer stops (a client that left, the deadline, a draw that failed)
         every draw is cancelled: its row is freed at the engine's next step, and
         one given up while still queued never starts."""
-        loop = asyncio.get_running_loop()
+        bridge = self._bridge(asyncio.get_running_loop())
         queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
 
         def emitter(index: int) -> Callable[[Chunk | Exception], None]:
-            return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+            return lambda item: bridge.put(queue, (index, item))
 
         jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
         for job in jobs:
