@@ -289,3 +289,28 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request,
         assert job.emit.error is None, job.emit.error
         assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
     assert_sessions_sound(runner)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_seeded_rows_sampled_together_equal_each_alone(family, request):
+    """Rows with their own temperature, top-k, top-p and seed draw in one batched
+    sample per step, and each row's tokens are the same request's alone."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    engine = Engine(open_runner(install), codec, max_batch=4)
+    knobs = [
+        {"temperature": 0.8, "seed": 1},
+        {"temperature": 1.3, "top_k": 5, "seed": 2},
+        {"temperature": 0.6, "top_p": 0.7, "seed": 3},
+        {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 4},
+    ]
+    configs = [GenerationConfig(max_tokens=10, stop_token_ids=[], **k) for k in knobs]
+    jobs = [
+        Job(ids=list(p), config=c, emit=Collector())
+        for p, c in zip(PROMPTS[:4], configs, strict=True)
+    ]
+    run_all(engine, [(0, job) for job in jobs])
+    assert max(job.emit.chunks[-1].stats.batch_size for job in jobs) == 4
+    for job, config in zip(jobs, configs, strict=True):
+        assert job.emit.error is None, job.emit.error
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens, config

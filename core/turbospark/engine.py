@@ -57,7 +57,7 @@ from turbospark.generate import (
 from turbospark.pool import Session
 from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
-from turbospark.sampling import Sampler
+from turbospark.sampling import Sampler, sample_together
 from turbospark.state import State
 from turbospark.text import StopStrings, StreamDecoder, TextCodec
 
@@ -171,12 +171,20 @@ class _Batch:
             self.rollback()
             raise
         # Plain greedy rows (most of a temperature-0 batch) take their ids in one
-        # op; the others sample row by row with their own parameters.
+        # op, plain temperature/top-k/top-p rows in a few (each with its own
+        # key); rows with logits processors or logprobs sample one by one.
         plain = [row.sampler.plain_greedy for row in self.rows]
         greedy = mx.argmax(logits, axis=-1) if any(plain) else None
+        drawn = [i for i, row in enumerate(self.rows) if row.sampler.plain_random]
+        together: dict[int, mx.array] = {}
+        if len(drawn) >= 2:
+            ids = sample_together([self.rows[i].sampler for i in drawn], logits[mx.array(drawn)])
+            together = {i: ids[j] for j, i in enumerate(drawn)}
         for i, row in enumerate(self.rows):
             if plain[i]:
                 row.following = greedy[i]
+            elif i in together:
+                row.following = together[i]
             else:
                 row.following = row.sampler(logits[i], fed=row.pending)
         mx.async_eval(
