@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -96,6 +97,7 @@ from turbospark.text import TextCodec
 R = TypeVar("R", bound=BaseModel)  # every request body has a ``model``
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
+GIL_SWITCH_INTERVAL_S = 0.0005  # see Service.start: the runner thread gets the GIL back fast
 
 
 class Service:
@@ -132,6 +134,7 @@ class Service:
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turbospark-text")
         self.engine = engine
         self._loop_bridge: LoopBridge | None = None
+        self._switch_interval = sys.getswitchinterval()
         self._stop = threading.Event()
         self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
         self._grammar_lock = threading.Lock()
@@ -142,6 +145,13 @@ class Service:
         runner thread until :meth:`stop`. Requests queue meanwhile."""
         self._stop.clear()
         self.engine.warming = warm_up is not None
+        # The runner thread drops the GIL while it waits for a step's ids; the
+        # event loop then formats every row's chunk. Python hands the GIL back
+        # only after a switch interval (5 ms by default), which a 16-row step
+        # paid every step. A short one lets the runner queue the next step as
+        # soon as the ids are in.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
         def loop() -> None:
             if warm_up is not None:
@@ -158,6 +168,7 @@ class Service:
         self.text_pool.shutdown(wait=True, cancel_futures=True)
         self.worker.run(self.runner.close)
         self.worker.shutdown()
+        sys.setswitchinterval(self._switch_interval)
 
     async def response_grammar(
         self,
