@@ -8,14 +8,16 @@ flight. Each :meth:`Engine.step`:
    picks each request's session and explains the choice; the session is then
    checked out of the runner for the request's lifetime, so concurrent
    requests never share state;
-2. **prefills** waiting prompts, one chunk at a time, at most
-   ``prefill_budget`` tokens per step in all, so a long prompt never stalls
-   the streams already decoding. Chunk boundaries are the one-request loop's,
-   so a prompt's state is the same whether or not others ran beside it;
+2. **prefills** waiting prompts, at most ``prefill_budget`` tokens per step
+   in all, so a long prompt never stalls the streams already decoding.
+   Several prompts go together in one batched forward (the same number of
+   tokens each, the shortest remainder: :meth:`Engine._prefill_together`); a
+   prompt left alone goes on in the one-request loop's chunks;
 3. **decodes** one token for every decoding row. With two rows or more (and a
    family whose components are all ``batchable``) the sessions are merged
    into one batched state (:mod:`turbospark.batch`) and advance in one
-   forward; a lone row, or a family without a batched forward, steps through
+   forward, and its rows sample together (:func:`turbospark.sampling.sample_together`);
+   a lone row, or a family without a batched forward, steps through
    the one-row forward exactly as :func:`turbospark.generate.stream_generate`
    does;
 4. **retires** rows that finished, failed or were cancelled (their client went
