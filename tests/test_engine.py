@@ -254,25 +254,27 @@ def test_a_row_reaching_the_context_length_ends_alone(gemma4_install):
 def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request, monkeypatch):
     """Three fresh prompts of one length: one batched prefill forward takes all
     of them (last token included), and each row still equals its request alone;
-    then three of different lengths, extending those sessions, catch up together."""
+    then three of different lengths, extending those sessions, end together
+    over a few forwards of the shortest remainder."""
     install = request.getfixturevalue(f"{family}_install")
     codec = load_text(install)
     runner = open_runner(install, slots=4)
     engine = Engine(runner, codec, max_batch=3)
-    real = runner.prefill_batch
-    calls: list[tuple[int, int]] = []
+    real = runner.forward_batch
+    prefills: list[tuple[int, int]] = []
 
-    def spy(sessions, chunks, starts):
-        calls.append((len(chunks), len(chunks[0])))
-        return real(sessions, chunks, starts)
+    def spy(tokens, positions, state):
+        if tokens.shape[1] > 1:  # decode steps feed one token a row
+            prefills.append(tuple(tokens.shape))
+        return real(tokens, positions, state)
 
-    monkeypatch.setattr(runner, "prefill_batch", spy)
+    monkeypatch.setattr(runner, "forward_batch", spy)
     config = GenerationConfig(max_tokens=5, temperature=0.0, stop_token_ids=[])
     firsts = [
         Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(3)
     ]
     run_all(engine, [(0, job) for job in firsts])
-    assert calls == [(3, 6)]
+    assert prefills == [(3, 6)]
     seconds = [
         Job(
             ids=[*job.ids, *job.emit.tokens, *range(50, 50 + 2 * i + 1)],
@@ -282,9 +284,9 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request,
         for i, job in enumerate(firsts)
     ]
     run_all(engine, [(0, job) for job in seconds])
-    # The last reply token was never fed: 2, 4 and 6 tokens remain. The shortest
-    # remainder goes for all three, then for the two left; the last goes alone.
-    assert calls[1:] == [(3, 2), (2, 2)], calls
+    # The last reply token was never fed: 2, 4 and 6 tokens remain. Two for all
+    # three, then two for the two left, then two for the last.
+    assert prefills[1:] == [(3, 2), (2, 2), (1, 2)], prefills
     for job in [*firsts, *seconds]:
         assert job.emit.error is None, job.emit.error
         assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
@@ -314,3 +316,29 @@ def test_seeded_rows_sampled_together_equal_each_alone(family, request):
     for job, config in zip(jobs, configs, strict=True):
         assert job.emit.error is None, job.emit.error
         assert job.emit.tokens == alone(install, codec, job.ids, config).tokens, config
+
+
+def test_a_failed_batched_prefill_changes_no_session_and_the_rows_go_on_alone(
+    gemma4_install, monkeypatch
+):
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=3)
+    real = runner.forward_batch
+    raised = []
+
+    def flaky(tokens, positions, state):
+        if tokens.shape[1] > 1 and not raised:
+            raised.append(tuple(tokens.shape))
+            raise RuntimeError("a plugin failed mid-prefill")
+        return real(tokens, positions, state)
+
+    monkeypatch.setattr(runner, "forward_batch", flaky)
+    config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[])
+    jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in PROMPTS[:3]]
+    run_all(engine, [(0, job) for job in jobs])
+    assert raised, "the batched prefill never ran"
+    for job in jobs:
+        assert job.emit.error is None, job.emit.error
+        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
+    assert_sessions_sound(runner)

@@ -157,6 +157,20 @@ class _Batch:
                 component.extend(merged[name])
         self.rows.extend(rows)
 
+    def feed(self, chunks: list[list[int]], starts: list[int]) -> mx.array:
+        """Prompt tokens, as many for every row (row ``i`` at ``starts[i]``):
+        last-token logits ``(B, vocab)``. A forward that raises is undone."""
+        for component in self.state.values():
+            component.prepare(len(chunks[0]))
+        self.held = {name: component.hold() for name, component in self.state.items()}
+        try:
+            logits = self.runner.forward_batch(mx.array(chunks, dtype=mx.int32), starts, self.state)
+        except Exception:
+            self.rollback()
+            raise
+        mx.async_eval(logits, [a for component in self.state.values() for a in component.arrays()])
+        return logits
+
     def step(self) -> None:
         """Feed every row's pending id (still lazy) and queue the next ids."""
         tokens = mx.concatenate([row.pending.reshape(1) for row in self.rows])
@@ -241,6 +255,7 @@ class Engine:
         self._prefilling: list[_Row] = []
         self._solo: list[_Row] = []
         self._batch = _Batch(runner)
+        self._filling = _Batch(runner)  # prompts prefilled together (Engine._prefill_together)
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.warming = False
         # Requests that discarded a parked session with content (at admission or
@@ -357,6 +372,7 @@ class Engine:
     def _fail_all(self, exc: Exception) -> None:
         rows = self._prefilling + self._solo + self._batch.rows
         self._prefilling, self._solo, self._batch = [], [], _Batch(self.runner)
+        self._filling = _Batch(self.runner)
         for row in rows:
             row.session.clear()  # its state may be half-written: never resume it
             self._fail(row, exc)
@@ -423,36 +439,42 @@ class Engine:
         when the family batches, the rest one chunk at a time."""
         for row in list(self._prefilling):
             if row.job.cancelled.is_set():
+                if row in self._filling.rows:
+                    row.leaves_at = row.next_prefill
+                    self._filling.leave({row: 0})
                 self._prefilling.remove(row)
                 self._finish(row, "stop")
         budget = self.prefill_budget
-        together = [row for row in self._prefilling if row.session.position == row.next_prefill]
-        fed: list[_Row] = []
-        if self.runner.batchable and len(together) >= 2:
-            budget, fed = self._prefill_together(together, budget)
+        if self.runner.batchable:
+            budget = self._prefill_together(budget)
         for row in list(self._prefilling):
             if budget is not None and budget <= 0:
                 break
-            if row not in fed:
+            if row not in self._filling.rows:
                 budget = self._prefill_alone(row, budget)
 
-    def _prefill_together(
-        self, rows: list[_Row], budget: int | None
-    ) -> tuple[int | None, list[_Row]]:
+    def _prefill_together(self, budget: int | None) -> int | None:
         """One batched forward of the same number of prompt tokens for every row
-        in *rows* (the shortest remainder, within the chunk size and the
-        budget), as mlx-lm's ``BatchGenerator`` prefills several prompts at
-        once. A row whose prompt ends in it samples its first id from the
-        forward's last-token logits; the others go on at the next step.
+        of the prefill group (the shortest remainder, within the chunk size and
+        the budget, at least one token a row), as mlx-lm's ``BatchGenerator``
+        prefills several prompts at once. Returns the budget left.
 
-        Equal lengths mean no padding between a row's cache and its new
-        tokens, so every batchable component (a recurrent one included) takes
-        it as is; prompts of different lengths catch up over a few steps
-        (each as long as the next shortest remainder). If the forward fails,
-        no session changed and the rows go on one at a time. Returns the budget
-        left and the rows fed."""
-        if budget is not None:
-            rows = rows[: max(1, budget)]
+        The group forms when two or more prompts wait and none is in a group:
+        their sessions are merged once and stay merged until each prompt ends,
+        when its row samples its first id from the forward's last-token logits,
+        is copied out, and decodes from the next step. Prompts arriving
+        meanwhile go on alone. Equal lengths mean no padding between a row's
+        state and its new tokens, so every batchable component (a recurrent
+        one included) takes them as is; prompts of different lengths end over
+        a few steps. If the forward fails, the group is undone from the
+        references held before it and its rows go on alone."""
+        group = self._filling
+        if not group.rows:
+            ready = [row for row in self._prefilling if row.session.position == row.next_prefill]
+            if len(ready) < 2:
+                return budget
+            group.join(ready)
+        rows = list(group.rows)
         length = min(len(row.job.ids) - row.next_prefill for row in rows)
         length = min(length, *(row.job.config.chunk_size for row in rows))
         if budget is not None:
@@ -462,18 +484,27 @@ class Engine:
             row.job.ids[start : start + length] for row, start in zip(rows, starts, strict=True)
         ]
         try:
-            logits = self.runner.prefill_batch([row.session for row in rows], chunks, starts)
+            logits = group.feed(chunks, starts)
         except Exception:
-            log.warning("a batched prefill failed; its rows go on one at a time", exc_info=True)
-            return budget, []
+            log.warning("a batched prefill failed; its rows go on alone", exc_info=True)
+            for row in rows:
+                row.leaves_at = row.next_prefill
+            group.leave({row: 0 for row in rows})
+            return budget
+        done: dict[_Row, int] = {}
         for i, row in enumerate(rows):
+            row.session.record.write(starts[i], chunks[i])
             row.next_prefill += length
             if row.next_prefill == len(row.job.ids):
-                self.runner.checkpoint(row.session)
                 row.pending = row.sampler(logits[i])
-                self._prefilled(row)
-        mx.async_eval([row.pending for row in rows if row.pending is not None])
-        return (None if budget is None else budget - length * len(rows)), rows
+                row.leaves_at = row.next_prefill
+                done[row] = 0
+        mx.async_eval([row.pending for row in done])
+        group.leave(done)
+        for row in done:
+            self.runner.checkpoint(row.session)
+            self._prefilled(row)
+        return None if budget is None else budget - length * len(rows)
 
     def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
         """Whole chunks (the one-request loop's boundaries) of one row, up to the budget."""

@@ -554,36 +554,6 @@ class Runner:
             model=self.model, tokens=tokens, positions=positions, state=state, logits="last"
         )
 
-    def prefill_batch(
-        self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]], starts: Sequence[int]
-    ) -> mx.array:
-        """Feed ``chunks[i]`` (all of one length) to ``sessions[i]`` at ``starts[i]``
-        in one batched forward; last-token logits ``(B, vocab)``.
-
-        Each session is merged (copied) into one batched state, and its row is
-        copied back out afterwards, so the sessions change only when the
-        forward succeeded: a failure leaves every one of them as it was. Every
-        session must already be at its start (nothing to rewind) and every id
-        checked (:func:`turbospark.generate.check_prompt`)."""
-        for session, start in zip(sessions, starts, strict=True):
-            if session.position != start:
-                raise InvalidInput(
-                    f"prefill_batch feeds at {start} but the session is at {session.position}; "
-                    "rewind it first (or feed it alone)"
-                )
-        state = self.merge_states(sessions)
-        tokens = mx.array(chunks, dtype=mx.int32)  # (B, L)
-        logits = self.forward_batch(tokens, list(starts), state)
-        mx.async_eval(logits, _state_arrays(state))
-        length = tokens.shape[1]
-        for i, session in enumerate(sessions):
-            session.state = {
-                name: component.extract(i, starts[i] + length, 0, None)
-                for name, component in state.items()
-            }
-            session.record.write(starts[i], chunks[i])
-        return logits
-
     # -- vision ------------------------------------------------------------------
 
     def set_prompt_vision(

@@ -433,8 +433,8 @@ class GDNComponent:
 
     def filter(self, rows: list[int]) -> None:
         index = mx.array(rows)
-        self._tails = [tail[index] for tail in self._tails]
-        self._states = [state[index] for state in self._states]
+        self._tails = [None if tail is None else tail[index] for tail in self._tails]
+        self._states = [None if state is None else state[index] for state in self._states]
 
     def prepare(self, length: int) -> None:
         del length  # every step replaces the arrays: nothing to make room for
@@ -454,8 +454,8 @@ class GDNComponent:
         else:
             tails, states = self._tails, self._states
         one = GDNComponent(len(self._tails))
-        one._tails = [mx.contiguous(tail[row : row + 1]) for tail in tails]
-        one._states = [mx.contiguous(state[row : row + 1]) for state in states]
+        one._tails = [None if t is None else mx.contiguous(t[row : row + 1]) for t in tails]
+        one._states = [None if s is None else mx.contiguous(s[row : row + 1]) for s in states]
         one._position = position
         return one
 
