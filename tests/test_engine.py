@@ -342,3 +342,28 @@ def test_a_failed_batched_prefill_changes_no_session_and_the_rows_go_on_alone(
         assert job.emit.error is None, job.emit.error
         assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
     assert_sessions_sound(runner)
+
+
+def test_a_prefill_group_takes_as_many_prompts_as_fit_in_the_budget(gemma4_install, monkeypatch):
+    """Four 6-token prompts, 12 prompt tokens a step: two prompts end in one
+    forward, then the next two; not four that each get 3 tokens a step."""
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=4, prefill_budget=12)
+    real = runner.forward_batch
+    prefills: list[tuple[int, int]] = []
+
+    def spy(tokens, positions, state):
+        if tokens.shape[1] > 1:
+            prefills.append(tuple(tokens.shape))
+        return real(tokens, positions, state)
+
+    monkeypatch.setattr(runner, "forward_batch", spy)
+    config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
+    jobs = [
+        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(4)
+    ]
+    run_all(engine, [(0, job) for job in jobs])
+    assert prefills == [(2, 6), (2, 6)]
+    for job in jobs:
+        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens

@@ -459,8 +459,9 @@ class Engine:
         the budget, at least one token a row), as mlx-lm's ``BatchGenerator``
         prefills several prompts at once. Returns the budget left.
 
-        The group forms when two or more prompts wait and none is in a group:
-        their sessions are merged once and stay merged until each prompt ends,
+        The group forms when two or more prompts wait and none is in a group
+        (as many as fit in the budget: :meth:`_group_within`): their sessions
+        are merged once and stay merged until each prompt ends,
         when its row samples its first id from the forward's last-token logits,
         is copied out, and decodes from the next step. Prompts arriving
         meanwhile go on alone. Equal lengths mean no padding between a row's
@@ -473,7 +474,7 @@ class Engine:
             ready = [row for row in self._prefilling if row.session.position == row.next_prefill]
             if len(ready) < 2:
                 return budget
-            group.join(ready)
+            group.join(self._group_within(ready, budget))
         rows = list(group.rows)
         length = min(len(row.job.ids) - row.next_prefill for row in rows)
         length = min(length, *(row.job.config.chunk_size for row in rows))
@@ -505,6 +506,27 @@ class Engine:
             self.runner.checkpoint(row.session)
             self._prefilled(row)
         return None if budget is None else budget - length * len(rows)
+
+    @staticmethod
+    def _group_within(ready: list[_Row], budget: int | None) -> list[_Row]:
+        """The first prompts (in arrival order, two at least) whose shortest
+        remainder, fed to each, fits in the budget. A group spread over every
+        waiting prompt would give each a sliver of the budget per step, and
+        none would see its first token before all of them; a group that fits
+        ends in one forward, and the next group follows, so first tokens come
+        in arrival order as they did one prompt at a time."""
+        if budget is None:
+            return ready
+        group: list[_Row] = []
+        shortest = None
+        for row in ready:
+            need = min(len(row.job.ids) - row.next_prefill, row.job.config.chunk_size)
+            widest = need if shortest is None else min(shortest, need)
+            if len(group) >= 2 and (len(group) + 1) * widest > budget:
+                break
+            group.append(row)
+            shortest = widest
+        return group
 
     def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
         """Whole chunks (the one-request loop's boundaries) of one row, up to the budget."""
