@@ -194,8 +194,11 @@ def test_a_failing_row_fails_alone(gemma4_install, monkeypatch):
     calls = {"batch": 0}
 
     def flaky_batch(tokens, positions, state):
-        calls["batch"] += 1
-        if calls["batch"] == 2:
+        # Counts decode steps only (one token a row): prompts are prefilled
+        # through the same forward, several at once.
+        decode = tokens.shape[1] == 1
+        calls["batch"] += decode
+        if decode and calls["batch"] == 2:
             raise RuntimeError("a plugin failed")
         return real_batch(tokens, positions, state)
 
@@ -245,3 +248,122 @@ def test_a_row_reaching_the_context_length_ends_alone(gemma4_install):
         assert job.emit.tokens == expected.tokens
         assert job.emit.chunks[-1].finish_reason == expected.finish_reason
     assert len(jobs[1].emit.tokens) == 4 and jobs[1].emit.chunks[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request, monkeypatch):
+    """Three fresh prompts of one length: one batched prefill forward takes all
+    of them (last token included), and each row still equals its request alone;
+    then three of different lengths, extending those sessions, end together
+    over a few forwards of the shortest remainder."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install, slots=4)
+    engine = Engine(runner, codec, max_batch=3)
+    real = runner.forward_batch
+    prefills: list[tuple[int, int]] = []
+
+    def spy(tokens, positions, state):
+        if tokens.shape[1] > 1:  # decode steps feed one token a row
+            prefills.append(tuple(tokens.shape))
+        return real(tokens, positions, state)
+
+    monkeypatch.setattr(runner, "forward_batch", spy)
+    config = GenerationConfig(max_tokens=5, temperature=0.0, stop_token_ids=[])
+    firsts = [
+        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(3)
+    ]
+    run_all(engine, [(0, job) for job in firsts])
+    assert prefills == [(3, 6)]
+    seconds = [
+        Job(
+            ids=[*job.ids, *job.emit.tokens, *range(50, 50 + 2 * i + 1)],
+            config=config,
+            emit=Collector(),
+        )
+        for i, job in enumerate(firsts)
+    ]
+    run_all(engine, [(0, job) for job in seconds])
+    # The last reply token was never fed: 2, 4 and 6 tokens remain. Two for all
+    # three, then two for the two left, then two for the last.
+    assert prefills[1:] == [(3, 2), (2, 2), (1, 2)], prefills
+    for job in [*firsts, *seconds]:
+        assert job.emit.error is None, job.emit.error
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
+    assert_sessions_sound(runner)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_seeded_rows_sampled_together_equal_each_alone(family, request):
+    """Rows with their own temperature, top-k, top-p and seed draw in one batched
+    sample per step, and each row's tokens are the same request's alone."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    engine = Engine(open_runner(install), codec, max_batch=4)
+    knobs = [
+        {"temperature": 0.8, "seed": 1},
+        {"temperature": 1.3, "top_k": 5, "seed": 2},
+        {"temperature": 0.6, "top_p": 0.7, "seed": 3},
+        {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 4},
+    ]
+    configs = [GenerationConfig(max_tokens=10, stop_token_ids=[], **k) for k in knobs]
+    jobs = [
+        Job(ids=list(p), config=c, emit=Collector())
+        for p, c in zip(PROMPTS[:4], configs, strict=True)
+    ]
+    run_all(engine, [(0, job) for job in jobs])
+    assert max(job.emit.chunks[-1].stats.batch_size for job in jobs) == 4
+    for job, config in zip(jobs, configs, strict=True):
+        assert job.emit.error is None, job.emit.error
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens, config
+
+
+def test_a_failed_batched_prefill_changes_no_session_and_the_rows_go_on_alone(
+    gemma4_install, monkeypatch
+):
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=3)
+    real = runner.forward_batch
+    raised = []
+
+    def flaky(tokens, positions, state):
+        if tokens.shape[1] > 1 and not raised:
+            raised.append(tuple(tokens.shape))
+            raise RuntimeError("a plugin failed mid-prefill")
+        return real(tokens, positions, state)
+
+    monkeypatch.setattr(runner, "forward_batch", flaky)
+    config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[])
+    jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in PROMPTS[:3]]
+    run_all(engine, [(0, job) for job in jobs])
+    assert raised, "the batched prefill never ran"
+    for job in jobs:
+        assert job.emit.error is None, job.emit.error
+        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
+    assert_sessions_sound(runner)
+
+
+def test_a_prefill_group_takes_as_many_prompts_as_fit_in_the_budget(gemma4_install, monkeypatch):
+    """Four 6-token prompts, 12 prompt tokens a step: two prompts end in one
+    forward, then the next two; not four that each get 3 tokens a step."""
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=4, prefill_budget=12)
+    real = runner.forward_batch
+    prefills: list[tuple[int, int]] = []
+
+    def spy(tokens, positions, state):
+        if tokens.shape[1] > 1:
+            prefills.append(tuple(tokens.shape))
+        return real(tokens, positions, state)
+
+    monkeypatch.setattr(runner, "forward_batch", spy)
+    config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
+    jobs = [
+        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(4)
+    ]
+    run_all(engine, [(0, job) for job in jobs])
+    assert prefills == [(2, 6), (2, 6)]
+    for job in jobs:
+        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from turbospark import build_synthetic_install
 from turbospark.generate import GenerationConfig, generate
 from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
+from turbospark.server.app import GIL_SWITCH_INTERVAL_S
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec, load_text
 
@@ -115,3 +117,16 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_row(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.5)
     wait_idle(server)
+
+
+def test_serving_hands_the_gil_back_fast_and_restores_the_interval(install, codec):
+    """While the engine serves, Python's switch interval is short (the runner
+    thread must not wait 5 ms for the event loop's GIL every step); stopping
+    puts the process's own value back."""
+    before = sys.getswitchinterval()
+    worker = RunnerWorker()
+    runner = worker.run(lambda: Runner.open(install, context_length=CONTEXT))
+    app = create_app(runner, codec, worker=worker, max_batch=2)
+    with ThreadedServer(app):
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == before

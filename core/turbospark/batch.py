@@ -81,22 +81,26 @@ class BatchLayerKV:
         self,
         window: int | None,
         headroom: int,
-        keys: mx.array,
-        values: mx.array,
+        keys: mx.array | None,
+        values: mx.array | None,
         left: list[int],
         fill: int,
     ) -> None:
         self.window = window
         self.headroom = headroom
-        self.keys = keys  # (B, kv_heads, capacity, dim)
+        self.keys = keys  # (B, kv_heads, capacity, dim); None until the first write
         self.values = values
         self.left = left
         self.fill = fill
 
     @classmethod
     def merge(cls, layers: list[LayerKV]) -> BatchLayerKV:
-        """Right-align each session's retained rows; a copy proportional to their size."""
-        first = next(layer for layer in layers if layer.keys is not None)
+        """Right-align each session's retained rows; a copy proportional to their size.
+        Sessions that have not run yet (fresh prompts prefilled together) merge
+        into a batch whose buffers are allocated by the first write."""
+        first = next((layer for layer in layers if layer.keys is not None), None)
+        if first is None:
+            return cls(layers[0].window, layers[0].headroom, None, None, [0] * len(layers), 0)
         _, heads, _, dim = first.keys.shape
         width = max(layer.fill for layer in layers)
         keys, values = [], []
@@ -124,16 +128,16 @@ class BatchLayerKV:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def arrays(self) -> list[mx.array]:
-        return [self.keys, self.values]
+        return [] if self.keys is None else [self.keys, self.values]
 
     def prepare(self, length: int) -> None:
         self._make_room(length)
 
     def _make_room(self, length: int) -> None:
-        if self.fill + length <= self.keys.shape[2]:
+        if self.keys is None or self.fill + length <= self.keys.shape[2]:
             return
         if self.retain is not None and self.fill > self.retain:
             # Columns no row's window can reach any more (the headroom is kept).
@@ -152,6 +156,11 @@ class BatchLayerKV:
         """Append ``(B, heads, L, dim)`` for every row; return the visible columns
         and the index of the first one (for :meth:`mask`)."""
         length = keys.shape[2]
+        if self.keys is None:  # the first write of sessions merged fresh
+            batch, heads, _, dim = keys.shape
+            capacity = -(-length // self.step) * self.step
+            self.keys = mx.zeros((batch, heads, capacity, dim), keys.dtype)
+            self.values = mx.zeros((batch, heads, capacity, dim), values.dtype)
         self._make_room(length)
         self.keys[:, :, self.fill : self.fill + length] = keys
         self.values[:, :, self.fill : self.fill + length] = values
@@ -183,6 +192,9 @@ class BatchLayerKV:
         return keys, values
 
     def extend(self, other: BatchLayerKV) -> None:
+        if self.keys is None and other.keys is None:  # a layer nobody writes
+            self.left = self.left + other.left
+            return
         width = max(self.fill, other.fill)
         keys, values = self._aligned(width)
         other_keys, other_values = other._aligned(width)
@@ -196,6 +208,8 @@ class BatchLayerKV:
     def filter(self, rows: list[int]) -> None:
         index = mx.array(rows)
         self.left = [self.left[row] for row in rows]
+        if self.keys is None:
+            return
         common = min(self.left)  # padding every remaining row has: drop it
         self.keys = self.keys[index, :, common : self.fill]
         self.values = self.values[index, :, common : self.fill]
@@ -205,9 +219,11 @@ class BatchLayerKV:
     def extract(self, row: int, position: int, back: int) -> LayerKV:
         """Row *row* as a one-row :class:`LayerKV` at *position*, its last *back*
         columns dropped."""
+        layer = LayerKV(self.window, self.headroom)
+        if self.keys is None:  # never written (a layer that reads another's K/V)
+            return layer
         end = self.fill - back
         begin = min(self.left[row], end)
-        layer = LayerKV(self.window, self.headroom)
         layer.keys = mx.contiguous(self.keys[row : row + 1, :, begin:end])
         layer.values = mx.contiguous(self.values[row : row + 1, :, begin:end])
         layer.fill = end - begin

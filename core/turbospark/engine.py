@@ -11,14 +11,16 @@ flight. Each :meth:`Engine.step`:
    request with ``n > 1``) are admitted with it and become rows of their own
    when its prefill ends, each holding the prefilled state by reference, so
    the prompt is prefilled once; a fork's session is dropped when it ends;
-2. **prefills** waiting prompts, one chunk at a time, at most
-   ``prefill_budget`` tokens per step in all, so a long prompt never stalls
-   the streams already decoding. Chunk boundaries are the one-request loop's,
-   so a prompt's state is the same whether or not others ran beside it;
+2. **prefills** waiting prompts, at most ``prefill_budget`` tokens per step
+   in all, so a long prompt never stalls the streams already decoding.
+   Several prompts go together in one batched forward (the same number of
+   tokens each, the shortest remainder: :meth:`Engine._prefill_together`); a
+   prompt left alone goes on in the one-request loop's chunks;
 3. **decodes** one token for every decoding row. With two rows or more (and a
    family whose components are all ``batchable``) the sessions are merged
    into one batched state (:mod:`turbospark.batch`) and advance in one
-   forward; a lone row, or a family without a batched forward, steps through
+   forward, and its rows sample together (:func:`turbospark.sampling.sample_together`);
+   a lone row, or a family without a batched forward, steps through
    the one-row forward exactly as :func:`turbospark.generate.stream_generate`
    does;
 4. **retires** rows that finished, failed or were cancelled (their client went
@@ -62,7 +64,7 @@ from turbospark.generate import (
 from turbospark.pool import Session
 from turbospark.reuse import ReuseReason, ReuseReport
 from turbospark.runner import Runner
-from turbospark.sampling import Sampler
+from turbospark.sampling import Sampler, sample_together
 from turbospark.speculative import Speculation, settle, speculation_for
 from turbospark.state import State
 from turbospark.text import StopStrings, StreamDecoder, TextCodec
@@ -167,6 +169,20 @@ class _Batch:
                 component.extend(merged[name])
         self.rows.extend(rows)
 
+    def feed(self, chunks: list[list[int]], starts: list[int]) -> mx.array:
+        """Prompt tokens, as many for every row (row ``i`` at ``starts[i]``):
+        last-token logits ``(B, vocab)``. A forward that raises is undone."""
+        for component in self.state.values():
+            component.prepare(len(chunks[0]))
+        self.held = {name: component.hold() for name, component in self.state.items()}
+        try:
+            logits = self.runner.forward_batch(mx.array(chunks, dtype=mx.int32), starts, self.state)
+        except Exception:
+            self.rollback()
+            raise
+        mx.async_eval(logits, [a for component in self.state.values() for a in component.arrays()])
+        return logits
+
     def step(self) -> None:
         """Feed every row's pending id (still lazy) and queue the next ids."""
         tokens = mx.concatenate([row.pending.reshape(1) for row in self.rows])
@@ -183,12 +199,20 @@ class _Batch:
             self.rollback()
             raise
         # Plain greedy rows (most of a temperature-0 batch) take their ids in one
-        # op; the others sample row by row with their own parameters.
+        # op, plain temperature/top-k/top-p rows in a few (each with its own
+        # key); rows with logits processors or logprobs sample one by one.
         plain = [row.sampler.plain_greedy for row in self.rows]
         greedy = mx.argmax(logits, axis=-1) if any(plain) else None
+        drawn = [i for i, row in enumerate(self.rows) if row.sampler.plain_random]
+        together: dict[int, mx.array] = {}
+        if len(drawn) >= 2:
+            ids = sample_together([self.rows[i].sampler for i in drawn], logits[mx.array(drawn)])
+            together = {i: ids[j] for j, i in enumerate(drawn)}
         for i, row in enumerate(self.rows):
             if plain[i]:
                 row.following = greedy[i]
+            elif i in together:
+                row.following = together[i]
             else:
                 row.following = row.sampler(logits[i], fed=row.pending)
         mx.async_eval(
@@ -243,6 +267,7 @@ class Engine:
         self._prefilling: list[_Row] = []
         self._solo: list[_Row] = []
         self._batch = _Batch(runner)
+        self._filling = _Batch(runner)  # prompts prefilled together (Engine._prefill_together)
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.warming = False
         # Requests that discarded a parked session with content (at admission or
@@ -364,6 +389,7 @@ class Engine:
         forks = [fork for row in self._prefilling for fork in row.job.forks]  # not rows yet
         rows = self._prefilling + self._solo + self._batch.rows
         self._prefilling, self._solo, self._batch = [], [], _Batch(self.runner)
+        self._filling = _Batch(self.runner)
         for row in rows:
             row.session.clear()  # its state may be half-written: never resume it
             self._fail(row, exc)
@@ -448,45 +474,135 @@ class Engine:
         return frozenset(ids)
 
     def _prefill(self) -> None:
-        """Whole chunks (the one-request loop's boundaries), up to the budget."""
-        budget = self.prefill_budget
+        """Prompts, up to the budget: several together in one batched forward
+        when the family batches, the rest one chunk at a time."""
         for row in list(self._prefilling):
-            if budget is not None and budget <= 0:
-                break
             if all(j.cancelled.is_set() for j in (row.job, *row.job.forks)):
+                if row in self._filling.rows:
+                    row.leaves_at = row.next_prefill
+                    self._filling.leave({row: 0})
                 self._prefilling.remove(row)
                 self._finish(row, "stop")
                 for fork in row.job.forks:
                     fork.emit(Chunk(text="", finish_reason="stop"))
-                continue
-            ids, chunk = row.job.ids, row.job.config.chunk_size
-            last = len(ids) - 1
-            try:
-                while row.next_prefill < last and (budget is None or budget > 0):
-                    end = min(row.next_prefill + chunk, last)
-                    self.runner.feed(row.session, ids[row.next_prefill : end], row.next_prefill)
-                    budget = None if budget is None else budget - (end - row.next_prefill)
-                    row.next_prefill = end
-                if row.next_prefill < last:
-                    continue
-                logits = self.runner.feed(row.session, ids[last:], last, logits=True)
-                self.runner.checkpoint(row.session)
-                rows = [row] + [self._fork(row, job) for job in row.job.forks]
-                for each in rows:
-                    each.pending = each.sampler(logits)
-                mx.async_eval([each.pending for each in rows])
-            except Exception as exc:
-                self._prefilling.remove(row)
-                self._fail(row, exc)
-                for fork in row.job.forks:
-                    fork.emit(exc)
-                continue
-            budget = None if budget is None else budget - 1
+        budget = self.prefill_budget
+        if self.runner.batchable:
+            budget = self._prefill_together(budget)
+        for row in list(self._prefilling):
+            if budget is not None and budget <= 0:
+                break
+            if row not in self._filling.rows:
+                budget = self._prefill_alone(row, budget)
+
+    def _prefill_together(self, budget: int | None) -> int | None:
+        """One batched forward of the same number of prompt tokens for every row
+        of the prefill group (the shortest remainder, within the chunk size and
+        the budget, at least one token a row), as mlx-lm's ``BatchGenerator``
+        prefills several prompts at once. Returns the budget left.
+
+        The group forms when two or more prompts wait and none is in a group
+        (as many as fit in the budget: :meth:`_group_within`): their sessions
+        are merged once and stay merged until each prompt ends,
+        when its row samples its first id from the forward's last-token logits,
+        is copied out, and decodes from the next step. Prompts arriving
+        meanwhile go on alone. Equal lengths mean no padding between a row's
+        state and its new tokens, so every batchable component (a recurrent
+        one included) takes them as is; prompts of different lengths end over
+        a few steps. If the forward fails, the group is undone from the
+        references held before it and its rows go on alone."""
+        group = self._filling
+        if not group.rows:
+            ready = [row for row in self._prefilling if row.session.position == row.next_prefill]
+            if len(ready) < 2:
+                return budget
+            group.join(self._group_within(ready, budget))
+        rows = list(group.rows)
+        length = min(len(row.job.ids) - row.next_prefill for row in rows)
+        length = min(length, *(row.job.config.chunk_size for row in rows))
+        if budget is not None:
+            length = max(1, min(length, budget // len(rows)))
+        starts = [row.next_prefill for row in rows]
+        chunks = [
+            row.job.ids[start : start + length] for row, start in zip(rows, starts, strict=True)
+        ]
+        try:
+            logits = group.feed(chunks, starts)
+        except Exception:
+            log.warning("a batched prefill failed; its rows go on alone", exc_info=True)
+            for row in rows:
+                row.leaves_at = row.next_prefill
+            group.leave({row: 0 for row in rows})
+            return budget
+        done: dict[_Row, int] = {}
+        for i, row in enumerate(rows):
+            row.session.record.write(starts[i], chunks[i])
+            row.next_prefill += length
+            if row.next_prefill == len(row.job.ids):
+                row.leaves_at = row.next_prefill
+                done[row] = i
+        group.leave({row: 0 for row in done})
+        for row, i in done.items():
+            self.runner.checkpoint(row.session)
+            self._prefilled(row, logits[i])
+        return None if budget is None else budget - length * len(rows)
+
+    @staticmethod
+    def _group_within(ready: list[_Row], budget: int | None) -> list[_Row]:
+        """The first prompts (in arrival order, two at least) whose shortest
+        remainder, fed to each, fits in the budget. A group spread over every
+        waiting prompt would give each a sliver of the budget per step, and
+        none would see its first token before all of them; a group that fits
+        ends in one forward, and the next group follows, so first tokens come
+        in arrival order as they did one prompt at a time."""
+        if budget is None:
+            return ready
+        group: list[_Row] = []
+        shortest = None
+        for row in ready:
+            need = min(len(row.job.ids) - row.next_prefill, row.job.config.chunk_size)
+            widest = need if shortest is None else min(shortest, need)
+            if len(group) >= 2 and (len(group) + 1) * widest > budget:
+                break
+            group.append(row)
+            shortest = widest
+        return group
+
+    def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
+        """Whole chunks (the one-request loop's boundaries) of one row, up to the budget."""
+        ids, chunk = row.job.ids, row.job.config.chunk_size
+        last = len(ids) - 1
+        try:
+            while row.next_prefill < last and (budget is None or budget > 0):
+                end = min(row.next_prefill + chunk, last)
+                self.runner.feed(row.session, ids[row.next_prefill : end], row.next_prefill)
+                budget = None if budget is None else budget - (end - row.next_prefill)
+                row.next_prefill = end
+            if row.next_prefill < last:
+                return budget
+            logits = self.runner.feed(row.session, ids[last:], last, logits=True)
+            self.runner.checkpoint(row.session)
+            row.next_prefill = len(ids)
+            self._prefilled(row, logits)
+        except Exception as exc:
             self._prefilling.remove(row)
-            for each in rows:
-                each.position = len(ids)
-                each.prefilled = time.perf_counter()
-                self._solo.append(each)
+            self._fail(row, exc)
+            for fork in row.job.forks:
+                fork.emit(exc)
+            return budget
+        return None if budget is None else budget - 1
+
+    def _prefilled(self, row: _Row, logits: mx.array) -> None:
+        """The prompt is in: the row, and its forks (each from its state by
+        reference), sample their first ids from *logits* and decode from the next step."""
+        rows = [row] + [self._fork(row, job) for job in row.job.forks]
+        for each in rows:
+            each.pending = each.sampler(logits)
+        mx.async_eval([each.pending for each in rows])
+        self._prefilling.remove(row)
+        for each in rows:
+            each.position = len(row.job.ids)
+            each.prefilled = time.perf_counter()
+            self._solo.append(each)
 
     def _fork(self, row: _Row, job: Job) -> _Row:
         """A row for *job*, another completion of *row*'s just-prefilled prompt: a
@@ -513,6 +629,7 @@ class Engine:
             stops=StopStrings(job.config.stop),
             generated=[],
             fork=True,
+            spec=None,  # a fork decodes in the batch, never drafting on another's session
         )
 
     def _decode(self) -> None:

@@ -89,6 +89,12 @@ class Sampler:
         """Argmax and nothing else: a batch takes such rows' ids in one op."""
         return self.params.temperature == 0.0 and not self.processors and self.top_logprobs is None
 
+    @property
+    def plain_random(self) -> bool:
+        """Temperature, top-k and top-p and nothing else: a batch samples such
+        rows together (:func:`sample_together`), each with its own key."""
+        return self.params.temperature > 0.0 and not self.processors and self.top_logprobs is None
+
     def __call__(self, logits: mx.array, fed: mx.array | None = None) -> mx.array:
         """A scalar ``uint32`` token id (lazy) from ``(vocab,)`` float32 logits.
 
@@ -137,3 +143,38 @@ class Sampler:
         chosen, top, values = self._records[index]
         pairs = list(zip(top.tolist(), values.tolist(), strict=True))
         return TokenLogprobs(logprob=float(chosen.item()), top=pairs)
+
+
+_split_keys = mx.vmap(mx.random.split)  # (B, 2) keys -> (B, 2, 2)
+_categorical_rows = mx.vmap(lambda key, logits: mx.random.categorical(logits, key=key))
+
+
+def sample_together(samplers: Sequence[Sampler], logits: mx.array) -> mx.array:
+    """One id per row (``(B,)``, lazy) from ``(B, vocab)`` logits for *samplers*
+    that are all :attr:`Sampler.plain_random`, in a few ops for the whole
+    batch instead of a few per row.
+
+    Each row draws with its own key, split as :meth:`Sampler._sample` splits
+    it, and its top-k and top-p cut the same tokens as :func:`apply_top_k` and
+    :func:`apply_top_p` (the k-th largest value as the bar; the mass strictly
+    before a token below p), so a row samples what it would alone."""
+    params = [sampler.params for sampler in samplers]
+    vocab = logits.shape[-1]
+    scaled = logits / mx.array([p.temperature for p in params])[:, None]
+    if any(0 < p.top_k < vocab for p in params):
+        ranked = mx.sort(scaled, axis=-1)  # ascending: the k-th largest is at vocab - k
+        column = mx.array([vocab - p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+        bar = mx.take_along_axis(ranked, column[:, None], axis=-1)  # (B, 1)
+        cut = mx.array([0 < p.top_k < vocab for p in params])[:, None]
+        scaled = mx.where(cut & (scaled < bar), -mx.inf, scaled)
+    if any(p.top_p < 1.0 for p in params):
+        order = mx.argsort(-scaled, axis=-1)  # (B, vocab) most likely first
+        probs = mx.softmax(mx.take_along_axis(scaled, order, axis=-1), axis=-1)
+        before = mx.cumsum(probs, axis=-1) - probs
+        mass = mx.array([p.top_p if p.top_p < 1.0 else mx.inf for p in params])[:, None]
+        keep = mx.put_along_axis(mx.zeros(scaled.shape, mx.bool_), order, before < mass, axis=-1)
+        scaled = mx.where(keep, scaled, -mx.inf)
+    keys = _split_keys(mx.stack([sampler._key for sampler in samplers]))  # (B, 2, 2)
+    for i, sampler in enumerate(samplers):
+        sampler._key = keys[i, 0]
+    return _categorical_rows(keys[:, 1], scaled)

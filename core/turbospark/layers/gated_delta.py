@@ -492,11 +492,13 @@ class GDNComponent:
 
     @classmethod
     def merge(cls, parts: list[GDNComponent]) -> GDNComponent:
-        """Several sessions' layers stacked along the batch axis (every part has run)."""
+        """Several sessions' layers stacked along the batch axis. A session that
+        has not run yet (a fresh prompt prefilled beside others) holds None: it
+        stacks as zeros, which is what the layer reads None as."""
         merged = cls(len(parts[0]._tails))
         for i in range(len(merged._tails)):
-            merged._tails[i] = mx.concatenate([p._tails[i] for p in parts], axis=0)
-            merged._states[i] = mx.concatenate([p._states[i] for p in parts], axis=0)
+            merged._tails[i] = _stack([p._tails[i] for p in parts])
+            merged._states[i] = _stack([p._states[i] for p in parts])
         return merged
 
     def extend(self, other: GDNComponent) -> None:
@@ -506,8 +508,8 @@ class GDNComponent:
 
     def filter(self, rows: list[int]) -> None:
         index = mx.array(rows)
-        self._tails = [tail[index] for tail in self._tails]
-        self._states = [state[index] for state in self._states]
+        self._tails = [None if tail is None else tail[index] for tail in self._tails]
+        self._states = [None if state is None else state[index] for state in self._states]
 
     def prepare(self, length: int) -> None:
         del length  # every step replaces the arrays: nothing to make room for
@@ -527,8 +529,8 @@ class GDNComponent:
         else:
             tails, states = self._tails, self._states
         one = GDNComponent(len(self._tails))
-        one._tails = [mx.contiguous(tail[row : row + 1]) for tail in tails]
-        one._states = [mx.contiguous(state[row : row + 1]) for state in states]
+        one._tails = [None if t is None else mx.contiguous(t[row : row + 1]) for t in tails]
+        one._states = [None if s is None else mx.contiguous(s[row : row + 1]) for s in states]
         one._position = position
         return one
 
@@ -537,3 +539,12 @@ class GDNComponent:
         self._tails = [snapshot.get(f"{i}.conv_tail") for i in range(len(self._tails))]
         self._states = [snapshot.get(f"{i}.recurrent") for i in range(len(self._states))]
         self._position = int(snapshot["position"].item())
+
+
+def _stack(parts: list[mx.array | None]) -> mx.array | None:
+    """One-row arrays along the batch axis, None (all fresh) or zeros standing in
+    for the fresh ones."""
+    shaped = next((part for part in parts if part is not None), None)
+    if shaped is None:
+        return None
+    return mx.concatenate([mx.zeros_like(shaped) if p is None else p for p in parts], axis=0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -50,6 +51,7 @@ from turbospark.generate import (
 from turbospark.logits_processors import Grammar, GrammarCompiler
 from turbospark.runner import Runner
 from turbospark.server.access import access_middleware
+from turbospark.server.bridge import LoopBridge
 from turbospark.server.draws import Draw, chat_logprobs, draws, leads, text_logprobs
 from turbospark.server.errors import (
     HANDLERS,
@@ -96,6 +98,7 @@ from turbospark.text import TextCodec
 R = TypeVar("R", bound=BaseModel)  # every request body has a ``model``
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
+GIL_SWITCH_INTERVAL_S = 0.0005  # see Service.start: the runner thread gets the GIL back fast
 
 
 class Service:
@@ -131,6 +134,8 @@ class Service:
         self.bound = PromptBound.of(codec.tokenizer)
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turbospark-text")
         self.engine = engine
+        self._loop_bridge: LoopBridge | None = None
+        self._switch_interval = sys.getswitchinterval()
         self._stop = threading.Event()
         self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
         self._grammar_lock = threading.Lock()
@@ -141,6 +146,13 @@ class Service:
         runner thread until :meth:`stop`. Requests queue meanwhile."""
         self._stop.clear()
         self.engine.warming = warm_up is not None
+        # The runner thread drops the GIL while it waits for a step's ids; the
+        # event loop then formats every row's chunk. Python hands the GIL back
+        # only after a switch interval (5 ms by default), which a 16-row step
+        # paid every step. A short one lets the runner queue the next step as
+        # soon as the ids are in.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
         def loop() -> None:
             if warm_up is not None:
@@ -157,6 +169,7 @@ class Service:
         self.text_pool.shutdown(wait=True, cancel_futures=True)
         self.worker.run(self.runner.close)
         self.worker.shutdown()
+        sys.setswitchinterval(self._switch_interval)
 
     async def response_grammar(
         self,
@@ -332,6 +345,12 @@ class Service:
             raise refusal(exc, param) from exc
         return ids
 
+    def _bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
+        """The one bridge to *loop* (one wake-up per engine step for all its requests)."""
+        if self._loop_bridge is None or self._loop_bridge.loop is not loop:
+            self._loop_bridge = LoopBridge(loop)
+        return self._loop_bridge
+
     async def chunks(
         self, draws: list[Draw], deadline: Deadline
     ) -> AsyncIterator[tuple[int, Chunk]]:
@@ -340,11 +359,11 @@ class Service:
         consumer stops (a client that left, the deadline, a draw that failed)
         every draw is cancelled: its row is freed at the engine's next step, and
         one given up while still queued never starts."""
-        loop = asyncio.get_running_loop()
+        bridge = self._bridge(asyncio.get_running_loop())
         queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
 
         def emitter(index: int) -> Callable[[Chunk | Exception], None]:
-            return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+            return lambda item: bridge.put(queue, (index, item))
 
         jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
         for job in leads(jobs):  # one prefill per prompt, its other choices forked
