@@ -26,6 +26,7 @@ from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
 from turbospark.hookspecs import LogitsWanted, hookimpl
 from turbospark.state import KVComponent, Snapshot, State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 
 
@@ -87,6 +88,7 @@ class RopeOffByOne(MutantGemma4):
         state: State,
         vision: VisionMap | None,
         logits: LogitsWanted,
+        steer: LayerHook | None,
     ) -> mx.array | None:
         return self.base.turbospark_forward(
             model=model,
@@ -95,6 +97,7 @@ class RopeOffByOne(MutantGemma4):
             state=state,
             vision=vision,
             logits=logits,
+            steer=steer,
         )
 
 

@@ -59,6 +59,7 @@ from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler
 from turbospark.state import State
+from turbospark.steering import Steer
 from turbospark.text import StopStrings, StreamDecoder, TextCodec
 
 log = logging.getLogger("turbospark.engine")
@@ -145,6 +146,7 @@ class _Batch:
         self.rows: list[_Row] = []
         self.state: State = {}
         self.held: dict[str, object] = {}
+        self.steer: Steer | None = None  # each row's own steering, rebuilt as rows come and go
 
     def join(self, rows: list[_Row]) -> None:
         merged = self.runner.merge_states([row.session for row in rows])
@@ -154,6 +156,7 @@ class _Batch:
             for name, component in self.state.items():
                 component.extend(merged[name])
         self.rows.extend(rows)
+        self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
     def step(self) -> None:
         """Feed every row's pending id (still lazy) and queue the next ids."""
@@ -166,6 +169,7 @@ class _Batch:
                 self.runner.clip_ids(tokens)[:, None],
                 [row.position for row in self.rows],
                 self.state,
+                self.steer,
             )
         except Exception:
             self.rollback()
@@ -202,10 +206,11 @@ class _Batch:
         stay = [i for i, row in enumerate(self.rows) if row not in going]
         self.rows = [self.rows[i] for i in stay]
         if not self.rows:
-            self.state, self.held = {}, {}
+            self.state, self.held, self.steer = {}, {}, None
             return
         for component in self.state.values():
             component.filter(stay)
+        self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
 
 class Engine:
@@ -387,7 +392,7 @@ class Engine:
         check_prompt(runner, job.ids)
         sampler = Sampler(config, job.processors, job.top_logprobs)
         started = time.perf_counter()
-        kept, report, evicted = acquire(runner, job.ids)
+        kept, report, evicted = acquire(runner, job.ids, config.steering)
         self._evicted(job, evicted)
         session = runner.checkout()
         stop_ids = frozenset(

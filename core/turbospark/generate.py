@@ -48,6 +48,7 @@ from turbospark.errors import ContextOverflow
 from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams, TokenLogprobs
+from turbospark.steering import SteeringPolicy
 from turbospark.text import StopStrings, TextCodec
 
 FinishReason = Literal["stop", "length"]
@@ -68,6 +69,9 @@ class GenerationConfig(SamplingParams):
         default=None, description="stop ids; None = the install's eos ids"
     )
     chunk_size: int = Field(default=512, gt=0, description="prefill tokens per forward")
+    steering: SteeringPolicy | None = Field(
+        default=None, description="this request's activation steering; None = the runner's"
+    )
 
 
 class GenerationStats(BaseModel):
@@ -157,10 +161,14 @@ def check_prompt(runner: Runner, prompt: Sequence[int]) -> None:
     runner.check_ids(prompt)
 
 
-def acquire(runner: Runner, ids: Sequence[int]) -> tuple[int, ReuseReport, bool]:
+def acquire(
+    runner: Runner, ids: Sequence[int], steering: SteeringPolicy | None = None
+) -> tuple[int, ReuseReport, bool]:
     """The caller contract of SEMANTICS.md: make the live session the best one
-    for *ids*. Returns the prompt tokens already in state, why, and whether a
-    parked session with content was discarded on the way."""
+    for *ids* under *steering* (None: the runner's). Returns the prompt tokens
+    already in state, why, and whether a parked session with content was
+    discarded on the way."""
+    runner.use_steering(steering)  # checked first: a refusal changes nothing
     kept = runner.try_reuse_prefix(ids)
     report = runner.last_reuse
     # A swap past the byte budget, or parking the live session to share a parked
@@ -191,7 +199,7 @@ def stream_generate(
     sampler = Sampler(config)
 
     started = time.perf_counter()
-    kept, report, evicted = acquire(runner, ids)
+    kept, report, evicted = acquire(runner, ids, config.steering)
     logits = _prefill(runner, ids, kept, config.chunk_size)
     runner.checkpoint()
     pending = sampler(logits)

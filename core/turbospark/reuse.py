@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from turbospark.hookspecs import FamilySpec
 from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
+from turbospark.steering import SteeringPolicy
 
 
 class ReuseReason(StrEnum):
@@ -31,6 +32,7 @@ class ReuseReason(StrEnum):
     SHALLOW_MATCH = "shallow_match"  # rewinding would destroy more than it keeps; park instead
     SHARED_PREFIX = "shared_prefix"  # after reset: the opening taken from a parked conversation
     RESTORED_FROM_DISK = "restored_from_disk"  # a session file scored best and was loaded
+    STEERING_CHANGED = "steering_changed"  # the matching state was built under other steering
 
 
 class ReuseReport(BaseModel):
@@ -53,8 +55,13 @@ def plan_reuse(
     prompt: Sequence[int],
     spec: FamilySpec,
     vision_active: bool,
+    steering: SteeringPolicy | None = None,
 ) -> tuple[Session, ReuseReport]:
-    """Choose and prepare the session for *prompt*; returns the (maybe new) live one."""
+    """Choose and prepare the session for *prompt*; returns the (maybe new) live one.
+
+    Only sessions built under *steering* (the request's setting) may serve it:
+    steering changes every hidden state, so other sessions' state is not this
+    prompt's state whatever their ids say (reason ``steering_changed``)."""
 
     def report(kept: int, reason: ReuseReason, detail: str) -> tuple[Session, ReuseReport]:
         return live, ReuseReport(
@@ -62,17 +69,19 @@ def plan_reuse(
         )
 
     swapped = False
+    steering = steering or SteeringPolicy.off()
     if not prompt:
         return report(0, ReuseReason.EMPTY_PROMPT, "the prompt is empty")
+    live_score = live.record.common_prefix(prompt) if live.steering == steering else 0
     if pool is not None and not vision_active:
         # An image prompt may not select parked state: placeholder ids prove nothing.
-        best = pool.best_match(prompt)
-        to_beat = max(live.record.common_prefix(prompt), 0 if best is None else best[1])
-        if pool.disk is not None:
+        best = pool.best_match(prompt, steering)
+        to_beat = max(live_score, 0 if best is None else best[1])
+        if pool.disk is not None and pool.disk.model.steering == steering.identity:
             restored = _restore_from_disk(live, pool, prompt, to_beat)
             if restored is not None:
                 return restored
-        if best is not None and best[1] > live.record.common_prefix(prompt):
+        if best is not None and best[1] > live_score:
             donor = pool.parked[best[0]]
             target, checkpoint, _ = _reachable(donor, best[1])
             if target and donor.position - target > target:
@@ -83,7 +92,12 @@ def plan_reuse(
             swapped = True
 
     keep = live.record.common_prefix(prompt)
+    if keep and live.steering != steering:
+        return report(0, *_steering_changed(live, steering, keep))
     if keep == 0:
+        other = None if pool is None or vision_active else pool.best_match(prompt)
+        if other is not None and pool.parked[other[0]].steering != steering:
+            return report(0, *_steering_changed(pool.parked[other[0]], steering, other[1]))
         if live.record.tainted:
             why = "a vision map is active" if vision_active else "its record is tainted"
             return report(0, ReuseReason.TAINTED, f"the live session cannot be reused: {why}")
@@ -126,7 +140,11 @@ def plan_reuse(
 
 
 def plan_share(
-    live: Session, pool: SessionPool | None, prompt: Sequence[int], vision_active: bool
+    live: Session,
+    pool: SessionPool | None,
+    prompt: Sequence[int],
+    vision_active: bool,
+    steering: SteeringPolicy | None = None,
 ) -> ReuseReport | None:
     """Seed an empty live session with the longest prefix a parked one shares.
 
@@ -137,7 +155,7 @@ def plan_share(
     """
     if pool is None or vision_active or live.has_content:
         return None
-    best = pool.best_match(prompt)
+    best = pool.best_match(prompt, steering or SteeringPolicy.off())
     if best is None:
         return None
     donor = pool.parked[best[0]]
@@ -262,6 +280,18 @@ def _usable_checkpoint(live: Session, keep: int) -> Checkpoint | None:
         if all(c.max_safe_rewind >= back for c in others):
             return checkpoint
     return None
+
+
+def _steering_changed(
+    session: Session, steering: SteeringPolicy, matched: int
+) -> tuple[ReuseReason, str]:
+    return (
+        ReuseReason.STEERING_CHANGED,
+        f"a session holds {matched} token(s) of this prompt but was built under steering "
+        f"{session.steering.describe()}, and this request asks for {steering.describe()}; "
+        "state built under one steering setting is never reused under another, so the "
+        "prompt is prefilled again",
+    )
 
 
 def _refusal(spec: FamilySpec, blockers: dict[str, int], back: int) -> tuple[ReuseReason, str]:

@@ -29,12 +29,14 @@ from turbospark.conformance.long_checks import LongContextChecks
 from turbospark.conformance.pool_checks import PoolChecks
 from turbospark.conformance.reference_checks import ReferenceChecks
 from turbospark.conformance.state_checks import StateChecks
+from turbospark.conformance.steering_checks import SteeringChecks
 from turbospark.conformance.vision_checks import VisionChecks
 from turbospark.plugins import FamilyRegistry
 
 
 # pytest collects base classes last-first: state checks run first, the property test last.
 class FamilyConformance(
+    SteeringChecks,
     BatchChecks,
     InterleavingChecks,
     LongContextChecks,
