@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from turbospark.commands import add_pool_memory_flag, install_text
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
+from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import TurbosparkError
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_pool_memory_flag(parser)
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
+    add_steering_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         session_slots=args.session_slots,
         max_parked_bytes=args.max_parked_memory,
+        steering=steering_policy(args),
     )
     runner.set_prefix_reuse(True)
     opening = [{"role": "system", "content": args.system}] if args.system else []

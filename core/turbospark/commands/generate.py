@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.commands import install_text
+from turbospark.commands.steer import add_steering_args, steering_policy
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
     from turbospark.generate import GenerationConfig
@@ -50,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--raw", action="store_true", help="skip the chat template")
     add_sampling_args(parser, max_tokens=128)
+    add_steering_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
 
@@ -66,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
     codec = install_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights
-    runner = Runner.open(args.model, context_length=args.context_length)
+    steering = steering_policy(args)
+    runner = Runner.open(args.model, context_length=args.context_length, steering=steering)
     ids = prompt_ids(codec, args.prompt, args.raw)
     show = None if args.json else print_text
     done = collect(stream_generate(runner, codec, ids, config), on_text=show)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.commands import add_pool_memory_flag, byte_size, install_text
+from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import InvalidInput
 from turbospark.server.settings import ServerLimits
 
@@ -111,6 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="deadline from a request's arrival to its last byte; past it the request ends "
         f"with a request_timeout error and its generation stops (default: {defaults.request_timeout:g})",
     )
+    add_steering_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     from turbospark.server.worker import RunnerWorker
 
     check_args(args)
+    steering = steering_policy(args)
     codec = install_text(args.model)
     worker = RunnerWorker()
 
@@ -171,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             max_parked_bytes=args.max_parked_memory,
             session_dir=args.session_dir,
             max_session_disk_bytes=args.max_session_disk,
+            steering=steering,
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner
