@@ -3,7 +3,7 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|steering]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
 from bench.serving import bench_servers
+from bench.steering import bench_steering
 from bench.swap import bench_swap
 
 
@@ -33,7 +34,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["forward", "swap", "interleaved", "serving", "concurrency"],
+        choices=["forward", "swap", "interleaved", "serving", "concurrency", "steering"],
     )
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
@@ -61,6 +62,9 @@ def main() -> None:
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_forward(path, prompt_tokens=GPU.prompt_tokens, decode_tokens=GPU.decode_tokens,
                                        chunk=GPU.chunk, reps=args.reps, library_loops=True)  # fmt: skip
+            elif piece == "steering":
+                path = install(family, args.size, "bfloat16", args.cache_dir)
+                result = bench_steering(path, GPU.decode_tokens, args.reps)
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)

@@ -11,7 +11,8 @@ mlx-lm on the same install), ``interleaved`` (K conversations round-robin,
 pool against no pool, in process), ``serving`` (the same chats over HTTP,
 ``turbospark serve`` against ``mlx_lm.server``), ``concurrency`` (N clients
 at once, each a multi-turn chat, against both servers), ``swap`` (swap cost against
-history length, pool memory), ``dispatch`` (the hook path's per-token cost).
+history length, pool memory), ``dispatch`` (the hook path's per-token cost),
+``steering`` (decode with every layer steered against steering off).
 Benchmarks never decide whether the test suite passes.
 """
 
@@ -36,10 +37,11 @@ from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.report import headline, print_table
 from bench.serving import bench_servers
+from bench.steering import bench_steering
 from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
-SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch")
+SECTIONS = ("forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "steering")
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
@@ -146,6 +148,10 @@ def run_family(
     if "dispatch" in sections:
         result["dispatch"] = bench_dispatch(
             install(family, "tiny", dtype, cache), plan.dispatch_tokens, plan.reps
+        )
+    if "steering" in sections:
+        result["steering"] = bench_steering(
+            install(family, plan.forward_sizes[-1], dtype, cache), plan.decode_tokens, plan.reps
         )
     return {**headline(result), **result}
 
