@@ -24,10 +24,11 @@ ops whether it runs alone or beside others.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, get_args
@@ -263,21 +264,43 @@ class _LayerSteer:
     renorm: bool
 
     def __call__(self, h: mx.array) -> mx.array:
+        if self.u is None and not self.renorm:
+            return h if self.w is None else h + self.w  # add: one op, nothing to fuse
+        arrays = [a for a in (self.u, self.t, self.a, self.w, self.r) if a is not None]
+        flags = tuple(a is not None for a in (self.u, self.t, self.a, self.w, self.r))
+        return _kernel(*flags, self.renorm)(h, *arrays)
+
+
+@functools.cache
+def _kernel(
+    projects: bool, clamps: bool, scales: bool, adds: bool, masked: bool, renorm: bool
+) -> Callable[..., mx.array]:
+    """One layer's steering as a single compiled function (its elementwise ops
+    fused, so ``ablate``/``clamp``/``renorm`` cost about what ``add`` does); one
+    per combination of the arrays a :class:`_LayerSteer` holds."""
+
+    def apply(h: mx.array, *arrays: mx.array) -> mx.array:
+        given = iter(arrays)
+        u, t, a, w, r = (
+            next(given) if f else None for f in (projects, clamps, scales, adds, masked)
+        )
         out = h
-        if self.u is not None:
-            along = (h * self.u).sum(axis=-1, keepdims=True)  # (B, L, 1)
-            if self.t is not None:
-                along = along - self.t
-            if self.a is not None:
-                along = self.a * along
-            out = out - along * self.u
-        if self.w is not None:
-            out = out + self.w
-        if self.renorm:
-            norm = mx.sqrt((h * h).sum(axis=-1, keepdims=True))
-            kept = out * (norm / mx.sqrt((out * out).sum(axis=-1, keepdims=True)))
-            out = kept if self.r is None else mx.where(self.r, kept, out)
+        if u is not None:
+            along = (h * u).sum(axis=-1, keepdims=True)  # (B, L, 1)
+            if t is not None:
+                along = along - t
+            if a is not None:
+                along = a * along
+            out = out - along * u
+        if w is not None:
+            out = out + w
+        if renorm:
+            ratio = (h * h).sum(axis=-1, keepdims=True) / (out * out).sum(axis=-1, keepdims=True)
+            kept = out * mx.sqrt(ratio)
+            out = kept if r is None else mx.where(r, kept, out)
         return out
+
+    return mx.compile(apply)
 
 
 class Steer:
