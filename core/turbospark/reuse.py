@@ -162,7 +162,7 @@ def plan_share(
     target, checkpoint, _ = _reachable(donor, best[1])
     if target == 0:
         return None
-    _take_opening(live, donor.held(), target, checkpoint)
+    _take_opening(live, donor.held(), target, checkpoint, donor.steering)
     return ReuseReport(
         kept=target,
         swapped=False,
@@ -191,7 +191,7 @@ def _share_from_parked(
         live, evicted = pool.rotate_lru(live)
         evicted = pool.trim() or evicted
     live.clear()
-    _take_opening(live, held, target, checkpoint)
+    _take_opening(live, held, target, checkpoint, donor.steering)
     return live, ReuseReport(
         kept=target,
         swapped=False,
@@ -252,10 +252,16 @@ def _restore_from_disk(
 
 
 def _take_opening(
-    live: Session, held: SessionSnapshot, target: int, checkpoint: Checkpoint | None
+    live: Session,
+    held: SessionSnapshot,
+    target: int,
+    checkpoint: Checkpoint | None,
+    steering: SteeringPolicy,
 ) -> None:
-    """Load *held* into the empty *live* session and cut it back to *target*."""
+    """Load *held* into the empty *live* session and cut it back to *target*;
+    it is now state built under the donor's *steering*."""
     live.load(held)
+    live.steering = steering
     live.cut_to(target, checkpoint)
 
 
