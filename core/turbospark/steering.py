@@ -223,15 +223,13 @@ def parse_layers(layers: tuple[int, int] | str | None) -> tuple[int, int] | None
     if layers is None:
         return None
     if isinstance(layers, str):
-        start, sep, end = layers.partition(":")
-        try:
-            layers = (int(start), int(end))
-        except ValueError:
-            layers = None
-        if not sep or layers is None:
+        text = layers
+        start, sep, end = text.partition(":")
+        if not sep or not start.strip().isdigit() or not end.strip().isdigit():
             raise InvalidInput(
-                f"steering layers {layers!r} must be S:E (two integers, inclusive), e.g. 10:20"
+                f"steering layers {text!r} must be S:E (two integers, inclusive), e.g. 10:20"
             )
+        layers = (int(start), int(end))
     start, end = (int(x) for x in layers)
     if not 1 <= start <= end:
         raise InvalidInput(
