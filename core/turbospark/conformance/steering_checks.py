@@ -85,8 +85,14 @@ class SteeringChecks:
             logits = kit.forward(state, prompt[6:], 6, "last", steer=recorder)
             runs[name] = (recorder.seen, np.array(logits))
         (off, off_logits), (steered, steered_logits) = runs["off"], runs["steered"]
-        if [layer for layer, _ in off] != [layer for layer, _ in steered]:
-            fail("the steering hook was called for different layers with and without a vector")
+        every = list(range(kit.arch.num_hidden_layers)) * 2  # two forwards
+        for name, seen in (("without", off), ("with", steered)):
+            if [layer for layer, _ in seen] != every:
+                fail(
+                    f"{name} a vector, two forwards called steer(i, h) for layers "
+                    f"{[layer for layer, _ in seen]}; expected every layer 0..{top} once per "
+                    "forward, in order, each with that layer's own output"
+                )
         for index, ((layer, a), (_, b)) in enumerate(zip(off, steered, strict=True)):
             if layer < top and not np.array_equal(a, b):
                 fail(
