@@ -59,6 +59,7 @@ def bench_dispatch(path: Path, tokens: int, reps: int) -> dict[str, Any]:
                 start=0,
                 state=state,
                 vision=None,
+                steer=None,
                 logits="last",
             )
             token = int(mx.argmax(logits).item())
@@ -70,6 +71,7 @@ def bench_dispatch(path: Path, tokens: int, reps: int) -> dict[str, Any]:
                     start=PREFIX + i,
                     state=state,
                     vision=None,
+                    steer=None,
                     logits="last",
                 )
                 token = int(mx.argmax(logits).item())

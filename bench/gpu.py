@@ -3,7 +3,7 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts|steering]
 
 ``constrain`` runs once (it is per vocabulary, not per family). ``experts`` runs
 for gemma4 only, on the ``moe_large`` install (``--size`` is for the other pieces).
@@ -29,6 +29,7 @@ from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
 from bench.serving import bench_servers
+from bench.steering import bench_steering
 from bench.swap import bench_swap
 
 
@@ -48,6 +49,7 @@ def main() -> None:
             "constrain",
             "draft",
             "experts",
+            "steering",
         ],
     )
     parser.add_argument("--size", default="large")
@@ -91,6 +93,9 @@ def main() -> None:
                 path = install(family, "moe_large", "bfloat16", args.cache_dir)
                 result = bench_experts(path, prompt_tokens=64, decode_tokens=GPU.experts_decode,
                                        reps=args.reps)  # fmt: skip
+            elif piece == "steering":
+                path = install(family, args.size, "bfloat16", args.cache_dir)
+                result = bench_steering(path, GPU.decode_tokens, args.reps)
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)

@@ -19,6 +19,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         out["prefill_tokens_saved"] = interleaved["prefill_tokens_saved"]
     if serving := result.get("serving"):
         out["ttft_ratio_vs_mlx_lm_server"] = serving.get("ttft_ratio_vs_mlx_lm_server")
+    if steering := result.get("steering"):
+        out["steering_decode_ratio_add"] = steering["decode_ratio_add"]
+        out["steering_decode_ratio_renorm"] = steering["decode_ratio_renorm"]
     if concurrency := result.get("concurrency"):
         widest = max(concurrency["levels"], key=int)
         level = concurrency["levels"][widest]

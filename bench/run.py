@@ -16,7 +16,8 @@ history length, pool memory), ``dispatch`` (the hook path's per-token cost),
 xgrammar, on a 151,643-token vocabulary; once, not per family), ``draft``
 (speculative decoding: tok/s against acceptance and depth, against off),
 ``experts`` (gemma4 only: the routed-expert cache's decode speed, hit rate and
-memory against slot count).
+memory against slot count), ``steering`` (decode with every layer steered
+against steering off).
 Benchmarks never decide whether the test suite passes.
 """
 
@@ -44,12 +45,13 @@ from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.report import headline, print_constrain, print_table
 from bench.serving import bench_servers
+from bench.steering import bench_steering
 from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
 SECTIONS = (
     "forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "constrain", "draft",
-    "experts",
+    "experts", "steering",
 )  # fmt: skip
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
@@ -185,6 +187,10 @@ def run_family(
             prompt_tokens=64,
             decode_tokens=plan.experts_decode,
             reps=plan.reps,
+        )
+    if "steering" in sections:
+        result["steering"] = bench_steering(
+            install(family, plan.forward_sizes[-1], dtype, cache), plan.decode_tokens, plan.reps
         )
     return {**headline(result), **result}
 

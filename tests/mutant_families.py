@@ -24,6 +24,7 @@ from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
 from turbospark.install import MANIFEST, read_manifest
 from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.state import State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 
 Mutation = Callable[[State, nn.Module], State]
@@ -78,9 +79,16 @@ class MutantGemma4:
         state: State,
         vision: VisionMap | None,
         logits: LogitsWanted,
+        steer: LayerHook | None,
     ) -> mx.array | None:
         return self.base.turbospark_forward(
-            model=model, tokens=tokens, start=start, state=state, vision=vision, logits=logits
+            model=model,
+            tokens=tokens,
+            start=start,
+            state=state,
+            vision=vision,
+            logits=logits,
+            steer=steer,
         )
 
     @hookimpl

@@ -28,6 +28,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             interleaved,
             report,
             session_disk,
+            steering,
             swap,
             workload,
         )
@@ -46,6 +47,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "report": report,
         "swap": swap,
         "session_disk": session_disk,
+        "steering": steering,
         "workload": workload,
     }
 
@@ -88,6 +90,15 @@ def test_dispatch(bench: dict) -> None:
     out = bench["dispatch"].bench_dispatch(bench["qwen_gdn"], tokens=3, reps=1)
     assert all(us > 0 for us in out["per_token_us"].values())
     assert out["pluggy_call_us"] > 0 and out["plain_call_us"] > 0
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_steering(bench: dict, family: str) -> None:
+    out = bench["steering"].bench_steering(bench[family], tokens=3, reps=1)
+    assert out["layers_steered"] >= 1
+    assert out["decode_ratio_add"] > 0 and out["decode_ratio_renorm"] > 0
+    summary = bench["report"].headline({"steering": out})
+    assert summary["steering_decode_ratio_add"] == out["decode_ratio_add"]
 
 
 def test_machine_record(bench: dict) -> None:

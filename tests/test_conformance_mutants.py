@@ -26,6 +26,7 @@ from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
 from turbospark.hookspecs import LogitsWanted, hookimpl
 from turbospark.state import KVComponent, Snapshot, State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 
 
@@ -87,6 +88,7 @@ class RopeOffByOne(MutantGemma4):
         state: State,
         vision: VisionMap | None,
         logits: LogitsWanted,
+        steer: LayerHook | None,
     ) -> mx.array | None:
         return self.base.turbospark_forward(
             model=model,
@@ -95,6 +97,34 @@ class RopeOffByOne(MutantGemma4):
             state=state,
             vision=vision,
             logits=logits,
+            steer=steer,
+        )
+
+
+class SteersOneLayerEarly(MutantGemma4):
+    """Hands each layer's output the steering meant for the next layer (a hook
+    placed before the layer instead of after it)."""
+
+    @hookimpl
+    def turbospark_forward(
+        self,
+        model: nn.Module,
+        tokens: mx.array,
+        start: int,
+        state: State,
+        vision: VisionMap | None,
+        logits: LogitsWanted,
+        steer: LayerHook | None,
+    ) -> mx.array | None:
+        early = None if steer is None else (lambda i, h: steer(i + 1, h))
+        return self.base.turbospark_forward(
+            model=model,
+            tokens=tokens,
+            start=start,
+            state=state,
+            vision=vision,
+            logits=logits,
+            steer=early,
         )
 
 
@@ -231,6 +261,27 @@ def test_rope_off_by_one_on_continued_chunks_is_caught(
     assert re.search(pattern, str(failure.value)), str(failure.value)
 
 
+STEER_EARLY_FAILURES = [
+    (
+        CHECKS.test_one_layer_leaves_the_layers_below_identical,
+        (),
+        r"called steer\(i, h\) for layers \[1, 2, 1, 2\]; expected every layer 0\.\.1 once",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "mutant_kit", [("gemma4_steer_early", None, SteersOneLayerEarly)], indirect=True
+)
+@pytest.mark.parametrize("check, args, pattern", STEER_EARLY_FAILURES)
+def test_steering_one_layer_early_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
 @pytest.mark.parametrize("mutant_kit", [("gemma4_unmutated", None)], indirect=True)
 @pytest.mark.parametrize(
     "check, args, pattern",
@@ -238,7 +289,8 @@ def test_rope_off_by_one_on_continued_chunks_is_caught(
     + LEAKY_RESET_FAILURES
     + ALIASING_SNAPSHOT_FAILURES
     + SKIPPED_LAYER_FAILURES
-    + ROPE_FAILURES,
+    + ROPE_FAILURES
+    + STEER_EARLY_FAILURES,
 )
 def test_the_wrapper_alone_passes(
     mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str

@@ -193,14 +193,14 @@ def test_a_failing_row_fails_alone(gemma4_install, monkeypatch):
     real_batch, real_feed = runner.forward_batch, runner.feed
     calls = {"batch": 0}
 
-    def flaky_batch(tokens, positions, state):
+    def flaky_batch(tokens, positions, state, steer=None):
         # Counts decode steps only (one token a row): prompts are prefilled
         # through the same forward, several at once.
         decode = tokens.shape[1] == 1
         calls["batch"] += decode
         if decode and calls["batch"] == 2:
             raise RuntimeError("a plugin failed")
-        return real_batch(tokens, positions, state)
+        return real_batch(tokens, positions, state, steer)
 
     def poisoned_feed(session, tokens, start, logits=False):
         if session.record.tokens[:5] == poisoned and start > len(poisoned):

@@ -255,9 +255,15 @@ class ExplodingForward:
         return hook.turbospark_new_state(arch=arch, model=model, context_length=context_length)
 
     @hookimpl
-    def turbospark_forward(self, model, tokens, start, state, vision, logits):
+    def turbospark_forward(self, model, tokens, start, state, vision, logits, steer):
         out = self.family.manager().hook.turbospark_forward(
-            model=model, tokens=tokens, start=start, state=state, vision=vision, logits=logits
+            model=model,
+            tokens=tokens,
+            start=start,
+            state=state,
+            vision=vision,
+            logits=logits,
+            steer=steer,
         )
         if 127 in tokens.tolist():
             raise RuntimeError("kernel failure")

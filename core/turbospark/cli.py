@@ -15,7 +15,16 @@ import sys
 
 from turbospark.errors import TurbosparkError
 
-COMMANDS = ["demo", "families", "generate", "chat", "serve", "import_", "conformance"]
+COMMANDS = [
+    "demo",
+    "families",
+    "generate",
+    "chat",
+    "serve",
+    "import_",
+    "conformance",
+    "steer",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -176,6 +176,8 @@ class DiskTier:
         tokens = list(session.record.tokens)
         if session.record.tainted or not tokens or len(tokens) != session.position:
             return False
+        if session.steering.identity != self.model.steering:
+            return False  # built under a request's own steering: its files hold the server's
         name = session.disk_name or uuid.uuid4().hex
         try:
             nbytes = write_session(

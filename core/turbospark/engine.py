@@ -67,6 +67,7 @@ from turbospark.runner import Runner
 from turbospark.sampling import Sampler, sample_together
 from turbospark.speculative import Speculation, settle, speculation_for
 from turbospark.state import State
+from turbospark.steering import Steer
 from turbospark.text import StopStrings, StreamDecoder, TextCodec
 
 log = logging.getLogger("turbospark.engine")
@@ -159,6 +160,7 @@ class _Batch:
         self.rows: list[_Row] = []
         self.state: State = {}
         self.held: dict[str, object] = {}
+        self.steer: Steer | None = None  # each row's own steering, rebuilt as rows come and go
 
     def join(self, rows: list[_Row]) -> None:
         merged = self.runner.merge_states([row.session for row in rows])
@@ -168,6 +170,7 @@ class _Batch:
             for name, component in self.state.items():
                 component.extend(merged[name])
         self.rows.extend(rows)
+        self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
     def feed(self, chunks: list[list[int]], starts: list[int]) -> mx.array:
         """Prompt tokens, as many for every row (row ``i`` at ``starts[i]``):
@@ -176,7 +179,9 @@ class _Batch:
             component.prepare(len(chunks[0]))
         self.held = {name: component.hold() for name, component in self.state.items()}
         try:
-            logits = self.runner.forward_batch(mx.array(chunks, dtype=mx.int32), starts, self.state)
+            logits = self.runner.forward_batch(
+                mx.array(chunks, dtype=mx.int32), starts, self.state, self.steer
+            )
         except Exception:
             self.rollback()
             raise
@@ -194,6 +199,7 @@ class _Batch:
                 self.runner.clip_ids(tokens)[:, None],
                 [row.position for row in self.rows],
                 self.state,
+                self.steer,
             )
         except Exception:
             self.rollback()
@@ -238,10 +244,11 @@ class _Batch:
         stay = [i for i, row in enumerate(self.rows) if row not in going]
         self.rows = [self.rows[i] for i in stay]
         if not self.rows:
-            self.state, self.held = {}, {}
+            self.state, self.held, self.steer = {}, {}, None
             return
         for component in self.state.values():
             component.filter(stay)
+        self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
 
 class Engine:
@@ -441,7 +448,7 @@ class Engine:
         check_prompt(runner, job.ids)
         sampler = Sampler(config, job.processors, job.top_logprobs)
         started = time.perf_counter()
-        kept, report, evicted = acquire(runner, job.ids)
+        kept, report, evicted = acquire(runner, job.ids, config.steering)
         self._evicted(job, evicted)
         session = runner.checkout()
         row = _Row(

@@ -47,6 +47,8 @@ class CommonHooks:
     arch_config: type[ArchConfig]
     state: ModuleType
     build: Callable[..., ArchConfig]
+    # Whether its forwards call ``steer`` at each layer's output (turbospark.steering).
+    steerable: bool = False
 
     @property
     def components(self) -> list[ComponentSpec]:
@@ -60,6 +62,7 @@ class CommonHooks:
             arch_config=self.arch_config,
             components=self.components,
             state_source=source_file(self.state),
+            steerable=self.steerable,
         )
 
     @hookimpl

@@ -54,6 +54,7 @@ from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams, TokenLogprobs
 from turbospark.speculative import settle, speculation_for
+from turbospark.steering import SteeringPolicy
 from turbospark.text import StopStrings, TextCodec
 
 FinishReason = Literal["stop", "length"]
@@ -78,6 +79,9 @@ class GenerationConfig(SamplingParams):
         default=True,
         description="use the runner's draft policy (False: this request decodes one token "
         "per forward whatever the policy)",
+    )
+    steering: SteeringPolicy | None = Field(
+        default=None, description="this request's activation steering; None = the runner's"
     )
 
 
@@ -175,10 +179,14 @@ def check_prompt(runner: Runner, prompt: Sequence[int]) -> None:
     runner.check_ids(prompt)
 
 
-def acquire(runner: Runner, ids: Sequence[int]) -> tuple[int, ReuseReport, bool]:
+def acquire(
+    runner: Runner, ids: Sequence[int], steering: SteeringPolicy | None = None
+) -> tuple[int, ReuseReport, bool]:
     """The caller contract of SEMANTICS.md: make the live session the best one
-    for *ids*. Returns the prompt tokens already in state, why, and whether a
-    parked session with content was discarded on the way."""
+    for *ids* under *steering* (None: the runner's). Returns the prompt tokens
+    already in state, why, and whether a parked session with content was
+    discarded on the way."""
+    runner.use_steering(steering)  # checked first: a refusal changes nothing
     kept = runner.try_reuse_prefix(ids)
     report = runner.last_reuse
     # A swap past the byte budget, or parking the live session to share a parked
@@ -214,7 +222,7 @@ def stream_generate(
     spec = speculation_for(runner, sampler, ids, generated, enabled=config.draft, drafter=drafter)
 
     started = time.perf_counter()
-    kept, report, evicted = acquire(runner, ids)
+    kept, report, evicted = acquire(runner, ids, config.steering)
     logits = _prefill(runner, ids, kept, config.chunk_size)
     runner.checkpoint()
     pending = sampler(logits)

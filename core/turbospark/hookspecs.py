@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from turbospark.expert_cache import ExpertStreams
     from turbospark.state import State
+    from turbospark.steering import LayerHook
     from turbospark.vision import VisionMap
 
 hookspec = pluggy.HookspecMarker("turbospark")
@@ -101,6 +102,11 @@ class FamilySpec(BaseModel):
         description="the file defining the state, named in refusals; derive it "
         "(turbospark.family.source_file(state_module)) so it is right wherever the family "
         "is installed"
+    )
+    steerable: bool = Field(
+        default=False,
+        description="its forward hooks take ``steer`` and call it at every layer's output "
+        "(after the feed-forward residual join); a family that does not is refused steering",
     )
 
     def component(self, name: str) -> ComponentSpec:
@@ -210,6 +216,7 @@ def turbospark_forward(
     state: State,
     vision: VisionMap | None,
     logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
     """Advance *state* over ``tokens`` (shape ``(L,)``) at absolute positions
     ``start .. start+L-1``; every component's position is ``start`` on entry
@@ -217,6 +224,12 @@ def turbospark_forward(
 
     Return float32 logits of shape ``(vocab,)`` for ``"last"``, ``(L, vocab)``
     for ``"all"``, and ``None`` for ``"none"`` (the head may be skipped).
+
+    *steer* (only for a family whose spec says ``steerable``; others need not
+    accept the argument): when not None, call ``h = steer(i, h)`` on layer
+    ``i``'s output hidden states ``(1, L, hidden)``, after its feed-forward
+    residual join, for every layer ``i`` (see :mod:`turbospark.steering`).
+    When None, run no extra op.
     """
 
 
@@ -227,6 +240,7 @@ def turbospark_forward_batch(
     positions: list[int],
     state: State,
     logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
     """Advance a *batched* state (every component merged by its ``merge``; see
     :mod:`turbospark.batch`) over ``tokens`` (shape ``(B, L)``), row ``i`` at
@@ -236,6 +250,8 @@ def turbospark_forward_batch(
     ``"all"``, ``None`` for ``"none"``. Optional: a family that does not
     implement it (or has a component that is not ``batchable``) is decoded one
     row at a time through :func:`turbospark_forward`, with the same results.
+    *steer* as in :func:`turbospark_forward`, on ``(B, L, hidden)``: it holds
+    each row's own setting (zeros for a row that is not steered).
     """
 
 

@@ -1,7 +1,9 @@
 """Runner policies: expert cache slots, speculative drafting and activation steering.
 
 These mirror the original runtime's knobs. Each is a small validated value;
-the ``off()`` / ``fixed()`` constructors are the names callers use.
+the ``off()`` / ``fixed()`` constructors are the names callers use. Steering
+lives in :mod:`turbospark.steering` (its math and file format) and is
+re-exported here.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.errors import InvalidInput
+from turbospark.steering import SteeringPolicy
+
+__all__ = ["DraftPolicies", "ExpertCacheSlots", "SteeringPolicy"]
 
 
 class ExpertCacheSlots(BaseModel):
@@ -150,15 +155,3 @@ class DraftPolicies(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
-
-
-class SteeringPolicy(BaseModel):
-    """Activation steering hooks. Only ``off`` is implemented."""
-
-    model_config = ConfigDict(frozen=True)
-
-    mode: Literal["off"] = "off"
-
-    @classmethod
-    def off(cls) -> SteeringPolicy:
-        return cls()

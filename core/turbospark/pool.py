@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from turbospark.prefix import PrefixRecord
 from turbospark.state import Snapshot, State, state_nbytes, state_position
+from turbospark.steering import SteeringPolicy
 
 if TYPE_CHECKING:
     from turbospark.disk_store import DiskTier
@@ -66,6 +67,9 @@ class Session:
     # extended or rewound; a new one on clear() or load(), the same rule as
     # disk_name. A number that vanishes from memory is a conversation that left it.
     conversation: int = field(default_factory=lambda: next(_conversations))
+    # The steering its state is built under: part of its identity, so it is
+    # only ever reused by a request asking for the same setting (reuse.py).
+    steering: SteeringPolicy = field(default_factory=SteeringPolicy.off)
 
     @property
     def position(self) -> int:
@@ -164,11 +168,16 @@ class SessionPool:
         self._clock += 1
         return self._clock
 
-    def best_match(self, prompt: Sequence[int]) -> tuple[int, int] | None:
+    def best_match(
+        self, prompt: Sequence[int], steering: SteeringPolicy | None = None
+    ) -> tuple[int, int] | None:
         """``(index, score)`` of the parked session sharing the longest prefix
-        with *prompt* (ties: most recently parked), or None if none shares any."""
+        with *prompt* (ties: most recently parked), or None if none shares any.
+        With *steering*, only sessions built under that setting are scored."""
         best: tuple[int, int, int] | None = None
         for index, session in enumerate(self.parked):
+            if steering is not None and session.steering != steering:
+                continue
             score = session.record.common_prefix(prompt)
             if score and (best is None or (score, session.tick) > (best[1], best[2])):
                 best = (index, score, session.tick)

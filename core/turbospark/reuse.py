@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from turbospark.hookspecs import FamilySpec
 from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
+from turbospark.steering import SteeringPolicy
 
 
 class ReuseReason(StrEnum):
@@ -32,6 +33,7 @@ class ReuseReason(StrEnum):
     SHARED_PREFIX = "shared_prefix"  # after reset: the opening taken from a parked conversation
     RESTORED_FROM_DISK = "restored_from_disk"  # a session file scored best and was loaded
     FORKED = "forked"  # one of n completions: the first's prefilled state, by reference
+    STEERING_CHANGED = "steering_changed"  # the matching state was built under other steering
 
 
 class ReuseReport(BaseModel):
@@ -54,8 +56,13 @@ def plan_reuse(
     prompt: Sequence[int],
     spec: FamilySpec,
     vision_active: bool,
+    steering: SteeringPolicy | None = None,
 ) -> tuple[Session, ReuseReport]:
-    """Choose and prepare the session for *prompt*; returns the (maybe new) live one."""
+    """Choose and prepare the session for *prompt*; returns the (maybe new) live one.
+
+    Only sessions built under *steering* (the request's setting) may serve it:
+    steering changes every hidden state, so other sessions' state is not this
+    prompt's state whatever their ids say (reason ``steering_changed``)."""
 
     def report(kept: int, reason: ReuseReason, detail: str) -> tuple[Session, ReuseReport]:
         return live, ReuseReport(
@@ -63,17 +70,19 @@ def plan_reuse(
         )
 
     swapped = False
+    steering = steering or SteeringPolicy.off()
     if not prompt:
         return report(0, ReuseReason.EMPTY_PROMPT, "the prompt is empty")
+    live_score = live.record.common_prefix(prompt) if live.steering == steering else 0
     if pool is not None and not vision_active:
         # An image prompt may not select parked state: placeholder ids prove nothing.
-        best = pool.best_match(prompt)
-        to_beat = max(live.record.common_prefix(prompt), 0 if best is None else best[1])
-        if pool.disk is not None:
+        best = pool.best_match(prompt, steering)
+        to_beat = max(live_score, 0 if best is None else best[1])
+        if pool.disk is not None and pool.disk.model.steering == steering.identity:
             restored = _restore_from_disk(live, pool, prompt, to_beat)
             if restored is not None:
                 return restored
-        if best is not None and best[1] > live.record.common_prefix(prompt):
+        if best is not None and best[1] > live_score:
             donor = pool.parked[best[0]]
             target, checkpoint, _ = _reachable(donor, best[1])
             if target and donor.position - target > target:
@@ -84,7 +93,12 @@ def plan_reuse(
             swapped = True
 
     keep = live.record.common_prefix(prompt)
+    if keep and live.steering != steering:
+        return report(0, *_steering_changed(live, steering, keep))
     if keep == 0:
+        other = None if pool is None or vision_active else pool.best_match(prompt)
+        if other is not None and pool.parked[other[0]].steering != steering:
+            return report(0, *_steering_changed(pool.parked[other[0]], steering, other[1]))
         if live.record.tainted:
             why = "a vision map is active" if vision_active else "its record is tainted"
             return report(0, ReuseReason.TAINTED, f"the live session cannot be reused: {why}")
@@ -127,7 +141,11 @@ def plan_reuse(
 
 
 def plan_share(
-    live: Session, pool: SessionPool | None, prompt: Sequence[int], vision_active: bool
+    live: Session,
+    pool: SessionPool | None,
+    prompt: Sequence[int],
+    vision_active: bool,
+    steering: SteeringPolicy | None = None,
 ) -> ReuseReport | None:
     """Seed an empty live session with the longest prefix a parked one shares.
 
@@ -138,14 +156,14 @@ def plan_share(
     """
     if pool is None or vision_active or live.has_content:
         return None
-    best = pool.best_match(prompt)
+    best = pool.best_match(prompt, steering or SteeringPolicy.off())
     if best is None:
         return None
     donor = pool.parked[best[0]]
     target, checkpoint, _ = _reachable(donor, best[1])
     if target == 0:
         return None
-    _take_opening(live, donor.held(), target, checkpoint)
+    _take_opening(live, donor.held(), target, checkpoint, donor.steering)
     return ReuseReport(
         kept=target,
         swapped=False,
@@ -174,7 +192,7 @@ def _share_from_parked(
         live, evicted = pool.rotate_lru(live)
         evicted = pool.trim() or evicted
     live.clear()
-    _take_opening(live, held, target, checkpoint)
+    _take_opening(live, held, target, checkpoint, donor.steering)
     return live, ReuseReport(
         kept=target,
         swapped=False,
@@ -235,10 +253,16 @@ def _restore_from_disk(
 
 
 def _take_opening(
-    live: Session, held: SessionSnapshot, target: int, checkpoint: Checkpoint | None
+    live: Session,
+    held: SessionSnapshot,
+    target: int,
+    checkpoint: Checkpoint | None,
+    steering: SteeringPolicy,
 ) -> None:
-    """Load *held* into the empty *live* session and cut it back to *target*."""
+    """Load *held* into the empty *live* session and cut it back to *target*;
+    it is now state built under the donor's *steering*."""
     live.load(held)
+    live.steering = steering
     live.cut_to(target, checkpoint)
 
 
@@ -263,6 +287,18 @@ def _usable_checkpoint(live: Session, keep: int) -> Checkpoint | None:
         if all(c.max_safe_rewind >= back for c in others):
             return checkpoint
     return None
+
+
+def _steering_changed(
+    session: Session, steering: SteeringPolicy, matched: int
+) -> tuple[ReuseReason, str]:
+    return (
+        ReuseReason.STEERING_CHANGED,
+        f"a session holds {matched} token(s) of this prompt but was built under steering "
+        f"{session.steering.describe()}, and this request asks for {steering.describe()}; "
+        "state built under one steering setting is never reused under another, so the "
+        "prompt is prefilled again",
+    )
 
 
 def _refusal(spec: FamilySpec, blockers: dict[str, int], back: int) -> tuple[ReuseReason, str]:

@@ -47,6 +47,7 @@ from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
 from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse, plan_share
 from turbospark.state import LayeredComponent, Snapshot, State
+from turbospark.steering import LastTokenRecorder, Steer, cannot_steer
 from turbospark.vision import MropePositions, VisionInjection, VisionMap
 
 MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
@@ -82,13 +83,14 @@ class Runner:
         self.context_length = context_length
         self.expert_cache = expert_cache
         self.draft = draft
-        self.steering = steering
+        self.steering = steering  # the default; a request may ask for its own (use_steering)
+        self._requested = steering
+        self._steers: dict[str | None, Steer | None] = {}  # compiled, by identity
+        self.dtype = dtype or _dtype(manifest.dtype)
         self._hook = pm.hook
-        self._live = Session(self._new_state())
+        self._live = self._new_session()
         self._pool = (
-            SessionPool(
-                [Session(self._new_state()) for _ in range(session_slots - 1)], max_parked_bytes
-            )
+            SessionPool([self._new_session() for _ in range(session_slots - 1)], max_parked_bytes)
             if session_slots > 1
             else None
         )
@@ -104,7 +106,7 @@ class Runner:
         if session_dir is not None and self._pool is not None:
             self._disk = self._pool.disk = DiskTier(
                 session_dir,
-                ModelIdentity.of(manifest, dtype or _dtype(manifest.dtype), _steering_id(steering)),
+                ModelIdentity.of(manifest, self.dtype, steering.identity),
                 components=[c.name for c in spec.components],
                 context_length=context_length,
                 max_bytes=max_session_disk_bytes,
@@ -170,6 +172,8 @@ class Runner:
         if draft.mode == "mtp":
             _check_mtp(path, manifest)
         expert_cache = expert_cache or ExpertCacheSlots.all()
+        steering = steering or SteeringPolicy.off()
+        _check_steering(spec, installed, steering)
         pm = family.manager()
         moe = pm.hook.turbospark_moe(arch=installed)
         check_policy(expert_cache, moe, spec.name)
@@ -198,7 +202,7 @@ class Runner:
             max_parked_bytes=max_parked_bytes,
             expert_cache=expert_cache,
             draft=draft,
-            steering=steering or SteeringPolicy.off(),
+            steering=steering,
             dtype=compute_dtype,
             session_dir=None if session_dir is None else Path(session_dir),
             max_session_disk_bytes=max_session_disk_bytes,
@@ -206,6 +210,10 @@ class Runner:
         runner._experts = streams
         runner._moe = moe
         return runner
+
+    def _new_session(self) -> Session:
+        """An empty session, under the steering the next request asked for."""
+        return Session(self._new_state(), steering=self._requested)
 
     def _new_state(self) -> State:
         return self._hook.turbospark_new_state(
@@ -318,6 +326,7 @@ class Runner:
                 state=live.state,
                 vision=self._vision if session is None else None,
                 logits=want,
+                steer=self._compiled(live.steering),
             )
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
             if lazy is not None:
@@ -477,7 +486,12 @@ class Runner:
             )
         else:
             self._live, report = plan_reuse(
-                self._live, self._pool, prompt, self.family, self._vision is not None
+                self._live,
+                self._pool,
+                prompt,
+                self.family,
+                self._vision is not None,
+                self._requested,
             )
             if report.swapped and self._pool.trim():
                 report = report.model_copy(update={"evicted": True})
@@ -492,7 +506,9 @@ class Runner:
         state (0: nothing shared; ``last_reuse`` is then unchanged)."""
         if not self._reuse_enabled:
             return 0
-        report = plan_share(self._live, self._pool, list(tokens), self._vision is not None)
+        report = plan_share(
+            self._live, self._pool, list(tokens), self._vision is not None, self._requested
+        )
         if report is None:
             return 0
         self.last_reuse = report
@@ -506,6 +522,7 @@ class Runner:
             self._live, self._evicted = self._pool.rotate_lru(self._live)
             self._evicted = self._pool.trim() or self._evicted
         self._live.clear()
+        self._live.steering = self._requested
 
     def checkpoint(self, session: Session | None = None) -> None:
         """Remember the non-rewindable components at the current position (the
@@ -532,7 +549,7 @@ class Runner:
 
     def _materialize(self, snapshot: SessionSnapshot) -> Session:
         """A new session holding *snapshot* (a loaded session file)."""
-        session = Session(self._new_state())
+        session = Session(self._new_state(), steering=self.steering)  # the tier's identity
         self._hook.turbospark_restore_state(state=session.state, snapshot=snapshot.arrays)
         session.load(snapshot, arrays_loaded=True)
         return session
@@ -585,7 +602,7 @@ class Runner:
         """Hand the live session (just chosen for a request by the caller
         contract) to that request; a fresh, empty live session takes its place.
         Batched requests each hold their own session while they run."""
-        session, self._live = self._live, Session(self._new_state())
+        session, self._live = self._live, self._new_session()
         return session
 
     def fork(self, session: Session) -> Session:
@@ -633,10 +650,18 @@ class Runner:
             for name, component in sessions[0].state.items()
         }
 
-    def forward_batch(self, tokens: mx.array, positions: list[int], state: State) -> mx.array:
-        """Last-token logits ``(B, vocab)`` for ``tokens`` ``(B, L)``, row ``i`` at ``positions[i]..``."""
+    def forward_batch(
+        self, tokens: mx.array, positions: list[int], state: State, steer: Steer | None = None
+    ) -> mx.array:
+        """Last-token logits ``(B, vocab)`` for ``tokens`` ``(B, L)``, row ``i`` at
+        ``positions[i]..``; *steer* from :meth:`batch_steer` over the same rows."""
         return self._hook.turbospark_forward_batch(
-            model=self.model, tokens=tokens, positions=positions, state=state, logits="last"
+            model=self.model,
+            tokens=tokens,
+            positions=positions,
+            state=state,
+            logits="last",
+            steer=steer,
         )
 
     # -- embeddings --------------------------------------------------------------
@@ -673,6 +698,50 @@ class Runner:
         mean = total / len(ids)
         return mean / mx.maximum(mx.linalg.norm(mean), 1e-12)
 
+    def batch_steer(self, sessions: Sequence[Session]) -> Steer | None:
+        """Each session's own steering, row by row (None when no row steers)."""
+        return Steer.of([s.steering for s in sessions], self.dtype)
+
+    # -- steering ------------------------------------------------------------------
+
+    def use_steering(self, steering: SteeringPolicy | None) -> None:
+        """The steering of the next prompt (None: the runner's default). Checked
+        first, so a refusal changes nothing; a session built under another
+        setting is then never reused for it (reason ``steering_changed``)."""
+        steering = steering or self.steering
+        _check_steering(self.family, self.arch, steering)
+        self._requested = steering
+        if not self._live.has_content:
+            self._live.steering = steering
+
+    def _compiled(self, steering: SteeringPolicy) -> Steer | None:
+        key = steering.identity
+        if key not in self._steers:
+            if len(self._steers) >= 16:
+                self._steers.clear()
+            self._steers[key] = Steer.of([steering], self.dtype)
+        return self._steers[key]
+
+    def layer_outputs(self, tokens: Sequence[int]) -> dict[int, mx.array]:
+        """The last token's hidden state at every layer's output ``{layer: (hidden,)}``
+        for *tokens* run from position 0 on a scratch state, unsteered; no session
+        is touched (``turbospark steer extract`` reads these)."""
+        if not self.family.steerable:
+            raise InvalidInput(cannot_steer(self.family.name))
+        ids = self.check_ids(tokens)
+        recorder = LastTokenRecorder()
+        self._hook.turbospark_forward(
+            model=self.model,
+            tokens=mx.array(ids, dtype=mx.int32),
+            start=0,
+            state=self._new_state(),
+            vision=None,
+            logits="none",
+            steer=recorder,
+        )
+        mx.eval(list(recorder.states.values()))
+        return recorder.states
+
     # -- vision ------------------------------------------------------------------
 
     def set_prompt_vision(
@@ -702,8 +771,8 @@ def _dtype(value: str | mx.Dtype) -> mx.Dtype:
     return dtype
 
 
-def _steering_id(steering: SteeringPolicy) -> str | None:
-    return None if steering.mode == "off" else steering.model_dump_json()
+def _check_steering(spec: FamilySpec, arch: ArchConfig, steering: SteeringPolicy) -> None:
+    steering.check_model(spec.name, spec.steerable, arch.hidden_size, arch.num_hidden_layers)
 
 
 def _check_disk_options(

@@ -22,6 +22,7 @@ from turbospark.commands import (
     install_text,
 )
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
+from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import TurbosparkError
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
@@ -44,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
     add_draft_flags(parser)
+    add_steering_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         session_slots=args.session_slots,
         max_parked_bytes=args.max_parked_memory,
         draft=draft_policy(args),
+        steering=steering_policy(args),
     )
     runner.set_prefix_reuse(True)
     opening = [{"role": "system", "content": args.system}] if args.system else []

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
             # the family implements the batched forward; otherwise row by row.
             "batched_decode": all(c.batchable for c in fam.spec.components)
             and bool(fam.manager().hook.turbospark_forward_batch.get_hookimpls()),
+            "steerable": fam.spec.steerable,
         }
         for fam in registry.families.values()
     ]
@@ -45,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{fam['name']}  ({', '.join(fam['model_types'])})  from {fam['source']}")
         decode = "batched (one forward per step)" if fam["batched_decode"] else "row by row"
         print(f"    concurrent requests decode {decode}")
+        steer = "yes (--steering)" if fam["steerable"] else "no (refused by name)"
+        print(f"    activation steering: {steer}")
         for c in fam["components"]:
             rewind = {
                 True: "rewindable",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.commands import add_draft_flags, add_expert_cache_flag, draft_policy, install_text
+from turbospark.commands.steer import add_steering_args, steering_policy
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
     from turbospark.generate import GenerationConfig
@@ -52,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(parser, max_tokens=128)
     add_draft_flags(parser)
     add_expert_cache_flag(parser)
+    add_steering_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
 
@@ -69,11 +71,13 @@ def run(args: argparse.Namespace) -> int:
 
     codec = install_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights
+    steering = steering_policy(args)
     runner = Runner.open(
         args.model,
         context_length=args.context_length,
         draft=draft_policy(args),
         expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
+        steering=steering,
     )
     ids = prompt_ids(codec, args.prompt, args.raw)
     show = None if args.json else print_text

@@ -16,6 +16,7 @@ from turbospark.commands import (
     draft_policy,
     install_text,
 )
+from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import InvalidInput
 from turbospark.server.settings import ServerLimits
 
@@ -120,6 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="deadline from a request's arrival to its last byte; past it the request ends "
         f"with a request_timeout error and its generation stops (default: {defaults.request_timeout:g})",
     )
+    add_steering_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -171,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from turbospark.server.worker import RunnerWorker
 
     check_args(args)
+    steering = steering_policy(args)
     codec = install_text(args.model)
     worker = RunnerWorker()
 
@@ -184,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             max_session_disk_bytes=args.max_session_disk,
             draft=draft_policy(args),
             expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
+            steering=steering,
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner

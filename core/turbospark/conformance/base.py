@@ -32,6 +32,7 @@ from turbospark.conformance.long_checks import LongContextChecks
 from turbospark.conformance.pool_checks import PoolChecks
 from turbospark.conformance.reference_checks import ReferenceChecks
 from turbospark.conformance.state_checks import StateChecks
+from turbospark.conformance.steering_checks import SteeringChecks
 from turbospark.conformance.vision_checks import VisionChecks
 from turbospark.plugins import FamilyRegistry
 
@@ -40,6 +41,7 @@ from turbospark.plugins import FamilyRegistry
 class FamilyConformance(
     DraftChecks,
     ExpertCacheChecks,
+    SteeringChecks,
     BatchChecks,
     InterleavingChecks,
     LongContextChecks,

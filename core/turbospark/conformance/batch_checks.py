@@ -80,6 +80,7 @@ class BatchChecks:
                 positions=[len(histories[s]) for s in rows],
                 state=batch,
                 logits="last",
+                steer=None,
             )
             if step == 3:  # session 0's token was a stop: it goes back one, then leaves
                 i = rows.index(0)

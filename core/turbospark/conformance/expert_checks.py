@@ -73,6 +73,7 @@ def _run(
             state=state,
             vision=None,
             logits=wanted,
+            steer=None,
         )
         mx.eval(out)
         outs.append(out)

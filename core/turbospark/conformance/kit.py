@@ -29,6 +29,7 @@ from turbospark.install import load_weights, read_manifest, validate_arch
 from turbospark.plugins import Family, FamilyRegistry, default_registry
 from turbospark.runner import Runner
 from turbospark.state import State
+from turbospark.steering import LayerHook, SteeringPolicy
 
 EXAMPLES_ENV = "TURBOSPARK_CONFORMANCE_EXAMPLES"
 
@@ -152,6 +153,7 @@ class FamilyKit:
         logits: LogitsWanted = "last",
         *,
         reference: bool = False,
+        steer: LayerHook | None = None,
     ) -> mx.array | None:
         out = self.hook.turbospark_forward(
             model=self.reference_model if reference else self.model,
@@ -160,6 +162,7 @@ class FamilyKit:
             state=state,
             vision=None,
             logits=logits,
+            steer=steer,
         )
         mx.eval(*([] if out is None else [out]), *(a for c in state.values() for a in c.arrays()))
         return out
@@ -183,7 +186,14 @@ class FamilyKit:
 
     # -- the user's path --------------------------------------------------------
 
-    def open(self, session_slots: int = 1, *, reuse: bool = True, context: str = "") -> Runner:
+    def open(
+        self,
+        session_slots: int = 1,
+        *,
+        reuse: bool = True,
+        context: str = "",
+        steering: SteeringPolicy | None = None,
+    ) -> Runner:
         """A runner over the install; fails first if its sessions share a component."""
         runner = Runner.open(
             self.install,
@@ -191,6 +201,7 @@ class FamilyKit:
             session_slots=session_slots,
             registry=self.registry,
             dtype=mx.float32,
+            steering=steering,
         )
         runner.set_prefix_reuse(reuse)
         self.check_apart(runner, f"{context}Runner.open(session_slots={session_slots}): ")

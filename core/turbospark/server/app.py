@@ -67,6 +67,7 @@ from turbospark.server.openapi import openapi_document
 from turbospark.server.prompt_bound import PromptBound
 from turbospark.server.schemas import (
     AssistantMessage,
+    BaseRequest,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -93,6 +94,7 @@ from turbospark.server.tools import (
     check_choice,
 )
 from turbospark.server.worker import RunnerWorker
+from turbospark.steering import SteeringPolicy
 from turbospark.text import TextCodec
 
 R = TypeVar("R", bound=BaseModel)  # every request body has a ``model``
@@ -225,7 +227,9 @@ class Service:
             )
         ids = await self.prompt_ids(body.messages, deadline, body.tools)
         grammar = await self.response_grammar(body.response_format, deadline, forced)
-        config = body.generation_config(self.chunk_size, self.default_max_tokens)
+        config = body.generation_config(
+            self.chunk_size, self.default_max_tokens, self.steering_of(body)
+        )
         choices = draws(
             [ids],
             body,
@@ -235,6 +239,26 @@ class Service:
             grammar=grammar,
         )
         return choices, syntax if calling else None
+
+    def steering_of(self, body: BaseRequest) -> SteeringPolicy | None:
+        """The request's steering: the served setting (None), or its override of
+        it, checked against the model here so a bad one is a 400 before queueing."""
+        override = body.turbospark.steering if body.turbospark else None
+        if override is None:
+            return None
+        if override.mode == "off":
+            return SteeringPolicy.off()
+        try:
+            steering = self.runner.steering.with_settings(
+                override.scale, override.mode, override.layers
+            )
+            spec, arch = self.runner.family, self.runner.arch
+            steering.check_model(
+                spec.name, spec.steerable, arch.hidden_size, arch.num_hidden_layers
+            )
+        except TurbosparkError as exc:
+            raise refusal(exc, "turbospark.steering") from None
+        return steering
 
     async def run(self, request: Request, handler: Callable[..., Any], model: type[R]) -> Response:
         """Parse *model* within the request's deadline, take a queue place, and
@@ -566,7 +590,9 @@ async def _complete(
     request: Request,
 ) -> Response:
     prompts = [await service.prompt_ids(prompt, deadline) for prompt in body.prompts]
-    config = body.generation_config(service.chunk_size, service.default_max_tokens)
+    config = body.generation_config(
+        service.chunk_size, service.default_max_tokens, service.steering_of(body)
+    )
     choices = draws(
         prompts,
         body,

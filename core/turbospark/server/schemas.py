@@ -24,6 +24,7 @@ from pydantic import (
 
 from turbospark.generate import FinishReason, GenerationConfig, GenerationStats
 from turbospark.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
+from turbospark.steering import SteeringPolicy
 
 
 def _well_formed(text: str) -> str:
@@ -52,6 +53,27 @@ class StreamOptions(BaseModel):
 # Most choices one request may ask for (``n`` times the prompts of a legacy batch):
 # each is a row of the engine's batch, so this bounds what one request holds.
 MAX_CHOICES = 16
+
+
+class SteeringOverride(BaseModel):
+    """A request's own steering (extension ``"turbospark": {"steering": {...}}``):
+    the served vector (``--steering``) under other settings, or ``"mode": "off"``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scale: float | None = Field(default=None, allow_inf_nan=False)
+    mode: Literal["add", "ablate", "clamp", "renorm", "off"] | None = None
+    layers: Annotated[str, Field(pattern=r"^[0-9]{1,4}:[0-9]{1,4}$")] | None = Field(
+        default=None, description="S:E, inclusive, llama.cpp's direction numbering"
+    )
+
+
+class TurbosparkOptions(BaseModel):
+    """The ``turbospark`` extension object of a request body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steering: SteeringOverride | None = None
 
 
 class BaseRequest(BaseModel):
@@ -105,6 +127,10 @@ class BaseRequest(BaseModel):
         | None
     ) = Field(default=None, max_length=1024)
 
+    turbospark: TurbosparkOptions | None = Field(
+        default=None, description="extension: this request's steering (send with extra_body)"
+    )
+
     # OpenAI options this server refuses by name (see _UNIMPLEMENTED), never ignores.
     functions: Any = Field(default=None, exclude=True, description="refused: use tools")
     function_call: Any = Field(default=None, exclude=True, description="refused: use tool_choice")
@@ -126,7 +152,10 @@ class BaseRequest(BaseModel):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def generation_config(
-        self, chunk_size: int, default_max_tokens: int | None
+        self,
+        chunk_size: int,
+        default_max_tokens: int | None,
+        steering: SteeringPolicy | None = None,
     ) -> GenerationConfig:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         requested = self._max_tokens()
@@ -140,6 +169,7 @@ class BaseRequest(BaseModel):
             chunk_size=chunk_size,
             stop_token_ids=[] if self.ignore_eos else None,
             draft=self.draft == "on",
+            steering=steering,
         )
 
     def _max_tokens(self) -> int | None:

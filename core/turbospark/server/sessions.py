@@ -85,6 +85,10 @@ class SessionView(_View):
         "null while a request holds it"
     )
     tainted: bool = Field(description="its ids cannot prove a match (vision, a failed call)")
+    steering: str = Field(
+        description="the steering its state was built under ('off', or mode, scale, layers "
+        "and the vector's sha256 prefix): only a request asking for the same reuses it"
+    )
     checkpoints: int
     newest_checkpoint: int | None = Field(description="the position of its newest checkpoint")
     file: str | None = Field(description="its file in the session directory, if written")
@@ -157,6 +161,7 @@ def _session(
         bytes=session.nbytes,
         last_used=last_used,
         tainted=session.record.tainted,
+        steering=session.steering.describe(),
         checkpoints=len(session.checkpoints),
         newest_checkpoint=session.checkpoints[-1].position if session.checkpoints else None,
         file=session.disk_name,

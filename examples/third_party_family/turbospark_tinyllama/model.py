@@ -21,6 +21,7 @@ from turbospark.layers.attention import cached_attention
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import KVComponent, LayerKV
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 
 
@@ -131,9 +132,17 @@ class Llama(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def __call__(
-        self, tokens: mx.array, start: int, kv: KVComponent, vision: VisionMap | None
+        self,
+        tokens: mx.array,
+        start: int,
+        kv: KVComponent,
+        vision: VisionMap | None,
+        steer: LayerHook | None = None,
     ) -> mx.array:
         """Final hidden states ``(L, hidden)`` for ``tokens`` (``(L,)``) at ``start..``.
+
+        *steer* (activation steering) sees each layer's output, after the MLP's
+        residual join; None adds no op.
 
         A vision map replaces the embeddings it covers; Llama's RoPE is 1-D, so
         positions stay the token indices.
@@ -144,6 +153,8 @@ class Llama(nn.Module):
         h = h[None]  # (1, L, hidden)
         for index, layer in enumerate(self.model.layers):
             h = layer(h, start, kv[index])
+            if steer is not None:
+                h = steer(index, h)
         kv.advance(tokens.shape[0])
         return self.model.norm(h[0])
 

@@ -19,6 +19,7 @@ from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import logits_for
 from turbospark.state import KVComponent, State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_tinyllama import state as state_module
 from turbospark_tinyllama import synthetic
@@ -27,7 +28,8 @@ from turbospark_tinyllama.state import new_state
 
 NAME = "tinyllama"
 
-common = CommonHooks(NAME, ["llama"], LlamaConfig, state_module, synthetic.build)
+# steerable: the forward below calls `steer` at every layer's output (opting in).
+common = CommonHooks(NAME, ["llama"], LlamaConfig, state_module, synthetic.build, steerable=True)
 turbospark_family = common.turbospark_family
 turbospark_pool_capability = common.turbospark_pool_capability
 turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
@@ -55,9 +57,10 @@ def turbospark_forward(
     state: State,
     vision: VisionMap | None,
     logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
     kv = state["kv"]
     assert isinstance(kv, KVComponent)
-    hidden = model(tokens, start, kv, vision)  # (L, hidden)
+    hidden = model(tokens, start, kv, vision, steer)  # (L, hidden)
     # The head runs only where logits are read; the runner evaluates state arrays.
     return logits_for(hidden, model.head, logits)

@@ -99,6 +99,7 @@ def test_sequential_matches_mlx_lm(install: tuple[Path, np.ndarray, list[int]]) 
             start=position,
             state=state,
             vision=None,
+            steer=None,
             logits="last",
         )
         assert out.shape == (arch.vocab_size,) and out.dtype == mx.float32
@@ -121,6 +122,7 @@ def test_chunked_matches_mlx_lm(install: tuple[Path, np.ndarray, list[int]]) -> 
             start=start,
             state=state,
             vision=None,
+            steer=None,
             logits="all",
         )
         assert out.shape == (size, arch.vocab_size)
@@ -134,6 +136,7 @@ def test_chunked_matches_mlx_lm(install: tuple[Path, np.ndarray, list[int]]) -> 
             start=start,
             state=state,
             vision=None,
+            steer=None,
             logits="last",
         )
         got.append(np.array(out)[None])
@@ -148,7 +151,13 @@ def test_headless_prefill_then_decode(install: tuple[Path, np.ndarray, list[int]
     hook = _hook()
     state = hook.turbospark_new_state(arch=arch, model=model, context_length=256)
     skipped = hook.turbospark_forward(
-        model=model, tokens=mx.array(prompt), start=0, state=state, vision=None, logits="none"
+        model=model,
+        tokens=mx.array(prompt),
+        start=0,
+        state=state,
+        vision=None,
+        logits="none",
+        steer=None,
     )
     assert skipped is None
     out = hook.turbospark_forward(
@@ -157,6 +166,7 @@ def test_headless_prefill_then_decode(install: tuple[Path, np.ndarray, list[int]
         start=PROMPT_LEN,
         state=state,
         vision=None,
+        steer=None,
         logits="last",
     )
     np.testing.assert_allclose(np.array(out), expected[PROMPT_LEN], atol=ATOL)
@@ -179,6 +189,7 @@ def test_chunks_read_for_their_last_logits_match_mlx_lm(
             start=start,
             state=state,
             vision=None,
+            steer=None,
             logits="last",
         )
         start += size

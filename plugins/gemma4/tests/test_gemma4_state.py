@@ -49,7 +49,7 @@ def _feed(model: nn.Module, state: State, tokens: list[int], start: int, **kw: A
         start=start,
         state=state,
         logits="all",
-        **{"vision": None, **kw},
+        **{"vision": None, "steer": None, **kw},
     )
     return np.array(out)
 

@@ -36,6 +36,7 @@ from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import LayerKV, State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_gemma4.state import COMPONENTS, kv_slots
 
@@ -525,11 +526,13 @@ class Gemma4TextModel(nn.Module):
         state: State,
         vision: VisionMap | None,
         last_only: bool = False,
+        steer: LayerHook | None = None,
     ) -> mx.array:
         """Final-normed hidden states ``(B, L, hidden)`` for ``tokens`` ``(B, L)``, row
         ``i`` from position ``start`` (an int for one session, ``(B,)`` for a batch);
         with *last_only*, ``(B, 1, hidden)`` for the last token, and the KV-shared
-        tail layers (which write no state) run for that token alone."""
+        tail layers (which write no state) run for that token alone. *steer*
+        sees each layer's output (after the PLE and layer scalar); None adds no op."""
         embeddings = self.embed_tokens(tokens)  # (B, L, H)
         if vision is not None:  # one session: the map covers its prompt
             # Image features replace the raw (unscaled) rows, as mlx-lm's input_embeddings.
@@ -552,6 +555,8 @@ class Gemma4TextModel(nn.Module):
             shared = None if slot else attended[self._sources[i]]
             layer_input = per_layer[:, :, i] if per_layer is not None else None
             h, attended[i] = layer(h, start, kv, shared, layer_input)
+            if steer is not None:
+                h = steer(i, h)
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:
             state[spec.name].advance(tokens.shape[1])
@@ -575,9 +580,10 @@ class Gemma4(nn.Module):
         state: State,
         vision: VisionMap | None,
         last_only: bool = False,
+        steer: LayerHook | None = None,
     ) -> mx.array:
         """Final-normed hidden states for ``tokens`` ``(B, L)`` (see the text model)."""
-        return self.model(tokens, start, state, vision, last_only)
+        return self.model(tokens, start, state, vision, last_only, steer)
 
     def head(self, hidden: mx.array) -> mx.array:
         """``(L, hidden)`` -> softcapped logits ``(L, vocab)``."""

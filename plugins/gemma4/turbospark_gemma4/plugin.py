@@ -11,13 +11,16 @@ from turbospark.hookspecs import ArchConfig, LogitsWanted, MoESpec, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_gemma4 import state as state_module
 from turbospark_gemma4 import synthetic
 from turbospark_gemma4.model import Gemma4, Gemma4Config, moe_spec, sanitize
 from turbospark_gemma4.state import new_state
 
-common = CommonHooks("gemma4", ["gemma4_text"], Gemma4Config, state_module, synthetic.build)
+common = CommonHooks(
+    "gemma4", ["gemma4_text"], Gemma4Config, state_module, synthetic.build, steerable=True
+)
 turbospark_family = common.turbospark_family
 turbospark_pool_capability = common.turbospark_pool_capability
 turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
@@ -61,15 +64,21 @@ def turbospark_forward(
     state: State,
     vision: VisionMap | None,
     logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
     # Only "all" reads every row; otherwise the KV-shared tail runs for the last one.
-    hidden = model(tokens[None], start, state, vision, last_only=logits != "all")[0]
+    hidden = model(tokens[None], start, state, vision, logits != "all", steer)[0]
     return logits_for(hidden, model.head, logits)
 
 
 @hookimpl
 def turbospark_forward_batch(
-    model: nn.Module, tokens: mx.array, positions: list[int], state: State, logits: LogitsWanted
+    model: nn.Module,
+    tokens: mx.array,
+    positions: list[int],
+    state: State,
+    logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
-    hidden = model(tokens, mx.array(positions), state, None, last_only=logits != "all")
+    hidden = model(tokens, mx.array(positions), state, None, logits != "all", steer)
     return batch_logits_for(hidden, model.head, logits)

@@ -58,7 +58,7 @@ def _state(loaded: tuple[Qwen4ExpConfig, nn.Module]) -> State:
 def _forward(model: nn.Module, state: State, tokens: list[int], start: int, logits: str) -> Any:
     return _hook().turbospark_forward(
         model=model, tokens=mx.array(tokens, dtype=mx.int32), start=start, state=state,
-        vision=None, logits=logits,
+        vision=None, logits=logits, steer=None,
     )  # fmt: skip
 
 
@@ -238,7 +238,7 @@ def test_vision_rows_replace_token_embeddings(loaded: tuple) -> None:
     state = _state(loaded)
     seen = _hook().turbospark_forward(
         model=model, tokens=mx.array(PROMPT[:10]), start=0, state=state, vision=vision,
-        logits="all",
+        logits="all", steer=None,
     )  # fmt: skip
     seen = np.array(seen)
     np.testing.assert_allclose(seen[:4], plain[:4], atol=ATOL)

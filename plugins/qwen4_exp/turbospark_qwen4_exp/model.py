@@ -31,6 +31,7 @@ from turbospark.layers.gated_delta import GatedDeltaNet, GDNDims
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.state import LayerKV, State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_qwen4_exp.qsa import QSABudget, qsa_attention
 from turbospark_qwen4_exp.state import LayerIndex
@@ -275,10 +276,16 @@ class Qwen4Exp(nn.Module):
         return self.model.ple_conv(conv_in[None])  # (1, L, ple)
 
     def __call__(
-        self, tokens: mx.array, start: int, state: State, vision: VisionMap | None
+        self,
+        tokens: mx.array,
+        start: int,
+        state: State,
+        vision: VisionMap | None,
+        steer: LayerHook | None = None,
     ) -> mx.array:
         """Advance every component of *state* over ``(L,)`` tokens; return the
-        final-normed hidden states ``(L, hidden)``."""
+        final-normed hidden states ``(L, hidden)``. *steer* sees each layer's
+        output (after the MLP's residual join and its PLE); None adds no op."""
         length = tokens.shape[0]
         h = self.model.embed_tokens(tokens)  # (L, hidden)
         if vision is not None:
@@ -288,6 +295,8 @@ class Qwen4Exp(nn.Module):
         h = h[None]  # (1, L, hidden)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, start, state, self._slots[i], per_layer)
+            if steer is not None:
+                h = steer(i, h)
         for name in ("kv", "qsa", "gdn"):
             state[name].advance(length)
         return self.model.norm(h[0])

@@ -11,13 +11,16 @@ from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import logits_for
 from turbospark.state import State, state_position
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_qwen4_exp import state as state_module
 from turbospark_qwen4_exp import synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig, sanitize
 from turbospark_qwen4_exp.state import new_state
 
-common = CommonHooks("qwen4_exp", ["qwen4_exp"], Qwen4ExpConfig, state_module, synthetic.build)
+common = CommonHooks(
+    "qwen4_exp", ["qwen4_exp"], Qwen4ExpConfig, state_module, synthetic.build, steerable=True
+)
 turbospark_family = common.turbospark_family
 turbospark_pool_capability = common.turbospark_pool_capability
 turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
@@ -52,6 +55,7 @@ def turbospark_forward(
     state: State,
     vision: VisionMap | None,
     logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
     if state_position(state) != start:
         # The n-gram context and conv tail only continue from where they stopped.
@@ -59,5 +63,5 @@ def turbospark_forward(
             f"qwen4_exp state is at position {state_position(state)}, asked to write at {start}; "
             "rewind or reset the session first"
         )
-    hidden = model(tokens, start, state, vision)  # (L, hidden)
+    hidden = model(tokens, start, state, vision, steer)  # (L, hidden)
     return logits_for(hidden, model.head, logits)

@@ -71,6 +71,7 @@ def _feed(
             state=state,
             vision=None,
             logits="all",
+            steer=None,
         )
         assert out.shape == (size, arch.vocab_size) and out.dtype == mx.float32
         start += size
@@ -114,7 +115,7 @@ def test_last_and_none_modes(install: tuple[Path, np.ndarray, list[int]]) -> Non
     arch, model = _ours(path)
     hook = _hook()
     state = hook.turbospark_new_state(arch=arch, model=model, context_length=256)
-    args = {"model": model, "state": state, "vision": None}
+    args = {"model": model, "state": state, "vision": None, "steer": None}
     assert (
         hook.turbospark_forward(tokens=mx.array(prompt[:40]), start=0, logits="none", **args)
         is None

@@ -39,6 +39,7 @@ def _run(path: Path, vision: VisionMap | None) -> np.ndarray:
             state=state,
             vision=vision,
             logits="all",
+            steer=None,
         )
         rows.append(np.array(out))
         start += len(piece)

@@ -37,7 +37,13 @@ def _fresh(loaded: tuple[Any, Any, Any]) -> State:
 def _feed(loaded: tuple[Any, Any, Any], state: State, tokens: list[int], start: int) -> np.ndarray:
     hook, _, model = loaded
     out = hook.turbospark_forward(
-        model=model, tokens=mx.array(tokens), start=start, state=state, vision=None, logits="all"
+        model=model,
+        tokens=mx.array(tokens),
+        start=start,
+        state=state,
+        vision=None,
+        logits="all",
+        steer=None,
     )
     return np.array(out)
 

@@ -36,6 +36,7 @@ from turbospark.layers.attention import cached_attention
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
 from turbospark.state import KVComponent, LayerKV, State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 
 
@@ -340,10 +341,12 @@ class QwenGdn(nn.Module):
         offset: int | mx.array,
         state: State,
         vision: VisionMap | None = None,
+        steer: LayerHook | None = None,
     ) -> mx.array:
         """Advance *state* over ``tokens`` ``(B, L)``, row ``i`` from position
         ``offset`` (an int for one session, ``(B,)`` for a batch); returns the
-        final-normed hidden states ``(B, L, hidden)``. Every component advances by L."""
+        final-normed hidden states ``(B, L, hidden)``. Every component advances by L.
+        *steer* sees each layer's output (after the MLP's residual join); None adds no op."""
         length = tokens.shape[1]
         h = self.model.embed_tokens(tokens)  # (B, L, hidden)
         positions = None
@@ -352,8 +355,10 @@ class QwenGdn(nn.Module):
             h = vision.inject(h[0], offset)[None]
             positions = vision.rope_positions(offset, length)  # (3, L)
         kv, gdn = state["kv"], state["gdn"]
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             h = layer(h, kv, gdn, self._rope, offset, positions)
+            if steer is not None:
+                h = steer(i, h)
         kv.advance(length)
         gdn.advance(length)
         return self.model.norm(h)

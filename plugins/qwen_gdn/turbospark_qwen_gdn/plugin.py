@@ -10,6 +10,7 @@ from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
 from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State
+from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_qwen_gdn import state as state_module
 from turbospark_qwen_gdn import synthetic
@@ -18,7 +19,12 @@ from turbospark_qwen_gdn.state import new_state
 
 # Checkpoints (and mlx-lm) use "qwen3_5"; transformers writes "qwen3_5_text" too.
 common = CommonHooks(
-    "qwen_gdn", ["qwen3_5", "qwen3_5_text"], QwenGdnConfig, state_module, synthetic.build
+    "qwen_gdn",
+    ["qwen3_5", "qwen3_5_text"],
+    QwenGdnConfig,
+    state_module,
+    synthetic.build,
+    steerable=True,
 )
 turbospark_family = common.turbospark_family
 turbospark_pool_capability = common.turbospark_pool_capability
@@ -54,14 +60,20 @@ def turbospark_forward(
     state: State,
     vision: VisionMap | None,
     logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
-    hidden = model(tokens[None], start, state, vision)[0]  # (L, hidden)
+    hidden = model(tokens[None], start, state, vision, steer)[0]  # (L, hidden)
     return logits_for(hidden, model.head, logits)
 
 
 @hookimpl
 def turbospark_forward_batch(
-    model: nn.Module, tokens: mx.array, positions: list[int], state: State, logits: LogitsWanted
+    model: nn.Module,
+    tokens: mx.array,
+    positions: list[int],
+    state: State,
+    logits: LogitsWanted,
+    steer: LayerHook | None,
 ) -> mx.array | None:
-    hidden = model(tokens, mx.array(positions), state)  # (B, L, hidden)
+    hidden = model(tokens, mx.array(positions), state, None, steer)  # (B, L, hidden)
     return batch_logits_for(hidden, model.head, logits)

@@ -1,0 +1,366 @@
+"""Activation steering: a control vector applied to each layer's output.
+
+The original runtime (and llama.cpp's ``--control-vector``) steers the residual
+stream after every layer's feed-forward join. Families call one hook there,
+``h = steer(layer, h)``, only when a :class:`Steer` is passed, so a forward
+without steering runs no extra op at all.
+
+Layer numbering is llama.cpp's: ``direction.{k}`` of a control-vector file is
+applied to the output of block ``k`` (0-based), so block 0 is never steered and
+the valid layers of an ``n``-layer model are ``1 .. n-1``
+(``llama_adapter_cvec::apply`` stores no data for layer 0).
+
+Modes, for a layer's output ``h`` and direction ``v`` (``u = v / |v|``), scale ``s``:
+
+- ``add``: ``h + s v`` (llama.cpp's behaviour; ``v`` is not normalised);
+- ``ablate``: ``h - (h . u) u``, the component along ``v`` removed (``s`` unused);
+- ``clamp``: ``h - ((h . u) - s) u``, the component along ``v`` set to ``s``;
+- ``renorm``: ``h' = h + s v``, then ``h' |h| / |h'|``, so the norm is kept.
+
+One :class:`Steer` steers every row of a batch with that row's own setting
+(or none), and a lone session is a batch of one, so a row computes the same
+ops whether it runs alone or beside others.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, get_args
+
+import mlx.core as mx
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from turbospark.errors import InvalidInput
+
+Mode = Literal["add", "ablate", "clamp", "renorm"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+
+class LayerHook(Protocol):
+    """What a steerable family calls at each layer's output: ``h`` is ``(B, L, hidden)``."""
+
+    def __call__(self, layer: int, h: mx.array) -> mx.array: ...
+
+
+class SteeringPolicy(BaseModel):
+    """A validated steering setting: a control vector (per-layer directions),
+    its mode, scale and layer range. ``off()`` steers nothing.
+
+    Part of a session's identity (:attr:`identity`): state built under one
+    setting is never reused under another (SEMANTICS.md)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    mode: Literal["off", "add", "ablate", "clamp", "renorm"] = "off"
+    scale: float = 1.0
+    layers: tuple[int, int] | None = Field(
+        default=None, description="inclusive S:E in llama.cpp's numbering; None = every layer"
+    )
+    sources: tuple[str, ...] = Field(default=(), description="the files the directions came from")
+    # llama.cpp layer index -> float32 (hidden,) direction (several files summed).
+    directions: dict[int, np.ndarray] = Field(default_factory=dict, exclude=True, repr=False)
+    digest: str = Field(default="", description="sha256 of the directions")
+
+    @classmethod
+    def off(cls) -> SteeringPolicy:
+        return cls()
+
+    @classmethod
+    def from_gguf(
+        cls,
+        path: str | Path | Sequence[str | Path],
+        scale: float = 1.0,
+        mode: str = "add",
+        layers: tuple[int, int] | str | None = None,
+    ) -> SteeringPolicy:
+        """Read llama.cpp control-vector file(s); several are summed, as llama.cpp does."""
+        from turbospark.control_vectors import read_control_vector
+
+        paths = [path] if isinstance(path, str | Path) else list(path)
+        if not paths:
+            raise InvalidInput("no control-vector file given; pass --steering FILE")
+        _check_settings(scale, mode)
+        span = parse_layers(layers)
+        summed: dict[int, np.ndarray] = {}
+        for one in paths:
+            for layer, vector in read_control_vector(Path(one)).items():
+                if summed and len(vector) != len(next(iter(summed.values()))):
+                    raise InvalidInput(
+                        f"{one}: its directions have {len(vector)} values, the other files' "
+                        f"{len(next(iter(summed.values())))}; combine vectors made for one model"
+                    )
+                summed[layer] = summed.get(layer, 0) + vector
+        return cls.from_directions(summed, scale, mode, span, tuple(str(p) for p in paths))
+
+    @classmethod
+    def from_directions(
+        cls,
+        directions: Mapping[int, np.ndarray],
+        scale: float = 1.0,
+        mode: str = "add",
+        layers: tuple[int, int] | str | None = None,
+        sources: tuple[str, ...] = (),
+    ) -> SteeringPolicy:
+        """A policy from in-memory directions keyed by llama.cpp layer index."""
+        _check_settings(scale, mode)
+        span = parse_layers(layers)
+        clean = {}
+        for layer, vector in sorted(directions.items()):
+            array = np.asarray(vector, dtype=np.float32).reshape(-1)
+            if layer < 1:
+                raise InvalidInput(
+                    f"direction.{layer}: control-vector layers are numbered from 1 (llama.cpp); "
+                    "rename the tensor"
+                )
+            if not np.isfinite(array).all():
+                raise InvalidInput(
+                    f"direction.{layer} holds a non-finite value (nan or inf); rebuild the vector"
+                )
+            clean[layer] = array
+        if not clean:
+            raise InvalidInput("the control vector has no direction.N tensor; rebuild the vector")
+        digest = hashlib.sha256()
+        for layer, array in clean.items():
+            digest.update(f"{layer}:".encode() + array.tobytes())
+        return cls(
+            mode=mode,
+            scale=float(scale),
+            layers=span,
+            sources=sources,
+            directions=clean,
+            digest=digest.hexdigest(),
+        )
+
+    def with_settings(
+        self,
+        scale: float | None = None,
+        mode: str | None = None,
+        layers: tuple[int, int] | str | None = None,
+    ) -> SteeringPolicy:
+        """The same vector under other settings (a request's override); validated."""
+        if self.mode == "off":
+            raise InvalidInput(
+                "a steering override needs a control vector; serve with --steering FILE"
+            )
+        return SteeringPolicy.from_directions(
+            self.directions,
+            self.scale if scale is None else scale,
+            self.mode if mode is None else mode,
+            self.layers if layers is None else layers,
+            self.sources,
+        )
+
+    @property
+    def identity(self) -> str | None:
+        """What makes two settings steer alike; None while off."""
+        if self.mode == "off":
+            return None
+        return json.dumps(
+            {"mode": self.mode, "scale": self.scale, "layers": self.layers, "sha256": self.digest}
+        )
+
+    def describe(self) -> str:
+        """One line for people (the sessions view, refusals)."""
+        if self.mode == "off":
+            return "off"
+        span = "all layers" if self.layers is None else f"layers {self.layers[0]}:{self.layers[1]}"
+        return f"{self.mode} x{self.scale:g} ({span}, vector {self.digest[:12]})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SteeringPolicy) and self.identity == other.identity
+
+    def __hash__(self) -> int:
+        return hash(self.identity)
+
+    def check_model(self, family: str, steerable: bool, hidden_size: int, num_layers: int) -> None:
+        """Refuse a setting this model cannot take, by name; nothing changes on refusal."""
+        if self.mode == "off":
+            return
+        if not steerable:
+            raise InvalidInput(cannot_steer(family))
+        width = len(next(iter(self.directions.values())))
+        if width != hidden_size:
+            raise InvalidInput(
+                f"the control vector has {width} values per layer but the model's hidden size "
+                f"is {hidden_size}; use a vector made for this model"
+            )
+        top = num_layers - 1
+        beyond = [k for k in self.directions if k > top]
+        if beyond:
+            raise InvalidInput(
+                f"the control vector has direction.{max(beyond)} but this model's steerable "
+                f"layers are 1..{top}; use a vector made for this model"
+            )
+        if self.layers is not None and self.layers[1] > top:
+            raise InvalidInput(
+                f"--steering-layers {self.layers[0]}:{self.layers[1]} is outside the model; "
+                f"its steerable layers are 1..{top}"
+            )
+
+    def covered(self) -> dict[int, np.ndarray]:
+        """The directions this setting applies: inside the layer range and non-zero
+        (a zero direction has no axis to ablate, clamp or renormalise along)."""
+        low, high = self.layers or (1, max(self.directions, default=0))
+        return {k: v for k, v in self.directions.items() if low <= k <= high and np.any(v != 0)}
+
+
+def cannot_steer(family: str) -> str:
+    return (
+        f"family '{family}' cannot steer: its forward does not apply steering at each "
+        "layer's output (its FamilySpec is not steerable); run without --steering"
+    )
+
+
+def parse_layers(layers: tuple[int, int] | str | None) -> tuple[int, int] | None:
+    """``"S:E"`` or ``(S, E)`` (inclusive, llama.cpp numbering from 1) -> a checked pair."""
+    if layers is None:
+        return None
+    if isinstance(layers, str):
+        text = layers
+        start, sep, end = text.partition(":")
+        if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+            raise InvalidInput(
+                f"steering layers {text!r} must be S:E (two integers, inclusive), e.g. 10:20"
+            )
+        layers = (int(start), int(end))
+    start, end = (int(x) for x in layers)
+    if not 1 <= start <= end:
+        raise InvalidInput(
+            f"steering layers {start}:{end} are outside any model: they are numbered from 1 "
+            "(llama.cpp) and S must not exceed E"
+        )
+    return start, end
+
+
+def _check_settings(scale: float, mode: str) -> None:
+    if mode not in MODES:
+        raise InvalidInput(f"unknown steering mode {mode!r}; use one of {', '.join(MODES)}")
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise InvalidInput(f"steering scale {scale!r} must be a finite number, e.g. 0.5")
+
+
+@dataclass(frozen=True)
+class _LayerSteer:
+    """One layer's per-row arrays (``B`` rows, broadcast over ``(B, L, hidden)``):
+    ``u`` unit directions, ``a`` 1 where the component along ``u`` is replaced,
+    ``t`` what it is replaced by, ``w`` the added vector, ``r`` renormalising
+    rows. A row without steering has zeros everywhere, which is exact identity.
+    An array is None when no row needs it, so its ops are never built."""
+
+    u: mx.array | None  # (B, 1, hidden)
+    a: mx.array | None  # (B, 1, 1)
+    t: mx.array | None  # (B, 1, 1)
+    w: mx.array | None  # (B, 1, hidden)
+    r: mx.array | None  # (B, 1, 1) bool; None when every row renormalises or none does
+    renorm: bool
+
+    def __call__(self, h: mx.array) -> mx.array:
+        if self.u is None and not self.renorm:
+            return h if self.w is None else h + self.w  # add: one op, nothing to fuse
+        arrays = [a for a in (self.u, self.t, self.a, self.w, self.r) if a is not None]
+        flags = tuple(a is not None for a in (self.u, self.t, self.a, self.w, self.r))
+        return _kernel(*flags, self.renorm)(h, *arrays)
+
+
+@functools.cache
+def _kernel(
+    projects: bool, clamps: bool, scales: bool, adds: bool, masked: bool, renorm: bool
+) -> Callable[..., mx.array]:
+    """One layer's steering as a single compiled function (its elementwise ops
+    fused, so ``ablate``/``clamp``/``renorm`` cost about what ``add`` does); one
+    per combination of the arrays a :class:`_LayerSteer` holds."""
+
+    def apply(h: mx.array, *arrays: mx.array) -> mx.array:
+        given = iter(arrays)
+        u, t, a, w, r = (
+            next(given) if f else None for f in (projects, clamps, scales, adds, masked)
+        )
+        out = h
+        if u is not None:
+            along = (h * u).sum(axis=-1, keepdims=True)  # (B, L, 1)
+            if t is not None:
+                along = along - t
+            if a is not None:
+                along = a * along
+            out = out - along * u
+        if w is not None:
+            out = out + w
+        if renorm:
+            ratio = (h * h).sum(axis=-1, keepdims=True) / (out * out).sum(axis=-1, keepdims=True)
+            kept = out * mx.sqrt(ratio)
+            out = kept if r is None else mx.where(r, kept, out)
+        return out
+
+    return mx.compile(apply)
+
+
+class Steer:
+    """Compiled steering for ``B`` rows: ``steer(layer, h)`` is the hook families call.
+
+    Build with :meth:`of` from each row's :class:`SteeringPolicy` (``None`` or
+    ``off`` for a row that is not steered); it returns None when no row steers,
+    and then the families' forwards run exactly as without steering."""
+
+    def __init__(self, layers: dict[int, _LayerSteer]) -> None:
+        self.layers = layers
+
+    def __call__(self, layer: int, h: mx.array) -> mx.array:
+        entry = self.layers.get(layer)
+        return h if entry is None else entry(h)
+
+    @classmethod
+    def of(cls, rows: Sequence[SteeringPolicy | None], dtype: mx.Dtype) -> Steer | None:
+        covered = [{} if p is None or p.mode == "off" else p.covered() for p in rows]
+        modes = [None if p is None else p.mode for p in rows]
+        every = sorted({k for c in covered for k in c})
+        if not every:
+            return None
+        width = len(next(v for c in covered for v in c.values()))
+        layers = {}
+        for k in every:
+            u = np.zeros((len(rows), 1, width), np.float32)
+            w = np.zeros_like(u)
+            a = np.zeros((len(rows), 1, 1), np.float32)
+            t = np.zeros_like(a)
+            r = np.zeros((len(rows), 1, 1), bool)
+            for i, policy in enumerate(rows):
+                v = covered[i].get(k)
+                if v is None:
+                    continue
+                s, mode = policy.scale, modes[i]
+                if mode in ("add", "renorm"):
+                    w[i, 0] = s * v
+                    r[i] = mode == "renorm"
+                else:
+                    u[i, 0] = v / np.linalg.norm(v)
+                    a[i] = 1.0
+                    t[i] = s if mode == "clamp" else 0.0
+            projects = bool(a.any())
+            layers[k] = _LayerSteer(
+                u=mx.array(u, dtype=dtype) if projects else None,
+                a=None if not projects or a.all() else mx.array(a, dtype=dtype),
+                t=mx.array(t, dtype=dtype) if t.any() else None,
+                w=mx.array(w, dtype=dtype) if w.any() else None,
+                r=None if r.all() or not r.any() else mx.array(r),
+                renorm=bool(r.any()),
+            )
+        return cls(layers)
+
+
+class LastTokenRecorder:
+    """A :class:`LayerHook` that changes nothing and keeps the last token's
+    hidden state at every layer's output (what ``steer extract`` reads)."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, mx.array] = {}
+
+    def __call__(self, layer: int, h: mx.array) -> mx.array:
+        self.states[layer] = h[0, -1]  # (hidden,)
+        return h
