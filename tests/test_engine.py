@@ -263,10 +263,10 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request,
     real = runner.forward_batch
     prefills: list[tuple[int, int]] = []
 
-    def spy(tokens, positions, state):
+    def spy(tokens, positions, state, steer=None):
         if tokens.shape[1] > 1:  # decode steps feed one token a row
             prefills.append(tuple(tokens.shape))
-        return real(tokens, positions, state)
+        return real(tokens, positions, state, steer)
 
     monkeypatch.setattr(runner, "forward_batch", spy)
     config = GenerationConfig(max_tokens=5, temperature=0.0, stop_token_ids=[])
@@ -327,11 +327,11 @@ def test_a_failed_batched_prefill_changes_no_session_and_the_rows_go_on_alone(
     real = runner.forward_batch
     raised = []
 
-    def flaky(tokens, positions, state):
+    def flaky(tokens, positions, state, steer=None):
         if tokens.shape[1] > 1 and not raised:
             raised.append(tuple(tokens.shape))
             raise RuntimeError("a plugin failed mid-prefill")
-        return real(tokens, positions, state)
+        return real(tokens, positions, state, steer)
 
     monkeypatch.setattr(runner, "forward_batch", flaky)
     config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[])
@@ -353,10 +353,10 @@ def test_a_prefill_group_takes_as_many_prompts_as_fit_in_the_budget(gemma4_insta
     real = runner.forward_batch
     prefills: list[tuple[int, int]] = []
 
-    def spy(tokens, positions, state):
+    def spy(tokens, positions, state, steer=None):
         if tokens.shape[1] > 1:
             prefills.append(tuple(tokens.shape))
-        return real(tokens, positions, state)
+        return real(tokens, positions, state, steer)
 
     monkeypatch.setattr(runner, "forward_batch", spy)
     config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
