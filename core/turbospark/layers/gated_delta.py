@@ -261,6 +261,13 @@ def _expand_heads(q: mx.array, k: mx.array, value_heads: int) -> tuple[mx.array,
 # -- the layer ------------------------------------------------------------------
 
 
+@partial(mx.compile, shapeless=True)
+def gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """RMSNorm over ``Dv`` then ``* silu(gate)`` in float32, one fused kernel after the norm."""
+    normed = mx.fast.rms_norm(x, weight, eps)
+    return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(x.dtype)
+
+
 class RMSNormGated(nn.Module):
     """RMSNorm over ``Dv`` then ``* silu(z)`` in float32 (the output gate)."""
 
@@ -270,8 +277,7 @@ class RMSNormGated(nn.Module):
         self.weight = mx.ones((dims,))
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x, self.weight, self.eps)
-        return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -323,28 +329,84 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(dims.value_dim, dims.hidden_size, bias=False)
 
     def __call__(self, x: mx.array, state: GDNComponent, index: int) -> mx.array:
-        """``x`` ``(1, L, hidden)``; reads and replaces layer ``index`` of ``state``."""
+        """``x`` ``(B, L, hidden)``; reads and replaces layer ``index`` of ``state``.
+
+        The projections run here (any ``nn.Linear`` kind); everything between them
+        is :func:`mix`, compiled for decode (``L = 1``) into a handful of kernels."""
         d = self.dims
         batch, length, _ = x.shape
         tail, recurrent = state.layer(index)
-        mixed, tail = causal_conv_with_tail(self.in_proj_qkv(x), tail, self.conv1d.weight)
-        mixed = nn.silu(mixed)
-        q, k, v = mx.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
-        q = q.reshape(batch, length, d.num_key_heads, d.key_head_dim)
-        k = k.reshape(batch, length, d.num_key_heads, d.key_head_dim)
-        v = v.reshape(batch, length, d.num_value_heads, d.value_head_dim)
-        q, k = normalize_qk(q, k)
+        if tail is None:
+            tail = mx.zeros((batch, d.conv_kernel - 1, d.conv_dim), dtype=x.dtype)
         if recurrent is None:
             recurrent = mx.zeros(
                 (batch, d.num_value_heads, d.value_head_dim, d.key_head_dim), dtype=mx.float32
             )
-        log_g = log_decay(self.A_log, self.in_proj_a(x), self.dt_bias)  # (1, L, Hv)
-        beta = mx.sigmoid(self.in_proj_b(x))
-        out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
+        mixer = mix_step if length == 1 else mix
+        out, tail, recurrent = mixer(
+            self.in_proj_qkv(x),
+            self.in_proj_z(x),
+            self.in_proj_a(x),
+            self.in_proj_b(x),
+            tail,
+            recurrent,
+            self.conv1d.weight,
+            self.A_log,
+            self.dt_bias,
+            self.norm.weight,
+            d.num_key_heads,
+            d.num_value_heads,
+            d.key_head_dim,
+            d.value_head_dim,
+            d.eps,
+        )
         state.set_layer(index, tail, recurrent)
-        z = self.in_proj_z(x).reshape(batch, length, d.num_value_heads, d.value_head_dim)
-        out = self.norm(out, z)  # (1, L, Hv, Dv)
-        return self.out_proj(out.reshape(batch, length, d.value_dim))
+        return self.out_proj(out)
+
+
+def mix(
+    qkv: mx.array,
+    z: mx.array,
+    a: mx.array,
+    b: mx.array,
+    tail: mx.array,
+    recurrent: mx.array,
+    conv_weight: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_weight: mx.array,
+    key_heads: int,
+    value_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+    eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The layer between its projections: causal conv, SiLU, l2-normalised q/k,
+    gates, the gated delta rule and the gated norm. Inputs are the projections
+    ``(B, L, ·)`` and the layer's conv tail and recurrent state; returns the
+    ``(B, L, value_dim)`` input of ``out_proj``, the new tail and the new state.
+
+    A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
+    batch, length, _ = qkv.shape
+    key_dim = key_heads * key_head_dim
+    mixed, tail = causal_conv_with_tail(qkv, tail, conv_weight)
+    mixed = nn.silu(mixed)
+    q, k, v = mx.split(mixed, [key_dim, 2 * key_dim], axis=-1)
+    q = q.reshape(batch, length, key_heads, key_head_dim)
+    k = k.reshape(batch, length, key_heads, key_head_dim)
+    v = v.reshape(batch, length, value_heads, value_head_dim)
+    q, k = normalize_qk(q, k)
+    log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
+    beta = mx.sigmoid(b)
+    out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
+    z = z.reshape(batch, length, value_heads, value_head_dim)
+    out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
+    return out.reshape(batch, length, value_heads * value_head_dim), tail, recurrent
+
+
+# One token per row: no Python loop and no CPU-stream inverse, so the whole of
+# :func:`mix` compiles; MLX traces it once per batch size and dtype.
+mix_step = mx.compile(mix)
 
 
 # -- the state ------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention, shared_attention
+from turbospark.layers.fused import geglu, residual_scale, softcap
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
@@ -281,10 +282,6 @@ def sanitize(weights: dict[str, mx.array], arch: Gemma4Config) -> dict[str, mx.a
 # -- blocks -------------------------------------------------------------------
 
 
-def geglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * up
-
-
 Attended = tuple[mx.array, mx.array, mx.array | str | None]
 
 
@@ -431,12 +428,14 @@ class DecoderLayer(nn.Module):
             ff = dense + self.post_feedforward_layernorm_2(sparse)
         else:
             ff = self.mlp(self.pre_feedforward_layernorm(h))
-        h = h + self.post_feedforward_layernorm(ff)
+        ff = self.post_feedforward_layernorm(ff)
+        if not self.ple:
+            return residual_scale(h, ff, self.layer_scalar), attended
 
-        if self.ple:
-            gate = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return h * self.layer_scalar, attended
+        h = h + ff
+        gate = geglu(self.per_layer_input_gate(h), per_layer_input)
+        ple = self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return residual_scale(h, ple, self.layer_scalar), attended
 
 
 def _last_query(attended: Attended) -> Attended:
@@ -549,4 +548,4 @@ class Gemma4(nn.Module):
         else:
             logits = self.lm_head(hidden)
         cap = self.arch.final_logit_softcapping
-        return logits if cap is None else mx.tanh(logits / cap) * cap
+        return logits if cap is None else softcap(logits, cap)

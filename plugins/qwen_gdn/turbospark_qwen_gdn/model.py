@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention
+from turbospark.layers.fused import sigmoid_gate
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
 from turbospark.state import KVComponent, LayerKV, State
@@ -276,7 +277,7 @@ class GatedAttention(nn.Module):
         keys = rope(keys, offset, positions)
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # (B, L, heads * dim)
-        return self.o_proj(out * mx.sigmoid(gate))
+        return self.o_proj(sigmoid_gate(out, gate))
 
 
 class DecoderLayer(nn.Module):
