@@ -331,8 +331,7 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, state: GDNComponent, index: int) -> mx.array:
         """``x`` ``(B, L, hidden)``; reads and replaces layer ``index`` of ``state``.
 
-        The projections run here (any ``nn.Linear`` kind); everything between them
-        is :func:`mix`, compiled for decode (``L = 1``) into a handful of kernels."""
+        Everything is :func:`mix`, compiled for decode (``L = 1``)."""
         d = self.dims
         batch, length, _ = x.shape
         tail, recurrent = state.layer(index)
@@ -344,10 +343,14 @@ class GatedDeltaNet(nn.Module):
             )
         mixer = mix_step if length == 1 else mix
         out, tail, recurrent = mixer(
-            self.in_proj_qkv(x),
-            self.in_proj_z(x),
-            self.in_proj_a(x),
-            self.in_proj_b(x),
+            x,
+            (
+                self.in_proj_qkv.weight,
+                self.in_proj_z.weight,
+                self.in_proj_a.weight,
+                self.in_proj_b.weight,
+                self.out_proj.weight,
+            ),
             tail,
             recurrent,
             self.conv1d.weight,
@@ -361,14 +364,12 @@ class GatedDeltaNet(nn.Module):
             d.eps,
         )
         state.set_layer(index, tail, recurrent)
-        return self.out_proj(out)
+        return out
 
 
 def mix(
-    qkv: mx.array,
-    z: mx.array,
-    a: mx.array,
-    b: mx.array,
+    x: mx.array,
+    projections: tuple[mx.array, mx.array, mx.array, mx.array, mx.array],
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -381,27 +382,29 @@ def mix(
     value_head_dim: int,
     eps: float,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """The layer between its projections: causal conv, SiLU, l2-normalised q/k,
-    gates, the gated delta rule and the gated norm. Inputs are the projections
-    ``(B, L, ·)`` and the layer's conv tail and recurrent state; returns the
-    ``(B, L, value_dim)`` input of ``out_proj``, the new tail and the new state.
+    """The layer on ``x`` ``(B, L, hidden)``: the input projections (weights
+    ``in_proj_qkv/z/a/b`` and ``out_proj``; ``nn.Linear`` is ``x @ w.T``), causal
+    conv continuing from *tail*, SiLU, l2-normalised q/k, gates, the gated delta
+    rule from *recurrent*, the gated norm and the output projection. Returns
+    the ``(B, L, hidden)`` output, the new tail and the new state.
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
-    batch, length, _ = qkv.shape
+    qkv_w, z_w, a_w, b_w, out_w = projections
+    batch, length, _ = x.shape
     key_dim = key_heads * key_head_dim
-    mixed, tail = causal_conv_with_tail(qkv, tail, conv_weight)
+    mixed, tail = causal_conv_with_tail(x @ qkv_w.T, tail, conv_weight)
     mixed = nn.silu(mixed)
     q, k, v = mx.split(mixed, [key_dim, 2 * key_dim], axis=-1)
     q = q.reshape(batch, length, key_heads, key_head_dim)
     k = k.reshape(batch, length, key_heads, key_head_dim)
     v = v.reshape(batch, length, value_heads, value_head_dim)
     q, k = normalize_qk(q, k)
-    log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
-    beta = mx.sigmoid(b)
+    log_g = log_decay(A_log, x @ a_w.T, dt_bias)  # (B, L, Hv)
+    beta = mx.sigmoid(x @ b_w.T)
     out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
-    z = z.reshape(batch, length, value_heads, value_head_dim)
+    z = (x @ z_w.T).reshape(batch, length, value_heads, value_head_dim)
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
-    return out.reshape(batch, length, value_heads * value_head_dim), tail, recurrent
+    return out.reshape(batch, length, value_heads * value_head_dim) @ out_w.T, tail, recurrent
 
 
 # One token per row: no Python loop and no CPU-stream inverse, so the whole of
