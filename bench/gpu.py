@@ -9,7 +9,7 @@ A device lease is short and a killed process prints nothing, so unlike
 compilation off (the uncompiled decode step), the fraction of the bandwidth
 roofline each reaches and each step's graph size and host time
 (:mod:`bench.decode_cost`). ``--profile`` also writes a cProfile of our
-decode loop to ``OUT_DIR/profile-FAMILY.txt``.
+decode loop into ``OUT_DIR``, one text file per family.
 """
 
 from __future__ import annotations
