@@ -5,7 +5,8 @@ gated-DeltaNet step, the per-layer feed-forward halves) claims to compute the
 uncompiled expression op for op. ``mx.disable_compile()`` runs exactly that
 expression, so each test runs the same request both ways: one row through
 ``stream_generate`` (its pipelined loop), and a batch through the family's
-batched forward at several batch sizes (each traced once). Float32 on CPU.
+batched forward at several batch sizes (each traced once). A last test checks
+that decode steps after the first do not trace again. Float32 on CPU.
 """
 
 from __future__ import annotations
@@ -122,3 +123,44 @@ def test_batched_decode_same_tokens_compiled_or_not(family_install: Path, rows: 
     for step, (a, b) in enumerate(zip(compiled, plain, strict=True)):
         assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1)).item(), step
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), f"step {step} differs"
+
+
+# A name each compiled decode function looks up only while tracing: counting its
+# calls counts the traces (prefill, uncompiled, calls it too, so none runs here).
+TRACED = {
+    "gemma4": [("turbospark_gemma4.model", "layer_end")],
+    "qwen_gdn": [
+        ("turbospark_qwen_gdn.model", "swiglu"),
+        ("turbospark.layers.gated_delta", "gated_delta"),
+    ],
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decode_steps_do_not_retrace(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After one step at a batch size, later steps (new positions, a KV buffer
+    that grows past its block, a window that slides) reuse the trace. Dense
+    layers only: Gemma's MoE layers call ``layer_end`` uncompiled."""
+    import importlib
+
+    dims = {**FAMILIES[family], "num_experts": 0} if family == "gemma4" else FAMILIES[family]
+    build_synthetic_install(family, tmp_path, vocab_size=128, model_id="retrace", **dims)
+    runner = Runner.open(tmp_path, context_length=400)
+    runner.prefill_chunk([3 + i % 120 for i in range(249)], 0)
+    position = 250
+    mx.eval(runner.produce(5, position - 1))
+    calls = {"n": 0}
+    for module_name, name in TRACED[family]:
+        module = importlib.import_module(module_name)
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, **kwargs):
+            calls["n"] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    for step in range(12):  # crosses the 256-row KV block boundary
+        mx.eval(runner.produce(7 + step, position + step))
+    assert calls["n"] == 0
