@@ -9,6 +9,11 @@ it. That loop is what a forward costs with nothing hidden by pipelining.
 Each library's own generation loop is timed too (``mlx_lm.generate.generate_step``
 against :func:`turbospark.generate.stream_generate`): both overlap the next
 forward with the host work of the current token via ``mx.async_eval``.
+
+With *uncompiled*, our two loops run again with ``mx.disable_compile()`` (the
+decode step's plain expressions: the "before" of the compiled step), and
+with *cost* each engine's decode is put against the bandwidth roofline and
+its step's graph size and host time are measured (:mod:`bench.decode_cost`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from bench.common import interleaved, median_of, random_tokens
+from bench.decode_cost import compile_off, copy_bandwidth, decode_cost, weights_read_per_token
 from turbospark.generate import GenerationConfig, stream_generate
 from turbospark.runner import Runner
 from turbospark.text import load_text
@@ -110,6 +116,14 @@ def _theirs_generate(
     return run
 
 
+def _uncompiled(run: Callable[[], Sample]) -> Callable[[], Sample]:
+    def wrapped() -> Sample:
+        with compile_off():
+            return run()
+
+    return wrapped
+
+
 def bench_forward(
     path: Path,
     *,
@@ -118,6 +132,8 @@ def bench_forward(
     chunk: int,
     reps: int,
     library_loops: bool,
+    uncompiled: bool = False,
+    cost: bool = False,
 ) -> dict[str, Any]:
     """Prefill and decode tok/s of both engines on *path*, medians over *reps*
     interleaved repetitions (after one warm-up each); ratios are ours ÷ theirs."""
@@ -131,6 +147,9 @@ def bench_forward(
     if library_loops:
         engines["ours_generate"] = _ours_generate(runner, path, prompt, decode_tokens, chunk)
         engines["mlx_lm_generate_step"] = _theirs_generate(model, prompt, decode_tokens, chunk)
+    if uncompiled:
+        for name in [n for n in engines if n.startswith("ours")]:
+            engines[f"{name}_uncompiled"] = _uncompiled(engines[name])
     samples = interleaved(engines, reps)
     rates: dict[str, dict[str, float]] = {}
     for name, rows in samples.items():
@@ -148,6 +167,21 @@ def bench_forward(
         / rates["mlx_lm"]["prefill_tok_s"],
         "decode_ratio_vs_mlx_lm": rates["ours"]["decode_tok_s"] / rates["mlx_lm"]["decode_tok_s"],
     }
+    if cost:
+        arch = runner.arch
+        tied = (
+            runner.model.model.embed_tokens if getattr(arch, "tie_word_embeddings", False) else None
+        )
+        weights = weights_read_per_token(runner.model, tied)
+        bandwidth = copy_bandwidth(1024 if mx.default_device() == mx.gpu else 256)
+        roofline = bandwidth / weights
+        result["roofline"] = {
+            "weights_bytes_per_token": weights,
+            "copy_bytes_per_s": bandwidth,
+            "roofline_tok_s": roofline,
+            "fraction": {name: r["decode_tok_s"] / roofline for name, r in rates.items()},
+        }
+        result["step_cost"] = decode_cost(runner, model, prompt)
     if library_loops:
         ours, theirs = rates["ours_generate"], rates["mlx_lm_generate_step"]
         result["generate_decode_ratio_vs_mlx_lm"] = ours["decode_tok_s"] / theirs["decode_tok_s"]

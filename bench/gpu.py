@@ -3,10 +3,15 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts|steering]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts|steering] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family). ``experts`` runs
 for gemma4 only, on the ``moe_large`` install (``--size`` is for the other pieces).
+``forward`` times both engines' hand loops and library loops, ours again with
+compilation off (the uncompiled decode step), the fraction of the bandwidth
+roofline each reaches and each step's graph size and host time
+(:mod:`bench.decode_cost`). ``--profile`` also writes a cProfile of our
+decode loop into ``OUT_DIR``, one text file per family.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import install, machine
+from bench.common import install, machine, random_tokens
 from bench.concurrency import bench_concurrency
 from bench.constrain import bench_constrain
+from bench.decode_cost import profile_decode
 from bench.draft import bench_draft
 from bench.experts import bench_experts
 from bench.forward import bench_forward
@@ -31,6 +37,7 @@ from bench.run import GPU
 from bench.serving import bench_servers
 from bench.steering import bench_steering
 from bench.swap import bench_swap
+from turbospark.runner import Runner
 
 
 def main() -> None:
@@ -55,6 +62,7 @@ def main() -> None:
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench-cache"))
+    parser.add_argument("--profile", action="store_true", help="cProfile our decode loop too")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sink = (args.out / "gpu.jsonl").open("a")
@@ -82,7 +90,15 @@ def main() -> None:
             if piece == "forward":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_forward(path, prompt_tokens=GPU.prompt_tokens, decode_tokens=GPU.decode_tokens,
-                                       chunk=GPU.chunk, reps=args.reps, library_loops=True)  # fmt: skip
+                                       chunk=GPU.chunk, reps=args.reps, library_loops=True,
+                                       uncompiled=True, cost=True)  # fmt: skip
+                if args.profile:
+                    runner = Runner.open(
+                        path, context_length=GPU.prompt_tokens + GPU.decode_tokens + 2
+                    )
+                    prompt = random_tokens(GPU.prompt_tokens, runner.vocab_size, seed=2)
+                    profile = profile_decode(runner, path, prompt, GPU.decode_tokens)
+                    (args.out / f"profile-{family}.txt").write_text(profile)
             elif piece == "draft":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_draft(path, GPU.draft_depths, GPU.draft_accuracies,

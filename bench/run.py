@@ -152,6 +152,8 @@ def run_family(
                 chunk=plan.chunk,
                 reps=plan.reps,
                 library_loops=plan.library_loops,
+                uncompiled=True,
+                cost=True,
             )
             for size in plan.forward_sizes
         }

@@ -55,12 +55,21 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
 def test_forward(bench: dict, family: str) -> None:
     out = bench["forward"].bench_forward(
-        bench[family], prompt_tokens=12, decode_tokens=3, chunk=8, reps=1, library_loops=True
-    )
+        bench[family], prompt_tokens=12, decode_tokens=3, chunk=8, reps=1, library_loops=True,
+        uncompiled=True, cost=True,
+    )  # fmt: skip
     assert out["prefill_ratio_vs_mlx_lm"] > 0 and out["decode_ratio_vs_mlx_lm"] > 0
-    for engine in ("ours", "mlx_lm", "ours_generate", "mlx_lm_generate_step"):
+    engines = ("ours", "mlx_lm", "ours_generate", "mlx_lm_generate_step", "ours_uncompiled",
+               "ours_generate_uncompiled")  # fmt: skip
+    for engine in engines:
         assert out["engines"][engine]["prefill_tok_s"] > 0
         assert out["engines"][engine]["decode_tok_s"] > 0
+        assert out["roofline"]["fraction"][engine] > 0
+    for engine in ("ours", "ours_uncompiled", "mlx_lm"):
+        cost = out["step_cost"][engine]
+        assert cost["host_us_per_step"] > 0 and 0 < cost["kernels"] <= cost["primitives"]
+    # Compiling fuses: fewer kernels per step than the same step uncompiled.
+    assert out["step_cost"]["ours"]["kernels"] < out["step_cost"]["ours_uncompiled"]["kernels"]
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])

@@ -202,10 +202,10 @@ def test_a_failing_row_fails_alone(gemma4_install, monkeypatch):
             raise RuntimeError("a plugin failed")
         return real_batch(tokens, positions, state, steer)
 
-    def poisoned_feed(session, tokens, start, logits=False):
+    def poisoned_feed(session, tokens, start, logits=False, then=None):
         if session.record.tokens[:5] == poisoned and start > len(poisoned):
             raise RuntimeError("this row's plugin state is broken")
-        return real_feed(session, tokens, start, logits)
+        return real_feed(session, tokens, start, logits, then)
 
     monkeypatch.setattr(runner, "forward_batch", flaky_batch)
     monkeypatch.setattr(runner, "feed", poisoned_feed)

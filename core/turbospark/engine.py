@@ -48,6 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, TypeVar
 
 import mlx.core as mx
@@ -660,9 +661,14 @@ class Engine:
         fed = not row.final
         try:
             if fed:
-                out = self.runner.feed(row.session, [row.pending], row.position, logits=True)
-                row.following = row.sampler(out, fed=row.pending)
-                mx.async_eval(row.following)
+                sample = partial(row.sampler, fed=row.pending)
+                if row.sampler.processors:
+                    # A processor may read the fed id on the host (a grammar): queue
+                    # the forward first so it runs while the host waits.
+                    row.following = sample(self.runner.feed(row.session, [row.pending], row.position, logits=True))  # fmt: skip
+                    mx.async_eval(row.following)
+                else:  # the forward and its sample queued together (stream_generate's order)
+                    row.following = self.runner.feed(row.session, [row.pending], row.position, logits=True, then=sample)  # fmt: skip
             token = int(row.pending.item())
         except Exception as exc:
             self._solo.remove(row)

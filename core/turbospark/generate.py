@@ -12,9 +12,10 @@ One request runs the caller contract of SEMANTICS.md, then decodes::
 
 Decoding is pipelined: the next token is queued with ``mx.async_eval`` before
 the last one is detokenised and yielded, so text work and the consumer overlap
-the next forward. That forward is even built from the still-lazy id (as
-mlx-lm's ``generate_step`` does), so graph building overlaps the previous
-step's compute; when the id turns out to be a stop, ``runner.take_back()``
+the next forward. That forward and its sample are even built from the
+still-lazy id and queued together (as mlx-lm's ``generate_step`` does), so
+graph building overlaps the previous step's compute and the only host wait
+per token is the read of an id already computed; when the id turns out to be a stop, ``runner.take_back()``
 undoes the step (non-rewindable state from held references). The last token
 of a completion is never fed (nothing would read its logits), so the
 session's record ends one token before the reply does and the next turn's
@@ -261,10 +262,9 @@ def stream_generate(
                 continue
         more = (limit is None or len(generated) + 1 < limit) and position < runner.context_length
         if more:
-            # Build the next forward from the still-lazy id, then queue it, before
-            # this token is read and detokenised.
-            following = sampler(runner.produce(pending, position))
-            mx.async_eval(following)
+            # Build the next forward and its sample from the still-lazy id and
+            # queue both, before this token is read and detokenised.
+            following = runner.produce(pending, position, then=sampler)
         tok = int(pending.item())
         if tok in stop_ids:
             if more:

@@ -9,7 +9,7 @@ decisions to :mod:`turbospark.reuse`. See SEMANTICS.md for the rules.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -274,14 +274,24 @@ class Runner:
 
     # -- feeding -----------------------------------------------------------------
 
-    def produce(self, token: int | mx.array, position: int) -> mx.array:
+    def produce(
+        self,
+        token: int | mx.array,
+        position: int,
+        then: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array:
         """Feed one token at *position*; float32 logits ``(vocab,)`` for the next.
 
         *token* may be a still-lazy scalar ``mx.array`` (a sampler's output): the
         next forward is then queued before its id is read, so building the
         graph overlaps the previous step's compute. Its id is checked once read,
-        and :meth:`take_back` can undo the step (the id may turn out a stop)."""
-        return self._feed([token], position, "last")
+        and :meth:`take_back` can undo the step (the id may turn out a stop).
+
+        *then* (a sampler) maps the logits to what is returned, and is queued
+        with the forward, before the wait for *token*: the device then never
+        waits for the host between a forward and its sample (mlx-lm's
+        ``generate_step`` order)."""
+        return self._feed([token], position, "last", then=then)
 
     def produce_prefill(self, token: int, position: int) -> None:
         """Feed one prompt token whose logits nobody reads (the head is skipped)."""
@@ -294,11 +304,16 @@ class Runner:
         return self._feed(list(tokens), start, "last" if logits else "none")
 
     def feed(
-        self, session: Session, tokens: Sequence[int | mx.array], start: int, logits: bool = False
+        self,
+        session: Session,
+        tokens: Sequence[int | mx.array],
+        start: int,
+        logits: bool = False,
+        then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
         """:meth:`prefill_chunk` (or, with one lazy id, :meth:`produce`) on a session
         checked out to a request (see :meth:`checkout`) instead of the live one."""
-        return self._feed(list(tokens), start, "last" if logits else "none", session)
+        return self._feed(list(tokens), start, "last" if logits else "none", session, then)
 
     def _feed(
         self,
@@ -306,9 +321,11 @@ class Runner:
         start: int,
         want: LogitsWanted,
         session: Session | None = None,
+        then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
         """Feed *session* (the live one by default; the engine passes the session
-        a request checked out) through the family's one-row forward."""
+        a request checked out) through the family's one-row forward; *then*
+        (logits only) is applied before anything is queued (see :meth:`produce`)."""
         live = session or self._live
         lazy = tokens[0] if len(tokens) == 1 and isinstance(tokens[0], mx.array) else None
         ids = self._validate_write([0] if lazy is not None else tokens, start, live)
@@ -328,6 +345,8 @@ class Runner:
                 logits=want,
                 steer=self._compiled(live.steering),
             )
+            if then is not None and out is not None:
+                out = then(out)
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
             if lazy is not None:
                 ids = self._validate_write(lazy.reshape(1).tolist(), start, live)  # waits

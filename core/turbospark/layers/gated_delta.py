@@ -294,6 +294,13 @@ def _expand_heads(q: mx.array, k: mx.array, value_heads: int) -> tuple[mx.array,
 # -- the layer ------------------------------------------------------------------
 
 
+@partial(mx.compile, shapeless=True)
+def gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """RMSNorm over ``Dv`` then ``* silu(gate)`` in float32, one fused kernel after the norm."""
+    normed = mx.fast.rms_norm(x, weight, eps)
+    return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(x.dtype)
+
+
 class RMSNormGated(nn.Module):
     """RMSNorm over ``Dv`` then ``* silu(z)`` in float32 (the output gate)."""
 
@@ -303,8 +310,7 @@ class RMSNormGated(nn.Module):
         self.weight = mx.ones((dims,))
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x, self.weight, self.eps)
-        return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -356,34 +362,100 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(dims.value_dim, dims.hidden_size, bias=False)
 
     def __call__(self, x: mx.array, state: GDNComponent, index: int) -> mx.array:
-        """``x`` ``(1, L, hidden)``; reads and replaces layer ``index`` of ``state``."""
+        """``x`` ``(B, L, hidden)``; reads and replaces layer ``index`` of ``state``.
+
+        Everything is :func:`mix`, compiled for decode (``L = 1``)."""
         d = self.dims
         batch, length, _ = x.shape
         tail, recurrent = state.layer(index)
-        projected = self.in_proj_qkv(x)
-        tails = conv_tails(projected, tail, self.dims.conv_kernel) if state.tracing else None
-        mixed, tail = causal_conv_with_tail(projected, tail, self.conv1d.weight)
-        mixed = nn.silu(mixed)
-        q, k, v = mx.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
-        q = q.reshape(batch, length, d.num_key_heads, d.key_head_dim)
-        k = k.reshape(batch, length, d.num_key_heads, d.key_head_dim)
-        v = v.reshape(batch, length, d.num_value_heads, d.value_head_dim)
-        q, k = normalize_qk(q, k)
+        if tail is None:
+            tail = mx.zeros((batch, d.conv_kernel - 1, d.conv_dim), dtype=x.dtype)
         if recurrent is None:
             recurrent = mx.zeros(
                 (batch, d.num_value_heads, d.value_head_dim, d.key_head_dim), dtype=mx.float32
             )
-        log_g = log_decay(self.A_log, self.in_proj_a(x), self.dt_bias)  # (1, L, Hv)
-        beta = mx.sigmoid(self.in_proj_b(x))
-        if tails is not None:
-            out, recurrents = gated_delta_traced(q, k, v, log_g, beta, recurrent)
+        args = (
+            x,
+            (
+                self.in_proj_qkv.weight,
+                self.in_proj_z.weight,
+                self.in_proj_a.weight,
+                self.in_proj_b.weight,
+                self.out_proj.weight,
+            ),
+            tail,
+            recurrent,
+            self.conv1d.weight,
+            self.A_log,
+            self.dt_bias,
+            self.norm.weight,
+            d.num_key_heads,
+            d.num_value_heads,
+            d.key_head_dim,
+            d.value_head_dim,
+            d.eps,
+        )
+        if state.tracing:  # a verify pass: every token's state is kept (uncompiled)
+            out, tails, recurrents = mix(*args, traced=True)
             state.set_layer_traced(index, tails, recurrents)
-        else:
-            out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
-            state.set_layer(index, tail, recurrent)
-        z = self.in_proj_z(x).reshape(batch, length, d.num_value_heads, d.value_head_dim)
-        out = self.norm(out, z)  # (1, L, Hv, Dv)
-        return self.out_proj(out.reshape(batch, length, d.value_dim))
+            return out
+        out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
+        state.set_layer(index, tail, recurrent)
+        return out
+
+
+def mix(
+    x: mx.array,
+    projections: tuple[mx.array, mx.array, mx.array, mx.array, mx.array],
+    tail: mx.array,
+    recurrent: mx.array,
+    conv_weight: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_weight: mx.array,
+    key_heads: int,
+    value_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+    eps: float,
+    traced: bool = False,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The layer on ``x`` ``(B, L, hidden)``: the input projections (weights
+    ``in_proj_qkv/z/a/b`` and ``out_proj``; ``nn.Linear`` is ``x @ w.T``), causal
+    conv continuing from *tail*, SiLU, l2-normalised q/k, gates, the gated delta
+    rule from *recurrent*, the gated norm and the output projection. Returns
+    the ``(B, L, hidden)`` output, the new tail and the new state; *traced*
+    (a draft's verify pass), the output, every token's conv tail and every
+    token's state instead (:func:`conv_tails`, :func:`gated_delta_traced`).
+
+    A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
+    qkv_w, z_w, a_w, b_w, out_w = projections
+    batch, length, _ = x.shape
+    key_dim = key_heads * key_head_dim
+    projected = x @ qkv_w.T
+    tails = conv_tails(projected, tail, conv_weight.shape[1]) if traced else None
+    mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
+    mixed = nn.silu(mixed)
+    q, k, v = mx.split(mixed, [key_dim, 2 * key_dim], axis=-1)
+    q = q.reshape(batch, length, key_heads, key_head_dim)
+    k = k.reshape(batch, length, key_heads, key_head_dim)
+    v = v.reshape(batch, length, value_heads, value_head_dim)
+    q, k = normalize_qk(q, k)
+    log_g = log_decay(A_log, x @ a_w.T, dt_bias)  # (B, L, Hv)
+    beta = mx.sigmoid(x @ b_w.T)
+    if traced:
+        out, recurrents = gated_delta_traced(q, k, v, log_g, beta, recurrent)
+    else:
+        out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
+    z = (x @ z_w.T).reshape(batch, length, value_heads, value_head_dim)
+    out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
+    out = out.reshape(batch, length, value_heads * value_head_dim) @ out_w.T
+    return (out, tails, recurrents) if traced else (out, tail, recurrent)
+
+
+# One token per row: no Python loop and no CPU-stream inverse, so the whole of
+# :func:`mix` compiles; MLX traces it once per batch size and dtype.
+mix_step = mx.compile(mix)
 
 
 # -- the state ------------------------------------------------------------------

@@ -7,15 +7,12 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """SiLU-gated (Llama, Qwen)."""
-    return nn.silu(gate) * up
+from turbospark.layers.fused import swiglu
 
 
 class GatedMLP(nn.Module):
     """``down(combine(gate(x), up(x)))``: SwiGLU by default; Gemma passes its
-    GELU-tanh gate (``combine`` may be an ``mx.compile``-d function)."""
+    GELU-tanh gate (both one fused kernel, :mod:`turbospark.layers.fused`)."""
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
 from turbospark.layers.attention import cached_attention, shared_attention
 from turbospark.layers.experts import ExpertLayer
+from turbospark.layers.fused import geglu, residual_scale, softcap
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
@@ -283,10 +284,6 @@ def sanitize(weights: dict[str, mx.array], arch: Gemma4Config) -> dict[str, mx.a
 # -- blocks -------------------------------------------------------------------
 
 
-def geglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * up
-
-
 Attended = tuple[mx.array, mx.array, mx.array | str | None]
 
 
@@ -447,6 +444,7 @@ class DecoderLayer(nn.Module):
             )
             self.post_per_layer_input_norm = nn.RMSNorm(hidden, eps=eps)
         self.layer_scalar = mx.ones((1,))
+        self.eps = eps
 
     def __call__(
         self,
@@ -457,24 +455,89 @@ class DecoderLayer(nn.Module):
         per_layer_input: mx.array | None,
     ) -> tuple[mx.array, Attended]:
         attn, attended = self.self_attn(self.input_layernorm(h), start, kv, shared)
-        h = h + self.post_attention_layernorm(attn)
-
+        ple = (
+            (
+                self.per_layer_input_gate.weight,
+                self.per_layer_projection.weight,
+                self.post_per_layer_input_norm.weight,
+            )
+            if self.ple
+            else None
+        )
         if self.moe:
+            h = h + self.post_attention_layernorm(attn)
             # Dense MLP and expert block side by side, both reading the same residual.
             dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
             tokens = h.reshape(-1, h.shape[-1])  # (B*L, H): routing is per token
             chosen, weights = self.router(tokens)
             sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights, dense)
             sparse = sparse.reshape(h.shape)
-            ff = dense + self.post_feedforward_layernorm_2(sparse)
-        else:
-            ff = self.mlp(self.pre_feedforward_layernorm(h))
-        h = h + self.post_feedforward_layernorm(ff)
+            ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
+            return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
+        # Decode: the whole dense half (norms, GeGLU MLP, PLE, residuals) is one trace.
+        tail = dense_tail_step if h.shape[1] == 1 else dense_tail
+        h = tail(
+            h,
+            attn,
+            per_layer_input,
+            (
+                self.post_attention_layernorm.weight,
+                self.pre_feedforward_layernorm.weight,
+                self.mlp.gate_proj.weight,
+                self.mlp.up_proj.weight,
+                self.mlp.down_proj.weight,
+                self.post_feedforward_layernorm.weight,
+            ),
+            ple,
+            self.layer_scalar,
+            self.eps,
+        )
+        return h, attended
 
-        if self.ple:
-            gate = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return h * self.layer_scalar, attended
+
+PleWeights = tuple[mx.array, mx.array, mx.array]  # input gate, projection, norm
+
+
+def layer_end(
+    h: mx.array,
+    ff: mx.array,
+    per_layer_input: mx.array | None,
+    ple: PleWeights | None,
+    scalar: mx.array,
+    eps: float,
+) -> mx.array:
+    """The residual after the (post-normed) feed-forward *ff*, the per-layer input
+    block when the arch has one, and the layer scalar."""
+    if ple is None:
+        return residual_scale(h, ff, scalar)
+    gate_w, proj_w, norm_w = ple
+    h = h + ff
+    gate = geglu(h @ gate_w.T, per_layer_input)
+    return residual_scale(h, mx.fast.rms_norm(gate @ proj_w.T, norm_w, eps), scalar)
+
+
+def dense_tail(
+    h: mx.array,
+    attn: mx.array,
+    per_layer_input: mx.array | None,
+    weights: tuple[mx.array, ...],
+    ple: PleWeights | None,
+    scalar: mx.array,
+    eps: float,
+) -> mx.array:
+    """A dense layer after its attention output: exactly the modules' ops
+    (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is ``mx.fast.rms_norm``),
+    written over arrays so :data:`dense_tail_step` can compile it."""
+    post_attn, pre_ff, gate_w, up_w, down_w, post_ff = weights
+    h = h + mx.fast.rms_norm(attn, post_attn, eps)
+    x = mx.fast.rms_norm(h, pre_ff, eps)
+    ff = geglu(x @ gate_w.T, x @ up_w.T) @ down_w.T
+    return layer_end(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, scalar, eps)
+
+
+# Traced once per batch size (decode rows); prefill lengths vary, so prefill
+# runs the same function uncompiled.
+dense_tail_step = mx.compile(dense_tail)
 
 
 def _last_query(attended: Attended) -> Attended:
@@ -592,4 +655,4 @@ class Gemma4(nn.Module):
         else:
             logits = self.lm_head(hidden)
         cap = self.arch.final_logit_softcapping
-        return logits if cap is None else mx.tanh(logits / cap) * cap
+        return logits if cap is None else softcap(logits, cap)

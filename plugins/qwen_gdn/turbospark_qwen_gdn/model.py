@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention
+from turbospark.layers.fused import sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
 from turbospark.state import KVComponent, LayerKV, State
@@ -277,7 +278,7 @@ class GatedAttention(nn.Module):
         keys = rope(keys, offset, positions)
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # (B, L, heads * dim)
-        return self.o_proj(out * mx.sigmoid(gate))
+        return self.o_proj(sigmoid_gate(out, gate))
 
 
 class DecoderLayer(nn.Module):
@@ -307,8 +308,38 @@ class DecoderLayer(nn.Module):
             mixed = self.linear_attn(normed, gdn, self.slot)
         else:
             mixed = self.self_attn(normed, kv[self.slot], rope, offset, positions)
-        h = x + mixed
-        return h + self.mlp(self.post_attention_layernorm(h))
+        tail = mlp_tail_step if x.shape[1] == 1 else mlp_tail
+        mlp = self.mlp
+        return tail(
+            x,
+            mixed,
+            self.post_attention_layernorm.weight,
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+            self.post_attention_layernorm.eps,
+        )
+
+
+def mlp_tail(
+    x: mx.array,
+    mixed: mx.array,
+    norm_w: mx.array,
+    gate_w: mx.array,
+    up_w: mx.array,
+    down_w: mx.array,
+    eps: float,
+) -> mx.array:
+    """A layer after its mixer: residual, RMSNorm, SwiGLU MLP, residual. Exactly
+    the modules' ops (``nn.Linear`` is ``x @ w.T``), over arrays so
+    :data:`mlp_tail_step` can compile it."""
+    h = x + mixed
+    y = mx.fast.rms_norm(h, norm_w, eps)
+    return h + swiglu(y @ gate_w.T, y @ up_w.T) @ down_w.T
+
+
+# Traced once per batch size (decode rows); prefill runs it uncompiled.
+mlp_tail_step = mx.compile(mlp_tail)
 
 
 class TextStack(nn.Module):

@@ -1,0 +1,176 @@
+"""What one decode step costs, beside its speed: the bandwidth roofline, the
+graph it builds, and the host time spent building it.
+
+- **Roofline.** Decode reads every weight once per token (a row of each
+  embedding table is all it reads of those, unless the table is also the tied
+  head). Weights bytes ÷ the device's copy bandwidth, measured in the same run
+  by timing a large array copy, is the fastest a token can be; a decode rate
+  divided by that is the fraction of the roofline reached.
+- **Primitives per step.** MLX's own graph of one decode step (its sample and
+  the state writes included), exported with ``mx.export_to_dot``; ``kernels``
+  leaves out the primitives that are views (no kernel runs for them), so on a
+  GPU it is a proxy for the kernel launches per step. On the CPU,
+  ``mx.fast.rms_norm``/``rope``/attention have no fused kernel and expand into
+  their element ops, so the CPU count is higher than the GPU's for both engines.
+- **Host time per step.** Wall time to build one step's graph (the Python and
+  graph work, nothing evaluated), the per-token cost a launch-bound device waits
+  for; medians over steps.
+- **Profile.** cProfile of ``stream_generate``'s decode, the top functions by
+  own time (``bench/gpu.py --profile``).
+
+Each is measured with our compiled step, the same step with compilation off
+(``mx.disable_compile()``: the uncompiled expressions) and mlx-lm's model.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import re
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from turbospark.generate import GenerationConfig, stream_generate
+from turbospark.runner import Runner
+from turbospark.text import load_text
+
+# Primitives that are views or shape bookkeeping: no kernel runs for them.
+VIEWS = frozenset(
+    {"Broadcast", "Reshape", "Transpose", "Slice", "ExpandDims", "Squeeze", "Flatten",
+     "Unflatten", "AsStrided", "StopGradient", "Split", "Depends"}
+)  # fmt: skip
+
+
+@contextmanager
+def compile_off() -> Iterator[None]:
+    """Run the forward as its plain, uncompiled expressions."""
+    mx.disable_compile()
+    try:
+        yield
+    finally:
+        mx.enable_compile()
+
+
+def copy_bandwidth(megabytes: int = 1024, reps: int = 5) -> float:
+    """Bytes per second the default device moves copying a large array (each
+    copy reads and writes it: two bytes moved per byte copied); best of *reps*."""
+    x = mx.random.uniform(shape=(megabytes * 2**18,))  # float32: 4 bytes each
+    mx.eval(x)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first one warms the allocator
+        start = time.perf_counter()
+        mx.eval(mx.contiguous(x[::-1]))
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.nbytes / best
+
+
+def weights_read_per_token(model: nn.Module, tied_head: nn.Module | None) -> int:
+    """Bytes of weights one decode token reads: every parameter, less the
+    embedding tables (one row each), plus *tied_head* read whole as the head."""
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    for _, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and module is not tied_head:
+            total -= module.weight.nbytes
+    return total
+
+
+def graph_primitives(outputs: list[mx.array]) -> dict[str, int]:
+    """Primitives in the unevaluated graph behind *outputs*: all, and kernels."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dot = Path(tmp) / "step.dot"
+        mx.export_to_dot(str(dot), *outputs)
+        labels = Counter(re.findall(r'label ="([^"]+)"', dot.read_text()))
+    return {
+        "primitives": sum(labels.values()),
+        "kernels": sum(n for name, n in labels.items() if name not in VIEWS),
+        "compiled_kernels": sum(n for name, n in labels.items() if name.startswith("Compiled")),
+    }
+
+
+Step = Callable[[int], list[mx.array]]
+
+
+def _ours_step(runner: Runner, prompt: list[int]) -> Step:
+    """One greedy decode step at a time through ``Runner.produce``'s forward."""
+    runner.reset()
+    runner.prefill_chunk(prompt, 0)
+
+    def step(i: int) -> list[mx.array]:
+        hook, live = runner._hook, runner._live  # the forward alone: no ids read back
+        logits = hook.turbospark_forward(
+            model=runner.model, tokens=mx.array([i % runner.vocab_size], mx.int32),
+            start=live.position, state=live.state, vision=None, logits="last",
+        )  # fmt: skip
+        return [mx.argmax(logits), *[a for c in live.state.values() for a in c.arrays()]]
+
+    return step
+
+
+def _theirs_step(model: nn.Module, prompt: list[int], vocab: int) -> Step:
+    cache = model.make_cache()
+    model(mx.array(prompt)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+
+    def step(i: int) -> list[mx.array]:
+        out = model(mx.array([[i % vocab]]), cache=cache)
+        states = [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
+        return [mx.argmax(out[0, -1]), *states]
+
+    return step
+
+
+def _measure(step: Step, steps: int) -> dict[str, float]:
+    """Host µs to build a step (median over *steps*, after 3 warm-ups), and the
+    primitives of one step's graph."""
+    for i in range(3):
+        mx.eval(step(i))
+    built = []
+    for i in range(steps):
+        start = time.perf_counter()
+        outputs = step(i)
+        built.append(time.perf_counter() - start)
+        mx.eval(outputs)
+    counts = graph_primitives(step(steps))
+    return {"host_us_per_step": statistics.median(built) * 1e6, **counts}
+
+
+def decode_cost(
+    runner: Runner, model: nn.Module, prompt: list[int], steps: int = 24
+) -> dict[str, Any]:
+    """Host time and graph size per decode step: ours compiled and uncompiled, mlx-lm."""
+    vocab = runner.vocab_size
+    result = {"ours": _measure(_ours_step(runner, prompt), steps)}
+    with compile_off():
+        result["ours_uncompiled"] = _measure(_ours_step(runner, prompt), steps)
+    result["mlx_lm"] = _measure(_theirs_step(model, prompt, vocab), steps)
+    runner.reset()
+    return result
+
+
+def profile_decode(
+    runner: Runner, path: Path, prompt: list[int], decode: int, top: int = 25
+) -> str:
+    """cProfile of a ``stream_generate`` request (prefill excluded as far as the
+    first token), the *top* functions by own time, as pstats prints them."""
+    config = GenerationConfig(max_tokens=decode + 1, stop_token_ids=[], chunk_size=512)
+    stream = stream_generate(runner, load_text(path), prompt, config)
+    next(stream)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in stream:
+        pass
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()

@@ -1,0 +1,47 @@
+"""Elementwise chains compiled into one kernel each, shared by the families.
+
+Decode (one token per row) is launch-bound on a GPU: every MLX primitive that
+is not a view is a kernel, and a layer's matmuls are few next to its gates,
+residuals and scales. ``mx.compile(shapeless=True)`` fuses each chain below
+into one kernel for every shape, so decode, prefill and any batch size share
+one trace and nothing recompiles as positions or batches change. The math is
+the uncompiled expression, op for op (``mx.disable_compile()`` runs exactly
+that, which is how the tests compare the two).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` (Llama, Qwen feed-forward)."""
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_tanh(gate) * up`` (Gemma feed-forward and per-layer-input gate)."""
+    return nn.gelu_approx(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
+    """``x * sigmoid(gate)`` (Qwen's gated attention output)."""
+    return x * mx.sigmoid(gate)
+
+
+@partial(mx.compile, shapeless=True)
+def residual_scale(h: mx.array, update: mx.array, scale: mx.array) -> mx.array:
+    """``(h + update) * scale``: a residual add and a per-layer scalar in one pass."""
+    return (h + update) * scale
+
+
+@partial(mx.compile, shapeless=True)
+def softcap(logits: mx.array, cap: float) -> mx.array:
+    """``tanh(logits / cap) * cap`` (Gemma's final logit softcap)."""
+    return mx.tanh(logits / cap) * cap
