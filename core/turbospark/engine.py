@@ -385,7 +385,7 @@ class Engine:
     def _start(self, job: Job) -> _Row:
         runner, config = self.runner, job.config
         check_prompt(runner, job.ids)
-        sampler = Sampler(config, job.processors, job.top_logprobs)
+        sampler = self._new_sampler(job)
         started = time.perf_counter()
         kept, report, evicted = acquire(runner, job.ids)
         self._evicted(job, evicted)
@@ -407,6 +407,10 @@ class Engine:
             next_prefill=kept,
             context_length=runner.context_length,
         )
+
+    def _new_sampler(self, job: Job) -> Sampler:
+        """The row's sampler (a distributed engine shares rank 0's samples instead)."""
+        return Sampler(job.config, job.processors, job.top_logprobs)
 
     def _prefill(self) -> None:
         """Whole chunks (the one-request loop's boundaries), up to the budget."""

@@ -8,7 +8,7 @@ family hooks take no "which family" argument and are all ``firstresult``.
 Lifecycle, in the order a runner calls the hooks:
 
 1. declare   -- :func:`turbospark_family`, :func:`turbospark_pool_capability`
-2. load      -- :func:`turbospark_load_model`
+2. load      -- :func:`turbospark_load_model`, :func:`turbospark_shard_model`
 3. serve     -- :func:`turbospark_new_state`, :func:`turbospark_forward`
 4. persist   -- :func:`turbospark_snapshot_state`, :func:`turbospark_restore_state`
 5. tooling   -- :func:`turbospark_build_synthetic_install`
@@ -130,6 +130,18 @@ def turbospark_load_model(
 
     Use :func:`turbospark.install.load_checked` so a missing or mis-shaped
     tensor is refused by name.
+    """
+
+
+@hookspec(firstresult=True)
+def turbospark_shard_model(model: nn.Module, group: mx.distributed.Group) -> bool:
+    """Shard the loaded *model* across *group* for tensor parallelism, in place,
+    and return True: attention and MLP blocks split by head and width with the
+    helpers of :mod:`turbospark.sharding`, so the per-session state each block
+    writes is sharded by head too. Refuse a group size that does not divide a
+    head count with :class:`~turbospark.errors.InvalidInput`, before any weight
+    moves. Optional: a family without it is refused by name when the group has
+    more than one process.
     """
 
 
