@@ -683,7 +683,7 @@ def create_app(
     opened elsewhere; its model is evaluated here first, because MLX cannot
     evaluate on one thread what another thread left lazy (e.g. RoPE tables).
     """
-    from turbospark.server import anthropic, responses  # they build on this module
+    from turbospark.server import anthropic, gateway, responses  # they build on this module
 
     if worker is None:
         worker = RunnerWorker()
@@ -728,6 +728,7 @@ def create_app(
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
             *PAGE_ROUTES,
+            *gateway.ROUTES,
         ],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
