@@ -42,14 +42,15 @@ def require_divisible(group: mx.distributed.Group, **counts: int) -> None:
     for name, count in counts.items():
         if count % size:
             raise InvalidInput(
-                f"world size {size} does not divide {name}={count}: launch with a number of "
-                f"processes that divides it (e.g. mlx.launch -n {_divisor(count, size)})"
+                f"world size {size} does not divide {name}={count}: launch a number of "
+                f"processes that does ({_divisors(count)})"
             )
 
 
-def _divisor(count: int, size: int) -> int:
-    """The largest divisor of *count* not above *size* (the suggestion in refusals)."""
-    return max(d for d in range(1, min(size, count) + 1) if count % d == 0)
+def _divisors(count: int) -> str:
+    """The group sizes that divide *count* (the suggestion in refusals)."""
+    sizes = [d for d in range(2, min(count, 64) + 1) if count % d == 0][:4]
+    return "mlx.launch -n " + " or ".join(map(str, sizes)) if sizes else "no group of 2 or more"
 
 
 def kv_copies(group: mx.distributed.Group, heads: int, kv_heads: int) -> int:
@@ -63,8 +64,7 @@ def kv_copies(group: mx.distributed.Group, heads: int, kv_heads: int) -> int:
     if size % kv_heads:
         raise InvalidInput(
             f"world size {size} neither divides nor is a multiple of num_key_value_heads="
-            f"{kv_heads}: launch with a number of processes that divides {kv_heads} "
-            f"(e.g. mlx.launch -n {_divisor(kv_heads, size)})"
+            f"{kv_heads}: launch a number of processes that does ({_divisors(kv_heads)})"
         )
     return size // kv_heads
 
