@@ -2,7 +2,7 @@
 
 A family implements :func:`turbospark.hookspecs.turbospark_shard_model` in a
 few lines by calling these on its blocks. The recipe is Megatron's, as mlx-lm
-applies it (``models/llama.py``, ``qwen3_5.py`` ``shard``), built on MLX's own
+applies it (the ``shard`` methods of its llama and qwen3_5 models), built on MLX's own
 ``shard_linear`` (``AllToShardedLinear`` / ``ShardedToAllLinear``):
 
 - the projections *into* heads (q, k, v; an MLP's gate and up) become
