@@ -3,7 +3,10 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|tp]
+
+``--only tp`` needs two GPUs (``nvidia-h200-x2``): TP=2 against TP=1 on the
+~8B shape through NCCL (``bench/tp.py``), whatever ``--size`` says.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from bench.interleaved import bench_interleaved
 from bench.run import GPU
 from bench.serving import bench_servers
 from bench.swap import bench_swap
+from bench.tp import bench_tp
 
 
 def main() -> None:
@@ -33,7 +37,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["forward", "swap", "interleaved", "serving", "concurrency"],
+        choices=["forward", "swap", "interleaved", "serving", "concurrency", "tp"],
     )
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
@@ -61,6 +65,8 @@ def main() -> None:
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_forward(path, prompt_tokens=GPU.prompt_tokens, decode_tokens=GPU.decode_tokens,
                                        chunk=GPU.chunk, reps=args.reps, library_loops=True)  # fmt: skip
+            elif piece == "tp":
+                result = bench_tp(family, "tp8b", 2, "nccl", "bfloat16", args.reps, args.cache_dir)
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)

@@ -81,6 +81,9 @@ def test_sharded_logits_equal_unsharded(fixture, request, tmp_path):
         result = json.loads((tmp_path / f"out.{rank}").read_text())
         sharded, whole = result["params"]
         assert sharded < 0.75 * whole, "the model was not sharded"
+        state, whole_state = result["state_bytes"]
+        # Sharded by head: half; a lone K/V head is repeated, so each rank keeps all of it.
+        assert state == (whole_state if fixture == "gemma4_kv_shared" else whole_state // 2)
         assert result["diff"] <= LOGITS_ATOL, result
 
 

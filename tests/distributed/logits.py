@@ -19,8 +19,9 @@ PROMPT = [(7 * i + 3) % 120 + 1 for i in range(40)]
 REPLY = [5, 9, 17, 2]
 
 
-def logits_of(runner: Runner) -> mx.array:
-    """Prefill in chunks of 16, decode REPLY, then decode two sessions batched."""
+def logits_of(runner: Runner) -> tuple[mx.array, int]:
+    """Prefill in chunks of 16, decode REPLY, then decode two sessions batched.
+    Also returns the first session's state bytes (sharded by head under a group)."""
     rows = [runner.prefill_chunk(PROMPT[:16], 0), runner.prefill_chunk(PROMPT[16:], 16)]
     for i, token in enumerate(REPLY):
         rows.append(runner.produce(token, len(PROMPT) + i))
@@ -32,14 +33,18 @@ def logits_of(runner: Runner) -> mx.array:
     batched = runner.forward_batch(
         mx.array([[3], [4]]), [first.position, second.position], state
     )  # (2, vocab)
-    return mx.concatenate([mx.stack(rows), batched])
+    nbytes = sum(component.nbytes for component in first.state.values())
+    return mx.concatenate([mx.stack(rows), batched]), nbytes
 
 
 def main() -> None:
     install, out = sys.argv[1], sys.argv[2]
     group = mx.distributed.init()
     sharded_runner, whole_runner = Runner.open(install, group=group), Runner.open(install)
-    sharded, whole = logits_of(sharded_runner), logits_of(whole_runner)
+    (sharded, sharded_bytes), (whole, whole_bytes) = (
+        logits_of(sharded_runner),
+        logits_of(whole_runner),
+    )
     params = [
         sum(v.size for _, v in tree_flatten(r.model.parameters()))
         for r in (sharded_runner, whole_runner)
@@ -54,6 +59,7 @@ def main() -> None:
                 "diff": diff,
                 "scale": scale,
                 "params": params,  # [sharded, whole] on this rank
+                "state_bytes": [sharded_bytes, whole_bytes],
             },
             f,
         )
