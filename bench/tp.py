@@ -14,7 +14,7 @@ Target: TP=2 decode ≥ 1.5x TP=1.
 
 On the CPU, ``--size small --backend ring --dtype float32`` is the same run
 on two processes over loopback (a smoke check; CPU ranks share the cores).
-One JSON line per result is appended to ``OUT/tp.jsonl`` as soon as it exists.
+One JSON line per family is appended to ``tp.jsonl`` in OUT as soon as it exists.
 """
 
 from __future__ import annotations
