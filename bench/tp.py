@@ -55,7 +55,7 @@ def measure(path: Path, dtype: str, reps: int, compare: bool, backend: str) -> d
         "size": group.size(),
         "prefill_tok_s": PROMPT / prefill,
         "decode_tok_s": DECODE / decode,
-        "session_bytes_per_token": runner.session_nbytes() / (PROMPT + DECODE),
+        "session_bytes_per_token": runner.session_nbytes()[0] / (PROMPT + DECODE),
     }
     if compare and group.size() > 1:
         runner.reset()
