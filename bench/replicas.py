@@ -47,11 +47,12 @@ READY_TIMEOUT_S = 180.0
 
 
 def router_command(port: int, workers: list[str], policy: str) -> list[str]:
-    """The gateway on loopback in front of *workers* (README's command)."""
+    """The gateway on loopback in front of *workers* (README's command; its
+    metrics listener on a free port, as its default 29000 may be taken)."""
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
         "--port", str(port), "--worker-urls", *workers, "--policy", policy,
-        "--log-level", "warn",
+        "--log-level", "warn", "--prometheus-port", str(_free_port()),
     ]  # fmt: skip
 
 
