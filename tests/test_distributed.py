@@ -156,7 +156,7 @@ class Group:
     """``turbospark serve --distributed`` as two ranks started by hand (the
     hostfile mlx.launch would write), so a test can stop or kill one."""
 
-    def __init__(self, install: Path, tmp: Path, *flags: str) -> None:
+    def __init__(self, install: Path, tmp: Path, *flags: str, rank1: tuple[str, ...] = ()) -> None:
         ring = free_port_range(2)
         hostfile = tmp / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring + 1}"]]))
@@ -167,7 +167,7 @@ class Group:
         ]  # fmt: skip
         self.ranks = [
             subprocess.Popen(
-                command,
+                command + (list(rank1) if rank == 1 else []),
                 env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
                 stdout=subprocess.DEVNULL,
                 stderr=open(tmp / f"rank{rank}.err", "w"),  # noqa: SIM115
@@ -282,3 +282,17 @@ def test_a_rank_that_dies_or_hangs_ends_the_group(how, gemma4_install, tmp_path)
     else:
         assert error.startswith("turbospark: rank 0 of 2: no step from the group for"), error
         assert took < 5 + 30
+
+
+@pytest.mark.slow
+def test_ranks_started_with_different_engine_flags_are_refused(gemma4_install, tmp_path):
+    group = Group(gemma4_install, tmp_path, "--session-slots", "2", rank1=("--max-batch", "4"))
+    try:
+        codes = [process.wait(timeout=STARTUP) for process in group.ranks]
+    finally:
+        group.close()
+    assert codes == [2, 2]
+    for rank in (0, 1):
+        line = group.stderr(rank).strip().splitlines()[-1]
+        assert "mismatched serve flags across ranks: rank(s) [1] differ from rank 0" in line
+        assert "start every rank with the same --session-slots" in line
