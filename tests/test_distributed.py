@@ -296,3 +296,29 @@ def test_ranks_started_with_different_engine_flags_are_refused(gemma4_install, t
         line = group.stderr(rank).strip().splitlines()[-1]
         assert "mismatched serve flags across ranks: rank(s) [1] differ from rank 0" in line
         assert "start every rank with the same --session-slots" in line
+
+
+@pytest.mark.slow
+def test_a_client_that_hangs_up_leaves_the_ranks_in_step(gemma4_install, tmp_path):
+    """The cancel reaches every rank at the same step (rank 0 broadcasts it), so the
+    group goes on serving: a diverged pair would hang or fail the next request."""
+    model = json.loads((gemma4_install / "manifest.json").read_text())["model_id"]
+    group = Group(gemma4_install, tmp_path, "--session-slots", "2")
+    try:
+        group.wait_ready()
+        client = openai.OpenAI(base_url=f"{group.base_url}/v1", api_key="-", max_retries=0)
+        messages = [{"role": "user", "content": "a long answer please"}]
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(stream))
+        stream.close()  # hang up mid-generation
+        for _ in range(2):
+            reply = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=4, n=2
+            )
+            assert len(reply.choices) == 2
+        assert all(process.poll() is None for process in group.ranks)
+    finally:
+        group.close()

@@ -48,6 +48,17 @@ log = logging.getLogger("turbospark.distributed")
 IDLE_BEAT = 0.05  # seconds rank 0 waits for work before broadcasting an empty step
 
 
+def launcher_backend() -> str:
+    """The backend ``mlx.launch`` set this process up for, read from what it
+    exports (``NCCL_PORT`` for ``--backend nccl``, ``MLX_HOSTFILE`` for ring):
+    ``mx.distributed.init()`` is then told, not left to guess."""
+    if "NCCL_PORT" in os.environ:
+        return "nccl"
+    if "MLX_HOSTFILE" in os.environ:
+        return "ring"
+    return "any"
+
+
 def fatal(group: mx.distributed.Group, what: str) -> None:
     """One line, then exit at once: a rank must never go on alone."""
     print(f"turbospark: rank {group.rank()} of {group.size()}: {what}", file=sys.stderr, flush=True)

@@ -257,12 +257,12 @@ def join_group(args: argparse.Namespace) -> Lockstep:
 
     import mlx.core as mx
 
-    from turbospark.distributed import Lockstep
+    from turbospark.distributed import Lockstep, launcher_backend
     from turbospark.sharding import check_agree
 
     if not mx.distributed.is_available():
         raise InvalidInput("--distributed: this MLX build has no distributed backend")
-    group = mx.distributed.init()
+    group = mx.distributed.init(backend=launcher_backend())
     if group.size() < 2:
         raise InvalidInput(
             "--distributed runs one rank of a group, but this process is alone: start it with "
