@@ -143,6 +143,36 @@ _LARGE: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 128,
     },
 }
+# Tensor parallelism (bench/tp.py): about 8B parameters, every head count even.
+_TP8B: dict[str, dict[str, Any]] = {
+    "gemma4": {
+        "vocab_size": 32768,
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "global_head_dim": 256,
+        "intermediate_size": 14336,
+        "hidden_size_per_layer_input": 0,
+        "sliding_window": 1024,
+    },
+    "qwen_gdn": {
+        "vocab_size": 32768,
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "linear_num_value_heads": 32,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    },
+}
+for _family, _dims in _TP8B.items():
+    SIZES[_family]["tp8b"] = _dims
 for _family, _dims in _LARGE.items():
     SIZES[_family]["large"] = _dims
     SIZES[_family]["chat_large"] = {**_dims, "vocab_size": SIZES[_family]["chat"]["vocab_size"]}

@@ -3,7 +3,7 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts|steering] [--profile]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts|steering|tp] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family). ``experts`` runs
 for gemma4 only, on the ``moe_large`` install (``--size`` is for the other pieces).
@@ -12,6 +12,8 @@ compilation off (the uncompiled decode step), the fraction of the bandwidth
 roofline each reaches and each step's graph size and host time
 (:mod:`bench.decode_cost`). ``--profile`` also writes a cProfile of our
 decode loop into ``OUT_DIR``, one text file per family.
+``--only tp`` needs two GPUs (``nvidia-h200-x2``): TP=2 against TP=1 on the
+~8B shape through NCCL (``bench/tp.py``), whatever ``--size`` says.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from bench.run import GPU
 from bench.serving import bench_servers
 from bench.steering import bench_steering
 from bench.swap import bench_swap
+from bench.tp import bench_tp
 from turbospark.runner import Runner
 
 
@@ -57,6 +60,7 @@ def main() -> None:
             "draft",
             "experts",
             "steering",
+            "tp",
         ],
     )
     parser.add_argument("--size", default="large")
@@ -112,6 +116,8 @@ def main() -> None:
             elif piece == "steering":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_steering(path, GPU.decode_tokens, args.reps)
+            elif piece == "tp":
+                result = bench_tp(family, "tp8b", 2, "nccl", "bfloat16", args.reps, args.cache_dir)
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)

@@ -447,7 +447,7 @@ class Engine:
     def _start(self, job: Job) -> _Row:
         runner, config = self.runner, job.config
         check_prompt(runner, job.ids)
-        sampler = Sampler(config, job.processors, job.top_logprobs)
+        sampler = self._new_sampler(job)
         started = time.perf_counter()
         kept, report, evicted = acquire(runner, job.ids, config.steering)
         self._evicted(job, evicted)
@@ -480,6 +480,10 @@ class Engine:
     def _stop_ids(self, config: GenerationConfig) -> frozenset[int]:
         ids = self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
         return frozenset(ids)
+
+    def _new_sampler(self, job: Job) -> Sampler:
+        """The row's sampler (a distributed engine shares rank 0's samples instead)."""
+        return Sampler(job.config, job.processors, job.top_logprobs)
 
     def _prefill(self) -> None:
         """Prompts, up to the budget: several together in one batched forward

@@ -9,7 +9,7 @@ Lifecycle, in the order a runner calls the hooks:
 
 1. declare   -- :func:`turbospark_family`, :func:`turbospark_pool_capability`,
    :func:`turbospark_moe`
-2. load      -- :func:`turbospark_load_model`
+2. load      -- :func:`turbospark_load_model`, :func:`turbospark_shard_model`
 3. serve     -- :func:`turbospark_new_state`, :func:`turbospark_forward`
                 (optional: :func:`turbospark_forward_batch`, :func:`turbospark_forward_hidden`)
 4. persist   -- :func:`turbospark_snapshot_state`, :func:`turbospark_restore_state`
@@ -197,6 +197,18 @@ def turbospark_load_model(
     :func:`turbospark_moe`; others leave the argument out) is set when the
     runner streams experts: call ``experts.attach(model)`` before loading, and
     *weights* then holds no expert tensors.
+    """
+
+
+@hookspec(firstresult=True)
+def turbospark_shard_model(model: nn.Module, group: mx.distributed.Group) -> bool:
+    """Shard the loaded *model* across *group* for tensor parallelism, in place,
+    and return True: attention and MLP blocks split by head and width with the
+    helpers of :mod:`turbospark.sharding`, so the per-session state each block
+    writes is sharded by head too. Refuse a group size that does not divide a
+    head count with :class:`~turbospark.errors.InvalidInput`, before any weight
+    moves. Optional: a family without it is refused by name when the group has
+    more than one process.
     """
 
 

@@ -46,6 +46,7 @@ from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
 from turbospark.reuse import ReuseReason, ReuseReport, plan_reuse, plan_share
+from turbospark.sharding import check_same_install
 from turbospark.state import LayeredComponent, Snapshot, State
 from turbospark.steering import LastTokenRecorder, Steer, cannot_steer
 from turbospark.vision import MropePositions, VisionInjection, VisionMap
@@ -74,8 +75,11 @@ class Runner:
         dtype: mx.Dtype | None = None,
         session_dir: Path | None = None,
         max_session_disk_bytes: int | None = None,
+        group: mx.distributed.Group | None = None,
     ) -> None:
         self.path = path
+        # The processes this model is sharded across (None: not sharded).
+        self.group = group if group is not None and group.size() > 1 else None
         self.manifest = manifest
         self.arch = arch
         self.family = spec
@@ -133,6 +137,7 @@ class Runner:
         max_session_disk_bytes: int | None = None,
         dtype: str | mx.Dtype | None = None,
         registry: FamilyRegistry | None = None,
+        group: mx.distributed.Group | None = None,
     ) -> Runner:
         """Open an install. Cheap checks (manifest, arch, pool capability,
         policies) run before any weight is read, so refusals are instant.
@@ -148,9 +153,17 @@ class Runner:
 
         ``expert_cache`` (default ``ExpertCacheSlots.all()``) bounds the routed
         experts resident per MoE layer; the rest stream from the install
-        (:mod:`turbospark.expert_cache`), with identical logits."""
+        (:mod:`turbospark.expert_cache`), with identical logits.
+
+        ``group`` (``mx.distributed.init()`` under ``mlx.launch``) shards the
+        model across its processes (tensor parallelism, the family's
+        ``turbospark_shard_model``); every process opens the same install and
+        runs the same calls (``docs/SCALING.md``). A group of one changes nothing."""
         path = Path(path)
         manifest = read_manifest(path)
+        distributed = group is not None and group.size() > 1
+        if distributed:  # first, so every rank refuses a mismatch at the same point
+            check_same_install(group, path)
         family = (registry or default_registry()).get(manifest.family)
         spec = family.spec
         installed = validate_arch(path, manifest, spec.arch_config)
@@ -177,6 +190,14 @@ class Runner:
         pm = family.manager()
         moe = pm.hook.turbospark_moe(arch=installed)
         check_policy(expert_cache, moe, spec.name)
+        if distributed:
+            _check_shardable(pm, spec, group, session_dir)
+            if moe is not None and expert_cache.mode != "all":
+                raise InvalidInput(
+                    f"--expert-cache-slots {expert_cache} streams experts into one process's "
+                    "slots and cannot be sharded across a group; use --expert-cache-slots all "
+                    "with --distributed"
+                )
         if session_slots > 1:
             _check_pool_capability(
                 spec, pm.hook.turbospark_pool_capability(arch=installed), session_slots
@@ -190,6 +211,9 @@ class Runner:
         model = pm.hook.turbospark_load_model(
             arch=installed, weights=weights, dtype=compute_dtype, experts=streams
         )
+        if distributed:
+            pm.hook.turbospark_shard_model(model=model, group=group)
+            mx.eval(model.parameters())  # drop the unsharded weights now
         runner = cls(
             path=path,
             manifest=manifest,
@@ -206,6 +230,7 @@ class Runner:
             dtype=compute_dtype,
             session_dir=None if session_dir is None else Path(session_dir),
             max_session_disk_bytes=max_session_disk_bytes,
+            group=group,
         )
         runner._experts = streams
         runner._moe = moe
@@ -792,6 +817,27 @@ def _dtype(value: str | mx.Dtype) -> mx.Dtype:
 
 def _check_steering(spec: FamilySpec, arch: ArchConfig, steering: SteeringPolicy) -> None:
     steering.check_model(spec.name, spec.steerable, arch.hidden_size, arch.num_hidden_layers)
+
+
+def _check_shardable(
+    pm: pluggy.PluginManager,
+    spec: FamilySpec,
+    group: mx.distributed.Group,
+    session_dir: str | Path | None,
+) -> None:
+    """Refuse tensor parallelism a family or these options cannot do, before
+    any weight is read."""
+    if not pm.hook.turbospark_shard_model.get_hookimpls():
+        raise InvalidInput(
+            f"family '{spec.name}' cannot be sharded across {group.size()} processes: it does "
+            "not implement turbospark_shard_model; run it in one process (no mlx.launch -n N)"
+        )
+    if session_dir is not None:
+        raise InvalidInput(
+            "session_dir with a group of processes: each process holds only its shard of a "
+            "session, and the disk tier's files hold whole ones; drop --session-dir, or run "
+            "replicas instead (docs/SCALING.md)"
+        )
 
 
 def _check_disk_options(

@@ -21,7 +21,10 @@ from turbospark.errors import InvalidInput
 from turbospark.server.settings import ServerLimits
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.distributed import Lockstep
     from turbospark.runner import Runner
+    from turbospark.server.worker import RunnerWorker
+    from turbospark.text import TextCodec
 
 DEFAULT_MAX_TOKENS = 2048
 DEFAULT_MAX_BATCH = 8
@@ -122,6 +125,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"with a request_timeout error and its generation stops (default: {defaults.request_timeout:g})",
     )
     add_steering_args(parser)
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="shard the model across the processes of `mlx.launch -n N --backend ring|nccl -- "
+        "python -m turbospark serve ...` (tensor parallelism): rank 0 serves HTTP and every "
+        "rank runs the same steps (docs/SCALING.md)",
+    )
+    parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with --distributed: a rank that hears nothing from the group this long (a peer "
+        "hung) exits with an error, as do the others (default: 120)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -147,10 +165,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.distributed and args.draft != "off":
+        raise InvalidInput(
+            f"--draft {args.draft} with --distributed: a draft round's acceptance is not yet "
+            "carried between ranks; drop --draft (or run replicas instead, docs/SCALING.md)"
+        )
+    if args.distributed and args.session_dir is not None:
+        raise InvalidInput(
+            "--session-dir with --distributed: each rank holds only its shard of a session and "
+            "the disk tier's files hold whole ones; drop --session-dir, or run replicas instead "
+            "(docs/SCALING.md)"
+        )
     for flag, value in [
         ("--max-request-bytes", args.max_request_bytes),
         ("--max-queue", args.max_queue),
         ("--request-timeout", args.request_timeout),
+        ("--distributed-timeout", args.distributed_timeout),
     ]:
         if value <= 0:
             raise InvalidInput(f"{flag} must be positive, got {value:g}")
@@ -174,12 +204,14 @@ def run(args: argparse.Namespace) -> int:
 
     check_args(args)
     steering = steering_policy(args)
+    lockstep = join_group(args) if args.distributed else None
     codec = install_text(args.model)
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
         runner = Runner.open(
             args.model,
+            group=None if lockstep is None else lockstep.group,
             context_length=args.context_length,
             session_slots=args.session_slots,
             max_parked_bytes=args.max_parked_memory,
@@ -195,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     runner = worker.run(open_runner)  # MLX work stays on the worker thread
     # One full prefill chunk plus its last token, then decoding alone and batched.
     warm_up = None if args.no_warm_up else [0] * min(args.chunk_size + 1, args.context_length - 4)
+    if lockstep is not None and not lockstep.leader:
+        return follow(args, runner, codec, worker, lockstep, warm_up)
     app = create_app(
         runner,
         codec,
@@ -207,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         limits=limits_of(args),
         api_key=args.api_key,
         cors_origins=args.cors_origin,
+        lockstep=lockstep,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     disk = runner.session_disk
@@ -214,13 +249,93 @@ def run(args: argparse.Namespace) -> int:
         f", {len(disk.entries)} session(s) on disk in {disk.root}"
         + (f" ({len(disk.rejected)} refused, moved to rejected/)" if disk.rejected else "")
     )  # fmt: skip
+    ranks = "" if lockstep is None else f" sharded across {lockstep.group.size()} processes,"
     print(
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}) on "
         f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
-        f"{on_disk}, up to {args.max_batch} request(s) per batch; "
+        f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch; "
         f"the page is at http://{args.host}:{args.port}/",
         flush=True,
     )
     config = limits_of(args).uvicorn_config(app, host=args.host, port=args.port, log_level="info")
     uvicorn.Server(config).run()
+    if lockstep is not None:
+        leave_group()
     return 0
+
+
+# Every flag that changes what the engine does at a step: ranks must agree on all.
+_LOCKSTEP_FLAGS = (
+    "session_slots", "max_parked_memory", "context_length", "chunk_size", "max_tokens",
+    "max_batch", "no_warm_up", "no_prefix_reuse", "expert_cache_slots", "steering",
+    "steering_mode", "steering_scale", "steering_layers",
+)  # fmt: skip
+
+
+def join_group(args: argparse.Namespace) -> Lockstep:
+    """The process group ``mlx.launch`` set up; refuse a lone process and ranks
+    started with different engine flags (compared at start, one line)."""
+    import hashlib
+    import json
+
+    import mlx.core as mx
+
+    from turbospark.distributed import Lockstep, launcher_backend
+    from turbospark.sharding import check_agree
+
+    if not mx.distributed.is_available():
+        raise InvalidInput("--distributed: this MLX build has no distributed backend")
+    group = mx.distributed.init(backend=launcher_backend())
+    if group.size() < 2:
+        raise InvalidInput(
+            "--distributed runs one rank of a group, but this process is alone: start it with "
+            "`mlx.launch -n 2 --backend ring -- python -m turbospark serve ... --distributed`"
+        )
+    flags = json.dumps({name: getattr(args, name) for name in _LOCKSTEP_FLAGS}, sort_keys=True)
+    check_agree(
+        group,
+        "serve flags",
+        hashlib.sha256(flags.encode()).hexdigest(),
+        f"start every rank with the same {', '.join('--' + f.replace('_', '-') for f in _LOCKSTEP_FLAGS)}",
+    )
+    return Lockstep(group, timeout=args.distributed_timeout)
+
+
+def follow(
+    args: argparse.Namespace,
+    runner: Runner,
+    codec: TextCodec,
+    worker: RunnerWorker,
+    lockstep: Lockstep,
+    warm_up: list[int] | None,
+) -> int:
+    """A rank other than 0: no HTTP, the same engine stepped by rank 0's broadcasts
+    until rank 0 stops."""
+    import threading
+
+    from turbospark.server.app import new_engine
+
+    engine = new_engine(runner, codec, args.max_batch, args.chunk_size, lockstep)
+
+    def loop() -> None:
+        if warm_up is not None:
+            engine.warm_up(warm_up)
+        engine.run(threading.Event())  # the stop comes from rank 0
+        runner.close()
+
+    print(f"rank {lockstep.rank} of {lockstep.group.size()}: following rank 0", flush=True)
+    worker.run(loop)
+    worker.shutdown()
+    leave_group()
+    return 0
+
+
+def leave_group() -> None:
+    """Exit now, status 0: the ring backend's threads abort a normal interpreter
+    shutdown ("terminate called without an active exception"), which would read
+    as a crash to mlx.launch and to whoever watches it."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from turbospark.distributed import Lockstep, LockstepEngine
 from turbospark.engine import Engine
 from turbospark.errors import TurbosparkError
 from turbospark.generate import (
@@ -692,6 +693,15 @@ async def health(request: Request) -> Response:
     )
 
 
+def new_engine(
+    runner: Runner, codec: TextCodec, max_batch: int, chunk_size: int, lockstep: Lockstep | None
+) -> Engine:
+    """The server's engine; under ``serve --distributed`` every rank builds it here."""
+    if lockstep is None:
+        return Engine(runner, codec, max_batch=max_batch, prefill_budget=chunk_size)
+    return LockstepEngine(runner, codec, lockstep, max_batch=max_batch, prefill_budget=chunk_size)
+
+
 def create_app(
     runner: Runner,
     codec: TextCodec,
@@ -705,6 +715,7 @@ def create_app(
     warm_up: list[int] | None = None,
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
+    lockstep: Lockstep | None = None,
 ) -> Starlette:
     """The Starlette app serving *runner*. Prefix reuse is the caller's choice
     (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
@@ -713,13 +724,20 @@ def create_app(
     (alone and batched) before it admits the first request; ``/health`` says
     ``warming`` meanwhile. With *api_key*, conversations and the sessions view
     need it; *cors_origins* lets those browser origins in (``server/access.py``).
+    With *lockstep* (rank 0 of ``serve --distributed``) the engine steps in
+    lockstep with the other ranks (:mod:`turbospark.distributed`).
 
     Pass the *worker* whose thread opened the runner (``worker.run(lambda:
     Runner.open(...))``). Without one, a new worker thread serves a runner
     opened elsewhere; its model is evaluated here first, because MLX cannot
     evaluate on one thread what another thread left lazy (e.g. RoPE tables).
     """
-    from turbospark.server import anthropic, embeddings, responses  # they build on this module
+    from turbospark.server import (  # they build on this module
+        anthropic,
+        embeddings,
+        gateway,
+        responses,
+    )
 
     if worker is None:
         worker = RunnerWorker()
@@ -732,7 +750,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         worker=worker,
         limits=limits or ServerLimits(),
-        engine=Engine(runner, codec, max_batch=max_batch, prefill_budget=chunk_size),
+        engine=new_engine(runner, codec, max_batch, chunk_size, lockstep),
     )
     metrics = Metrics(service.engine)
     service.engine.observer = metrics.observe
@@ -767,6 +785,7 @@ def create_app(
                 "/v1/embeddings", metrics.counted("embeddings", embeddings.create), methods=["POST"]
             ),
             *PAGE_ROUTES,
+            *gateway.ROUTES,
         ],
         exception_handlers=HANDLERS,
         lifespan=lifespan,

@@ -91,6 +91,14 @@ async def _create(
     service: Service, body: EmbeddingRequest, deadline: Deadline, ticket: Ticket, request: Request
 ) -> Response:
     runner = service.runner
+    if runner.group is not None:
+        raise APIError(
+            400,
+            "embeddings are not served under --distributed (they run outside the ranks' "
+            "lockstep); serve embeddings from a single-process replica",
+            param="model",
+            code="unsupported",
+        )
     if not runner.embeds:
         raise APIError(
             400,

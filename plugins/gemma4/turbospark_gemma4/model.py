@@ -36,6 +36,7 @@ from turbospark.layers.fused import geglu, residual_scale, softcap
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
+from turbospark.sharding import kv_copies, require_divisible, shard_attention, shard_mlp
 from turbospark.state import LayerKV, State
 from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
@@ -368,6 +369,17 @@ class Experts(ExpertLayer):
     def __init__(self, arch: Gemma4Config):
         inner, hidden = arch.moe_intermediate_size, arch.hidden_size
         super().__init__(arch.num_experts, expert_shapes(inner, hidden))
+        self.group: mx.distributed.Group | None = None  # set by shard(): sum the partial outputs
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Each rank keeps a slice of every expert's inner width; the weighted
+        expert sum is linear in the down projection, so one ``all_sum`` of the
+        partial outputs is the whole result."""
+        size, rank = group.size(), group.rank()
+        self.gate_proj = mx.contiguous(mx.split(self.gate_proj, size, axis=1)[rank])
+        self.up_proj = mx.contiguous(mx.split(self.up_proj, size, axis=1)[rank])
+        self.down_proj = mx.contiguous(mx.split(self.down_proj, size, axis=2)[rank])
+        self.group = group
 
     def __call__(
         self, x: mx.array, chosen: mx.array, weights: mx.array, dense: mx.array
@@ -384,7 +396,8 @@ class Experts(ExpertLayer):
 
         y = self.routed(chosen, geglu_experts, overlap=[dense])
         y = y.squeeze(-2)  # (N, k, 1, H) -> (N, k, H)
-        return (weights[..., None] * y).sum(axis=-2)
+        out = (weights[..., None] * y).sum(axis=-2)
+        return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
 
 def expert_shapes(inner: int, hidden: int) -> dict[str, tuple[int, int]]:
@@ -647,6 +660,30 @@ class Gemma4(nn.Module):
     ) -> mx.array:
         """Final-normed hidden states for ``tokens`` ``(B, L)`` (see the text model)."""
         return self.model(tokens, start, state, vision, last_only, steer)
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallelism across *group* (:mod:`turbospark.sharding`): every
+        layer's heads, MLP width and expert width split; embeddings, PLE, router,
+        norms and the head stay whole. KV-shared layers own no K/V projections."""
+        arch = self.arch
+        for i in range(arch.num_hidden_layers):  # every check before any weight moves
+            kv_copies(group, arch.num_attention_heads, arch.layer_kv_heads(i))
+            require_divisible(group, intermediate_size=arch.layer_intermediate_size(i))
+        if arch.enable_moe_block:
+            require_divisible(group, moe_intermediate_size=arch.moe_intermediate_size)
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            owned = ("k_proj",) if attn.k_eq_v else ("k_proj", "v_proj")
+            attn.n_heads, attn.n_kv_heads = shard_attention(
+                attn,
+                group,
+                heads=attn.n_heads,
+                kv_heads=attn.n_kv_heads,
+                kv_projections=owned if attn.owns_kv else (),
+            )
+            shard_mlp(layer.mlp, group)
+            if layer.moe:
+                layer.experts.shard(group)
 
     def head(self, hidden: mx.array) -> mx.array:
         """``(L, hidden)`` -> softcapped logits ``(L, vocab)``."""

@@ -44,6 +44,13 @@ def turbospark_load_model(
 
 
 @hookimpl
+def turbospark_shard_model(model: nn.Module, group: mx.distributed.Group) -> bool:
+    assert isinstance(model, Gemma4)
+    model.shard(group)
+    return True
+
+
+@hookimpl
 def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int) -> State:
     assert isinstance(arch, Gemma4Config)
     return new_state(arch)

@@ -36,6 +36,13 @@ from turbospark.layers.attention import cached_attention
 from turbospark.layers.fused import sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
+from turbospark.sharding import (
+    kv_copies,
+    require_divisible,
+    shard_attention,
+    shard_gated_delta,
+    shard_mlp,
+)
 from turbospark.state import KVComponent, LayerKV, State
 from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
@@ -393,6 +400,29 @@ class QwenGdn(nn.Module):
         kv.advance(length)
         gdn.advance(length)
         return self.model.norm(h)
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallelism across *group* (:mod:`turbospark.sharding`): full
+        attention by head, gated DeltaNet by key/value head, the MLP by width;
+        embeddings, norms and the head stay whole."""
+        arch = self.arch
+        # Every check before any weight moves.
+        kv_copies(group, arch.num_attention_heads, arch.num_key_value_heads)
+        require_divisible(
+            group,
+            intermediate_size=arch.intermediate_size,
+            linear_num_key_heads=arch.linear_num_key_heads,
+            linear_num_value_heads=arch.linear_num_value_heads,
+        )
+        for layer in self.model.layers:
+            if layer.is_linear:
+                shard_gated_delta(layer.linear_attn, group)
+            else:
+                attn = layer.self_attn
+                attn.heads, attn.kv_heads = shard_attention(
+                    attn, group, heads=attn.heads, kv_heads=attn.kv_heads
+                )
+            shard_mlp(layer.mlp, group)
 
     def head(self, hidden: mx.array) -> mx.array:
         if self.arch.tie_word_embeddings:
