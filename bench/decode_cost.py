@@ -110,7 +110,7 @@ def _ours_step(runner: Runner, prompt: list[int]) -> Step:
         hook, live = runner._hook, runner._live  # the forward alone: no ids read back
         logits = hook.turbospark_forward(
             model=runner.model, tokens=mx.array([i % runner.vocab_size], mx.int32),
-            start=live.position, state=live.state, vision=None, logits="last",
+            start=live.position, state=live.state, vision=None, logits="last", steer=None,
         )  # fmt: skip
         return [mx.argmax(logits), *[a for c in live.state.values() for a in c.arrays()]]
 

@@ -25,9 +25,9 @@ def count_prefill(runner: Runner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     fed: list[int] = []
     feed = runner.feed
 
-    def counting(session, ids, position, logits=False):
+    def counting(session, ids, position, logits=False, then=None):
         fed.extend(p for p in range(position, position + len(ids)) if p < len(PROMPT))
-        return feed(session, ids, position, logits=logits)
+        return feed(session, ids, position, logits=logits, then=then)
 
     monkeypatch.setattr(runner, "feed", counting)
     return fed

@@ -131,6 +131,10 @@ class SharedSampler:
     """A row's sampler under lockstep: rank 0 samples, every rank gets its id."""
 
     plain_greedy = False  # every id goes through the broadcast, batched or not
+    plain_random = False
+    # The engine samples a row with processors on the host after its forward
+    # (never queued inside it): the broadcast must follow the forward's collectives.
+    processors = ("the lockstep broadcast",)
 
     def __init__(self, lockstep: Lockstep, inner: Sampler | None) -> None:
         self.lockstep = lockstep

@@ -635,7 +635,7 @@ class Engine:
             kept=len(job.ids),
             report=report,
             evicted=False,
-            sampler=Sampler(job.config, job.processors, job.top_logprobs),
+            sampler=self._new_sampler(job),
             stop_ids=self._stop_ids(job.config),
             decoder=self.codec.stream_decoder(),
             stops=StopStrings(job.config.stop),

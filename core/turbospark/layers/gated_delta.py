@@ -381,7 +381,6 @@ class GatedDeltaNet(nn.Module):
                 self.in_proj_z.weight,
                 self.in_proj_a.weight,
                 self.in_proj_b.weight,
-                self.out_proj.weight,
             ),
             tail,
             recurrent,
@@ -398,15 +397,16 @@ class GatedDeltaNet(nn.Module):
         if state.tracing:  # a verify pass: every token's state is kept (uncompiled)
             out, tails, recurrents = mix(*args, traced=True)
             state.set_layer_traced(index, tails, recurrents)
-            return out
-        out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
-        state.set_layer(index, tail, recurrent)
-        return out
+        else:
+            out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
+            state.set_layer(index, tail, recurrent)
+        # The module, not its weight: a sharded out_proj sums the ranks' parts.
+        return self.out_proj(out)
 
 
 def mix(
     x: mx.array,
-    projections: tuple[mx.array, mx.array, mx.array, mx.array, mx.array],
+    projections: tuple[mx.array, mx.array, mx.array, mx.array],
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -420,16 +420,17 @@ def mix(
     eps: float,
     traced: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """The layer on ``x`` ``(B, L, hidden)``: the input projections (weights
-    ``in_proj_qkv/z/a/b`` and ``out_proj``; ``nn.Linear`` is ``x @ w.T``), causal
-    conv continuing from *tail*, SiLU, l2-normalised q/k, gates, the gated delta
-    rule from *recurrent*, the gated norm and the output projection. Returns
-    the ``(B, L, hidden)`` output, the new tail and the new state; *traced*
+    """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
+    input projections (weights ``in_proj_qkv/z/a/b``; ``nn.Linear`` is
+    ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
+    gates, the gated delta rule from *recurrent* and the gated norm. Returns
+    the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
+    one can sum the ranks' parts), the new tail and the new state; *traced*
     (a draft's verify pass), the output, every token's conv tail and every
     token's state instead (:func:`conv_tails`, :func:`gated_delta_traced`).
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
-    qkv_w, z_w, a_w, b_w, out_w = projections
+    qkv_w, z_w, a_w, b_w = projections
     batch, length, _ = x.shape
     key_dim = key_heads * key_head_dim
     projected = x @ qkv_w.T
@@ -449,7 +450,7 @@ def mix(
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = (x @ z_w.T).reshape(batch, length, value_heads, value_head_dim)
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
-    out = out.reshape(batch, length, value_heads * value_head_dim) @ out_w.T
+    out = out.reshape(batch, length, value_heads * value_head_dim)
     return (out, tails, recurrents) if traced else (out, tail, recurrent)
 
 

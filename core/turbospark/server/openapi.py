@@ -151,6 +151,18 @@ def openapi_document() -> dict[str, Any]:
             "/v1/models": _get("the served model", "application/json", ref[ModelList]),
             "/v1/models/{model}": model_card,
             "/health": _get("the server is up (never needs the API key)", "application/json"),
+            # What SGLang's model gateway reads from a worker (turbospark.server.gateway).
+            **{
+                path: _get(what, "application/json", _OBJECT)
+                for paths, what in [
+                    (("/get_server_info", "/server_info"), "the worker's batch and context sizes"),
+                    (
+                        ("/get_model_info", "/model_info"),
+                        "the served model: context, vocabulary, eos ids",
+                    ),
+                ]
+                for path in paths
+            },
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("this document", "application/json", _OBJECT),
             "/": _get("the page: chat and the sessions view", "text/html"),

@@ -487,6 +487,10 @@ class DecoderLayer(nn.Module):
             sparse = sparse.reshape(h.shape)
             ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
             return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
+        if not isinstance(self.mlp.down_proj, nn.Linear):  # sharded: its module sums the ranks
+            h = h + self.post_attention_layernorm(attn)
+            ff = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
         # Decode: the whole dense half (norms, GeGLU MLP, PLE, residuals) is one trace.
         tail = dense_tail_step if h.shape[1] == 1 else dense_tail
         h = tail(

@@ -315,8 +315,11 @@ class DecoderLayer(nn.Module):
             mixed = self.linear_attn(normed, gdn, self.slot)
         else:
             mixed = self.self_attn(normed, kv[self.slot], rope, offset, positions)
-        tail = mlp_tail_step if x.shape[1] == 1 else mlp_tail
         mlp = self.mlp
+        if not isinstance(mlp.down_proj, nn.Linear):  # sharded: its module sums the ranks
+            h = x + mixed
+            return h + mlp(self.post_attention_layernorm(h))
+        tail = mlp_tail_step if x.shape[1] == 1 else mlp_tail
         return tail(
             x,
             mixed,
