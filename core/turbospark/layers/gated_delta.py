@@ -107,20 +107,8 @@ def gated_delta_sequential(
     q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
 ) -> tuple[mx.array, mx.array]:
     """The recurrence token by token (decode, and the reference for the chunked form)."""
-    q, k = _expand_heads(q, k, v.shape[2])
-    g = mx.exp(log_g)
-    ys = []
-    for t in range(q.shape[1]):
-        y, state = gated_delta_step(
-            q[:, t].astype(mx.float32),
-            k[:, t].astype(mx.float32),
-            v[:, t].astype(mx.float32),
-            g[:, t],
-            beta[:, t].astype(mx.float32),
-            state,
-        )
-        ys.append(y)
-    return mx.stack(ys, axis=1).astype(v.dtype), state
+    out, states = gated_delta_traced(q, k, v, log_g, beta, state)
+    return out, states[-1]
 
 
 def _segment_sums(log_g: mx.array) -> mx.array:
