@@ -145,3 +145,23 @@ def test_an_override_without_a_served_vector_is_refused(install: Path) -> None:
     app = create_app(worker.run(lambda: Runner.open(install)), load_text(install), worker=worker)
     with ThreadedServer(app) as running, pytest.raises(openai.BadRequestError, match="--steering"):
         complete(running, [1, 2, 3], {"scale": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "shape"),
+    [
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, "anthropic"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 4}, "openai"),
+    ],
+)  # fmt: skip
+def test_the_override_reaches_the_messages_and_responses_routes(server, route, body, shape):
+    """Not ignored there either: a bad override is the same 400, a good one serves."""
+    model = client(server).models.list().data[0].id
+    bad = {**body, "model": model, "turbospark": {"steering": {"mode": "sideways"}}}
+    reply = httpx.post(f"{server.base_url}{route}", json=bad, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "mode" in error["message"]
+    assert (error["type"] == "invalid_request_error") if shape == "anthropic" else True
+    good = {**body, "model": model, "turbospark": {"steering": {"mode": "off"}}, "draft": "off"}
+    assert httpx.post(f"{server.base_url}{route}", json=good, timeout=60).status_code == 200

@@ -30,7 +30,13 @@ from turbospark.generate import Chunk, Completion, GenerationStats
 from turbospark.server.app import EventStream, Service
 from turbospark.server.errors import APIError, anthropic_error_body, refusal
 from turbospark.server.limits import Deadline, Ticket
-from turbospark.server.schemas import ChatCompletionRequest, Message, Text, TextPart
+from turbospark.server.schemas import (
+    ChatCompletionRequest,
+    Message,
+    Text,
+    TextPart,
+    TurbosparkOptions,
+)
 from turbospark.server.tools import (
     FunctionCall,
     FunctionDef,
@@ -201,6 +207,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     stream: bool = False
+    # turbospark's extensions, as on the OpenAI routes (extra_body).
+    turbospark: TurbosparkOptions | None = None
+    draft: Literal["on", "off"] = "on"
 
     def chat_request(self) -> ChatCompletionRequest:
         return self.chat(
@@ -209,6 +218,8 @@ class MessagesRequest(CountTokensRequest):
             top_p=self.top_p,
             top_k=self.top_k,
             stop=self.stop_sequences,
+            turbospark=self.turbospark,
+            draft=self.draft,
         )
 
 

@@ -28,7 +28,7 @@ from turbospark.generate import Chunk, GenerationStats
 from turbospark.server.app import EventStream, Service
 from turbospark.server.errors import APIError, error_json, refusal
 from turbospark.server.limits import Deadline, Ticket
-from turbospark.server.schemas import ChatCompletionRequest, Message, Text
+from turbospark.server.schemas import ChatCompletionRequest, Message, Text, TurbosparkOptions
 from turbospark.server.tools import (
     FunctionCall,
     FunctionDef,
@@ -122,6 +122,9 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
+    # turbospark's extensions, as on the chat route (extra_body).
+    turbospark: TurbosparkOptions | None = None
+    draft: Literal["on", "off"] = "on"
 
     @model_validator(mode="before")
     @classmethod
@@ -187,6 +190,8 @@ class ResponsesRequest(BaseModel):
             top_p=self.top_p,
             tools=tools or None,
             tool_choice=choice,
+            turbospark=self.turbospark,
+            draft=self.draft,
         )
 
 
