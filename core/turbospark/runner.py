@@ -422,15 +422,9 @@ class Runner:
         leave every component (rewound, or the traced state at ``start + keep``)
         and the record, so the session never holds a rejected token."""
         live = session or self._live
-        end = start + keep
-        for spec in self.family.components:
-            component = live.state[spec.name]
-            if spec.traceable:
-                component.keep_traced(keep)  # type: ignore[attr-defined]
-            elif component.position > end:
-                component.rewind(component.position - end)
-        live.record.truncate(end)
-        live.drop_checkpoints_after(end)
+        for name in self.traced_components:
+            live.state[name].keep_traced(keep)  # type: ignore[attr-defined]
+        live.cut_to(start + keep)  # the others rewind; the record and checkpoints follow
 
     @property
     def traced_components(self) -> list[str]:
