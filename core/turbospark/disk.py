@@ -29,8 +29,9 @@ Why each field:
 Writes go to a temporary file that is fsynced, renamed over the target and
 followed by an fsync of the directory, so a ``kill -9`` at any moment leaves
 either the old file or the new one. The header alone (:func:`read_meta`) is
-enough to index a file; :func:`read_session` reads the file once, verifies it
-and builds the arrays from that one buffer.
+enough to index a file; :func:`read_session` hashes the tensors from a memory
+map of the file while ``mx.load`` builds the arrays from it, and returns
+nothing unverified.
 """
 
 from __future__ import annotations
