@@ -132,9 +132,9 @@ class SharedSampler:
 
     plain_greedy = False  # every id goes through the broadcast, batched or not
     plain_random = False
-    # The engine samples a row with processors on the host after its forward
-    # (never queued inside it): the broadcast must follow the forward's collectives.
-    processors = ("the lockstep broadcast",)
+    stepwise = True  # one broadcast per id
+    # The broadcast must follow the forward's collectives: sampled after it, on the host.
+    reads_on_host = True
 
     def __init__(self, lockstep: Lockstep, inner: Sampler | None) -> None:
         self.lockstep = lockstep

@@ -666,9 +666,8 @@ class Engine:
         try:
             if fed:
                 sample = partial(row.sampler, fed=row.pending)
-                if row.sampler.processors:
-                    # A processor may read the fed id on the host (a grammar): queue
-                    # the forward first so it runs while the host waits.
+                if row.sampler.reads_on_host:
+                    # Queue the forward first so it runs while the host waits.
                     row.following = sample(self.runner.feed(row.session, [row.pending], row.position, logits=True))  # fmt: skip
                     mx.async_eval(row.following)
                 else:  # the forward and its sample queued together (stream_generate's order)

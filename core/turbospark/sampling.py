@@ -85,15 +85,29 @@ class Sampler:
         self._records: list[tuple[mx.array, mx.array, mx.array]] = []
 
     @property
+    def stepwise(self) -> bool:
+        """Whether each sample must be drawn alone, a token at a time: processors
+        see every sampled id, kept logprobs record every draw (no batched draw,
+        no drafted round)."""
+        return bool(self.processors) or self.top_logprobs is not None
+
+    @property
     def plain_greedy(self) -> bool:
         """Argmax and nothing else: a batch takes such rows' ids in one op."""
-        return self.params.temperature == 0.0 and not self.processors and self.top_logprobs is None
+        return self.params.temperature == 0.0 and not self.stepwise
+
+    @property
+    def reads_on_host(self) -> bool:
+        """Whether sampling may wait on the host (a processor reading the fed id,
+        e.g. a grammar), so it is applied after its forward is queued, never
+        queued inside it."""
+        return bool(self.processors)
 
     @property
     def plain_random(self) -> bool:
         """Temperature, top-k and top-p and nothing else: a batch samples such
         rows together (:func:`sample_together`), each with its own key."""
-        return self.params.temperature > 0.0 and not self.processors and self.top_logprobs is None
+        return self.params.temperature > 0.0 and not self.stepwise
 
     def __call__(self, logits: mx.array, fed: mx.array | None = None) -> mx.array:
         """A scalar ``uint32`` token id (lazy) from ``(vocab,)`` float32 logits.

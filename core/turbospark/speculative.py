@@ -237,7 +237,7 @@ def speculation_for(
     step: drafts are off (the runner's policy, or the request opted out with
     *enabled* False), or the sampler has logits processors or keeps logprobs.
     *drafter* overrides the runner's policy (the benchmark's oracles)."""
-    if not enabled or sampler.processors or sampler.top_logprobs is not None:
+    if not enabled or sampler.stepwise:
         return None
     if drafter is not None:
         check_rollback(runner.family, type(drafter).__name__)
