@@ -100,6 +100,7 @@ def test_every_rank_refuses_bad_groups_with_one_line(gemma4_install, qwen4_exp_i
         "mismatch": (gemma4_install, other),
         "heads": (three_heads, three_heads),
         "family": (qwen4_exp_install, qwen4_exp_install),
+        "streamed": (gemma4_install, f"{gemma4_install}@4"),  # fixed(4) experts on both
         "fine": (gemma4_install, gemma4_install),  # after three refusals, still in step
     }
     argv = [f"{name}={a},{b}" for name, (a, b) in cases.items()]
@@ -113,6 +114,7 @@ def test_every_rank_refuses_bad_groups_with_one_line(gemma4_install, qwen4_exp_i
         assert got["heads"].startswith("world size 2 does not divide num_attention_heads=3")
         assert "mlx.launch -n 3" in got["heads"]
         assert got["family"].startswith("family 'qwen4_exp' cannot be sharded across 2")
+        assert got["streamed"].startswith("--expert-cache-slots 4 streams experts")
         assert all("\n" not in message for message in got.values() if message)
 
 
@@ -122,6 +124,9 @@ def test_distributed_serve_refuses_a_session_dir_and_a_bad_timeout(tmp_path):
         ["serve", str(tmp_path), "--distributed", "--session-slots", "2", "--session-dir", "d"]
     )
     with pytest.raises(InvalidInput, match="--session-dir with --distributed"):
+        serve.check_args(args)
+    args = parser.parse_args(["serve", str(tmp_path), "--distributed", "--draft", "ngram"])
+    with pytest.raises(InvalidInput, match="--draft ngram with --distributed"):
         serve.check_args(args)
     args = parser.parse_args(["serve", str(tmp_path), "--distributed-timeout", "0"])
     with pytest.raises(InvalidInput, match="--distributed-timeout must be positive"):
@@ -319,6 +324,16 @@ def test_a_client_that_hangs_up_leaves_the_ranks_in_step(gemma4_install, tmp_pat
                 model=model, messages=messages, max_tokens=4, n=2
             )
             assert len(reply.choices) == 2
+        # What does not run in lockstep is refused by name, and the group goes on.
+        with pytest.raises(openai.BadRequestError, match="not served under --distributed"):
+            client.embeddings.create(model=model, input="hello")
+        with pytest.raises(openai.BadRequestError, match="per-request steering is not carried"):
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=2,
+                extra_body={"turbospark": {"steering": {"mode": "off"}}},
+            )  # fmt: skip
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=4)
+        assert reply.choices[0].finish_reason == "length"
         assert all(process.poll() is None for process in group.ranks)
     finally:
         group.close()

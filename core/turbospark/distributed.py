@@ -38,7 +38,6 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark.engine import Engine, Job
-from turbospark.errors import InvalidInput
 from turbospark.generate import GenerationConfig
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler
@@ -182,14 +181,6 @@ class LockstepEngine(Engine):
         self._jobs: dict[int, tuple[Job, Job]] = {}
 
     def submit(self, job: Job) -> None:
-        if job.config.steering is not None:  # its directions would have to travel too
-            job.emit(
-                InvalidInput(
-                    "per-request steering is not carried between ranks under --distributed; "
-                    "start every rank with --steering instead"
-                )
-            )
-            return
         with self._wake:
             self._inbox.append(job)
             self._wake.notify()

@@ -247,6 +247,14 @@ class Service:
         override = body.turbospark.steering if body.turbospark else None
         if override is None:
             return None
+        if self.runner.group is not None:  # its directions would have to reach every rank
+            raise APIError(
+                400,
+                "per-request steering is not carried between ranks under --distributed; start "
+                "every rank with --steering instead",
+                param="turbospark.steering",
+                code="unsupported",
+            )
         if override.mode == "off":
             return SteeringPolicy.off()
         try:
