@@ -19,6 +19,13 @@ decode loop into ``OUT_DIR``, one text file per family.
 from __future__ import annotations
 
 import argparse
+import os
+
+# Before MLX loads: its CUDA GEMMs run float32 as TF32 by default while GEMVs
+# (one token) stay full float32, so a k + 1-token verify and one-token steps of
+# a float32 model disagree by TF32 rounding, which random-weight gemma4 turns
+# into flipped argmaxes. bf16 pieces are unaffected.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import json
 import sys
 import time

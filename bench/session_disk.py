@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import shutil
 import statistics
 import sys
@@ -32,6 +33,7 @@ if __package__ in (None, ""):
 import mlx.core as mx
 
 from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine, random_tokens
+from turbospark import disk
 from turbospark.reuse import ReuseReason
 from turbospark.runner import Runner
 
@@ -61,12 +63,47 @@ def _reload(path: Path, directory: Path, tokens: list[int], context: int) -> flo
     return seconds
 
 
-def bench_session_disk(path: Path, lengths: list[int], reps: int) -> dict[str, Any]:
+def _breakdown(directory: Path, path: Path) -> dict[str, float]:
+    """Where a reload's time goes, each part timed alone on the file just written
+    (ms): the sha256 of every tensor from a memory map (threads), ``mx.load`` and
+    evaluating its arrays, and the whole ``read_session`` (both, overlapped)."""
+    (file,) = directory.glob(f"*{disk.SUFFIX}")
+    meta = disk.read_meta(file)
+    runner = Runner.open(path, session_slots=2, session_dir=directory)
+    model = runner.session_disk.model
+    runner.session_disk.close()
+    parts = {}
+    start = time.perf_counter()
+    with file.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        _, views = disk._tensor_views(file, view)
+        hashes = disk._hash_tensors(meta, views)
+        [f.result() for f in hashes.values() if hasattr(f, "result")]
+        del views, view
+    parts["hash_ms"] = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    arrays = mx.load(str(file), format="safetensors")
+    mx.eval(list(arrays.values()))
+    parts["mx_load_ms"] = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    mx.eval([a * 1 for a in arrays.values()])
+    mx.synchronize()
+    parts["first_device_use_ms"] = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    _, snapshot = disk.read_session(file, model)
+    mx.eval(snapshot.arrays)
+    parts["read_session_ms"] = (time.perf_counter() - start) * 1e3
+    return parts
+
+
+def bench_session_disk(
+    path: Path, lengths: list[int], reps: int, breakdown: bool = False
+) -> dict[str, Any]:
     rows = []
     for length in lengths:
         context = length + 8
         tokens = random_tokens(length, Runner.open(path).vocab_size, seed=length)
-        prefills, writes, reloads, sizes = [], [], [], []
+        prefills, writes, reloads, sizes, parts = [], [], [], [], []
         for _ in range(reps):
             directory = Path(tempfile.mkdtemp(prefix="session-disk-"))
             try:
@@ -81,6 +118,8 @@ def bench_session_disk(path: Path, lengths: list[int], reps: int) -> dict[str, A
                 runner.session_disk.close()
                 del runner
                 reloads.append(_reload(path, directory, tokens, context))
+                if breakdown:
+                    parts.append(_breakdown(directory, path))
             finally:
                 shutil.rmtree(directory)
         prefill, reload = statistics.median(prefills), statistics.median(reloads)
@@ -92,6 +131,8 @@ def bench_session_disk(path: Path, lengths: list[int], reps: int) -> dict[str, A
             "write_ms": statistics.median(writes) * 1e3,
             "file_bytes": sizes[0],
             "bytes_per_token": sizes[0] / length,
+            **({f"{k}_median": statistics.median(p[k] for p in parts) for k in parts[0]}
+               if parts else {}),
         })  # fmt: skip
     return {"reps": reps, "chunk": CHUNK, "rows": rows}
 
@@ -104,6 +145,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--gpu", action="store_true", help="large shapes in bfloat16 (bench/gpu.py)"
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time hashing, mx.load and first use alone"
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument(
@@ -124,7 +168,7 @@ def main() -> None:
         if family is not None:
             started = time.perf_counter()
             path = install(family, size, dtype, args.cache_dir)
-            result = bench_session_disk(path, lengths, args.reps)
+            result = bench_session_disk(path, lengths, args.reps, args.breakdown)
             lines.append({"family": family, "size": size, "dtype": dtype, "piece": "session_disk",
                           "seconds": time.perf_counter() - started, "result": result})  # fmt: skip
         print(json.dumps(lines[-1]), flush=True)

@@ -38,6 +38,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from turbospark.errors import InvalidInput
+from turbospark.layers import steer_cuda
 
 Mode = Literal["add", "ablate", "clamp", "renorm"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -260,10 +261,14 @@ class _LayerSteer:
     w: mx.array | None  # (B, 1, hidden)
     r: mx.array | None  # (B, 1, 1) bool; None when every row renormalises or none does
     renorm: bool
+    # (u, w, coef) for the one-launch CUDA kernel (one-token steps; None elsewhere).
+    one_launch: tuple[mx.array, mx.array, mx.array] | None = None
 
     def __call__(self, h: mx.array) -> mx.array:
         if self.u is None and not self.renorm:
             return h if self.w is None else h + self.w  # add: one op, nothing to fuse
+        if self.one_launch is not None and h.shape[1] == 1:
+            return steer_cuda.steer_rows(h, *self.one_launch)
         arrays = [a for a in (self.u, self.t, self.a, self.w, self.r) if a is not None]
         flags = tuple(a is not None for a in (self.u, self.t, self.a, self.w, self.r))
         return _kernel(*flags, self.renorm)(h, *arrays)
@@ -343,6 +348,10 @@ class Steer:
                     a[i] = 1.0
                     t[i] = s if mode == "clamp" else 0.0
             projects = bool(a.any())
+            one_launch = None
+            if (projects or r.any()) and steer_cuda.available():
+                coef = np.concatenate([a, t, r.astype(np.float32)], axis=-1)  # (B, 1, 3)
+                one_launch = (mx.array(u, dtype=dtype), mx.array(w, dtype=dtype), mx.array(coef))
             layers[k] = _LayerSteer(
                 u=mx.array(u, dtype=dtype) if projects else None,
                 a=None if not projects or a.all() else mx.array(a, dtype=dtype),
@@ -350,6 +359,7 @@ class Steer:
                 w=mx.array(w, dtype=dtype) if w.any() else None,
                 r=None if r.all() or not r.any() else mx.array(r),
                 renorm=bool(r.any()),
+                one_launch=one_launch,
             )
         return cls(layers)
 
