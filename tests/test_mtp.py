@@ -26,6 +26,7 @@ from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
 from turbospark.speculative import accept_sampled
+from turbospark.state import state_nbytes
 from turbospark.text import load_text
 
 PROMPT = [*range(3, 30), *range(3, 15)]
@@ -156,6 +157,9 @@ def test_greedy_output_with_mtp_equals_off(mtp_install, depth):
     track = session.mtp
     assert track.cache.position <= session.position - 1  # entry j read token j + 1: fed
     assert track.hidden_end <= session.position
+    # The head's K/V and hidden states count in the session's bytes (the pool's budget).
+    state_bytes = state_nbytes(session.state) + sum(c.nbytes for c in session.checkpoints)
+    assert track.nbytes > 0 and session.nbytes == state_bytes + track.nbytes
 
 
 class _MtpThenOracle:

@@ -60,6 +60,12 @@ class MtpTrack:
     hidden: list[mx.array] = field(default_factory=list)  # (rows, hidden) chunks, contiguous
 
     @property
+    def nbytes(self) -> int:
+        """Counted in the session's bytes, so parked sessions' budgets include it."""
+        cache = 0 if self.cache is None else self.cache.nbytes
+        return cache + sum(chunk.nbytes for chunk in self.hidden)
+
+    @property
     def hidden_end(self) -> int:
         return self.hidden_start + sum(chunk.shape[0] for chunk in self.hidden)
 

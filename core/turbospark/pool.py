@@ -85,7 +85,8 @@ class Session:
 
     @property
     def nbytes(self) -> int:
-        return state_nbytes(self.state) + sum(c.nbytes for c in self.checkpoints)
+        extra = 0 if self.mtp is None else self.mtp.nbytes
+        return state_nbytes(self.state) + sum(c.nbytes for c in self.checkpoints) + extra
 
     def clear(self) -> None:
         self.record.clear()
