@@ -25,7 +25,7 @@ over fewer tokens, its drafts are still verified, so output never changes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -126,7 +126,11 @@ class MtpDrafter:
     back as ``Draft.probs`` so rejection sampling stays exact.
     """
 
-    def __init__(self, head: MultiTokenHead, track: MtpTrackSource, sampler: Sampler, depth: int):
+    def __init__(
+        self, head: MultiTokenHead, track: Callable[[], MtpTrack], sampler: Sampler, depth: int
+    ):
+        """*track* gives the session's :class:`MtpTrack` when asked: the live
+        session can change between requests, so it is looked up per proposal."""
         self.head = head
         self.track_of = track
         self.sampler = sampler
@@ -165,7 +169,3 @@ class MtpDrafter:
         q = mx.softmax(self.sampler.warp(logits), axis=-1)
         token = mx.random.categorical(mx.log(q), key=self.sampler.next_key())
         return token.astype(mx.int32), q
-
-
-class MtpTrackSource(Protocol):
-    def __call__(self) -> MtpTrack: ...
