@@ -315,6 +315,20 @@ def test_sampled_speculation_with_mtp_drafts_matches_the_target_distribution(mtp
     assert _chi_square(counts, target) < 20.5
 
 
+def test_a_sampled_reply_with_mtp_is_reproducible_by_seed(mtp_install):
+    """The drafted sampling path end to end (the head's q, rejection sampling,
+    the residual draw): a seed gives one reply, and the session holds it."""
+    config = CONFIG.model_copy(update={"temperature": 0.8, "top_k": 8, "seed": 3})
+    replies = []
+    for _ in range(2):
+        runner = open_runner(mtp_install, draft=DraftPolicies.mtp(2))
+        done = generate(runner, load_text(mtp_install), PROMPT, config)
+        assert done.stats.draft_proposed > 0 and len(done.tokens) == CONFIG.max_tokens
+        assert runner.sessions()[0].record.tokens == [*PROMPT, *done.tokens[:-1]]
+        replies.append(done.tokens)
+    assert replies[0] == replies[1]
+
+
 # -- the CLI -----------------------------------------------------------------------------------
 
 

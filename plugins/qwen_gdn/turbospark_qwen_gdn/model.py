@@ -377,6 +377,21 @@ class TextStack(nn.Module):
         self.norm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
 
+class MtpHead(nn.Module):
+    """``mtp.*``, the multi-token-prediction head: the two input norms, the
+    ``2H -> H`` fusion, one full-attention layer and its output norm (its math
+    and how it drafts: :mod:`turbospark_qwen_gdn.mtp`)."""
+
+    def __init__(self, arch: QwenGdnConfig):
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = [DecoderLayer(arch, 0, slot=0, full=True)]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+
 class QwenGdn(nn.Module):
     def __init__(self, arch: QwenGdnConfig, mtp: bool = False):
         """*mtp*: also build the multi-token-prediction head (the checkpoint carries ``mtp.*``)."""
@@ -386,8 +401,6 @@ class QwenGdn(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if mtp:
-            from turbospark_qwen_gdn.mtp import MtpHead  # it builds on this module's layers
-
             self.mtp = MtpHead(arch)
         self._rope = QwenRope(arch)
 

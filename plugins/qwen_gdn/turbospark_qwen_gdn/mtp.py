@@ -1,8 +1,12 @@
-"""Qwen3.5's multi-token-prediction head (``mtp.*``), the drafter of ``DraftPolicies.mtp``.
+"""Qwen3.5's multi-token-prediction head (``mtp.*``) as ``DraftPolicies.mtp``'s drafter.
+
+The module (weights) is ``model.MtpHead``; this file binds it to the main
+model for :class:`turbospark.mtp.MultiTokenHead`.
 
 One MTP step at position ``j`` reads the main model's hidden state there and
 the token that follows it, and predicts the token after that (as vLLM's
-``qwen3_next_mtp`` and ``qwen3_5_mtp`` compute it)::
+``qwen3_next_mtp`` and ``qwen3_5_mtp`` compute it; Qwen3.5's ``config.json``
+says ``mtp_num_hidden_layers: 1``)::
 
     e = pre_fc_norm_embedding(embed_tokens(x[j + 1]))
     h = pre_fc_norm_hidden(hidden[j])
@@ -26,24 +30,9 @@ the token that follows it, and predicts the token after that (as vLLM's
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from turbospark.state import KVComponent, LayerKV
-from turbospark_qwen_gdn.model import DecoderLayer, QwenGdn, QwenGdnConfig
-
-
-class MtpHead(nn.Module):
-    """``mtp.*``: the two input norms, the ``2H -> H`` fusion, one full-attention
-    layer and its output norm."""
-
-    def __init__(self, arch: QwenGdnConfig):
-        super().__init__()
-        hidden, eps = arch.hidden_size, arch.rms_norm_eps
-        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = [DecoderLayer(arch, 0, slot=0, full=True)]
-        self.norm = nn.RMSNorm(hidden, eps=eps)
+from turbospark_qwen_gdn.model import MtpHead, QwenGdn
 
 
 class QwenMtp:
