@@ -884,17 +884,26 @@ def _check_disk_options(
 def _check_mtp(spec: FamilySpec, pm: pluggy.PluginManager, path: Path, manifest: Manifest) -> None:
     """``DraftPolicies.mtp`` needs a family with an MTP head (both optional hooks)
     and a checkpoint that carries its weights; checked before any weight is read."""
-    hooks = ("turbospark_mtp_head", "turbospark_forward_with_hidden")
-    if not all(getattr(pm.hook, name).get_hookimpls() for name in hooks):
+    if not has_mtp_hooks(pm):
         raise InvalidInput(
             f"DraftPolicies.mtp: family '{spec.name}' has no multi-token-prediction head "
-            f"(hooks {' and '.join(hooks)}); use DraftPolicies.ngram() or off()"
+            "(hooks turbospark_mtp_head and turbospark_forward_with_hidden); use "
+            "DraftPolicies.ngram() or off()"
         )
     if not any(name.startswith("mtp.") for name in tensor_names(path, manifest)):
         raise InvalidInput(
             f"DraftPolicies.mtp: the install at {path} carries no mtp.* weights (the "
             "checkpoint's multi-token-prediction head); use DraftPolicies.ngram() or off()"
         )
+
+
+def has_mtp_hooks(pm: pluggy.PluginManager) -> bool:
+    """Whether the family implements both hooks ``DraftPolicies.mtp`` drafts through."""
+    hook = pm.hook
+    return bool(
+        hook.turbospark_mtp_head.get_hookimpls()
+        and hook.turbospark_forward_with_hidden.get_hookimpls()
+    )
 
 
 def check_rollback(spec: FamilySpec, mode: str) -> None:
