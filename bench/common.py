@@ -220,13 +220,16 @@ def default_dtype() -> str:
     return "bfloat16" if mx.default_device() == mx.gpu else "float32"
 
 
-def install(family: str, size: str, dtype: str, cache_dir: Path) -> Path:
-    """The cached random-weight install of *family* at *size* (built on first use)."""
-    dims = SIZES[family][size]
-    path = cache_dir / f"{family}-{size}-{dtype}-v{SYNTHETIC_FORMAT}"
+def install(family: str, size: str, dtype: str, cache_dir: Path, mtp: bool = False) -> Path:
+    """The cached random-weight install of *family* at *size* (built on first use);
+    *mtp*: with a multi-token-prediction head (qwen_gdn's ``mtp=True``), a separate
+    install, so every other benchmark's weights stay as they were."""
+    dims = {**SIZES[family][size], **({"mtp": True} if mtp else {})}
+    tag = "-mtp" if mtp else ""
+    path = cache_dir / f"{family}-{size}{tag}-{dtype}-v{SYNTHETIC_FORMAT}"
     if not (path / MANIFEST).is_file():
         build_synthetic_install(
-            family, path, model_id=f"bench-{family}-{size}", dtype=dtype, seed=0, **dims
+            family, path, model_id=f"bench-{family}-{size}{tag}", dtype=dtype, seed=0, **dims
         )
     return path
 

@@ -23,9 +23,12 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,10 +36,15 @@ if __package__ in (None, ""):
 from bench.common import random_tokens
 from turbospark.draft import Drafter, NgramDrafter, ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
+from turbospark.mtp import MtpDrafter
+from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
+from turbospark.sampling import Sampler, SamplingParams
 from turbospark.text import load_text
 
 ACCURACIES = (1.0, 0.75, 0.5, 0.25, 0.0)
+MTP_FAMILIES = ("qwen_gdn",)  # families whose synthetic installs can carry an MTP head
+PROPOSALS = 20  # timed MTP proposals per depth
 PROMPT_TOKENS = 128
 TEXT_TOKENS = 384  # the copy-heavy prompt's long text
 
@@ -47,7 +55,10 @@ def bench_draft(
     accuracies: Sequence[float] = ACCURACIES,
     tokens: int = 48,
     reps: int = 3,
+    mtp_install: Path | None = None,
 ) -> dict[str, Any]:
+    """The oracle curve and prompt lookup; with *mtp_install* (the same shapes
+    with an MTP head) also the ``mtp`` rows (:func:`bench_mtp`)."""
     runner = Runner.open(path, context_length=TEXT_TOKENS * 2 + tokens + 8)
     codec = load_text(path)
     vocab = runner.vocab_size
@@ -95,7 +106,70 @@ def bench_draft(
     # min_match 1: random weights never copy, so longer matches would propose nothing;
     # this measures what lookups and rejected drafts cost on a copy-heavy context.
     ngram = paired(copy_prompt, lambda rep: NgramDrafter(max(depths), 1))
-    return {"curve": curve, "ngram_copy": ngram, "tokens": tokens, "reps": reps}
+    result = {"curve": curve, "ngram_copy": ngram, "tokens": tokens, "reps": reps}
+    if mtp_install is not None:
+        result["mtp"] = bench_mtp(mtp_install, depths, tokens, reps)
+    return result
+
+
+def bench_mtp(path: Path, depths: Sequence[int], tokens: int, reps: int) -> list[dict[str, Any]]:
+    """Per depth: paired runs of ``off`` and ``DraftPolicies.mtp(depth)`` on one
+    install (tok/s, speedup, acceptance), and the synced time of one MTP
+    proposal after the prompt (the drafter rewinds its own steps, so every
+    proposal does the same work) against one plain decode step."""
+    context = PROMPT_TOKENS + tokens + max(depths) + 8
+    off_runner = Runner.open(path, context_length=context)
+    codec = load_text(path)
+    config = GenerationConfig(max_tokens=tokens, stop_token_ids=[])
+    prompt = random_tokens(PROMPT_TOKENS, off_runner.vocab_size, seed=11)
+    expected = generate(off_runner, codec, prompt, config).tokens  # also the warm-up
+    rows = []
+    for depth in depths:
+        runner = Runner.open(path, context_length=context, draft=DraftPolicies.mtp(depth))
+        generate(runner, codec, prompt, config)  # warm-up: compiled steps, buffers
+        ratios, off, on = [], [], []
+        for _ in range(reps):
+            plain = generate(off_runner, codec, prompt, config).stats.decode_tokens_per_second
+            done = generate(runner, codec, prompt, config)
+            off.append(plain)
+            on.append(done.stats.decode_tokens_per_second)
+            ratios.append(on[-1] / plain)
+        drafter = MtpDrafter(
+            runner.mtp_head, lambda r=runner: r.mtp_track(None), Sampler(SamplingParams()), depth
+        )
+        runner.reset()
+        runner.prefill_chunk(prompt, 0)
+        following = [*prompt, expected[0]]
+        drafter.propose(following, depth)  # catches up on the prompt once (not timed)
+        proposals, steps = [], []
+        for _ in range(PROPOSALS):  # interleaved, so load hits both alike
+            started = time.perf_counter()
+            drafter.propose(following, depth)  # redoes the last entry, then depth - 1 steps
+            proposals.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            mx.eval(runner.produce(mx.array(expected[0]), len(prompt)))  # one plain step
+            steps.append(time.perf_counter() - started)
+            runner.take_back()
+        proposal_ms = statistics.median(proposals) * 1e3
+        step_ms = statistics.median(steps) * 1e3
+        off_tok_s = statistics.median(off)
+        rows.append(
+            {
+                "depth": depth,
+                "tok_s": statistics.median(on),
+                "off_tok_s": off_tok_s,
+                "speedup_vs_off": statistics.median(ratios),
+                "speedup_spread": max(ratios) - min(ratios),
+                "proposed": done.stats.draft_proposed,
+                "accepted": done.stats.draft_accepted,
+                "acceptance": done.stats.draft_accepted / max(1, done.stats.draft_proposed),
+                "output_equals_off": done.tokens == expected,
+                "proposal_ms": proposal_ms,
+                "decode_step_ms": step_ms,
+                "proposal_vs_decode_step": proposal_ms / step_ms,
+            }
+        )
+    return rows
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -123,17 +197,27 @@ def print_curve(family: str, result: dict[str, Any]) -> None:
         f"  ngram on a copy-heavy prompt: {n['tok_s']:.1f} tok/s vs off {n['off_tok_s']:.1f} "
         f"({n['speedup_vs_off']:.2f}x), accepted {n['accepted']}/{n['proposed']}"
     )
+    for m in result.get("mtp", []):
+        print(
+            f"  mtp depth {m['depth']}: {m['tok_s']:.1f} tok/s vs off {m['off_tok_s']:.1f} "
+            f"({m['speedup_vs_off']:.2f}x) at acceptance {m['accepted']}/{m['proposed']}; "
+            f"one proposal {m['proposal_ms']:.2f} ms = {m['proposal_vs_decode_step']:.2f} "
+            f"plain decode steps ({m['decode_step_ms']:.2f} ms)"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("install", type=Path)
+    parser.add_argument("--mtp-install", type=Path, help="the same shapes with an MTP head")
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--accuracies", type=float, nargs="+", default=list(ACCURACIES))
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    result = bench_draft(args.install, args.depths, args.accuracies, args.tokens, args.reps)
+    result = bench_draft(
+        args.install, args.depths, args.accuracies, args.tokens, args.reps, args.mtp_install
+    )
     print(json.dumps(result, indent=2))
     print_curve(args.install.name, result)
 

@@ -38,7 +38,7 @@ from bench.common import install, machine, random_tokens
 from bench.concurrency import bench_concurrency
 from bench.constrain import bench_constrain
 from bench.decode_cost import profile_decode
-from bench.draft import bench_draft
+from bench.draft import MTP_FAMILIES, bench_draft
 from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
@@ -118,9 +118,11 @@ def main() -> None:
                 # oracle's recorded run stops matching after the first flip (measured:
                 # 0 of 7 drafts accepted at "100%"), so acceptance would not be p.
                 path = install(family, args.size, "float32", args.cache_dir)
+                mtp = (install(family, args.size, "float32", args.cache_dir, mtp=True)
+                       if family in MTP_FAMILIES else None)  # fmt: skip
                 result = bench_draft(path, args.draft_depths or GPU.draft_depths,
                                      args.draft_accuracies or GPU.draft_accuracies,
-                                     GPU.draft_tokens, args.reps)  # fmt: skip
+                                     GPU.draft_tokens, args.reps, mtp)  # fmt: skip
             elif piece == "experts":
                 if family != "gemma4":
                     continue  # only gemma4 has an MoE block

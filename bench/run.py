@@ -39,7 +39,7 @@ from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machin
 from bench.concurrency import ConcurrencyPlan, bench_concurrency
 from bench.constrain import bench_constrain
 from bench.dispatch import bench_dispatch
-from bench.draft import ACCURACIES, bench_draft
+from bench.draft import ACCURACIES, MTP_FAMILIES, bench_draft
 from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
@@ -182,6 +182,9 @@ def run_family(
             plan.draft_accuracies,
             plan.draft_tokens,
             plan.reps if plan.reps < 5 else 3,
+            install(family, plan.draft_size, dtype, cache, mtp=True)
+            if family in MTP_FAMILIES
+            else None,
         )
     if "experts" in sections and family == "gemma4":  # the family with an MoE block
         result["experts"] = bench_experts(

@@ -183,6 +183,18 @@ def test_draft(bench: dict, family: str) -> None:
     assert draft.summary(out)["draft_full_acceptance_depth"] == 2
 
 
+def test_draft_mtp(bench: dict, tmp_path: Path) -> None:
+    path = bench["common"].install("qwen_gdn", "tiny", "float32", tmp_path, mtp=True)
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import draft
+    finally:
+        sys.path.remove(str(ROOT))
+    (row,) = draft.bench_mtp(path, depths=[2], tokens=6, reps=1)
+    assert row["output_equals_off"] and row["proposed"] >= row["accepted"] >= 0
+    assert row["tok_s"] > 0 and row["off_tok_s"] > 0 and row["proposal_ms"] > 0
+
+
 def test_experts(bench: dict, tmp_path: Path) -> None:
     path = bench["common"].install("gemma4", "tiny_moe", "float32", tmp_path)
     sys.path.insert(0, str(ROOT))

@@ -5,6 +5,7 @@ The reference checkpoints are written by transformers' own classes
 """
 
 from pathlib import Path
+from typing import Any, ClassVar
 
 from turbospark.conformance import FamilyConformance
 
@@ -20,6 +21,7 @@ class TestGemma4(FamilyConformance):
 
 class TestQwenGdn(FamilyConformance):
     family = "qwen_gdn"
+    synthetic_dims: ClassVar[dict[str, Any]] = {"mtp": True}  # DraftPolicies.mtp checked too
     reference_checkpoints = tuple(
         HF_REFERENCE / name for name in ("qwen3_5_text", "qwen3_5_release")
     )

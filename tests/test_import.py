@@ -17,7 +17,7 @@ from turbospark import build_synthetic_install, peek_manifest_arch
 from turbospark.cli import main
 from turbospark.errors import FamilyNotFound, InstallError
 from turbospark.importer import import_checkpoint
-from turbospark.install import MANIFEST, read_manifest
+from turbospark.install import MANIFEST, read_manifest, tensor_names
 from turbospark.runner import Runner
 from turbospark.text import load_text
 
@@ -263,3 +263,19 @@ def test_an_unknown_model_type_names_the_families_and_the_override(tmp_path: Pat
     edit_config(hf, lambda c: c.update(model_type="llama"))
     message = refused(hf, tmp_path / "out", FamilyNotFound)
     assert "'llama'" in message and "qwen_gdn" in message and "--family" in message
+
+
+def test_a_qwen3_5_checkpoint_with_an_mtp_head_keeps_it(tmp_path: Path) -> None:
+    """mlx-lm drops ``mtp.*``; the import keeps it, so DraftPolicies.mtp can draft
+    with it, and mlx-lm still loads the install (its sanitize drops the head)."""
+    from turbospark.policies import DraftPolicies
+
+    src = tmp_path / "src"
+    build_synthetic_install("qwen_gdn", src, vocab_size=128, num_layers=4, mtp=True)
+    hf = as_hf_checkpoint(src, tmp_path / "hf")
+    manifest = import_checkpoint(hf, tmp_path / "out", progress=False)
+    assert any(name.startswith("mtp.") for name in tensor_names(tmp_path / "out", manifest))
+    out = Runner.open(tmp_path / "out", context_length=64, draft=DraftPolicies.mtp())
+    assert out.mtp_head is not None
+    assert mx.array_equal(logits(tmp_path / "out"), logits(src))
+    load_model(tmp_path / "out")

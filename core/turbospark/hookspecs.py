@@ -11,7 +11,9 @@ Lifecycle, in the order a runner calls the hooks:
    :func:`turbospark_moe`
 2. load      -- :func:`turbospark_load_model`, :func:`turbospark_shard_model`
 3. serve     -- :func:`turbospark_new_state`, :func:`turbospark_forward`
-                (optional: :func:`turbospark_forward_batch`, :func:`turbospark_forward_hidden`)
+                (optional: :func:`turbospark_forward_batch`, :func:`turbospark_forward_hidden`;
+                for ``DraftPolicies.mtp``: :func:`turbospark_mtp_head`,
+                :func:`turbospark_forward_with_hidden`)
 4. persist   -- :func:`turbospark_snapshot_state`, :func:`turbospark_restore_state`
 5. tooling   -- :func:`turbospark_build_synthetic_install`
 """
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from turbospark.expert_cache import ExpertStreams
+    from turbospark.mtp import MultiTokenHead
     from turbospark.state import State
     from turbospark.steering import LayerHook
     from turbospark.vision import VisionMap
@@ -278,6 +281,34 @@ def turbospark_forward_hidden(
     Optional: ``/v1/embeddings`` pools them (mean, L2-normalized). A family
     that does not implement it is refused there by name. The state is a
     throwaway the runner made for this call, never a session's.
+    """
+
+
+@hookspec(firstresult=True)
+def turbospark_mtp_head(model: nn.Module) -> MultiTokenHead | None:
+    """The model's multi-token-prediction head (:class:`turbospark.mtp.MultiTokenHead`),
+    or None when this install's checkpoint carries none.
+
+    Optional, with :func:`turbospark_forward_with_hidden`: a family that has
+    neither is refused ``DraftPolicies.mtp`` by name; nothing else changes.
+    """
+
+
+@hookspec(firstresult=True)
+def turbospark_forward_with_hidden(
+    model: nn.Module,
+    tokens: mx.array,
+    start: int,
+    state: State,
+    vision: VisionMap | None,
+    logits: LogitsWanted,
+    steer: LayerHook | None,
+) -> tuple[mx.array | None, mx.array]:
+    """:func:`turbospark_forward` that also returns the hidden states the MTP
+    head reads, ``(L, hidden)`` for every token (the family says which: Qwen3.5's
+    are final-normed). The runner calls it instead of :func:`turbospark_forward`
+    for sessions of a runner that drafts with ``DraftPolicies.mtp``; required
+    with :func:`turbospark_mtp_head`.
     """
 
 

@@ -19,6 +19,7 @@ from turbospark.steering import SteeringPolicy
 
 if TYPE_CHECKING:
     from turbospark.disk_store import DiskTier
+    from turbospark.mtp import MtpTrack
 
 # Conversation numbers: a count, never derived from content, so the sessions view
 # (server/sessions.py) can follow a conversation without revealing anything of it.
@@ -70,6 +71,9 @@ class Session:
     # The steering its state is built under: part of its identity, so it is
     # only ever reused by a request asking for the same setting (reuse.py).
     steering: SteeringPolicy = field(default_factory=SteeringPolicy.off)
+    # The MTP head's K/V and the hidden states it reads (DraftPolicies.mtp only):
+    # derived from the state, so never parked or written; it follows cut_to.
+    mtp: MtpTrack | None = None
 
     @property
     def position(self) -> int:
@@ -81,7 +85,8 @@ class Session:
 
     @property
     def nbytes(self) -> int:
-        return state_nbytes(self.state) + sum(c.nbytes for c in self.checkpoints)
+        extra = 0 if self.mtp is None else self.mtp.nbytes
+        return state_nbytes(self.state) + sum(c.nbytes for c in self.checkpoints) + extra
 
     def clear(self) -> None:
         self.record.clear()
@@ -89,6 +94,7 @@ class Session:
         self.undo = None
         self.disk_name = None
         self.conversation = next(_conversations)
+        self.mtp = None
         for component in self.state.values():
             component.reset()
 
@@ -113,6 +119,7 @@ class Session:
         self.undo = None
         self.disk_name = None
         self.conversation = next(_conversations)
+        self.mtp = None
 
     def drop_checkpoints_after(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]
@@ -129,6 +136,8 @@ class Session:
                 component.rewind(component.position - position)
         self.record.truncate(position)
         self.drop_checkpoints_after(position)
+        if self.mtp is not None:
+            self.mtp.cut(position)
 
 
 class SessionPool:

@@ -42,6 +42,7 @@ from turbospark.install import (
     validate_arch,
     verify_files,
 )
+from turbospark.mtp import MtpTrack, MultiTokenHead
 from turbospark.plugins import FamilyRegistry, default_registry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.pool import Checkpoint, Session, SessionPool, SessionSnapshot
@@ -106,6 +107,9 @@ class Runner:
         )
         self._disk: DiskTier | None = None
         self._experts: ExpertStreams | None = None  # set by open when experts stream
+        # The checkpoint's MTP head, set by open for DraftPolicies.mtp: every feed
+        # then keeps the hidden states it reads (Session.mtp, turbospark.mtp).
+        self.mtp_head: MultiTokenHead | None = None
         self._moe: MoESpec | None = None
         if session_dir is not None and self._pool is not None:
             self._disk = self._pool.disk = DiskTier(
@@ -179,15 +183,15 @@ class Runner:
         if max_parked_bytes is not None and max_parked_bytes < 0:
             raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
         _check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
+        pm = family.manager()
         draft = draft or DraftPolicies.off()
         if draft.enabled:
             check_rollback(spec, draft.mode)
         if draft.mode == "mtp":
-            _check_mtp(path, manifest)
+            _check_mtp(spec, pm, path, manifest)
         expert_cache = expert_cache or ExpertCacheSlots.all()
         steering = steering or SteeringPolicy.off()
         _check_steering(spec, installed, steering)
-        pm = family.manager()
         moe = pm.hook.turbospark_moe(arch=installed)
         check_policy(expert_cache, moe, spec.name)
         if distributed:
@@ -234,6 +238,13 @@ class Runner:
         )
         runner._experts = streams
         runner._moe = moe
+        if draft.mode == "mtp":
+            runner.mtp_head = pm.hook.turbospark_mtp_head(model=model)
+            if runner.mtp_head is None:
+                raise InstallError(
+                    f"DraftPolicies.mtp: the install at {path} names mtp.* tensors but "
+                    f"family '{spec.name}' built no MTP head from them; re-import the checkpoint"
+                )
         return runner
 
     def _new_session(self) -> Session:
@@ -361,7 +372,7 @@ class Runner:
         before = Checkpoint(start, self._rigid_snapshots(live))
         live.undo = None if lazy is None else before
         try:
-            out = self._hook.turbospark_forward(
+            forward = dict(
                 model=self.model,
                 tokens=fed,
                 start=start,
@@ -370,6 +381,11 @@ class Runner:
                 logits=want,
                 steer=self._compiled(live.steering),
             )
+            if self.mtp_head is None:
+                out = self._hook.turbospark_forward(**forward)
+            else:
+                out, hidden = self._hook.turbospark_forward_with_hidden(**forward)
+                self.mtp_track(live).write(start, hidden)
             if then is not None and out is not None:
                 out = then(out)
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
@@ -425,6 +441,13 @@ class Runner:
         for name in self.traced_components:
             live.state[name].keep_traced(keep)  # type: ignore[attr-defined]
         live.cut_to(start + keep)  # the others rewind; the record and checkpoints follow
+
+    def mtp_track(self, session: Session | None) -> MtpTrack:
+        """*session*'s (None: the live one's) MTP K/V and hidden-state record."""
+        live = session or self._live
+        if live.mtp is None:
+            live.mtp = MtpTrack()
+        return live.mtp
 
     @property
     def traced_components(self) -> list[str]:
@@ -858,16 +881,28 @@ def _check_disk_options(
         )
 
 
-def _check_mtp(path: Path, manifest: Manifest) -> None:
-    """``DraftPolicies.mtp`` needs the checkpoint's multi-token-prediction head."""
+def _check_mtp(spec: FamilySpec, pm: pluggy.PluginManager, path: Path, manifest: Manifest) -> None:
+    """``DraftPolicies.mtp`` needs a family with an MTP head (both optional hooks)
+    and a checkpoint that carries its weights; checked before any weight is read."""
+    if not has_mtp_hooks(pm):
+        raise InvalidInput(
+            f"DraftPolicies.mtp: family '{spec.name}' has no multi-token-prediction head "
+            "(hooks turbospark_mtp_head and turbospark_forward_with_hidden); use "
+            "DraftPolicies.ngram() or off()"
+        )
     if not any(name.startswith("mtp.") for name in tensor_names(path, manifest)):
         raise InvalidInput(
             f"DraftPolicies.mtp: the install at {path} carries no mtp.* weights (the "
             "checkpoint's multi-token-prediction head); use DraftPolicies.ngram() or off()"
         )
-    raise InvalidInput(
-        f"DraftPolicies.mtp: the install at {path} carries mtp.* weights, but this version "
-        "has no MTP drafter yet; use DraftPolicies.ngram() or off()"
+
+
+def has_mtp_hooks(pm: pluggy.PluginManager) -> bool:
+    """Whether the family implements both hooks ``DraftPolicies.mtp`` drafts through."""
+    hook = pm.hook
+    return bool(
+        hook.turbospark_mtp_head.get_hookimpls()
+        and hook.turbospark_forward_with_hidden.get_hookimpls()
     )
 
 

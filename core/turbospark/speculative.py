@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from turbospark.draft import Draft, Drafter, drafter_for
+from turbospark.mtp import MtpDrafter
 from turbospark.pool import Session
 from turbospark.runner import Runner, check_rollback
 from turbospark.sampling import Sampler
@@ -245,5 +246,11 @@ def speculation_for(
         policy = runner.draft
         if not policy.enabled:
             return None
-        drafter = drafter_for(policy.mode, policy.max_draft, policy.min_match)
+        if policy.mode == "mtp":
+            assert runner.mtp_head is not None  # Runner.open refuses mtp without one
+            drafter = MtpDrafter(
+                runner.mtp_head, lambda: runner.mtp_track(session), sampler, policy.max_draft
+            )
+        else:
+            drafter = drafter_for(policy.mode, policy.max_draft, policy.min_match)
     return Speculation(runner, sampler, drafter, prompt, generated, session)

@@ -109,7 +109,7 @@ class LayerKV:
 
     @property
     def max_safe_rewind(self) -> int:
-        if self.base == 0:
+        if self.base == 0 or self.window is None:  # a full layer may start past 0 (an MTP head's)
             return self.fill
         return max(0, self.fill - (self.window - 1))
 

@@ -71,8 +71,9 @@ def add_draft_flags(parser: argparse.ArgumentParser) -> None:
         "--draft",
         choices=("ngram", "mtp", "off"),
         default="off",
-        help="speculative decoding: prompt lookup (ngram), or none (off, the default); mtp "
-        "(the checkpoint's MTP head) is refused by name for now",
+        help="speculative decoding: prompt lookup (ngram), the checkpoint's multi-token-"
+        "prediction head (mtp: qwen_gdn installs that carry mtp.* weights), or none (off, "
+        "the default)",
     )
     parser.add_argument(
         "--draft-depth",

@@ -10,19 +10,27 @@ components, and the runner refuses draft policies for it the same way):
   the session holding exactly what decoding without drafts leaves;
 - **rollback leaves no trace**: a verify pass's logits equal fresh runs of
   each prefix, and after keeping any prefix of it the next step's logits
-  equal a fresh run of the kept history.
+  equal a fresh run of the kept history;
+- **MTP drafts change nothing** (a family with an MTP head, on an install that
+  carries one: the class's ``synthetic_dims`` asks the family's synthetic
+  build for it): ``turbospark_forward_with_hidden``'s logits are
+  ``turbospark_forward``'s, and ``DraftPolicies.mtp`` at temperature 0 gives
+  exactly the tokens, and leaves exactly the session, decoding without drafts does.
 """
 
 from __future__ import annotations
 
 from typing import final
 
+import mlx.core as mx
 import pytest
 
 from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit
 from turbospark.draft import Drafter, NgramDrafter, ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
+from turbospark.policies import DraftPolicies
+from turbospark.runner import has_mtp_hooks
 from turbospark.text import load_text
 
 GREEDY = GenerationConfig(max_tokens=16, stop_token_ids=[])
@@ -100,3 +108,43 @@ class DraftChecks:
                     f"logits differ from a fresh run of the kept history by {gap:.3g}: "
                     "a rejected token left a trace in the state"
                 )
+
+    @final
+    def test_mtp_drafts_change_nothing(self, kit: FamilyKit) -> None:
+        require_rollback(kit)
+        if not has_mtp_hooks(kit.family.manager()):
+            pytest.skip("no multi-token-prediction head (turbospark_mtp_head)")
+        if kit.hook.turbospark_mtp_head(model=kit.model) is None:
+            pytest.skip("the install carries no MTP head; synthetic_dims can ask for one")
+        prompt = kit.tokens(75, 16)
+        logits, hidden = kit.hook.turbospark_forward_with_hidden(
+            model=kit.model,
+            tokens=mx.array(prompt, dtype=mx.int32),
+            start=0,
+            state=kit.new_state(),
+            vision=None,
+            logits="all",
+            steer=None,
+        )
+        gap = kit.logits_gap(logits, kit.fresh_logits(prompt, "all"))
+        if gap is not None:
+            fail(
+                f"turbospark_forward_with_hidden's logits differ from turbospark_forward's by {gap:.3g}"
+            )
+        if hidden.shape[0] != len(prompt):
+            fail(
+                f"turbospark_forward_with_hidden gave {hidden.shape[0]} hidden rows for {len(prompt)} tokens"
+            )
+        codec = load_text(kit.install)
+        off = generate(kit.open(1), codec, prompt, GREEDY).tokens
+        for depth in (1, 3):
+            runner = kit.open(1, draft=DraftPolicies.mtp(depth))
+            drafted = generate(runner, codec, prompt, GREEDY)
+            if drafted.tokens != off:
+                fail(
+                    f"with DraftPolicies.mtp({depth}), greedy output differs from decoding without drafts"
+                )
+            if not drafted.stats.draft_proposed:
+                fail(f"DraftPolicies.mtp({depth}) proposed no draft in {len(off)} tokens")
+            if runner.sessions()[0].record.tokens != [*prompt, *off[:-1]]:
+                fail(f"with DraftPolicies.mtp({depth}), a rejected or unemitted token stayed fed")

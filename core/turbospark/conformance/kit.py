@@ -27,6 +27,7 @@ from turbospark.conformance.diagnose import session_states, shared_components
 from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
 from turbospark.install import load_weights, read_manifest, validate_arch
 from turbospark.plugins import Family, FamilyRegistry, default_registry
+from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.state import State
 from turbospark.steering import LayerHook, SteeringPolicy
@@ -193,6 +194,7 @@ class FamilyKit:
         reuse: bool = True,
         context: str = "",
         steering: SteeringPolicy | None = None,
+        draft: DraftPolicies | None = None,
     ) -> Runner:
         """A runner over the install; fails first if its sessions share a component."""
         runner = Runner.open(
@@ -202,6 +204,7 @@ class FamilyKit:
             registry=self.registry,
             dtype=mx.float32,
             steering=steering,
+            draft=draft,
         )
         runner.set_prefix_reuse(reuse)
         self.check_apart(runner, f"{context}Runner.open(session_slots={session_slots}): ")

@@ -108,7 +108,10 @@ def test_sanitize_real_checkpoint_names() -> None:
         "model.language_model.layers.3.self_attn.q_norm.weight": mx.zeros((4,)),
         "model.language_model.norm.weight": mx.zeros((4,)),
         "model.visual.blocks.0.attn.qkv.weight": mx.zeros((2, 2)),
-        "mtp.layers.0.input_layernorm.weight": mx.zeros((4,)),
+        "mtp.layers.0.input_layernorm.weight": mx.zeros((4,)),  # the MTP head: kept
+        "mtp.pre_fc_norm_hidden.weight": mx.zeros((4,)),
+        "mtp.norm.weight": mx.zeros((4,)),
+        "mtp.fc.weight": mx.zeros((4, 8)),
         "lm_head.weight": mx.zeros((2, 2)),  # tied: dropped
     }
     out = sanitize(weights, arch)
@@ -118,6 +121,10 @@ def test_sanitize_real_checkpoint_names() -> None:
         "model.layers.0.linear_attn.norm.weight",
         "model.layers.3.self_attn.q_norm.weight",
         "model.norm.weight",
+        "mtp.fc.weight",
+        "mtp.layers.0.input_layernorm.weight",
+        "mtp.norm.weight",
+        "mtp.pre_fc_norm_hidden.weight",
     ]
     np.testing.assert_array_equal(
         np.array(out["model.layers.0.linear_attn.conv1d.weight"]), np.array(conv).transpose(0, 2, 1)
@@ -126,8 +133,12 @@ def test_sanitize_real_checkpoint_names() -> None:
         "model.layers.0.input_layernorm.weight",
         "model.layers.3.self_attn.q_norm.weight",
         "model.norm.weight",
+        "mtp.layers.0.input_layernorm.weight",  # the MTP head's norms are zero-centred too
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
     ):
         np.testing.assert_array_equal(np.array(out[name]), np.ones(4))
+    np.testing.assert_array_equal(np.array(out["mtp.fc.weight"]), np.zeros((4, 8)))
     # The gated norm is stored as is.
     np.testing.assert_array_equal(
         np.array(out["model.layers.0.linear_attn.norm.weight"]), np.ones(4)

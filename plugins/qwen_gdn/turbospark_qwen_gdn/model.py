@@ -100,6 +100,10 @@ class QwenGdnConfig(ArchConfig):
     layer_types: list[LayerType] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Layers of the multi-token-prediction head (``mtp.*``). Release checkpoints
+    # say 1 even where the export dropped the weights (mlx-community), so the
+    # head is built from the weights present, not from this (plugin.py).
+    mtp_num_hidden_layers: int = Field(0, ge=0)
     rope_parameters: RopeParameters = Field(default_factory=RopeParameters)
 
     @model_validator(mode="before")
@@ -171,6 +175,9 @@ _SHIFTED_NORMS = (
     "model.norm.weight",
     ".q_norm.weight",
     ".k_norm.weight",
+    "mtp.norm.weight",
+    ".pre_fc_norm_embedding.weight",
+    ".pre_fc_norm_hidden.weight",
 )
 
 
@@ -186,9 +193,10 @@ def _text_name(name: str) -> str | None:
 def sanitize(weights: dict[str, mx.array], arch: QwenGdnConfig) -> dict[str, mx.array]:
     """Checkpoint tensors -> this module's parameters (pure: returns a new dict).
 
-    Mirrors mlx-lm's ``qwen3_5`` sanitize: drops the vision tower and the
-    multi-token-prediction head (``mtp.``), drops ``lm_head`` when embeddings
-    are tied, and — only for an HF-layout checkpoint, recognised by a conv1d
+    Mirrors mlx-lm's ``qwen3_5`` sanitize, except that the multi-token-prediction
+    head (``mtp.*``, which mlx-lm drops) is kept for ``DraftPolicies.mtp``
+    (:mod:`turbospark_qwen_gdn.mtp`; its RMSNorms are zero-centred like the
+    rest): drops the vision tower, drops ``lm_head`` when embeddings are tied, and — only for an HF-layout checkpoint, recognised by a conv1d
     weight stored ``(C, 1, K)`` — moves the conv to mlx's ``(C, K, 1)`` and
     shifts the zero-centred RMSNorm weights by +1. An mlx-converted checkpoint
     has both done already and passes through unchanged.
@@ -197,7 +205,7 @@ def sanitize(weights: dict[str, mx.array], arch: QwenGdnConfig) -> dict[str, mx.
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
         target = _text_name(name)
-        if target is None or "mtp." in target:
+        if target is None:
             continue
         if arch.tie_word_embeddings and target == "lm_head.weight":
             continue
@@ -289,9 +297,11 @@ class GatedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: QwenGdnConfig, layer: int, slot: int):
+    def __init__(self, arch: QwenGdnConfig, layer: int, slot: int, full: bool = False):
+        """Layer *layer* of the stack (its kind from ``layer_types``), or with
+        *full* a gated full-attention layer whatever the index (the MTP head's)."""
         super().__init__()
-        self.is_linear = arch.is_linear(layer)
+        self.is_linear = not full and arch.is_linear(layer)
         self.slot = slot  # index of this layer inside its state component
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(arch.gdn_dims())
@@ -367,13 +377,31 @@ class TextStack(nn.Module):
         self.norm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
 
-class QwenGdn(nn.Module):
+class MtpHead(nn.Module):
+    """``mtp.*``, the multi-token-prediction head: the two input norms, the
+    ``2H -> H`` fusion, one full-attention layer and its output norm (its math
+    and how it drafts: :mod:`turbospark_qwen_gdn.mtp`)."""
+
     def __init__(self, arch: QwenGdnConfig):
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = [DecoderLayer(arch, 0, slot=0, full=True)]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+
+class QwenGdn(nn.Module):
+    def __init__(self, arch: QwenGdnConfig, mtp: bool = False):
+        """*mtp*: also build the multi-token-prediction head (the checkpoint carries ``mtp.*``)."""
         super().__init__()
         self.arch = arch
         self.model = TextStack(arch)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if mtp:
+            self.mtp = MtpHead(arch)
         self._rope = QwenRope(arch)
 
     def __call__(

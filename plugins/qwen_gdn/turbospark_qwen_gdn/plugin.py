@@ -15,6 +15,7 @@ from turbospark.vision import VisionMap
 from turbospark_qwen_gdn import state as state_module
 from turbospark_qwen_gdn import synthetic
 from turbospark_qwen_gdn.model import QwenGdn, QwenGdnConfig, sanitize
+from turbospark_qwen_gdn.mtp import QwenMtp
 from turbospark_qwen_gdn.state import new_state
 
 # Checkpoints (and mlx-lm) use "qwen3_5"; transformers writes "qwen3_5_text" too.
@@ -36,7 +37,15 @@ def turbospark_load_model(
     arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
 ) -> nn.Module:
     assert isinstance(arch, QwenGdnConfig)
-    return load_checked(QwenGdn(arch), sanitize(weights, arch), dtype)
+    clean = sanitize(weights, arch)
+    mtp = any(name.startswith("mtp.") for name in clean)  # the head, where the checkpoint has it
+    return load_checked(QwenGdn(arch, mtp=mtp), clean, dtype)
+
+
+@hookimpl
+def turbospark_mtp_head(model: nn.Module) -> QwenMtp | None:
+    assert isinstance(model, QwenGdn)
+    return QwenMtp(model) if "mtp" in model else None
 
 
 @hookimpl
@@ -71,6 +80,20 @@ def turbospark_forward(
 ) -> mx.array | None:
     hidden = model(tokens[None], start, state, vision, steer)[0]  # (L, hidden)
     return logits_for(hidden, model.head, logits)
+
+
+@hookimpl
+def turbospark_forward_with_hidden(
+    model: nn.Module,
+    tokens: mx.array,
+    start: int,
+    state: State,
+    vision: VisionMap | None,
+    logits: LogitsWanted,
+    steer: LayerHook | None,
+) -> tuple[mx.array | None, mx.array]:
+    hidden = model(tokens[None], start, state, vision, steer)[0]  # (L, hidden), final-normed
+    return logits_for(hidden, model.head, logits), hidden
 
 
 @hookimpl

@@ -48,12 +48,15 @@ def build(
     partial_rotary_factor: float = 0.25,
     rope_theta: float = 10_000_000.0,
     tie_word_embeddings: bool = False,
+    mtp: bool = False,
 ) -> QwenGdnConfig:
     """Write a synthetic install at *path* and return its arch.
 
     Layer ``i`` is full attention when ``(i + 1) % full_attention_interval == 0``
     (layers 0-2 linear and 3 full by default). Key and value head dims differ
-    on purpose, so a transposed recurrent state cannot go unnoticed.
+    on purpose, so a transposed recurrent state cannot go unnoticed. *mtp* adds
+    the multi-token-prediction head (``mtp.*``, one full-attention layer, named
+    and stored as Qwen3.5 releases store it) for ``DraftPolicies.mtp``.
     """
     rotary = int(head_dim * partial_rotary_factor)
     arch = QwenGdnConfig(
@@ -73,6 +76,7 @@ def build(
         linear_conv_kernel_dim=linear_conv_kernel_dim,
         full_attention_interval=full_attention_interval,
         tie_word_embeddings=tie_word_embeddings,
+        mtp_num_hidden_layers=int(mtp),
         rope_parameters=RopeParameters(
             rope_theta=rope_theta,
             partial_rotary_factor=partial_rotary_factor,
@@ -87,9 +91,15 @@ def build(
     if not tie_word_embeddings:
         w.linear("lm_head.weight", (vocab_size, hidden))
     gdn = arch.gdn_dims()
-    for i in range(num_layers):
-        p = f"{root}.layers.{i}"
-        if arch.is_linear(i):
+    layers = [(f"{root}.layers.{i}", arch.is_linear(i)) for i in range(num_layers)]
+    if mtp:
+        w.centred("mtp.pre_fc_norm_embedding.weight", (hidden,))
+        w.centred("mtp.pre_fc_norm_hidden.weight", (hidden,))
+        w.linear("mtp.fc.weight", (hidden, 2 * hidden))
+        w.centred("mtp.norm.weight", (hidden,))
+        layers.append(("mtp.layers.0", False))  # a full-attention layer like the stack's
+    for p, linear in layers:
+        if linear:
             a = f"{p}.linear_attn"
             w.linear(f"{a}.in_proj_qkv.weight", (gdn.conv_dim, hidden))
             w.linear(f"{a}.in_proj_z.weight", (gdn.value_dim, hidden))

@@ -1,0 +1,171 @@
+"""``DraftPolicies.mtp``: drafts from the checkpoint's multi-token-prediction head.
+
+The head (a family's :class:`MultiTokenHead`; Qwen3.5's in
+``turbospark_qwen_gdn.mtp``) has an attention layer of its own, so it keeps
+K/V like the main model does. Its entry at position ``j`` is made from the
+main model's hidden state at ``j`` and the token at ``j + 1``, so it can only
+follow *verified* tokens: a session's :class:`MtpTrack` holds
+
+- ``cache``: the head's K/V over positions ``[cache start, cache.position)``;
+- ``hidden``: the main model's hidden states by position, as every forward of
+  the session hands them back (``turbospark_forward_with_hidden``), kept from
+  the last one the cache read (it is redone when a cut reaches it) onward.
+
+Both follow :meth:`Session.cut_to <turbospark.pool.Session.cut_to>`: a cut to
+``p`` (tokens ``0 .. p-1`` stay) keeps hidden states before ``p`` and cache
+entries before ``p - 1`` (entry ``p - 1`` read the token at ``p``). So after a
+round (``Runner.accept``) neither holds a rejected token, and a drafter's own
+speculative entries are rewound before :meth:`MtpDrafter.propose` returns.
+
+Where the record has a gap (a step decoded in a batch, which hands back no
+hidden state; the part of a prompt reused from an earlier request; a session
+restored from a snapshot) the cache restarts after it: the head then attends
+over fewer tokens, its drafts are still verified, so output never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+
+from turbospark.draft import Draft
+from turbospark.sampling import Sampler
+from turbospark.state import KVComponent
+
+
+class MultiTokenHead(Protocol):
+    """What a family's MTP head offers (``turbospark_mtp_head``)."""
+
+    def new_cache(self, start: int) -> KVComponent:
+        """The head's empty K/V, its first entry to be at position *start*."""
+
+    def step(self, tokens: mx.array, hidden: mx.array, cache: KVComponent) -> mx.array:
+        """Entries at ``cache.position ..`` from ``tokens`` ``(L,)`` (entry ``i``'s
+        token is the one after its hidden state's position) and the hidden states
+        ``(L, hidden)``; returns the head's outputs ``(L, hidden)``. Advances *cache*."""
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """float32 logits ``(L, vocab)`` for the head's outputs."""
+
+
+@dataclass
+class MtpTrack:
+    """One session's MTP K/V and the main model's hidden states it has not read yet."""
+
+    cache: KVComponent | None = None
+    hidden_start: int = 0  # position of the first row of ``hidden``
+    hidden: list[mx.array] = field(default_factory=list)  # (rows, hidden) chunks, contiguous
+
+    @property
+    def nbytes(self) -> int:
+        """Counted in the session's bytes, so parked sessions' budgets include it."""
+        cache = 0 if self.cache is None else self.cache.nbytes
+        return cache + sum(chunk.nbytes for chunk in self.hidden)
+
+    @property
+    def hidden_end(self) -> int:
+        return self.hidden_start + sum(chunk.shape[0] for chunk in self.hidden)
+
+    def write(self, start: int, hidden: mx.array) -> None:
+        """The main model's hidden states ``(L, hidden)`` at ``start ..``."""
+        if start != self.hidden_end or not self.hidden:
+            if self.hidden and self.hidden_start <= start < self.hidden_end:
+                self._truncate_hidden(start)
+            else:  # a gap (or nothing yet): the record starts again here
+                self.hidden, self.hidden_start = [], start
+        self.hidden.append(hidden)
+
+    def cut(self, position: int) -> None:
+        """Tokens ``0 .. position-1`` stay in the session; nothing else may remain."""
+        self._truncate_hidden(position)
+        if self.cache is not None and self.cache.position > position - 1:
+            self._rewind_cache(position - 1)
+
+    def reset(self) -> None:
+        self.cache, self.hidden, self.hidden_start = None, [], 0
+
+    def rows(self, start: int, end: int) -> mx.array:
+        """Hidden states ``[start, end)``, which the record must hold."""
+        joined = self.hidden[0] if len(self.hidden) == 1 else mx.concatenate(self.hidden)
+        self.hidden = [joined]  # one chunk from now on: the next read slices it
+        return joined[start - self.hidden_start : end - self.hidden_start]
+
+    def release(self, before: int) -> None:
+        """Forget hidden states before *before* (the cache has read them)."""
+        if before <= self.hidden_start or not self.hidden:
+            return
+        joined = self.rows(self.hidden_start, self.hidden_end)
+        self.hidden = [joined[before - self.hidden_start :]]
+        self.hidden_start = before
+
+    def _truncate_hidden(self, position: int) -> None:
+        if position <= self.hidden_start:
+            self.hidden, self.hidden_start = [], position
+        elif position < self.hidden_end:
+            self.hidden = [self.rows(self.hidden_start, position)]
+
+    def _rewind_cache(self, position: int) -> None:
+        assert self.cache is not None
+        start = self.cache.position - self.cache.layers[0].fill
+        if position <= start:
+            self.cache = None  # nothing left: the next draft starts it again
+        else:
+            self.cache.rewind(self.cache.position - position)
+
+
+class MtpDrafter:
+    """Proposes ``depth`` tokens with the MTP head: catch its cache up on the
+    verified tokens, then step it on its own outputs (see the module docstring).
+
+    At temperature 0 each draft is the head's argmax (greedy acceptance needs
+    no ``q``); otherwise it is drawn from the head's distribution, warped as
+    the request's sampler warps the target's, and that distribution is handed
+    back as ``Draft.probs`` so rejection sampling stays exact.
+    """
+
+    def __init__(
+        self, head: MultiTokenHead, track: Callable[[], MtpTrack], sampler: Sampler, depth: int
+    ):
+        """*track* gives the session's :class:`MtpTrack` when asked: the live
+        session can change between requests, so it is looked up per proposal."""
+        self.head = head
+        self.track_of = track
+        self.sampler = sampler
+        self.max_depth = depth
+
+    def propose(self, context: Sequence[int], depth: int) -> Draft:
+        track = self.track_of()
+        last = len(context) - 2  # the last fed token; context[-1] is confirmed, not fed
+        if last < 0 or track.hidden_end != last + 1:  # no hidden state there: nothing to draft
+            return Draft([])
+        if track.cache is not None and track.cache.position > last:
+            track.cut(last + 1)  # the entry at `last` read an older token: redo it
+        if track.cache is None or track.cache.position < track.hidden_start:
+            track.cache = self.head.new_cache(track.hidden_start)  # a gap: start after it
+        cache = track.cache
+        begin = cache.position
+        tokens = mx.array(context[begin + 1 : last + 2], dtype=mx.int32)  # (L,)
+        out = self.head.step(tokens, track.rows(begin, last + 1), cache)[-1:]  # (1, hidden)
+        track.release(last)  # keep h[last]: a cut may ask for its entry again
+        drafted, probs = [], []
+        for i in range(depth):
+            token, q = self._pick(self.head.logits(out)[0])
+            drafted.append(token)
+            probs.append(q)
+            if i + 1 < depth:  # the next step reads this draft and the head's own output
+                out = self.head.step(token.reshape(1), out, cache)
+        tokens_out = mx.stack(drafted).tolist()
+        if cache.position > last + 1:
+            cache.rewind(cache.position - (last + 1))  # no unverified entry stays
+        return Draft(tokens_out, None if probs[0] is None else mx.stack(probs))
+
+    def _pick(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        """A lazy draft id and the distribution it came from (None: greedy)."""
+        if self.sampler.params.temperature == 0.0:
+            return mx.argmax(logits).astype(mx.int32), None
+        q = mx.softmax(self.sampler.warp(logits), axis=-1)
+        token = mx.random.categorical(mx.log(q), key=self.sampler.next_key())
+        return token.astype(mx.int32), q
