@@ -12,8 +12,11 @@ the merged batched state. Reported per B:
   sampling ops, reading the ids, emitting, stop checks, detokenising), and it
   does not change when other processes load the machine;
 - ``wall_ms_per_step``: wall time per step (this one does depend on load);
-- ``engine_host_ms_per_step``: the host time outside the family's forward
-  (``runner.forward_batch``), i.e. the engine's own cost, from cProfile;
+- ``engine_host_ms_per_step``: the time outside the family's forward
+  (``runner.forward_batch``) under cProfile (a second run of as many steps):
+  the engine's own cost, inflated by the profiler, plus any wait for MLX
+  inside it (on the CPU ``mx.async_eval`` waits while more than a few of its
+  tasks are queued);
 - the top functions by own time under cProfile (``--profile``).
 
 Run: ``uv run python bench/step_cost.py --family gemma4 --batch 8 --batch 16``.
@@ -57,11 +60,13 @@ def _jobs(runner: Runner, batch: int, tokens: int, temperature: float) -> list[J
     return jobs
 
 
-def measure(path: Path, batch: int, steps: int, temperature: float, profile: bool) -> dict[str, Any]:
+def measure(
+    path: Path, batch: int, steps: int, temperature: float, profile: bool
+) -> dict[str, Any]:
     """Time *steps* decode steps with *batch* rows in the merged state."""
     engine, runner = _engine(path, batch)
     warm = 8
-    for job in _jobs(runner, batch, warm + steps + 4, temperature):
+    for job in _jobs(runner, batch, warm + 2 * steps + 4, temperature):
         engine.submit(job)
     for _ in range(1000):  # admit, prefill, join the batch, a few steps
         engine.step()
@@ -70,13 +75,15 @@ def measure(path: Path, batch: int, steps: int, temperature: float, profile: boo
     for _ in range(warm):
         engine.step()
     assert engine.batch_size == batch, f"only {engine.batch_size} of {batch} rows batched"
-    profiler = cProfile.Profile()
     cpu0, wall0 = time.thread_time(), time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    profiler = cProfile.Profile()  # a second run of as many steps, for the split
     profiler.enable()
     for _ in range(steps):
         engine.step()
     profiler.disable()
-    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
     stats = pstats.Stats(profiler)
     forward = sum(
         row[3]
@@ -99,7 +106,7 @@ def measure(path: Path, batch: int, steps: int, temperature: float, profile: boo
             (f"{Path(f[0]).name}:{f[1]}:{f[2]}", round(1e3 * r[2] / steps, 4), r[1])
             for f, r in rows
         ]
-    runner.close() if hasattr(runner, "close") else None
+    runner.close()
     return out
 
 

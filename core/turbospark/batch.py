@@ -92,6 +92,8 @@ class BatchLayerKV:
         self.values = values
         self.left = left
         self.fill = fill
+        self._left_key: tuple[int, ...] | None = None  # what _left_array was built from
+        self._left_array: mx.array | None = None
 
     @classmethod
     def merge(cls, layers: list[LayerKV]) -> BatchLayerKV:
@@ -170,8 +172,19 @@ class BatchLayerKV:
             start = max(0, self.fill - self.window)
         return self.keys[:, :, start : self.fill], self.values[:, :, start : self.fill], start
 
-    def mask(self, queries: int, key_start: int, keys: int) -> mx.array:
-        """``(B, 1, queries, keys)``: causal, within the window, and never padding."""
+    def mask(self, queries: int, key_start: int, keys: int) -> mx.array | None:
+        """``(B, 1, queries, keys)``: causal, within the window, and never padding.
+
+        A decode step (one query, the last column) sees every fetched column
+        causally, and :meth:`update_and_fetch` fetched only the window's, so
+        its mask hides padding alone: None when no fetched column is padding
+        (attention's unmasked kernel), else ``(B, 1, 1, keys)`` from a
+        comparison with the rows' padding, kept on the device while it holds."""
+        if queries == 1:
+            if max(self.left) <= key_start:
+                return None
+            cols = mx.arange(key_start, key_start + keys)
+            return (cols[None] >= self._left_column())[:, None, None, :]
         cols = mx.arange(key_start, key_start + keys)[None]  # (1, keys)
         q_cols = mx.arange(self.fill - queries, self.fill)[:, None]  # (queries, 1)
         visible = cols <= q_cols
@@ -179,6 +192,13 @@ class BatchLayerKV:
             visible = visible & (q_cols - cols < self.window)
         left = mx.array(self.left)[:, None, None, None]  # (B, 1, 1, 1)
         return visible[None, None] & (cols[None, None] >= left)
+
+    def _left_column(self) -> mx.array:
+        """``left`` as a ``(B, 1)`` device array, rebuilt only when it changes."""
+        key = tuple(self.left)
+        if self._left_key != key:
+            self._left_key, self._left_array = key, mx.array(key)[:, None]
+        return self._left_array
 
     def _aligned(self, width: int) -> tuple[mx.array, mx.array]:
         """The used columns, left-padded to *width*."""
