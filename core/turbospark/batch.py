@@ -200,39 +200,47 @@ class BatchLayerKV:
             self._left_key, self._left_array = key, mx.array(key)[:, None]
         return self._left_array
 
-    def _aligned(self, width: int) -> tuple[mx.array, mx.array]:
-        """The used columns, left-padded to *width*."""
-        pad = width - self.fill
-        keys, values = self.keys[:, :, : self.fill], self.values[:, :, : self.fill]
-        if pad:
-            batch, heads, _, dim = keys.shape
-            zeros = mx.zeros((batch, heads, pad, dim), keys.dtype)
-            keys = mx.concatenate([zeros, keys], axis=2)
-            values = mx.concatenate([zeros, values], axis=2)
-        return keys, values
-
     def extend(self, other: BatchLayerKV) -> None:
+        """Append *other*'s rows. Both batches' used columns are written once
+        into one new buffer, right-aligned, with a step's headroom past them,
+        so the next decode step writes in place instead of copying it again."""
         if self.keys is None and other.keys is None:  # a layer nobody writes
             self.left = self.left + other.left
             return
         width = max(self.fill, other.fill)
-        keys, values = self._aligned(width)
-        other_keys, other_values = other._aligned(width)
-        self.keys = mx.concatenate([keys, other_keys], axis=0)
-        self.values = mx.concatenate([values, other_values], axis=0)
+        parts = [part for part in (self, other) if part.keys is not None]
+        _, heads, _, dim = parts[0].keys.shape
+        rows = len(self.left) + len(other.left)
+        shape = (rows, heads, width + self.step, dim)
+        keys, values = mx.zeros(shape, parts[0].keys.dtype), mx.zeros(shape, parts[0].keys.dtype)
+        first = 0
+        for part in (self, other):
+            count = len(part.left)
+            if part.keys is not None and part.fill:
+                begin = width - part.fill
+                keys[first : first + count, :, begin:width] = part.keys[:, :, : part.fill]
+                values[first : first + count, :, begin:width] = part.values[:, :, : part.fill]
+            first += count
         self.left = [pad + width - self.fill for pad in self.left] + [
             pad + width - other.fill for pad in other.left
         ]
-        self.fill = width
+        self.keys, self.values, self.fill = keys, values, width
 
     def filter(self, rows: list[int]) -> None:
-        index = mx.array(rows)
+        """Keep *rows*: one gather of their columns, the headroom past ``fill``
+        kept, so the next step writes in place; padding every kept row has is
+        dropped. Rows that are already a prefix are a slice, not a copy."""
         self.left = [self.left[row] for row in rows]
         if self.keys is None:
             return
         common = min(self.left)  # padding every remaining row has: drop it
-        self.keys = self.keys[index, :, common : self.fill]
-        self.values = self.values[index, :, common : self.fill]
+        if rows == list(range(len(rows))):
+            self.keys = self.keys[: len(rows), :, common:]
+            self.values = self.values[: len(rows), :, common:]
+        else:
+            index = mx.array(rows)
+            self.keys = self.keys[index, :, common:]
+            self.values = self.values[index, :, common:]
         self.left = [pad - common for pad in self.left]
         self.fill -= common
 
