@@ -19,7 +19,8 @@ flight. Each :meth:`Engine.step`:
 3. **decodes** one token for every decoding row. With two rows or more (and a
    family whose components are all ``batchable``) the sessions are merged
    into one batched state (:mod:`turbospark.batch`) and advance in one
-   forward, and its rows sample together (:func:`turbospark.sampling.sample_together`);
+   forward, and its rows sample together (:func:`turbospark.sampling.sample_together`;
+   logprobs in one :class:`turbospark.sampling.LogprobTable`);
    a lone row, or a family without a batched forward, steps through
    the one-row forward exactly as :func:`turbospark.generate.stream_generate`
    does;
@@ -29,7 +30,10 @@ flight. Each :meth:`Engine.step`:
    parked by the pool's rules).
 
 Decoding is pipelined as in the one-request loop: a step is built from the
-still-lazy sampled ids and queued before those ids are read, and a row whose
+still-lazy sampled ids and queued before those ids are read (a batch keeps
+its rows' ids in one array and reads the ids of step *t* with one
+``tolist()`` once step *t+1* is queued, as mlx-lm's ``BatchGenerator``
+does), and a row whose
 id turns out to be a stop goes back one token (rewindable components drop a
 column; the others come back from references held before the step).
 
