@@ -442,3 +442,28 @@ def test_rows_of_every_sampling_kind_batched_equal_each_alone(gemma4_install, mo
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+
+
+def test_a_batched_step_reads_the_ids_queued_by_the_step_before(gemma4_install, monkeypatch):
+    """The ids a step feeds, and the host then reads, are the very array the step
+    before queued (no op built after the new step is queued, which would make
+    the read wait for that step too); the outputs still equal each row alone."""
+    from turbospark.engine import _Batch
+
+    codec = load_text(gemma4_install)
+    engine = Engine(open_runner(gemma4_install), codec, max_batch=3)
+    real_step, seen = _Batch.step, []
+
+    def step(batch):
+        queued = batch.tokens
+        fed = real_step(batch)
+        seen.append(fed is queued and batch.tokens is not queued)
+        return fed
+
+    monkeypatch.setattr(_Batch, "step", step)
+    config = GenerationConfig(max_tokens=9, temperature=0.0, stop_token_ids=[])
+    jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in PROMPTS[:3]]
+    run_all(engine, [(0, job) for job in jobs])
+    assert seen and all(seen)
+    for job in jobs:
+        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
