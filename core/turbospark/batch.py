@@ -97,32 +97,25 @@ class BatchLayerKV:
 
     @classmethod
     def merge(cls, layers: list[LayerKV]) -> BatchLayerKV:
-        """Right-align each session's retained rows; a copy proportional to their size.
-        Sessions that have not run yet (fresh prompts prefilled together) merge
-        into a batch whose buffers are allocated by the first write."""
+        """Right-align each session's retained rows in one new buffer with a
+        step's headroom past them (so the first step writes in place): one copy
+        of each session, proportional to its size. Sessions that have not run
+        yet (fresh prompts prefilled together) merge into a batch whose buffers
+        are allocated by the first write."""
         first = next((layer for layer in layers if layer.keys is not None), None)
         if first is None:
             return cls(layers[0].window, layers[0].headroom, None, None, [0] * len(layers), 0)
         _, heads, _, dim = first.keys.shape
         width = max(layer.fill for layer in layers)
-        keys, values = [], []
-        for layer in layers:
-            pad = width - layer.fill
-            zeros = mx.zeros((1, heads, pad, dim), first.keys.dtype)
-            if layer.keys is None:
-                keys.append(zeros)
-                values.append(zeros)
-                continue
-            keys.append(mx.concatenate([zeros, layer.keys[:, :, : layer.fill]], axis=2))
-            values.append(mx.concatenate([zeros, layer.values[:, :, : layer.fill]], axis=2))
-        return cls(
-            first.window,
-            first.headroom,
-            mx.concatenate(keys, axis=0),
-            mx.concatenate(values, axis=0),
-            [width - layer.fill for layer in layers],
-            width,
-        )
+        shape = (len(layers), heads, width + cls.step, dim)
+        keys, values = mx.zeros(shape, first.keys.dtype), mx.zeros(shape, first.keys.dtype)
+        for row, layer in enumerate(layers):
+            if layer.keys is not None and layer.fill:
+                begin = width - layer.fill
+                keys[row : row + 1, :, begin:width] = layer.keys[:, :, : layer.fill]
+                values[row : row + 1, :, begin:width] = layer.values[:, :, : layer.fill]
+        left = [width - layer.fill for layer in layers]
+        return cls(first.window, first.headroom, keys, values, left, width)
 
     @property
     def retain(self) -> int | None:
