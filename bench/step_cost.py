@@ -8,16 +8,19 @@ the merged batched state. Reported per B:
 
 - ``host_ms_per_step``: CPU time of the calling thread per step
   (``time.thread_time``). MLX evaluates on its own threads, so this is the
-  Python work that builds and hands off a step (graph building, masks,
-  sampling ops, reading the ids, emitting, stop checks, detokenising), and it
-  does not change when other processes load the machine;
+  Python work that builds and hands off a step, and it changes little when
+  other processes load the machine. Split into ``forward_ms_per_step`` (the
+  family's forward, ``runner.forward_batch``: building the graph),
+  ``sample_queue_ms_per_step`` (the rest of ``_Batch.step``: sampling ops and
+  ``mx.async_eval``, which builds the step's tasks, and on the CPU also waits
+  while more than a few of them are queued) and ``rows_ms_per_step`` (the rest:
+  reading the ids, and per row the stop checks, detokenising, emitting);
+- ``read_wait_ms_per_step``: wall time from the step being queued to its
+  rows' ids being read (``tolist``): near zero when the ids read are the ones
+  the step before queued (pipelined), a forward's time when they are not;
 - ``wall_ms_per_step``: wall time per step (this one does depend on load);
-- ``engine_host_ms_per_step``: the time outside the family's forward
-  (``runner.forward_batch``) under cProfile (a second run of as many steps):
-  the engine's own cost, inflated by the profiler, plus any wait for MLX
-  inside it (on the CPU ``mx.async_eval`` waits while more than a few of its
-  tasks are queued);
-- the top functions by own time under cProfile (``--profile``).
+- with ``--profile``, the top functions by own time under cProfile (a second
+  run of as many steps; own time of MLX calls lands in their caller).
 
 Run: ``uv run python bench/step_cost.py --family gemma4 --batch 8 --batch 16``.
 """
@@ -34,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from turbospark.engine import Engine, Job
+from turbospark.engine import Engine, Job, _Batch
 from turbospark.generate import GenerationConfig
 from turbospark.runner import Runner
 from turbospark.text import load_text
@@ -75,32 +78,58 @@ def measure(
     for _ in range(warm):
         engine.step()
     assert engine.batch_size == batch, f"only {engine.batch_size} of {batch} rows batched"
-    cpu0, wall0 = time.thread_time(), time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
-    profiler = cProfile.Profile()  # a second run of as many steps, for the split
-    profiler.enable()
-    for _ in range(steps):
-        engine.step()
-    profiler.disable()
-    stats = pstats.Stats(profiler)
-    forward = sum(
-        row[3]
-        for func, row in stats.stats.items()  # type: ignore[attr-defined]
-        if func[2] == "forward_batch" and func[0].endswith("runner.py")
-    )
-    total = sum(row[2] for row in stats.stats.values())  # type: ignore[attr-defined]
+    spent = {"forward": 0.0, "step": 0.0, "wait": 0.0}
+    queued = [0.0]
+    real_forward, real_step, real_check = runner.forward_batch, _Batch.step, runner.check_ids
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        began = time.thread_time()
+        try:
+            return real_forward(*args, **kwargs)
+        finally:
+            spent["forward"] += time.thread_time() - began
+
+    def step(batch: _Batch) -> Any:
+        began = time.thread_time()
+        try:
+            return real_step(batch)
+        finally:
+            spent["step"] += time.thread_time() - began
+            queued[0] = time.perf_counter()
+
+    def check(tokens: list[int]) -> list[int]:
+        if queued[0]:
+            spent["wait"] += time.perf_counter() - queued[0]
+            queued[0] = 0.0
+        return real_check(tokens)
+
+    runner.forward_batch, runner.check_ids = forward, check  # type: ignore[method-assign]
+    _Batch.step = step  # type: ignore[method-assign]
+    try:
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    finally:
+        runner.forward_batch, runner.check_ids = real_forward, real_check  # type: ignore[method-assign]
+        _Batch.step = real_step  # type: ignore[method-assign]
     out: dict[str, Any] = {
         "batch": batch,
         "steps": steps,
         "host_ms_per_step": 1e3 * cpu / steps,
+        "forward_ms_per_step": 1e3 * spent["forward"] / steps,
+        "sample_queue_ms_per_step": 1e3 * (spent["step"] - spent["forward"]) / steps,
+        "rows_ms_per_step": 1e3 * (cpu - spent["step"]) / steps,
+        "read_wait_ms_per_step": 1e3 * spent["wait"] / steps,
         "wall_ms_per_step": 1e3 * wall / steps,
-        "profiled_ms_per_step": 1e3 * total / steps,
-        "forward_ms_per_step": 1e3 * forward / steps,
-        "engine_host_ms_per_step": 1e3 * (total - forward) / steps,
     }
     if profile:
+        profiler = cProfile.Profile()  # a second run of as many steps
+        profiler.enable()
+        for _ in range(steps):
+            engine.step()
+        profiler.disable()
+        stats = pstats.Stats(profiler)
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # type: ignore[attr-defined]
         out["top_own_ms_per_step"] = [
             (f"{Path(f[0]).name}:{f[1]}:{f[2]}", round(1e3 * r[2] / steps, 4), r[1])
@@ -140,9 +169,9 @@ def main() -> None:
         for row in report[family]:
             print(
                 f"{family} B={row['batch']:>2}: host {row['host_ms_per_step']:.2f} ms/step "
-                f"(engine {row['engine_host_ms_per_step']:.2f}, forward "
-                f"{row['forward_ms_per_step']:.2f} under cProfile), wall "
-                f"{row['wall_ms_per_step']:.2f} ms/step"
+                f"(forward {row['forward_ms_per_step']:.2f}, sample+queue "
+                f"{row['sample_queue_ms_per_step']:.2f}, rows {row['rows_ms_per_step']:.2f}), "
+                f"read wait {row['read_wait_ms_per_step']:.2f}, wall {row['wall_ms_per_step']:.2f} ms/step"
             )
             for name, ms, calls in row.get("top_own_ms_per_step", []):
                 print(f"    {ms:8.4f} ms  {calls:>7}  {name}")
