@@ -226,7 +226,7 @@ class _Batch:
                 self.state,
                 self.steer,
             )
-            following, tables = self._sample(logits, fed)
+            following, tables = self._sample(logits)
         except Exception:
             self.rollback()
             raise
@@ -238,7 +238,7 @@ class _Batch:
         )
         return fed
 
-    def _sample(self, logits: mx.array, fed: mx.array) -> tuple[mx.array, list[LogprobTable]]:
+    def _sample(self, logits: mx.array) -> tuple[mx.array, list[LogprobTable]]:
         """The next id of every row, ``(B,)``: greedy rows in one argmax, random
         rows in one :func:`sample_together`, rows that only keep logprobs in those
         too (their logprobs in one :class:`LogprobTable` per kind), and rows with
@@ -254,20 +254,14 @@ class _Batch:
                 drawn.append(i)
             else:
                 alone.append(i)
-        count = len(self.rows)
-        if len(greedy) == count:
-            following = mx.argmax(logits, axis=-1)
-        else:
-            following = mx.argmax(logits, axis=-1) if greedy else mx.zeros((count,), mx.uint32)
+        following = mx.argmax(logits, axis=-1) if greedy else mx.zeros((len(self.rows),), mx.uint32)
         tables: list[LogprobTable] = []
         if drawn:
             index = mx.array(drawn)
             ids = sample_together([self.rows[i].sampler for i in drawn], logits[index])
             following[index] = ids
-        for i in alone:
+        for i in alone:  # such a row keeps its own lazy id (`pending`) for its processors
             row = self.rows[i]
-            if row.pending is None:
-                row.pending = fed[i]
             row.following = row.sampler(logits[i], fed=row.pending)
             following[i] = row.following
         for group in (greedy, drawn):
