@@ -3,7 +3,7 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|constrain|draft|experts|steering|tp] [--profile]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|step_cost|constrain|draft|experts|steering|tp] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family). ``experts`` runs
 for gemma4 only, on the ``moe_large`` install (``--size`` is for the other pieces).
@@ -12,6 +12,9 @@ compilation off (the uncompiled decode step), the fraction of the bandwidth
 roofline each reaches and each step's graph size and host time
 (:mod:`bench.decode_cost`). ``--profile`` also writes a cProfile of our
 decode loop into ``OUT_DIR``, one text file per family.
+``step_cost`` times the engine's batched decode step alone at B = 8 and 16
+on the ``chat_{size}`` install (host CPU time against wall time per step,
+and the top functions: :mod:`bench.step_cost`).
 ``--only tp`` needs two GPUs (``nvidia-h200-x2``): TP=2 against TP=1 on the
 ~8B shape through NCCL (``bench/tp.py``), whatever ``--size`` says.
 """
@@ -45,6 +48,7 @@ from bench.interleaved import bench_interleaved
 from bench.run import GPU
 from bench.serving import bench_servers
 from bench.steering import bench_steering
+from bench.step_cost import measure as measure_step
 from bench.swap import bench_swap
 from bench.tp import bench_tp
 from turbospark.runner import Runner
@@ -63,6 +67,7 @@ def main() -> None:
             "interleaved",
             "serving",
             "concurrency",
+            "step_cost",
             "constrain",
             "draft",
             "experts",
@@ -143,6 +148,8 @@ def main() -> None:
                     result = bench_interleaved(path, GPU.chat)
                 elif piece == "concurrency":
                     result = bench_concurrency(path, GPU.concurrency, args.out / "logs")
+                elif piece == "step_cost":
+                    result = [measure_step(path, b, 100, 0.0, profile=True) for b in (8, 16)]
                 else:
                     result = bench_servers(path, GPU.chat, args.out / "logs")
             emit(family, piece, result, started)

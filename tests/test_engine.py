@@ -367,3 +367,103 @@ def test_a_prefill_group_takes_as_many_prompts_as_fit_in_the_budget(gemma4_insta
     assert prefills == [(2, 6), (2, 6)]
     for job in jobs:
         assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
+
+
+def _mixed_jobs() -> list[Job]:
+    """Rows of every sampling kind a batch draws differently: plain greedy,
+    greedy and seeded rows that keep logprobs (drawn with the plain ones, their
+    logprobs in one table), a row with a logits processor (sampled alone), and
+    a plain seeded row."""
+    from turbospark.logits_processors import Penalties
+
+    kinds = [
+        ({"temperature": 0.0}, None, False),
+        ({"temperature": 0.0}, 3, False),
+        ({"temperature": 0.9, "seed": 5}, 2, False),
+        ({"temperature": 0.0}, 0, True),
+        ({"temperature": 1.1, "top_k": 9, "seed": 6}, None, False),
+    ]
+    jobs = []
+    for prompt, (knobs, top, penalised) in zip(PROMPTS, kinds, strict=True):
+        config = GenerationConfig(max_tokens=8, stop_token_ids=[], **knobs)
+        processors = [Penalties(presence=0.7, frequency=0.3)] if penalised else []
+        jobs.append(
+            Job(
+                ids=list(prompt),
+                config=config,
+                emit=Collector(),
+                processors=processors,
+                top_logprobs=top,
+            )
+        )
+    return jobs
+
+
+@pytest.mark.parametrize("fail", [None, "forward", "ids"])
+def test_rows_of_every_sampling_kind_batched_equal_each_alone(gemma4_install, monkeypatch, fail):
+    """Tokens and logprobs of a mixed batch equal each request run alone. With
+    *fail*, the third batched decode step raises in the forward or, after its
+    rows sampled and kept their logprobs, when its ids are read; it is undone
+    (the kept logprobs too) and every row goes on alone without a gap or a
+    repeat in its logprobs."""
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install, slots=6)
+    real_batch, real_check = runner.forward_batch, runner.check_ids
+    calls = {"decode": 0, "read": 0}
+
+    def flaky_batch(tokens, positions, state, steer=None):
+        calls["decode"] += tokens.shape[1] == 1
+        if fail == "forward" and tokens.shape[1] == 1 and calls["decode"] == 3:
+            raise RuntimeError("a plugin failed once")
+        return real_batch(tokens, positions, state, steer)
+
+    def flaky_check(tokens):
+        calls["read"] += len(tokens) == 5
+        if fail == "ids" and len(tokens) == 5 and calls["read"] == 3:
+            raise RuntimeError("reading the ids failed once")
+        return real_check(tokens)
+
+    monkeypatch.setattr(runner, "forward_batch", flaky_batch)
+    monkeypatch.setattr(runner, "check_ids", flaky_check)
+    jobs = _mixed_jobs()
+    run_all(Engine(runner, codec, max_batch=5), [(0, job) for job in jobs])
+    assert max(job.emit.chunks[-1].stats.batch_size for job in jobs) == 5
+    for job, expected in zip(jobs, _mixed_jobs(), strict=True):
+        run_all(Engine(open_runner(gemma4_install), codec, max_batch=1), [(0, expected)])
+        assert job.emit.error is None, job.emit.error
+        assert job.emit.tokens == expected.emit.tokens, job.config
+        got = [c.logprobs for c in job.emit.chunks if c.token is not None]
+        want = [c.logprobs for c in expected.emit.chunks if c.token is not None]
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            if b is None:
+                assert a is None
+                continue
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+
+
+def test_a_batched_step_reads_the_ids_queued_by_the_step_before(gemma4_install, monkeypatch):
+    """The ids a step feeds, and the host then reads, are the very array the step
+    before queued (no op built after the new step is queued, which would make
+    the read wait for that step too); the outputs still equal each row alone."""
+    from turbospark.engine import _Batch
+
+    codec = load_text(gemma4_install)
+    engine = Engine(open_runner(gemma4_install), codec, max_batch=3)
+    real_step, seen = _Batch.step, []
+
+    def step(batch):
+        queued = batch.tokens
+        fed = real_step(batch)
+        seen.append(fed is queued and batch.tokens is not queued)
+        return fed
+
+    monkeypatch.setattr(_Batch, "step", step)
+    config = GenerationConfig(max_tokens=9, temperature=0.0, stop_token_ids=[])
+    jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in PROMPTS[:3]]
+    run_all(engine, [(0, job) for job in jobs])
+    assert seen and all(seen)
+    for job in jobs:
+        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens

@@ -92,35 +92,30 @@ class BatchLayerKV:
         self.values = values
         self.left = left
         self.fill = fill
+        self._left_key: tuple[int, ...] | None = None  # what _left_array was built from
+        self._left_array: mx.array | None = None
 
     @classmethod
     def merge(cls, layers: list[LayerKV]) -> BatchLayerKV:
-        """Right-align each session's retained rows; a copy proportional to their size.
-        Sessions that have not run yet (fresh prompts prefilled together) merge
-        into a batch whose buffers are allocated by the first write."""
+        """Right-align each session's retained rows in one new buffer with a
+        step's headroom past them (so the first step writes in place): one copy
+        of each session, proportional to its size. Sessions that have not run
+        yet (fresh prompts prefilled together) merge into a batch whose buffers
+        are allocated by the first write."""
         first = next((layer for layer in layers if layer.keys is not None), None)
         if first is None:
             return cls(layers[0].window, layers[0].headroom, None, None, [0] * len(layers), 0)
         _, heads, _, dim = first.keys.shape
         width = max(layer.fill for layer in layers)
-        keys, values = [], []
-        for layer in layers:
-            pad = width - layer.fill
-            zeros = mx.zeros((1, heads, pad, dim), first.keys.dtype)
-            if layer.keys is None:
-                keys.append(zeros)
-                values.append(zeros)
-                continue
-            keys.append(mx.concatenate([zeros, layer.keys[:, :, : layer.fill]], axis=2))
-            values.append(mx.concatenate([zeros, layer.values[:, :, : layer.fill]], axis=2))
-        return cls(
-            first.window,
-            first.headroom,
-            mx.concatenate(keys, axis=0),
-            mx.concatenate(values, axis=0),
-            [width - layer.fill for layer in layers],
-            width,
-        )
+        shape = (len(layers), heads, width + cls.step, dim)
+        keys, values = mx.zeros(shape, first.keys.dtype), mx.zeros(shape, first.keys.dtype)
+        for row, layer in enumerate(layers):
+            if layer.keys is not None and layer.fill:
+                begin = width - layer.fill
+                keys[row : row + 1, :, begin:width] = layer.keys[:, :, : layer.fill]
+                values[row : row + 1, :, begin:width] = layer.values[:, :, : layer.fill]
+        left = [width - layer.fill for layer in layers]
+        return cls(first.window, first.headroom, keys, values, left, width)
 
     @property
     def retain(self) -> int | None:
@@ -170,8 +165,19 @@ class BatchLayerKV:
             start = max(0, self.fill - self.window)
         return self.keys[:, :, start : self.fill], self.values[:, :, start : self.fill], start
 
-    def mask(self, queries: int, key_start: int, keys: int) -> mx.array:
-        """``(B, 1, queries, keys)``: causal, within the window, and never padding."""
+    def mask(self, queries: int, key_start: int, keys: int) -> mx.array | None:
+        """``(B, 1, queries, keys)``: causal, within the window, and never padding.
+
+        A decode step (one query, the last column) sees every fetched column
+        causally, and :meth:`update_and_fetch` fetched only the window's, so
+        its mask hides padding alone: None when no fetched column is padding
+        (attention's unmasked kernel), else ``(B, 1, 1, keys)`` from a
+        comparison with the rows' padding, kept on the device while it holds."""
+        if queries == 1:
+            if max(self.left) <= key_start:
+                return None
+            cols = mx.arange(key_start, key_start + keys)
+            return (cols[None] >= self._left_column())[:, None, None, :]
         cols = mx.arange(key_start, key_start + keys)[None]  # (1, keys)
         q_cols = mx.arange(self.fill - queries, self.fill)[:, None]  # (queries, 1)
         visible = cols <= q_cols
@@ -180,39 +186,54 @@ class BatchLayerKV:
         left = mx.array(self.left)[:, None, None, None]  # (B, 1, 1, 1)
         return visible[None, None] & (cols[None, None] >= left)
 
-    def _aligned(self, width: int) -> tuple[mx.array, mx.array]:
-        """The used columns, left-padded to *width*."""
-        pad = width - self.fill
-        keys, values = self.keys[:, :, : self.fill], self.values[:, :, : self.fill]
-        if pad:
-            batch, heads, _, dim = keys.shape
-            zeros = mx.zeros((batch, heads, pad, dim), keys.dtype)
-            keys = mx.concatenate([zeros, keys], axis=2)
-            values = mx.concatenate([zeros, values], axis=2)
-        return keys, values
+    def _left_column(self) -> mx.array:
+        """``left`` as a ``(B, 1)`` device array, rebuilt only when it changes."""
+        key = tuple(self.left)
+        if self._left_key != key:
+            self._left_key, self._left_array = key, mx.array(key)[:, None]
+        return self._left_array
 
     def extend(self, other: BatchLayerKV) -> None:
+        """Append *other*'s rows. Both batches' used columns are written once
+        into one new buffer, right-aligned, with a step's headroom past them,
+        so the next decode step writes in place instead of copying it again."""
         if self.keys is None and other.keys is None:  # a layer nobody writes
             self.left = self.left + other.left
             return
         width = max(self.fill, other.fill)
-        keys, values = self._aligned(width)
-        other_keys, other_values = other._aligned(width)
-        self.keys = mx.concatenate([keys, other_keys], axis=0)
-        self.values = mx.concatenate([values, other_values], axis=0)
+        parts = [part for part in (self, other) if part.keys is not None]
+        _, heads, _, dim = parts[0].keys.shape
+        rows = len(self.left) + len(other.left)
+        shape = (rows, heads, width + self.step, dim)
+        keys, values = mx.zeros(shape, parts[0].keys.dtype), mx.zeros(shape, parts[0].keys.dtype)
+        first = 0
+        for part in (self, other):
+            count = len(part.left)
+            if part.keys is not None and part.fill:
+                begin = width - part.fill
+                keys[first : first + count, :, begin:width] = part.keys[:, :, : part.fill]
+                values[first : first + count, :, begin:width] = part.values[:, :, : part.fill]
+            first += count
         self.left = [pad + width - self.fill for pad in self.left] + [
             pad + width - other.fill for pad in other.left
         ]
-        self.fill = width
+        self.keys, self.values, self.fill = keys, values, width
 
     def filter(self, rows: list[int]) -> None:
-        index = mx.array(rows)
+        """Keep *rows*: one gather of their columns, the headroom past ``fill``
+        kept, so the next step writes in place; padding every kept row has is
+        dropped. Rows that are already a prefix are a slice, not a copy."""
         self.left = [self.left[row] for row in rows]
         if self.keys is None:
             return
         common = min(self.left)  # padding every remaining row has: drop it
-        self.keys = self.keys[index, :, common : self.fill]
-        self.values = self.values[index, :, common : self.fill]
+        if rows == list(range(len(rows))):
+            self.keys = self.keys[: len(rows), :, common:]
+            self.values = self.values[: len(rows), :, common:]
+        else:
+            index = mx.array(rows)
+            self.keys = self.keys[index, :, common:]
+            self.values = self.values[index, :, common:]
         self.left = [pad - common for pad in self.left]
         self.fill -= common
 

@@ -131,6 +131,7 @@ class SharedSampler:
 
     plain_greedy = False  # every id goes through the broadcast, batched or not
     plain_random = False
+    keeps_logprobs_only = False  # its draws are broadcast one by one
     stepwise = True  # one broadcast per id
     # The broadcast must follow the forward's collectives: sampled after it, on the host.
     reads_on_host = True

@@ -19,7 +19,8 @@ flight. Each :meth:`Engine.step`:
 3. **decodes** one token for every decoding row. With two rows or more (and a
    family whose components are all ``batchable``) the sessions are merged
    into one batched state (:mod:`turbospark.batch`) and advance in one
-   forward, and its rows sample together (:func:`turbospark.sampling.sample_together`);
+   forward, and its rows sample together (:func:`turbospark.sampling.sample_together`;
+   logprobs in one :class:`turbospark.sampling.LogprobTable`);
    a lone row, or a family without a batched forward, steps through
    the one-row forward exactly as :func:`turbospark.generate.stream_generate`
    does;
@@ -29,7 +30,10 @@ flight. Each :meth:`Engine.step`:
    parked by the pool's rules).
 
 Decoding is pipelined as in the one-request loop: a step is built from the
-still-lazy sampled ids and queued before those ids are read, and a row whose
+still-lazy sampled ids and queued before those ids are read (a batch keeps
+its rows' ids in one array and reads the ids of step *t* with one
+``tolist()`` once step *t+1* is queued, as mlx-lm's ``BatchGenerator``
+does), and a row whose
 id turns out to be a stop goes back one token (rewindable components drop a
 column; the others come back from references held before the step).
 
@@ -65,7 +69,7 @@ from turbospark.generate import (
 from turbospark.pool import Session
 from turbospark.reuse import ReuseReason, ReuseReport
 from turbospark.runner import Runner
-from turbospark.sampling import Sampler, sample_together
+from turbospark.sampling import LogprobTable, Sampler, sample_together
 from turbospark.speculative import Speculation, settle, speculation_for
 from turbospark.state import State
 from turbospark.steering import Steer
@@ -154,7 +158,16 @@ class RowInfo:
 
 
 class _Batch:
-    """Decoding rows whose sessions are merged into one batched state."""
+    """Decoding rows whose sessions are merged into one batched state.
+
+    While rows decode here, their next ids live in one ``(B,)`` array,
+    :attr:`tokens`, not one lazy scalar per row: a step feeds it as is,
+    samples the next one in a few ops for all rows, and the host reads the
+    ids it fed with one ``tolist()``. That array was queued a step earlier,
+    so reading it waits only for that step's forward, never for the one just
+    queued (step *t+1* runs while the host handles step *t*'s ids, as in
+    mlx-lm's ``BatchGenerator``). A row's own ``pending`` is set again only
+    when it leaves (or, for a row that samples alone, kept for its processors)."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -162,6 +175,10 @@ class _Batch:
         self.state: State = {}
         self.held: dict[str, object] = {}
         self.steer: Steer | None = None  # each row's own steering, rebuilt as rows come and go
+        self.tokens: mx.array | None = None  # (B,) the ids the next step feeds (decoding rows)
+        self._held_tokens: mx.array | None = None
+        self._kept: list[Sampler] = []  # samplers that kept a record in the last step
+        self._keys: list[tuple[Sampler, mx.array]] = []  # their PRNG keys before it
 
     def join(self, rows: list[_Row]) -> None:
         merged = self.runner.merge_states([row.session for row in rows])
@@ -170,6 +187,9 @@ class _Batch:
         else:
             for name, component in self.state.items():
                 component.extend(merged[name])
+        if rows[0].pending is not None:  # decoding rows (a prefill group has none yet)
+            ids = mx.concatenate([row.pending.reshape(1).astype(mx.uint32) for row in rows])
+            self.tokens = ids if self.tokens is None else mx.concatenate([self.tokens, ids])
         self.rows.extend(rows)
         self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
@@ -189,47 +209,86 @@ class _Batch:
         mx.async_eval(logits, [a for component in self.state.values() for a in component.arrays()])
         return logits
 
-    def step(self) -> None:
-        """Feed every row's pending id (still lazy) and queue the next ids."""
-        tokens = mx.concatenate([row.pending.reshape(1) for row in self.rows])
+    def step(self) -> mx.array:
+        """Feed :attr:`tokens` and queue the next ids in their place; return the
+        ids fed (``(B,)``, queued by the step before, so reading them does not
+        wait for this one)."""
+        fed = self.tokens
         for component in self.state.values():
             component.prepare(1)
         self.held = {name: component.hold() for name, component in self.state.items()}
+        self._held_tokens, self._kept = fed, []
+        self._keys = [(row.sampler, row.sampler.key) for row in self.rows if isinstance(row.sampler, Sampler)]  # fmt: skip
         try:
             logits = self.runner.forward_batch(
-                self.runner.clip_ids(tokens)[:, None],
+                self.runner.clip_ids(fed)[:, None],
                 [row.position for row in self.rows],
                 self.state,
                 self.steer,
             )
+            following, tables = self._sample(logits)
         except Exception:
             self.rollback()
             raise
-        # Plain greedy rows (most of a temperature-0 batch) take their ids in one
-        # op, plain temperature/top-k/top-p rows in a few (each with its own
-        # key); rows with logits processors or logprobs sample one by one.
-        plain = [row.sampler.plain_greedy for row in self.rows]
-        greedy = mx.argmax(logits, axis=-1) if any(plain) else None
-        drawn = [i for i, row in enumerate(self.rows) if row.sampler.plain_random]
-        together: dict[int, mx.array] = {}
-        if len(drawn) >= 2:
-            ids = sample_together([self.rows[i].sampler for i in drawn], logits[mx.array(drawn)])
-            together = {i: ids[j] for j, i in enumerate(drawn)}
-        for i, row in enumerate(self.rows):
-            if plain[i]:
-                row.following = greedy[i]
-            elif i in together:
-                row.following = together[i]
-            else:
-                row.following = row.sampler(logits[i], fed=row.pending)
+        self.tokens = following
         mx.async_eval(
-            [row.following for row in self.rows],
+            following,
+            [a for table in tables for a in table.arrays()],
             [a for component in self.state.values() for a in component.arrays()],
         )
+        return fed
+
+    def _sample(self, logits: mx.array) -> tuple[mx.array, list[LogprobTable]]:
+        """The next id of every row, ``(B,)``: greedy rows in one argmax, random
+        rows in one :func:`sample_together`, rows that only keep logprobs in those
+        too (their logprobs in one :class:`LogprobTable` per kind), and rows with
+        logits processors (or a sampler that must see each id) one by one."""
+        greedy: list[int] = []
+        drawn: list[int] = []
+        alone: list[int] = []
+        for i, row in enumerate(self.rows):
+            sampler = row.sampler
+            if sampler.plain_greedy or (sampler.keeps_logprobs_only and not sampler.params.temperature):  # fmt: skip
+                greedy.append(i)
+            elif sampler.plain_random or sampler.keeps_logprobs_only:
+                drawn.append(i)
+            else:
+                alone.append(i)
+        following = mx.argmax(logits, axis=-1) if greedy else mx.zeros((len(self.rows),), mx.uint32)
+        tables: list[LogprobTable] = []
+        if drawn:
+            index = mx.array(drawn)
+            ids = sample_together([self.rows[i].sampler for i in drawn], logits[index])
+            following[index] = ids
+        for i in alone:  # such a row keeps its own lazy id (`pending`) for its processors
+            row = self.rows[i]
+            row.following = row.sampler(logits[i], fed=row.pending)
+            following[i] = row.following
+        for group in (greedy, drawn):
+            keeping = [i for i in group if self.rows[i].sampler.keeps_logprobs_only]
+            if keeping:
+                index = mx.array(keeping)
+                samplers = [self.rows[i].sampler for i in keeping]
+                k = max(sampler.top_logprobs or 0 for sampler in samplers)
+                table = LogprobTable(logits[index], following[index], k)
+                tables.append(table)
+                for j, sampler in enumerate(samplers):
+                    sampler.keep(table, j)
+                    self._kept.append(sampler)
+        for i in greedy + drawn:
+            self.rows[i].following = None  # its next id is in `tokens`
+        return following, tables
 
     def rollback(self) -> None:
         for name, component in self.state.items():
             component.rollback(self.held[name])
+        if self._held_tokens is not None:
+            self.tokens = self._held_tokens
+        for sampler in self._kept:
+            sampler.unkeep()
+        for sampler, key in self._keys:
+            sampler.rewind(key)
+        self._kept, self._keys = [], []
 
     def leave(self, going: dict[_Row, int]) -> None:
         """Copy each row in *going* back into its session, *back* tokens earlier."""
@@ -242,13 +301,19 @@ class _Batch:
                     name: component.extract(i, row.leaves_at, back, self.held.get(name))
                     for name, component in self.state.items()
                 }
+                if self.tokens is not None and row.pending is None:
+                    row.pending = self.tokens[i]
         stay = [i for i, row in enumerate(self.rows) if row not in going]
         self.rows = [self.rows[i] for i in stay]
         if not self.rows:
-            self.state, self.held, self.steer = {}, {}, None
+            self.state, self.held, self.steer, self.tokens = {}, {}, None, None
+            self._held_tokens, self._kept, self._keys = None, [], []
             return
         for component in self.state.values():
             component.filter(stay)
+        if self.tokens is not None:
+            self.tokens = self.tokens[mx.array(stay)]
+        self._held_tokens, self._kept, self._keys = None, [], []
         self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
 
@@ -719,13 +784,13 @@ class Engine:
                 self._solo.append(row)  # emitted, unfed, by _decode_solo below
         if not batch.rows:
             return
+        size = len(batch.rows)
         for row in batch.rows:
-            row.batch_peak = max(row.batch_peak, len(batch.rows))
+            if row.batch_peak < size:
+                row.batch_peak = size
         try:
-            batch.step()
-            tokens = mx.concatenate([row.pending.reshape(1) for row in batch.rows]).tolist()
-            for token in tokens:
-                self.runner.check_ids([token])
+            tokens = batch.step().tolist()  # the ids fed: one read for every row
+            self.runner.check_ids(tokens)
         except Exception:
             # Undo the step and retry every row alone: only the culprit fails.
             batch.rollback()

@@ -82,7 +82,8 @@ class Sampler:
         self._key = mx.random.key(seed)
         self._fed: mx.array | None = None
         self._accepted = 0  # samples fed back so far: the index of the next one
-        self._records: list[tuple[mx.array, mx.array, mx.array]] = []
+        # One per sample: its own lazy arrays, or its row of a batched draw's table.
+        self._records: list[tuple[mx.array, mx.array, mx.array] | tuple[LogprobTable, int]] = []
 
     @property
     def stepwise(self) -> bool:
@@ -108,6 +109,35 @@ class Sampler:
         """Temperature, top-k and top-p and nothing else: a batch samples such
         rows together (:func:`sample_together`), each with its own key."""
         return self.params.temperature > 0.0 and not self.stepwise
+
+    @property
+    def keeps_logprobs_only(self) -> bool:
+        """Plain sampling that also keeps logprobs: a batch draws such rows with
+        the plain ones and computes their logprobs together (:class:`LogprobTable`)."""
+        return self.top_logprobs is not None and not self.processors
+
+    def keep(self, table: LogprobTable, row: int) -> None:
+        """Record a sample a batch drew for this request (its logprobs are row
+        *row* of *table*): the next fed id is counted here, as :meth:`__call__`
+        counts it, so a later call alone records at the right index."""
+        self._accepted += 1
+        del self._records[self._accepted :]
+        self._records.append((table, row))
+
+    def unkeep(self) -> None:
+        """Undo the last :meth:`keep` (its batched step failed and is retried alone)."""
+        self._records.pop()
+        self._accepted -= 1
+
+    @property
+    def key(self) -> mx.array:
+        """The PRNG key the next draw splits: a batch holds it before a step and
+        puts it back (:meth:`rewind`) if the step fails after drawing, so the
+        retry draws what the failed step drew."""
+        return self._key
+
+    def rewind(self, key: mx.array) -> None:
+        self._key = key
 
     def __call__(self, logits: mx.array, fed: mx.array | None = None) -> mx.array:
         """A scalar ``uint32`` token id (lazy) from ``(vocab,)`` float32 logits.
@@ -154,9 +184,41 @@ class Sampler:
         """The log-probabilities of sample *index* (0 is the first), when kept."""
         if self.top_logprobs is None or index >= len(self._records):
             return None
-        chosen, top, values = self._records[index]
+        record = self._records[index]
+        if isinstance(record[0], LogprobTable):
+            return record[0].row(record[1], self.top_logprobs)
+        chosen, top, values = record
         pairs = list(zip(top.tolist(), values.tolist(), strict=True))
         return TokenLogprobs(logprob=float(chosen.item()), top=pairs)
+
+
+class LogprobTable:
+    """Log-probabilities of several rows' samples from one batched draw, as
+    :meth:`Sampler._logprobs` computes them for one row (raw logits, before
+    temperature; the *k* most likely, most likely first), in a few ops for all
+    rows and read from the device once for all of them, not once per row."""
+
+    def __init__(self, logits: mx.array, tokens: mx.array, k: int) -> None:
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (R, vocab)
+        index = tokens.astype(mx.int32)[:, None]
+        self.chosen = mx.take_along_axis(logprobs, index, axis=-1)[:, 0]
+        self.top = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None
+        self.values = None if self.top is None else mx.take_along_axis(logprobs, self.top, axis=-1)
+        self._host: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top, self.values) if a is not None]
+
+    def row(self, row: int, k: int) -> TokenLogprobs:
+        """Row *row*'s sample and its *k* most likely ids."""
+        if self._host is None:
+            top = [] if self.top is None else self.top.tolist()
+            values = [] if self.values is None else self.values.tolist()
+            self._host = (self.chosen.tolist(), top, values)
+        chosen, top, values = self._host
+        pairs = list(zip(top[row][:k], values[row][:k], strict=True)) if k else []
+        return TokenLogprobs(logprob=chosen[row], top=pairs)
 
 
 _split_keys = mx.vmap(mx.random.split)  # (B, 2) keys -> (B, 2, 2)

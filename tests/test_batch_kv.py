@@ -1,0 +1,87 @@
+"""Batched K/V against a plain list per row, under random joins, leaves and steps.
+
+:class:`turbospark.batch.BatchLayerKV` builds new buffers with headroom when
+sessions merge, join (``extend``) and leave (``filter``), and right-aligns
+rows at different lengths. Whatever the schedule, each row extracted must hold
+exactly the columns it was given, in order (a windowed row at least its
+retained tail), and a decode step must see exactly its own columns within
+the window: never padding, never another row's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turbospark.batch import BatchLayerKV
+from turbospark.state import LayerKV
+
+HEADS, DIM = 2, 3
+
+
+def column(value: float) -> mx.array:
+    return mx.full((1, HEADS, 1, DIM), value, mx.float32)
+
+
+def session(values: list[float], window: int | None) -> LayerKV:
+    layer = LayerKV(window, 1 if window else 0)
+    if values:
+        keys = mx.concatenate([column(v) for v in values], axis=2)
+        layer.keys, layer.values, layer.fill = keys, -keys, len(values)
+    return layer
+
+
+def written(layer: LayerKV) -> list[float]:
+    if layer.keys is None:
+        return []
+    assert mx.array_equal(layer.values[:, :, : layer.fill], -layer.keys[:, :, : layer.fill])
+    return layer.keys[0, 0, : layer.fill, 0].tolist()
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("step"), st.integers(0, 0)),
+        st.tuples(st.just("join"), st.integers(0, 6)),
+        st.tuples(st.just("leave"), st.integers(0, 2**16)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    first=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    schedule=operations,
+    window=st.sampled_from([None, 3]),
+)
+def test_rows_hold_what_they_were_given_whatever_the_schedule(first, schedule, window):
+    counter = iter(range(1, 10**6))
+    rows = [[float(next(counter)) for _ in range(n)] for n in first]
+    batch = BatchLayerKV.merge([session(r, window) for r in rows])
+    for op, arg in schedule:
+        if op == "step":
+            new = [float(next(counter)) for _ in rows]
+            step = mx.concatenate([column(v) for v in new], axis=0)
+            batch.prepare(1)
+            keys, _, start = batch.update_and_fetch(step, -step)
+            mask = batch.mask(1, start, keys.shape[2])
+            for i, row in enumerate(rows):
+                row.append(new[i])
+                visible = (
+                    keys[i, 0, :, 0].tolist() if mask is None else
+                    [v for v, m in zip(keys[i, 0, :, 0].tolist(), mask[i, 0, 0].tolist(), strict=True) if m]
+                )  # fmt: skip
+                assert visible == (row if window is None else row[-window:])
+        elif op == "join":
+            joining = [float(next(counter)) for _ in range(arg)]
+            batch.extend(BatchLayerKV.merge([session(joining, window)]))
+            rows.append(joining)
+        elif len(rows) > 1:  # leave: a random non-empty subset stays, in order
+            stay = [i for i in range(len(rows)) if arg >> i & 1] or [len(rows) - 1]
+            batch.filter(stay)
+            rows = [rows[i] for i in stay]
+    for i, row in enumerate(rows):
+        kept = written(batch.extract(i, len(row), 0))
+        assert kept == row[len(row) - len(kept) :]
+        assert len(kept) >= (len(row) if window is None else min(len(row), batch.retain))
