@@ -332,7 +332,9 @@ def test_a_client_that_hangs_up_leaves_the_ranks_in_step(gemma4_install, tmp_pat
                 model=model, messages=messages, max_tokens=2,
                 extra_body={"turbospark": {"steering": {"mode": "off"}}},
             )  # fmt: skip
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=4)
+        reply = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=4, extra_body={"ignore_eos": True}
+        )  # sampled at the default temperature: an early end-of-turn must not end it
         assert reply.choices[0].finish_reason == "length"
         assert all(process.poll() is None for process in group.ranks)
     finally:
