@@ -96,6 +96,12 @@ def bench_steering(path: Path, tokens: int, reps: int) -> dict[str, Any]:
         result[f"best_decode_ratio_{mode}"] = (
             result["engines"][mode]["best_decode_tok_s"] / best_off
         )
+        # Each rep runs every engine back to back, so the ratio inside a rep
+        # cancels drift that moves all of them (clocks, other load) between reps.
+        result[f"paired_decode_ratio_{mode}"] = statistics.median(
+            m["decode_tok_s"] / o["decode_tok_s"]
+            for m, o in zip(rows[mode], rows["off"], strict=True)
+        )
     return result
 
 
