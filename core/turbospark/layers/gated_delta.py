@@ -28,9 +28,11 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from turbospark.layers.stacked import Stacked, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
+IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stacked in this order
 
 
 # -- gates and normalisation --------------------------------------------------
@@ -349,6 +351,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(dims.value_head_dim, dims.eps)
         self.out_proj = nn.Linear(dims.value_dim, dims.hidden_size, bias=False)
 
+    def in_projections(self) -> Stacked:
+        """``in_proj_qkv/z/a/b`` as one weight, in that order (one matmul). A
+        sharded mixer's projections are sliced in place, still ``nn.Linear``."""
+        stack = stacked(self, IN_PROJECTIONS)
+        if stack is None:
+            raise TypeError("a gated-DeltaNet's input projections must be plain nn.Linear layers")
+        return stack
+
     def __call__(self, x: mx.array, state: GDNComponent, index: int) -> mx.array:
         """``x`` ``(B, L, hidden)``; reads and replaces layer ``index`` of ``state``.
 
@@ -364,12 +374,7 @@ class GatedDeltaNet(nn.Module):
             )
         args = (
             x,
-            (
-                self.in_proj_qkv.weight,
-                self.in_proj_z.weight,
-                self.in_proj_a.weight,
-                self.in_proj_b.weight,
-            ),
+            self.in_projections().weight,
             tail,
             recurrent,
             self.conv1d.weight,
@@ -394,7 +399,7 @@ class GatedDeltaNet(nn.Module):
 
 def mix(
     x: mx.array,
-    projections: tuple[mx.array, mx.array, mx.array, mx.array],
+    in_proj: mx.array,
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -409,8 +414,8 @@ def mix(
     traced: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
-    input projections (weights ``in_proj_qkv/z/a/b``; ``nn.Linear`` is
-    ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
+    input projections (*in_proj*: the rows of ``in_proj_qkv/z/a/b`` stacked,
+    one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
     gates, the gated delta rule from *recurrent* and the gated norm. Returns
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
@@ -418,10 +423,14 @@ def mix(
     token's state instead (:func:`conv_tails`, :func:`gated_delta_traced`).
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
-    qkv_w, z_w, a_w, b_w = projections
     batch, length, _ = x.shape
     key_dim = key_heads * key_head_dim
-    projected = x @ qkv_w.T
+    value_dim = value_heads * value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
+    projected, z, a, b = mx.split(
+        x @ in_proj.T, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
+    )
     tails = conv_tails(projected, tail, conv_weight.shape[1]) if traced else None
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
     mixed = nn.silu(mixed)
@@ -430,13 +439,13 @@ def mix(
     k = k.reshape(batch, length, key_heads, key_head_dim)
     v = v.reshape(batch, length, value_heads, value_head_dim)
     q, k = normalize_qk(q, k)
-    log_g = log_decay(A_log, x @ a_w.T, dt_bias)  # (B, L, Hv)
-    beta = mx.sigmoid(x @ b_w.T)
+    log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
+    beta = mx.sigmoid(b)
     if traced:
         out, recurrents = gated_delta_traced(q, k, v, log_g, beta, recurrent)
     else:
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
-    z = (x @ z_w.T).reshape(batch, length, value_heads, value_head_dim)
+    z = z.reshape(batch, length, value_heads, value_head_dim)
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
     return (out, tails, recurrents) if traced else (out, tail, recurrent)
