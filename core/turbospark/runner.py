@@ -375,7 +375,9 @@ class Runner:
                 out = then(out)
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
             if lazy is not None:
-                ids = self._validate_write(lazy.reshape(1).tolist(), start, live)  # waits
+                # The id itself, queued by the step before: a node made from it
+                # (a reshape) would queue behind this step and wait for its end.
+                ids = self._validate_write([lazy.item()], start, live)  # waits
         except Exception:
             self._recover(live, before)
             raise
