@@ -48,9 +48,11 @@ class Stacked:
         mx.eval([linear.parameters() for linear in linears])
         self._parts = [linear.weight for linear in linears]
 
-    def matches(self, linears: Sequence[nn.Linear]) -> bool:
-        """Whether every module still holds the rows this stack gave it."""
-        return all(linear.weight is part for linear, part in zip(linears, self._parts, strict=True))
+    def matches(self, owner: nn.Module, names: Sequence[str]) -> bool:
+        """Whether every module still holds the rows this stack gave it (a
+        module is a dict: item lookups, as this runs for every layer and step)."""
+        parts = zip(names, self._parts, strict=True)
+        return all(owner[name]["weight"] is part for name, part in parts)
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each layer's output for ``x`` ``(..., in)``, in the order they were stacked."""
@@ -58,19 +60,21 @@ class Stacked:
         return mx.split(y, self.splits, axis=-1)
 
 
-def stacked(owner: nn.Module, names: Sequence[str]) -> Stacked | None:
+def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
     """The stack of *owner*'s linear layers *names* (built on first use, rebuilt
     when a weight was replaced), or None when any is not a plain ``nn.Linear``
     (sharded) or only some have a bias."""
-    linears = [getattr(owner, name) for name in names]
+    # In the instance's __dict__, not set through Module.__setattr__: no parameter.
+    stacks: dict[tuple[str, ...], Stacked] | None = owner.__dict__.get("_stacks")
+    if stacks is None:
+        stacks = owner.__dict__["_stacks"] = {}
+    stack = stacks.get(names)
+    if stack is not None and stack.matches(owner, names):
+        return stack
+    linears = [owner[name] for name in names]
     if any(type(linear) is not nn.Linear for linear in linears):
         return None
     if len({"bias" in linear for linear in linears}) != 1:
         return None
-    # A plain attribute (not an mx.array, list or dict), so it is no parameter.
-    stacks: dict[tuple[str, ...], Stacked] = owner.__dict__.setdefault("_stacks", {})
-    key = tuple(names)
-    stack = stacks.get(key)
-    if stack is None or not stack.matches(linears):
-        stack = stacks[key] = Stacked(linears)
+    stack = stacks[names] = Stacked(linears)
     return stack
