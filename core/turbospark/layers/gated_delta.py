@@ -49,16 +49,22 @@ def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
 
 
 def normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
-    """L2-normalise q and k over ``Dk``, folding the ``Dk**-0.5`` readout scale into q.
+    """L2-normalise q and k over ``Dk``, folding the ``Dk**-0.5`` readout scale
+    into q (:func:`normalize_qk_heads` on the two stacked along the heads)."""
+    return normalize_qk_heads(mx.concatenate([q, k], axis=2), eps)
+
+
+def normalize_qk_heads(qk: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
+    """:func:`normalize_qk` of q and k stacked along the heads, ``(B, L, 2 * Hk,
+    Dk)`` with q's heads first (as the conv output holds them): one norm kernel
+    for both, each row normalised alone as before.
 
     The reference adds ``eps`` to ``sum(x^2)``; ``rms_norm`` adds its eps to
     ``mean(x^2)``, hence the eps is divided by ``Dk``.
     """
-    inv_scale = q.shape[-1] ** -0.5
-    rms_eps = eps * inv_scale**2
-    q = (inv_scale**2) * mx.fast.rms_norm(q, None, rms_eps)
-    k = inv_scale * mx.fast.rms_norm(k, None, rms_eps)
-    return q, k
+    inv_scale = qk.shape[-1] ** -0.5
+    q, k = mx.split(mx.fast.rms_norm(qk, None, eps * inv_scale**2), 2, axis=2)
+    return (inv_scale**2) * q, inv_scale * k
 
 
 def causal_conv_with_tail(
@@ -434,11 +440,10 @@ def mix(
     tails = conv_tails(projected, tail, conv_weight.shape[1]) if traced else None
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
     mixed = nn.silu(mixed)
-    q, k, v = mx.split(mixed, [key_dim, 2 * key_dim], axis=-1)
-    q = q.reshape(batch, length, key_heads, key_head_dim)
-    k = k.reshape(batch, length, key_heads, key_head_dim)
+    qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
+    # (B, L, 2 * key_dim) -> q's heads then k's, normalised in one kernel
+    q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim))
     v = v.reshape(batch, length, value_heads, value_head_dim)
-    q, k = normalize_qk(q, k)
     log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
     beta = mx.sigmoid(b)
     if traced:
