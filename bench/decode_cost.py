@@ -15,6 +15,11 @@ graph it builds, and the host time spent building it.
 - **Host time per step.** Wall time to build one step's graph (the Python and
   graph work, nothing evaluated), the per-token cost a launch-bound device waits
   for; medians over steps.
+- **Overlap.** The share of a step still running when ``Runner.produce``
+  (a lazy id, its sample queued with it) returns: what the host can spend
+  building the next step while the device works. Near 0 means the loop does
+  not pipeline at all. On the CPU MLX keeps only a few tasks in flight ahead
+  of the host, so there it is a step's tail; on a GPU, most of the step.
 - **Profile.** cProfile of ``stream_generate``'s decode, the top functions by
   own time (``bench/gpu.py --profile``).
 
@@ -145,12 +150,34 @@ def _measure(step: Step, steps: int) -> dict[str, float]:
     return {"host_us_per_step": statistics.median(built) * 1e6, **counts}
 
 
+def overlap(runner: Runner, prompt: list[int], steps: int = 24) -> float:
+    """Median share of a pipelined step (``produce`` of a lazy id with its
+    greedy sample) still running when ``produce`` returns."""
+    runner.reset()
+    pending = mx.argmax(runner.prefill_chunk(prompt, 0))
+    position, left = len(prompt), []
+    for _ in range(min(steps, runner.context_length - position - 1)):
+        started = time.perf_counter()
+        following = runner.produce(pending, position, then=mx.argmax)
+        returned = time.perf_counter()
+        mx.eval(following)
+        left.append((time.perf_counter() - returned) / (time.perf_counter() - started))
+        pending, position = following, position + 1
+    return statistics.median(left)
+
+
 def decode_cost(
     runner: Runner, model: nn.Module, prompt: list[int], steps: int = 24
 ) -> dict[str, Any]:
-    """Host time and graph size per decode step: ours compiled and uncompiled, mlx-lm."""
+    """Host time and graph size per decode step: ours compiled and uncompiled,
+    mlx-lm; and how much of our pipelined step overlaps the host."""
     vocab = runner.vocab_size
-    result = {"ours": _measure(_ours_step(runner, prompt), steps)}
+    result = {
+        "ours": {
+            **_measure(_ours_step(runner, prompt), steps),
+            "overlap": overlap(runner, prompt, steps),
+        }
+    }
     with compile_off():
         result["ours_uncompiled"] = _measure(_ours_step(runner, prompt), steps)
     result["mlx_lm"] = _measure(_theirs_step(model, prompt, vocab), steps)

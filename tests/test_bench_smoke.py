@@ -70,6 +70,7 @@ def test_forward(bench: dict, family: str) -> None:
         assert cost["host_us_per_step"] > 0 and 0 < cost["kernels"] <= cost["primitives"]
     # Compiling fuses: fewer kernels per step than the same step uncompiled.
     assert out["step_cost"]["ours"]["kernels"] < out["step_cost"]["ours_uncompiled"]["kernels"]
+    assert 0 < out["step_cost"]["ours"]["overlap"] < 1  # produce returned before its step ended
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -390,7 +391,9 @@ class Runner:
                 out = then(out)
             mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
             if lazy is not None:
-                ids = self._validate_write(lazy.reshape(1).tolist(), start, live)  # waits
+                # The id itself, queued by the step before: a node made from it
+                # (a reshape) would queue behind this step and wait for its end.
+                ids = self._validate_write([lazy.item()], start, live)  # waits
         except Exception:
             self._recover(live, before)
             raise
@@ -401,7 +404,7 @@ class Runner:
         """Lazy sampled ids, clipped so an impossible one cannot index past the
         embedding table before it is read and refused (MLX's gather does not
         bounds-check)."""
-        return mx.clip(lazy, 0, self.vocab_size - 1).astype(mx.int32)
+        return _clip_ids(lazy, self.vocab_size - 1)
 
     def take_back(self) -> None:
         """Undo the last :meth:`produce` of a lazy token: non-rewindable state goes
@@ -817,6 +820,12 @@ class Runner:
 
     def clear_prompt_vision(self) -> None:
         self._vision = None
+
+
+@partial(mx.compile, shapeless=True)
+def _clip_ids(ids: mx.array, top: int) -> mx.array:
+    """Clip and cast as one kernel: the decode step's first launch."""
+    return mx.clip(ids, 0, top).astype(mx.int32)
 
 
 def _state_arrays(state: State) -> list[mx.array]:

@@ -28,9 +28,11 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from turbospark.layers.stacked import Stacked, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
+IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stacked in this order
 
 
 # -- gates and normalisation --------------------------------------------------
@@ -47,16 +49,22 @@ def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
 
 
 def normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
-    """L2-normalise q and k over ``Dk``, folding the ``Dk**-0.5`` readout scale into q.
+    """L2-normalise q and k over ``Dk``, folding the ``Dk**-0.5`` readout scale
+    into q (:func:`normalize_qk_heads` on the two stacked along the heads)."""
+    return normalize_qk_heads(mx.concatenate([q, k], axis=2), eps)
+
+
+def normalize_qk_heads(qk: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
+    """:func:`normalize_qk` of q and k stacked along the heads, ``(B, L, 2 * Hk,
+    Dk)`` with q's heads first (as the conv output holds them): one norm kernel
+    for both, each row normalised alone as before.
 
     The reference adds ``eps`` to ``sum(x^2)``; ``rms_norm`` adds its eps to
     ``mean(x^2)``, hence the eps is divided by ``Dk``.
     """
-    inv_scale = q.shape[-1] ** -0.5
-    rms_eps = eps * inv_scale**2
-    q = (inv_scale**2) * mx.fast.rms_norm(q, None, rms_eps)
-    k = inv_scale * mx.fast.rms_norm(k, None, rms_eps)
-    return q, k
+    inv_scale = qk.shape[-1] ** -0.5
+    q, k = mx.split(mx.fast.rms_norm(qk, None, eps * inv_scale**2), 2, axis=2)
+    return (inv_scale**2) * q, inv_scale * k
 
 
 def causal_conv_with_tail(
@@ -349,6 +357,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(dims.value_head_dim, dims.eps)
         self.out_proj = nn.Linear(dims.value_dim, dims.hidden_size, bias=False)
 
+    def in_projections(self) -> Stacked:
+        """``in_proj_qkv/z/a/b`` as one weight, in that order (one matmul). A
+        sharded mixer's projections are sliced in place, still ``nn.Linear``."""
+        stack = stacked(self, IN_PROJECTIONS)
+        if stack is None:
+            raise TypeError("a gated-DeltaNet's input projections must be plain nn.Linear layers")
+        return stack
+
     def __call__(self, x: mx.array, state: GDNComponent, index: int) -> mx.array:
         """``x`` ``(B, L, hidden)``; reads and replaces layer ``index`` of ``state``.
 
@@ -364,12 +380,7 @@ class GatedDeltaNet(nn.Module):
             )
         args = (
             x,
-            (
-                self.in_proj_qkv.weight,
-                self.in_proj_z.weight,
-                self.in_proj_a.weight,
-                self.in_proj_b.weight,
-            ),
+            self.in_projections().weight,
             tail,
             recurrent,
             self.conv1d.weight,
@@ -394,7 +405,7 @@ class GatedDeltaNet(nn.Module):
 
 def mix(
     x: mx.array,
-    projections: tuple[mx.array, mx.array, mx.array, mx.array],
+    in_proj: mx.array,
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -409,8 +420,8 @@ def mix(
     traced: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
-    input projections (weights ``in_proj_qkv/z/a/b``; ``nn.Linear`` is
-    ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
+    input projections (*in_proj*: the rows of ``in_proj_qkv/z/a/b`` stacked,
+    one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
     gates, the gated delta rule from *recurrent* and the gated norm. Returns
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
@@ -418,25 +429,28 @@ def mix(
     token's state instead (:func:`conv_tails`, :func:`gated_delta_traced`).
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
-    qkv_w, z_w, a_w, b_w = projections
     batch, length, _ = x.shape
     key_dim = key_heads * key_head_dim
-    projected = x @ qkv_w.T
+    value_dim = value_heads * value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
+    projected, z, a, b = mx.split(
+        x @ in_proj.T, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
+    )
     tails = conv_tails(projected, tail, conv_weight.shape[1]) if traced else None
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
     mixed = nn.silu(mixed)
-    q, k, v = mx.split(mixed, [key_dim, 2 * key_dim], axis=-1)
-    q = q.reshape(batch, length, key_heads, key_head_dim)
-    k = k.reshape(batch, length, key_heads, key_head_dim)
+    qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
+    # (B, L, 2 * key_dim) -> q's heads then k's, normalised in one kernel
+    q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim))
     v = v.reshape(batch, length, value_heads, value_head_dim)
-    q, k = normalize_qk(q, k)
-    log_g = log_decay(A_log, x @ a_w.T, dt_bias)  # (B, L, Hv)
-    beta = mx.sigmoid(x @ b_w.T)
+    log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
+    beta = mx.sigmoid(b)
     if traced:
         out, recurrents = gated_delta_traced(q, k, v, log_g, beta, recurrent)
     else:
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
-    z = (x @ z_w.T).reshape(batch, length, value_heads, value_head_dim)
+    z = z.reshape(batch, length, value_heads, value_head_dim)
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
     return (out, tails, recurrents) if traced else (out, tail, recurrent)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark.layers.fused import swiglu
+from turbospark.layers.stacked import stacked
 
 
 class GatedMLP(nn.Module):
@@ -28,4 +29,6 @@ class GatedMLP(nn.Module):
         self._combine = combine
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self._combine(self.gate_proj(x), self.up_proj(x)))
+        pair = stacked(self, ("gate_proj", "up_proj"))  # one matmul for both (unless sharded)
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if pair is None else pair(x)
+        return self.down_proj(self._combine(gate, up))

@@ -47,6 +47,7 @@ class TextCodec:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.chat_template = chat_template
         self._template = None if chat_template is None else compile_template(chat_template)
+        self._single: dict[int, str] = {}  # decode([id]) by id: StreamDecoder's window start
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +65,14 @@ class TextCodec:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token: int) -> str:
+        """``decode([token])``, remembered: streaming decodes each emitted token
+        alone once more as the start of its next window."""
+        text = self._single.get(token)
+        if text is None:
+            text = self._single[token] = self.decode([token])
+        return text
 
     def apply_chat_template(
         self,
@@ -132,7 +141,12 @@ class StreamDecoder:
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        before = self._codec.decode(self.ids[self._prefix : self._read])
+        window = self.ids[self._prefix : self._read]
+        # Usually one token (the last one emitted): a remembered decode, so a
+        # step costs one tokenizer call.
+        before = (
+            self._codec.decode_one(window[0]) if len(window) == 1 else self._codec.decode(window)
+        )
         after = self._codec.decode(self.ids[self._prefix :])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""

@@ -18,6 +18,8 @@ class StopStrings:
         self._pending = ""
 
     def feed(self, delta: str) -> str:
+        if not self.stops:  # nothing to hold back (every token of most requests)
+            return delta
         if self.stopped is not None:
             return ""
         text = self._pending + delta

@@ -36,6 +36,7 @@ from turbospark.layers.fused import geglu, residual_scale, softcap
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
+from turbospark.layers.stacked import stacked
 from turbospark.sharding import kv_copies, require_divisible, shard_attention, shard_mlp
 from turbospark.state import LayerKV, State
 from turbospark.steering import LayerHook
@@ -313,6 +314,16 @@ class Attention(nn.Module):
         else:
             self._freqs = rope_freqs(self.head_dim, rope.rope_theta)
 
+    def _project(self, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Queries, keys and values (None where this layer has none) from one
+        matmul over the stacked weights, or the modules one by one when sharded."""
+        if not self.owns_kv:  # a KV-shared layer: queries only
+            return self.q_proj(x), None, None
+        names = ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
+        stack = stacked(self, names)
+        outs = [getattr(self, name)(x) for name in names] if stack is None else stack(x)
+        return outs[0], outs[1], outs[2] if len(outs) == 3 else None
+
     def _heads(self, x: mx.array, n: int) -> mx.array:
         return x.reshape(*x.shape[:2], n, self.head_dim)  # (B, L, n*D) -> (B, L, n, D)
 
@@ -324,12 +335,13 @@ class Attention(nn.Module):
         shared: Attended | None,
     ) -> tuple[mx.array, Attended]:
         batch, length, _ = x.shape
-        queries = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
+        q, k, v = self._project(x)
+        queries = self.q_norm(self._heads(q, self.n_heads))
         queries = apply_rope(queries.transpose(0, 2, 1, 3), start, self.head_dim, self._freqs)
         if self.owns_kv:
-            keys = self._heads(self.k_proj(x), self.n_kv_heads)
+            keys = self._heads(k, self.n_kv_heads)
             # k_eq_v: values are the raw key projection (no k_norm, no RoPE).
-            values = keys if self.k_eq_v else self._heads(self.v_proj(x), self.n_kv_heads)
+            values = keys if self.k_eq_v else self._heads(v, self.n_kv_heads)
             keys = apply_rope(
                 self.k_norm(keys).transpose(0, 2, 1, 3), start, self.head_dim, self._freqs
             )
@@ -487,7 +499,9 @@ class DecoderLayer(nn.Module):
             sparse = sparse.reshape(h.shape)
             ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
             return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
-        if not isinstance(self.mlp.down_proj, nn.Linear):  # sharded: its module sums the ranks
+        gate_up = stacked(self.mlp, ("gate_proj", "up_proj"))
+        if gate_up is None or not isinstance(self.mlp.down_proj, nn.Linear):
+            # sharded: the modules sum the ranks' parts
             h = h + self.post_attention_layernorm(attn)
             ff = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
             return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
@@ -500,8 +514,7 @@ class DecoderLayer(nn.Module):
             (
                 self.post_attention_layernorm.weight,
                 self.pre_feedforward_layernorm.weight,
-                self.mlp.gate_proj.weight,
-                self.mlp.up_proj.weight,
+                gate_up.weight,
                 self.mlp.down_proj.weight,
                 self.post_feedforward_layernorm.weight,
             ),
@@ -544,11 +557,13 @@ def dense_tail(
 ) -> mx.array:
     """A dense layer after its attention output: exactly the modules' ops
     (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is ``mx.fast.rms_norm``),
-    written over arrays so :data:`dense_tail_step` can compile it."""
-    post_attn, pre_ff, gate_w, up_w, down_w, post_ff = weights
+    written over arrays so :data:`dense_tail_step` can compile it. The MLP's
+    gate and up rows are one stacked weight (:mod:`turbospark.layers.stacked`)."""
+    post_attn, pre_ff, gate_up_w, down_w, post_ff = weights
     h = h + mx.fast.rms_norm(attn, post_attn, eps)
     x = mx.fast.rms_norm(h, pre_ff, eps)
-    ff = geglu(x @ gate_w.T, x @ up_w.T) @ down_w.T
+    gate, up = mx.split(x @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
+    ff = geglu(gate, up) @ down_w.T
     return layer_end(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, scalar, eps)
 
 

@@ -36,6 +36,7 @@ from turbospark.layers.attention import cached_attention
 from turbospark.layers.fused import sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
+from turbospark.layers.stacked import stacked
 from turbospark.sharding import (
     kv_copies,
     require_divisible,
@@ -282,10 +283,13 @@ class GatedAttention(nn.Module):
     ) -> mx.array:
         batch, length, _ = x.shape
         # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
-        queries, gate = mx.split(self.q_proj(x).reshape(batch, length, self.heads, -1), 2, axis=-1)
+        qkv = stacked(self, ("q_proj", "k_proj", "v_proj"))  # one matmul (unless sharded)
+        q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if qkv is None else qkv(x)
+        # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
+        queries, gate = mx.split(q.reshape(batch, length, self.heads, -1), 2, axis=-1)
         gate = gate.reshape(batch, length, -1)
-        keys = self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        keys = k.reshape(batch, length, self.kv_heads, self.head_dim)
+        values = v.reshape(batch, length, self.kv_heads, self.head_dim)
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # (B, heads, L, dim)
         keys = self.k_norm(keys).transpose(0, 2, 1, 3)
         values = values.transpose(0, 2, 1, 3)
@@ -326,16 +330,16 @@ class DecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(normed, kv[self.slot], rope, offset, positions)
         mlp = self.mlp
-        if not isinstance(mlp.down_proj, nn.Linear):  # sharded: its module sums the ranks
-            h = x + mixed
+        gate_up = stacked(mlp, ("gate_proj", "up_proj"))
+        if gate_up is None or not isinstance(mlp.down_proj, nn.Linear):
+            h = x + mixed  # sharded: the modules sum the ranks' parts
             return h + mlp(self.post_attention_layernorm(h))
         tail = mlp_tail_step if x.shape[1] == 1 else mlp_tail
         return tail(
             x,
             mixed,
             self.post_attention_layernorm.weight,
-            mlp.gate_proj.weight,
-            mlp.up_proj.weight,
+            gate_up.weight,
             mlp.down_proj.weight,
             self.post_attention_layernorm.eps,
         )
@@ -345,17 +349,18 @@ def mlp_tail(
     x: mx.array,
     mixed: mx.array,
     norm_w: mx.array,
-    gate_w: mx.array,
-    up_w: mx.array,
+    gate_up_w: mx.array,
     down_w: mx.array,
     eps: float,
 ) -> mx.array:
     """A layer after its mixer: residual, RMSNorm, SwiGLU MLP, residual. Exactly
-    the modules' ops (``nn.Linear`` is ``x @ w.T``), over arrays so
+    the modules' ops (``nn.Linear`` is ``x @ w.T``; *gate_up_w* is gate's rows
+    then up's, :mod:`turbospark.layers.stacked`), over arrays so
     :data:`mlp_tail_step` can compile it."""
     h = x + mixed
     y = mx.fast.rms_norm(h, norm_w, eps)
-    return h + swiglu(y @ gate_w.T, y @ up_w.T) @ down_w.T
+    gate, up = mx.split(y @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
+    return h + swiglu(gate, up) @ down_w.T
 
 
 # Traced once per batch size (decode rows); prefill runs it uncompiled.

@@ -1,0 +1,80 @@
+"""Several projections of one input as one matmul: their weights stacked by rows.
+
+A decode step on a GPU is launch-bound, so q/k/v (or gate/up, or a gated
+DeltaNet's four input projections) cost three launches where one would do.
+:func:`stacked` concatenates the ``nn.Linear`` weights once, on first use,
+and re-points each module's ``weight`` at its rows of the stacked array
+(views, no copy), so the weights are held once, every parameter keeps its
+checkpoint name and shape, and ``model.parameters()`` still lists them.
+
+A module whose weight was replaced afterwards (a reload, a test assigning
+weights) no longer matches the views held here, and the stack is rebuilt from
+the new weights on the next call. Sharded projections (``AllToShardedLinear``,
+anything but a plain ``nn.Linear``) are never stacked: the caller then applies
+the modules one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class Stacked:
+    """The rows of some ``nn.Linear`` layers' weights (and biases) in one array.
+
+    ``splits`` are the row offsets between the parts: ``mx.split(y, splits,
+    axis=-1)`` of ``x @ weight.T`` gives each layer's output."""
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        weight = mx.concatenate([linear.weight for linear in linears], axis=0)
+        has_bias = "bias" in linears[0]
+        bias = mx.concatenate([linear.bias for linear in linears], axis=0) if has_bias else None
+        mx.eval(weight, *([] if bias is None else [bias]))
+        ends = [0]
+        for linear in linears:
+            ends.append(ends[-1] + linear.weight.shape[0])
+        self.splits = ends[1:-1]
+        self.weight = weight
+        self.bias = bias
+        # The modules now read their rows of the stack (views: one copy held).
+        for linear, part in zip(linears, mx.split(weight, self.splits, axis=0), strict=True):
+            linear.weight = part
+        if bias is not None:
+            for linear, part in zip(linears, mx.split(bias, self.splits), strict=True):
+                linear.bias = part
+        mx.eval([linear.parameters() for linear in linears])
+        self._parts = [linear.weight for linear in linears]
+
+    def matches(self, owner: nn.Module, names: Sequence[str]) -> bool:
+        """Whether every module still holds the rows this stack gave it (a
+        module is a dict: item lookups, as this runs for every layer and step)."""
+        parts = zip(names, self._parts, strict=True)
+        return all(owner[name]["weight"] is part for name, part in parts)
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        """Each layer's output for ``x`` ``(..., in)``, in the order they were stacked."""
+        y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        return mx.split(y, self.splits, axis=-1)
+
+
+def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
+    """The stack of *owner*'s linear layers *names* (built on first use, rebuilt
+    when a weight was replaced), or None when any is not a plain ``nn.Linear``
+    (sharded) or only some have a bias."""
+    # In the instance's __dict__, not set through Module.__setattr__: no parameter.
+    stacks: dict[tuple[str, ...], Stacked] | None = owner.__dict__.get("_stacks")
+    if stacks is None:
+        stacks = owner.__dict__["_stacks"] = {}
+    stack = stacks.get(names)
+    if stack is not None and stack.matches(owner, names):
+        return stack
+    linears = [owner[name] for name in names]
+    if any(type(linear) is not nn.Linear for linear in linears):
+        return None
+    if len({"bias" in linear for linear in linears}) != 1:
+        return None
+    stack = stacks[names] = Stacked(linears)
+    return stack

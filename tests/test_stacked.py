@@ -1,0 +1,96 @@
+"""Stacked projections: one matmul computes what the separate layers did, the
+weights stay the checkpoint's parameters (same names, shapes, one copy in
+memory), and replacing a weight after the first forward is seen.
+
+The families' own equality to mlx-lm (their parity tests) and sharded against
+unsharded (``test_distributed.py``) run through the stacked path; here is the
+mechanism, and a whole model whose weights are reloaded after it decoded.
+Float32 on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from turbospark import build_synthetic_install
+from turbospark.layers.stacked import stacked
+from turbospark.runner import Runner
+
+
+class Block(nn.Module):
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(24, 32, bias=bias)
+        self.k_proj = nn.Linear(24, 16, bias=bias)
+        self.v_proj = nn.Linear(24, 8, bias=bias)
+
+
+NAMES = ("q_proj", "k_proj", "v_proj")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_stack_equals_the_separate_layers_and_keeps_the_parameters(bias: bool) -> None:
+    block = Block(bias)
+    mx.eval(block.parameters())
+    x = mx.random.normal((2, 3, 24), key=mx.random.key(0))
+    separate = [getattr(block, name)(x) for name in NAMES]
+    before = {k: (v.shape, v.tolist()) for k, v in tree_flatten(block.parameters())}
+    mx.eval(separate)
+    memory = mx.get_active_memory()
+    weights = sum(v.nbytes for _, v in tree_flatten(block.parameters()))
+
+    stack = stacked(block, NAMES)
+    assert stack is not None
+    # The modules read views of the stack: the weights are held once, not twice.
+    assert mx.get_active_memory() - memory < weights / 2
+    for got, want in zip(stack(x), separate, strict=True):
+        assert mx.allclose(got, want, atol=1e-6).item()
+    after = {k: (v.shape, v.tolist()) for k, v in tree_flatten(block.parameters())}
+    assert after == before  # same names, shapes and values
+    assert stacked(block, NAMES) is stack  # built once
+
+
+def test_a_replaced_weight_rebuilds_the_stack() -> None:
+    block = Block()
+    first = stacked(block, NAMES)
+    block.k_proj.weight = block.k_proj.weight * 2
+    x = mx.ones((1, 1, 24))
+    second = stacked(block, NAMES)
+    assert second is not first
+    assert mx.allclose(second(x)[1], block.k_proj(x)).item()
+
+
+def test_unstackable_layers_are_left_alone() -> None:
+    block = Block()
+    block.v_proj = nn.Linear(24, 8, bias=True)  # only one with a bias
+    assert stacked(block, NAMES) is None
+    block.v_proj = nn.Identity()  # not a plain nn.Linear (as a sharded one is not)
+    assert stacked(block, NAMES) is None
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_reloaded_weights_are_used_after_decoding(family: str, tmp_path: Path) -> None:
+    """A model that already decoded (stacks built) and then gets other weights
+    computes what a model opened with those weights does."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    build_synthetic_install(family, first, vocab_size=128, num_layers=4, seed=1)
+    build_synthetic_install(family, second, vocab_size=128, num_layers=4, seed=2)
+    prompt = list(range(3, 20))
+    reused = Runner.open(first, context_length=64)
+    reused.prefill_chunk(prompt, 0)
+    reused.produce(5, len(prompt))
+    fresh = Runner.open(second, context_length=64)
+    reused.model.update(fresh.model.parameters())
+    reused.reset()
+    fresh.reset()
+    got = reused.prefill_chunk(prompt, 0)
+    want = fresh.prefill_chunk(prompt, 0)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    assert mx.allclose(
+        reused.produce(5, len(prompt)), fresh.produce(5, len(prompt)), atol=1e-5
+    ).item()
