@@ -23,6 +23,7 @@ import pytest
 
 from turbospark import build_synthetic_install
 from turbospark.generate import GenerationConfig, generate
+from turbospark.layers.fused import STEP_TOKENS
 from turbospark.runner import Runner
 from turbospark.text import load_text
 
@@ -92,6 +93,30 @@ def test_decode_logits_match_compiled_or_not(family_install: Path) -> None:
     compiled, plain = both_ways(run)
     for step, (a, b) in enumerate(zip(compiled, plain, strict=True)):
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), f"step {step} differs"
+
+
+@pytest.mark.parametrize("drafts", [1, 4, STEP_TOKENS - 1, STEP_TOKENS])
+def test_verify_logits_and_rollback_match_compiled_or_not(
+    family_install: Path, drafts: int
+) -> None:
+    """A draft's verify pass (a lone row's short forward, compiled up to
+    STEP_TOKENS tokens, uncompiled past it), the cut back to an accepted
+    prefix, and the step after it."""
+    prompt, forced = list(range(5, 30)), [7, 99, 3, 64, 12, 5, 88, 41, 2, 17][: drafts + 1]
+    keep = max(1, len(forced) // 2)
+
+    def run() -> list[mx.array]:
+        runner = Runner.open(family_install, context_length=CONTEXT)
+        runner.prefill_chunk(prompt, 0, logits=False)
+        verified = runner.verify(None, forced, len(prompt))
+        runner.accept(None, len(prompt), keep)
+        after = runner.produce(50, len(prompt) + keep)
+        mx.eval(verified, after)
+        return [verified, after]
+
+    compiled, plain = both_ways(run)
+    for what, a, b in zip(("verify", "after the cut"), compiled, plain, strict=True):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), f"{what} differs"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])

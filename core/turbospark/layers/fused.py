@@ -16,6 +16,20 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+STEP_TOKENS = 8  # a lone row's forwards up to this long take the compiled step functions
+
+
+def runs_compiled(batch: int, length: int) -> bool:
+    """Whether a forward over ``(batch, length)`` tokens takes the families'
+    compiled step functions (whole dense halves, the gated-DeltaNet mix), which
+    trace once per shape: every decode step (one token a row), and a lone
+    row's short forward, which is what a draft's verify pass is (``k + 1``
+    tokens) and where a launch-bound GPU pays most for uncompiled ops. Longer
+    or batched multi-token forwards (prefill chunks) run the same functions
+    uncompiled, so their lengths never trace: at most :data:`STEP_TOKENS`
+    shapes beyond one per batch size."""
+    return length == 1 or (batch == 1 and length <= STEP_TOKENS)
+
 
 @partial(mx.compile, shapeless=True)
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:

@@ -28,6 +28,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from turbospark.layers.fused import runs_compiled
 from turbospark.layers.stacked import Stacked, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
@@ -393,8 +394,9 @@ class GatedDeltaNet(nn.Module):
             d.value_head_dim,
             d.eps,
         )
-        if state.tracing:  # a verify pass: every token's state is kept (uncompiled)
-            out, tails, recurrents = mix(*args, traced=True)
+        if state.tracing:  # a verify pass: every token's state is kept
+            traced = mix_traced if runs_compiled(*x.shape[:2]) else partial(mix, traced=True)
+            out, tails, recurrents = traced(*args)
             state.set_layer_traced(index, tails, recurrents)
         else:
             out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
@@ -459,6 +461,9 @@ def mix(
 # One token per row: no Python loop and no CPU-stream inverse, so the whole of
 # :func:`mix` compiles; MLX traces it once per batch size and dtype.
 mix_step = mx.compile(mix)
+# A verify pass (a lone row, ``k + 1`` tokens): the per-token recurrence is a
+# short Python loop of small ops, which is where compiling pays most.
+mix_traced = mx.compile(partial(mix, traced=True))
 
 
 # -- the state ------------------------------------------------------------------

@@ -32,7 +32,7 @@ from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
 from turbospark.layers.attention import cached_attention, shared_attention
 from turbospark.layers.experts import ExpertLayer
-from turbospark.layers.fused import geglu, residual_scale, softcap
+from turbospark.layers.fused import geglu, residual_scale, runs_compiled, softcap
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
@@ -506,7 +506,7 @@ class DecoderLayer(nn.Module):
             ff = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
             return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
         # Decode: the whole dense half (norms, GeGLU MLP, PLE, residuals) is one trace.
-        tail = dense_tail_step if h.shape[1] == 1 else dense_tail
+        tail = dense_tail_step if runs_compiled(*h.shape[:2]) else dense_tail
         h = tail(
             h,
             attn,

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.attention import cached_attention
-from turbospark.layers.fused import sigmoid_gate, swiglu
+from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.stacked import stacked
@@ -334,7 +334,7 @@ class DecoderLayer(nn.Module):
         if gate_up is None or not isinstance(mlp.down_proj, nn.Linear):
             h = x + mixed  # sharded: the modules sum the ranks' parts
             return h + mlp(self.post_attention_layernorm(h))
-        tail = mlp_tail_step if x.shape[1] == 1 else mlp_tail
+        tail = mlp_tail_step if runs_compiled(*x.shape[:2]) else mlp_tail
         return tail(
             x,
             mixed,
