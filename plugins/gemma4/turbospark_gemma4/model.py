@@ -567,8 +567,9 @@ def dense_tail(
     return layer_end(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, scalar, eps)
 
 
-# Traced once per batch size (decode rows); prefill lengths vary, so prefill
-# runs the same function uncompiled.
+# Traced once per batch size (decode rows) and per short lone-row length (a
+# verify pass); other prefill lengths vary, so they run it uncompiled
+# (turbospark.layers.fused.runs_compiled).
 dense_tail_step = mx.compile(dense_tail)
 
 

@@ -363,7 +363,8 @@ def mlp_tail(
     return h + swiglu(gate, up) @ down_w.T
 
 
-# Traced once per batch size (decode rows); prefill runs it uncompiled.
+# Traced once per batch size (decode rows) and per short lone-row length (a
+# verify pass); other prefill runs it uncompiled (runs_compiled).
 mlp_tail_step = mx.compile(mlp_tail)
 
 
