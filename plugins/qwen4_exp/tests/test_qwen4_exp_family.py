@@ -42,7 +42,9 @@ def _load(path: Path, **overrides: Any) -> tuple[Qwen4ExpConfig, nn.Module]:
     manifest = read_manifest(path)
     arch = Qwen4ExpConfig.model_validate({**manifest.arch, **overrides, "family": "qwen4_exp"})
     weights = load_weights(path, manifest)
-    return arch, _hook().turbospark_load_model(arch=arch, weights=weights, dtype=mx.float32)
+    return arch, _hook().turbospark_load_model(
+        arch=arch, weights=weights, dtype=mx.float32, experts=None
+    )
 
 
 @pytest.fixture(scope="module")

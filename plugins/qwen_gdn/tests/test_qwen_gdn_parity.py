@@ -51,7 +51,9 @@ def _hook() -> Any:
 def _ours(path: Path, weights: dict[str, mx.array] | None = None) -> tuple[Any, nn.Module]:
     arch = peek_manifest_arch(path)
     weights = load_weights(path, read_manifest(path)) if weights is None else weights
-    return arch, _hook().turbospark_load_model(arch=arch, weights=weights, dtype=mx.float32)
+    return arch, _hook().turbospark_load_model(
+        arch=arch, weights=weights, dtype=mx.float32, experts=None
+    )
 
 
 def _feed(

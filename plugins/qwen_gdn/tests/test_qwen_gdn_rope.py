@@ -27,7 +27,7 @@ def _run(path: Path, vision: VisionMap | None) -> np.ndarray:
     hook = default_registry().get("qwen_gdn").manager().hook
     arch = peek_manifest_arch(path)
     model = hook.turbospark_load_model(
-        arch=arch, weights=load_weights(path, read_manifest(path)), dtype=mx.float32
+        arch=arch, weights=load_weights(path, read_manifest(path)), dtype=mx.float32, experts=None
     )
     state = hook.turbospark_new_state(arch=arch, model=model, context_length=256)
     rows, start = [], 0

@@ -25,7 +25,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
     arch = build_synthetic_install("qwen_gdn", path, vocab_size=128, model_id="tiny", seed=4)
     hook = default_registry().get("qwen_gdn").manager().hook
     weights = load_weights(path, read_manifest(path))
-    model = hook.turbospark_load_model(arch=arch, weights=weights, dtype=mx.float32)
+    model = hook.turbospark_load_model(arch=arch, weights=weights, dtype=mx.float32, experts=None)
     return hook, arch, model
 
 
