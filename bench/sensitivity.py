@@ -29,11 +29,11 @@ from turbospark.runner import Runner
 from turbospark.steering import Steer, SteeringPolicy
 
 
-class _Nudge(Steer):
-    """A steering hook that multiplies every layer's output by ``1 + eps * noise``."""
+class _Nudge:
+    """A plain steering hook (no ``join``, so the families call it after every
+    layer) that multiplies each layer's output by ``1 + eps * noise``."""
 
     def __init__(self, eps: float) -> None:
-        super().__init__({})
         self.eps, self.key = eps, mx.random.key(0)
 
     def __call__(self, layer: int, h: mx.array) -> mx.array:

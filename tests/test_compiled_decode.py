@@ -155,7 +155,7 @@ def test_batched_decode_same_tokens_compiled_or_not(family_install: Path, rows: 
 # A name each compiled decode function looks up only while tracing: counting its
 # calls counts the traces (prefill, uncompiled, calls it too, so none runs here).
 TRACED = {
-    "gemma4": [("turbospark_gemma4.model", "layer_end")],
+    "gemma4": [("turbospark_gemma4.model", "layer_end_parts")],
     "qwen_gdn": [
         ("turbospark_qwen_gdn.model", "swiglu"),
         ("turbospark.layers.gated_delta", "gated_delta"),
@@ -169,7 +169,7 @@ def test_decode_steps_do_not_retrace(
 ) -> None:
     """After one step at a batch size, later steps (new positions, a KV buffer
     that grows past its block, a window that slides) reuse the trace. Dense
-    layers only: Gemma's MoE layers call ``layer_end`` uncompiled."""
+    layers only: Gemma's MoE layers call ``layer_end_parts`` uncompiled."""
     import importlib
 
     dims = {**FAMILIES[family], "num_experts": 0} if family == "gemma4" else FAMILIES[family]

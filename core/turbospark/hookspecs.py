@@ -244,7 +244,12 @@ def turbospark_forward(
     accept the argument): when not None, call ``h = steer(i, h)`` on layer
     ``i``'s output hidden states ``(1, L, hidden)``, after its feed-forward
     residual join, for every layer ``i`` (see :mod:`turbospark.steering`).
-    When None, run no extra op.
+    When None, run no extra op. Optionally, where a layer ends with the join
+    ``(h + update) * scale`` (or ``h + update``), hand it over instead:
+    ``join = turbospark.steering.joiner(steer, i)``; when it is not None,
+    return ``join(h, update, scale)`` (scale None for a plain add) and do not
+    call ``steer(i, h)`` for that layer; steering then costs no extra kernel
+    for ``add`` (the kit checks both forms agree).
     """
 
 

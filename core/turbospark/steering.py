@@ -20,6 +20,13 @@ Modes, for a layer's output ``h`` and direction ``v`` (``u = v / |v|``), scale `
 One :class:`Steer` steers every row of a batch with that row's own setting
 (or none), and a lone session is a batch of one, so a row computes the same
 ops whether it runs alone or beside others.
+
+Cost. A decode step is launch-bound on a GPU, so steering is built to add as
+few kernels as it can: a family may hand a layer's last residual join to
+:func:`joiner`, and ``add`` then runs inside that join's kernel (no extra
+launch); the other modes fuse the join with their own elementwise ops, and on
+MLX's CUDA backend a one-token step's ``ablate``/``clamp``/``renorm`` is one
+custom kernel (:mod:`turbospark.layers.steer_cuda`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from turbospark.errors import InvalidInput
 from turbospark.layers import steer_cuda
+from turbospark.layers.fused import residual_scale
 
 Mode = Literal["add", "ablate", "clamp", "renorm"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -48,6 +56,22 @@ class LayerHook(Protocol):
     """What a steerable family calls at each layer's output: ``h`` is ``(B, L, hidden)``."""
 
     def __call__(self, layer: int, h: mx.array) -> mx.array: ...
+
+
+Join = Callable[[mx.array, mx.array, "mx.array | None"], mx.array]
+
+
+def joiner(steer: LayerHook | None, layer: int) -> Join | None:
+    """*layer*'s last residual join and its steering as one call, when *steer*
+    offers that (a :class:`Steer` does; a plain hook does not, and the family
+    then calls ``steer(layer, h)`` after the layer as usual).
+
+    ``join(h, update, scale)`` is ``steer(layer, (h + update) * scale)`` (no
+    scale: ``h + update``). A family that ends its layer with that join hands
+    the two halves over instead, so ``add`` fuses into the join's own kernel
+    and a steered layer costs no extra launch."""
+    join = getattr(steer, "join", None)
+    return None if join is None else functools.partial(join, layer)
 
 
 class SteeringPolicy(BaseModel):
@@ -264,6 +288,16 @@ class _LayerSteer:
     # (u, w, coef) for the one-launch CUDA kernel (one-token steps; None elsewhere).
     one_launch: tuple[mx.array, mx.array, mx.array] | None = None
 
+    def join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        """``self((h + update) * scale)``; ``add`` in the join's one fused kernel."""
+        if self.u is None and not self.renorm:
+            return (
+                _join(h, update, scale) if self.w is None else _join_add(h, update, scale, self.w)
+            )
+        if self.one_launch is not None and h.shape[1] == 1:
+            return self(_join(h, update, scale))  # the join, then the one-launch kernel
+        return self._steered_join(h, update, scale)
+
     def __call__(self, h: mx.array) -> mx.array:
         if self.u is None and not self.renorm:
             return h if self.w is None else h + self.w  # add: one op, nothing to fuse
@@ -273,17 +307,58 @@ class _LayerSteer:
         flags = tuple(a is not None for a in (self.u, self.t, self.a, self.w, self.r))
         return _kernel(*flags, self.renorm)(h, *arrays)
 
+    def _steered_join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        arrays = [a for a in (self.u, self.t, self.a, self.w, self.r) if a is not None]
+        flags = tuple(a is not None for a in (self.u, self.t, self.a, self.w, self.r))
+        if scale is None:
+            return _kernel(*flags, self.renorm, "unscaled")(h, update, *arrays)
+        return _kernel(*flags, self.renorm, "scaled")(h, update, scale, *arrays)
+
+
+def _join(h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+    """A family's last residual join, exactly as the families compute it."""
+    return h + update if scale is None else residual_scale(h, update, scale)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _join_scaled_add(h: mx.array, update: mx.array, scale: mx.array, w: mx.array) -> mx.array:
+    return (h + update) * scale + w
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _join_unscaled_add(h: mx.array, update: mx.array, w: mx.array) -> mx.array:
+    return h + update + w
+
+
+def _join_add(h: mx.array, update: mx.array, scale: mx.array | None, w: mx.array) -> mx.array:
+    """The join then ``+ w``, op for op, in one fused kernel."""
+    if scale is None:
+        return _join_unscaled_add(h, update, w)
+    return _join_scaled_add(h, update, scale, w)
+
 
 @functools.cache
 def _kernel(
-    projects: bool, clamps: bool, scales: bool, adds: bool, masked: bool, renorm: bool
+    projects: bool,
+    clamps: bool,
+    scales: bool,
+    adds: bool,
+    masked: bool,
+    renorm: bool,
+    joined: Literal["no", "unscaled", "scaled"] = "no",
 ) -> Callable[..., mx.array]:
     """One layer's steering as a single compiled function (its elementwise ops
     fused, so ``ablate``/``clamp``/``renorm`` cost about what ``add`` does); one
-    per combination of the arrays a :class:`_LayerSteer` holds."""
+    per combination of the arrays a :class:`_LayerSteer` holds. *joined*: the
+    function takes the family's last join first (``h``, ``update`` and, when
+    scaled, ``scale``), so the join fuses with the steering's first ops."""
 
-    def apply(h: mx.array, *arrays: mx.array) -> mx.array:
+    def apply(*arrays: mx.array) -> mx.array:
         given = iter(arrays)
+        h = next(given)
+        if joined != "no":
+            update = next(given)
+            h = h + update if joined == "unscaled" else residual_scale(h, update, next(given))
         u, t, a, w, r = (
             next(given) if f else None for f in (projects, clamps, scales, adds, masked)
         )
@@ -319,6 +394,11 @@ class Steer:
     def __call__(self, layer: int, h: mx.array) -> mx.array:
         entry = self.layers.get(layer)
         return h if entry is None else entry(h)
+
+    def join(self, layer: int, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        """*layer*'s residual join and steering together (see :func:`joiner`)."""
+        entry = self.layers.get(layer)
+        return _join(h, update, scale) if entry is None else entry.join(h, update, scale)
 
     @classmethod
     def of(cls, rows: Sequence[SteeringPolicy | None], dtype: mx.Dtype) -> Steer | None:

@@ -1,11 +1,12 @@
 """Checks on activation steering, for a family whose spec says ``steerable``.
 
-The family's part is small (call ``steer(i, h)`` at every layer's output), but
+The family's part is small (call ``steer(i, h)`` at every layer's output, or
+hand the layer's last residual join to :func:`turbospark.steering.joiner`), but
 a hook in the wrong place, a layer skipped, or a batched row steered with
 another row's vector changes every token after it silently. So: scale 0 equals
 off, a vector on one layer leaves every layer below it bit-identical, chunked
-prefill equals sequential feeding under steering, batched rows equal
-themselves alone, and the pool never reuses state across steering settings.
+prefill equals sequential feeding under steering, the joined form equals the
+plain hook, batched rows equal themselves alone, and the pool never reuses state across steering settings.
 """
 
 from __future__ import annotations
@@ -116,6 +117,31 @@ class SteeringChecks:
         gap = kit.logits_gap(sequential, chunked)
         if gap is not None:
             fail(f"steered chunked prefill and sequential feeding differ by {gap:.3g}")
+
+    @final
+    def test_joined_steering_equals_the_plain_hook(self, kit: FamilyKit) -> None:
+        """A family may hand its last residual join to the steering
+        (:func:`turbospark.steering.joiner`), so ``add`` costs no extra kernel:
+        for each mode, a chunk and one-token steps after it give the logits
+        that calling ``steer(i, h)`` after each layer gives."""
+        self.require_steering(kit)
+        layers = range(1, kit.arch.num_hidden_layers)
+        prompt = kit.tokens(123, 12)
+        for mode in ("add", "renorm", "clamp"):
+            steer = Steer.of([policy(kit, layers, 0.7, mode)], mx.float32)
+            runs = []
+            for hook in (steer, lambda layer, h, steer=steer: steer(layer, h)):
+                state = kit.new_state()
+                out = [kit.forward(state, prompt[:10], 0, "last", steer=hook)]
+                for position in (10, 11):
+                    out.append(kit.forward(state, prompt[position : position + 1], position,
+                                           "last", steer=hook))  # fmt: skip
+                runs.append(out)
+            for step, (joined, plain) in enumerate(zip(*runs, strict=True)):
+                gap = kit.logits_gap(joined, plain)
+                if gap is not None:
+                    fail(f"{mode}: the joined steering differs from steer(i, h) by {gap:.3g} "
+                         f"at forward {step}: the join must be the layer's own last residual op")  # fmt: skip
 
     @final
     def test_batched_steered_rows_equal_each_row_alone(self, kit: FamilyKit) -> None:

@@ -39,7 +39,7 @@ from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.layers.stacked import stacked
 from turbospark.sharding import kv_copies, require_divisible, shard_attention, shard_mlp
 from turbospark.state import LayerKV, State
-from turbospark.steering import LayerHook
+from turbospark.steering import Join, LayerHook, joiner
 from turbospark.vision import VisionMap
 from turbospark_gemma4.state import COMPONENTS, kv_slots
 
@@ -478,7 +478,10 @@ class DecoderLayer(nn.Module):
         kv: LayerKV | BatchLayerKV | None,
         shared: Attended | None,
         per_layer_input: mx.array | None,
+        join: Join | None = None,
     ) -> tuple[mx.array, Attended]:
+        """The layer's output and what it attended; with *join* (steering, see
+        :func:`turbospark.steering.joiner`) the last residual join is handed to it."""
         attn, attended = self.self_attn(self.input_layernorm(h), start, kv, shared)
         ple = (
             (
@@ -498,52 +501,81 @@ class DecoderLayer(nn.Module):
             sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights, dense)
             sparse = sparse.reshape(h.shape)
             ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
-            return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
+            parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
+            return self._joined(parts, join), attended
         gate_up = stacked(self.mlp, ("gate_proj", "up_proj"))
         if gate_up is None or not isinstance(self.mlp.down_proj, nn.Linear):
             # sharded: the modules sum the ranks' parts
             h = h + self.post_attention_layernorm(attn)
             ff = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-            return layer_end(h, ff, per_layer_input, ple, self.layer_scalar, self.eps), attended
+            parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
+            return self._joined(parts, join), attended
         # Decode: the whole dense half (norms, GeGLU MLP, PLE, residuals) is one trace.
-        tail = dense_tail_step if runs_compiled(*h.shape[:2]) else dense_tail
-        h = tail(
-            h,
-            attn,
-            per_layer_input,
-            (
-                self.post_attention_layernorm.weight,
-                self.pre_feedforward_layernorm.weight,
-                gate_up.weight,
-                self.mlp.down_proj.weight,
-                self.post_feedforward_layernorm.weight,
-            ),
-            ple,
-            self.layer_scalar,
-            self.eps,
+        weights = (
+            self.post_attention_layernorm.weight,
+            self.pre_feedforward_layernorm.weight,
+            gate_up.weight,
+            self.mlp.down_proj.weight,
+            self.post_feedforward_layernorm.weight,
         )
-        return h, attended
+        compiled = runs_compiled(*h.shape[:2])
+        if join is None:
+            tail = dense_tail_step if compiled else dense_tail
+            return tail(
+                h, attn, per_layer_input, weights, ple, self.layer_scalar, self.eps
+            ), attended
+        parts = (dense_tail_parts_step if compiled else dense_tail_parts)(
+            h, attn, per_layer_input, weights, ple, self.eps
+        )
+        return self._joined(parts, join), attended
+
+    def _joined(self, parts: tuple[mx.array, mx.array], join: Join | None) -> mx.array:
+        """The residual times the layer scalar, through *join* when steering."""
+        h, update = parts
+        if join is None:
+            return residual_scale(h, update, self.layer_scalar)
+        return join(h, update, self.layer_scalar)
 
 
 PleWeights = tuple[mx.array, mx.array, mx.array]  # input gate, projection, norm
 
 
-def layer_end(
+def layer_end_parts(
     h: mx.array,
     ff: mx.array,
     per_layer_input: mx.array | None,
     ple: PleWeights | None,
-    scalar: mx.array,
     eps: float,
-) -> mx.array:
-    """The residual after the (post-normed) feed-forward *ff*, the per-layer input
-    block when the arch has one, and the layer scalar."""
+) -> tuple[mx.array, mx.array]:
+    """The residual after the (post-normed) feed-forward *ff* and the per-layer
+    input block when the arch has one, as the two halves of the layer's last
+    join: its output is ``residual_scale(*parts, layer_scalar)``."""
     if ple is None:
-        return residual_scale(h, ff, scalar)
+        return h, ff
     gate_w, proj_w, norm_w = ple
     h = h + ff
     gate = geglu(h @ gate_w.T, per_layer_input)
-    return residual_scale(h, mx.fast.rms_norm(gate @ proj_w.T, norm_w, eps), scalar)
+    return h, mx.fast.rms_norm(gate @ proj_w.T, norm_w, eps)
+
+
+def dense_tail_parts(
+    h: mx.array,
+    attn: mx.array,
+    per_layer_input: mx.array | None,
+    weights: tuple[mx.array, ...],
+    ple: PleWeights | None,
+    eps: float,
+) -> tuple[mx.array, mx.array]:
+    """A dense layer after its attention output, up to its last join: exactly
+    the modules' ops (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is
+    ``mx.fast.rms_norm``), written over arrays so it compiles. The MLP's gate
+    and up rows are one stacked weight (:mod:`turbospark.layers.stacked`)."""
+    post_attn, pre_ff, gate_up_w, down_w, post_ff = weights
+    h = h + mx.fast.rms_norm(attn, post_attn, eps)
+    x = mx.fast.rms_norm(h, pre_ff, eps)
+    gate, up = mx.split(x @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
+    ff = geglu(gate, up) @ down_w.T
+    return layer_end_parts(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, eps)
 
 
 def dense_tail(
@@ -555,22 +587,16 @@ def dense_tail(
     scalar: mx.array,
     eps: float,
 ) -> mx.array:
-    """A dense layer after its attention output: exactly the modules' ops
-    (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is ``mx.fast.rms_norm``),
-    written over arrays so :data:`dense_tail_step` can compile it. The MLP's
-    gate and up rows are one stacked weight (:mod:`turbospark.layers.stacked`)."""
-    post_attn, pre_ff, gate_up_w, down_w, post_ff = weights
-    h = h + mx.fast.rms_norm(attn, post_attn, eps)
-    x = mx.fast.rms_norm(h, pre_ff, eps)
-    gate, up = mx.split(x @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
-    ff = geglu(gate, up) @ down_w.T
-    return layer_end(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, scalar, eps)
+    """:func:`dense_tail_parts` and the join, so :data:`dense_tail_step` can compile it whole."""
+    return residual_scale(*dense_tail_parts(h, attn, per_layer_input, weights, ple, eps), scalar)
 
 
 # Traced once per batch size (decode rows) and per short lone-row length (a
 # verify pass); other prefill lengths vary, so they run it uncompiled
 # (turbospark.layers.fused.runs_compiled).
 dense_tail_step = mx.compile(dense_tail)
+# The same up to the join, for a steered layer (the join and steering run as one).
+dense_tail_parts_step = mx.compile(dense_tail_parts)
 
 
 def _last_query(attended: Attended) -> Attended:
@@ -650,8 +676,9 @@ class Gemma4TextModel(nn.Module):
             kv = state[slot[0]][slot[1]] if slot else None
             shared = None if slot else attended[self._sources[i]]
             layer_input = per_layer[:, :, i] if per_layer is not None else None
-            h, attended[i] = layer(h, start, kv, shared, layer_input)
-            if steer is not None:
+            join = joiner(steer, i)
+            h, attended[i] = layer(h, start, kv, shared, layer_input, join)
+            if steer is not None and join is None:
                 h = steer(i, h)
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:

@@ -45,7 +45,7 @@ from turbospark.sharding import (
     shard_mlp,
 )
 from turbospark.state import KVComponent, LayerKV, State
-from turbospark.steering import LayerHook
+from turbospark.steering import Join, LayerHook, joiner
 from turbospark.vision import VisionMap
 
 
@@ -323,7 +323,10 @@ class DecoderLayer(nn.Module):
         rope: QwenRope,
         offset: int | mx.array,
         positions: mx.array | None,
+        join: Join | None = None,
     ) -> mx.array:
+        """The layer's output; with *join* (steering, see
+        :func:`turbospark.steering.joiner`) its last residual add is handed to it."""
         normed = self.input_layernorm(x)
         if self.is_linear:
             mixed = self.linear_attn(normed, gdn, self.slot)
@@ -333,9 +336,9 @@ class DecoderLayer(nn.Module):
         gate_up = stacked(mlp, ("gate_proj", "up_proj"))
         if gate_up is None or not isinstance(mlp.down_proj, nn.Linear):
             h = x + mixed  # sharded: the modules sum the ranks' parts
-            return h + mlp(self.post_attention_layernorm(h))
-        tail = mlp_tail_step if runs_compiled(*x.shape[:2]) else mlp_tail
-        return tail(
+            update = mlp(self.post_attention_layernorm(h))
+            return h + update if join is None else join(h, update, None)
+        args = (
             x,
             mixed,
             self.post_attention_layernorm.weight,
@@ -343,6 +346,28 @@ class DecoderLayer(nn.Module):
             mlp.down_proj.weight,
             self.post_attention_layernorm.eps,
         )
+        compiled = runs_compiled(*x.shape[:2])
+        if join is None:
+            return (mlp_tail_step if compiled else mlp_tail)(*args)
+        return join(*(mlp_tail_parts_step if compiled else mlp_tail_parts)(*args), None)
+
+
+def mlp_tail_parts(
+    x: mx.array,
+    mixed: mx.array,
+    norm_w: mx.array,
+    gate_up_w: mx.array,
+    down_w: mx.array,
+    eps: float,
+) -> tuple[mx.array, mx.array]:
+    """A layer after its mixer: residual, RMSNorm and the SwiGLU MLP, up to the
+    last residual add (the layer's output is their sum). Exactly the modules'
+    ops (``nn.Linear`` is ``x @ w.T``; *gate_up_w* is gate's rows then up's,
+    :mod:`turbospark.layers.stacked`), over arrays so it compiles."""
+    h = x + mixed
+    y = mx.fast.rms_norm(h, norm_w, eps)
+    gate, up = mx.split(y @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
+    return h, swiglu(gate, up) @ down_w.T
 
 
 def mlp_tail(
@@ -353,19 +378,16 @@ def mlp_tail(
     down_w: mx.array,
     eps: float,
 ) -> mx.array:
-    """A layer after its mixer: residual, RMSNorm, SwiGLU MLP, residual. Exactly
-    the modules' ops (``nn.Linear`` is ``x @ w.T``; *gate_up_w* is gate's rows
-    then up's, :mod:`turbospark.layers.stacked`), over arrays so
-    :data:`mlp_tail_step` can compile it."""
-    h = x + mixed
-    y = mx.fast.rms_norm(h, norm_w, eps)
-    gate, up = mx.split(y @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
-    return h + swiglu(gate, up) @ down_w.T
+    """:func:`mlp_tail_parts` and the residual add, so :data:`mlp_tail_step` compiles it whole."""
+    h, update = mlp_tail_parts(x, mixed, norm_w, gate_up_w, down_w, eps)
+    return h + update
 
 
 # Traced once per batch size (decode rows) and per short lone-row length (a
 # verify pass); other prefill runs it uncompiled (runs_compiled).
 mlp_tail_step = mx.compile(mlp_tail)
+# The same up to the residual add, for a steered layer (the add and steering run as one).
+mlp_tail_parts_step = mx.compile(mlp_tail_parts)
 
 
 class TextStack(nn.Module):
@@ -431,8 +453,9 @@ class QwenGdn(nn.Module):
             positions = vision.rope_positions(offset, length)  # (3, L)
         kv, gdn = state["kv"], state["gdn"]
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, kv, gdn, self._rope, offset, positions)
-            if steer is not None:
+            join = joiner(steer, i)
+            h = layer(h, kv, gdn, self._rope, offset, positions, join)
+            if steer is not None and join is None:
                 h = steer(i, h)
         kv.advance(length)
         gdn.advance(length)
