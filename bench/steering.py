@@ -36,8 +36,9 @@ from bench.common import (
     median_of,
     random_tokens,
 )
+from bench.decode_cost import graph_primitives
 from turbospark.runner import Runner
-from turbospark.steering import SteeringPolicy
+from turbospark.steering import Steer, SteeringPolicy
 
 PROMPT = 32
 MODES = ("add", "renorm")
@@ -53,6 +54,33 @@ def every_layer(runner: Runner, mode: str) -> SteeringPolicy:
         scale=1.0,
         mode=mode,
     )
+
+
+def step_kernels(path: Path) -> dict[str, dict[str, int]]:
+    """Kernels (MLX graph primitives that are not views) in one decode step:
+    unsteered, steered as the families run it (the join handed over,
+    :func:`turbospark.steering.joiner`), and through a plain ``steer(i, h)``
+    hook after each layer. Exact, and independent of load; on the CPU
+    ``rms_norm`` expands into element ops that fuse with a join, so CPU counts
+    differ from a GPU's."""
+    runner = Runner.open(path, context_length=PROMPT + 4)
+    prompt = random_tokens(PROMPT, runner.arch.vocab_size, seed=5)
+    counts: dict[str, dict[str, int]] = {}
+    for mode in MODES:
+        steer = Steer.of([every_layer(runner, mode)], runner.dtype)
+        hooks = {"off": None, "joined": steer, "plain_hook": lambda i, h, s=steer: s(i, h)}
+        counts[mode] = {}
+        for name, hook in hooks.items():
+            runner.reset()
+            runner.prefill_chunk(prompt, 0, logits=False)
+            live = runner._live
+            mx.eval([a for c in live.state.values() for a in c.arrays()])
+            logits = runner._hook.turbospark_forward(
+                model=runner.model, tokens=mx.array([5], mx.int32), start=PROMPT,
+                state=live.state, vision=None, logits="last", steer=hook,
+            )  # fmt: skip
+            counts[mode][name] = graph_primitives([logits])["kernels"]
+    return counts
 
 
 def bench_steering(path: Path, tokens: int, reps: int) -> dict[str, Any]:
@@ -89,6 +117,7 @@ def bench_steering(path: Path, tokens: int, reps: int) -> dict[str, Any]:
             for name, samples in rows.items()
         },
     }
+    result["kernels_per_step"] = step_kernels(path)
     best_off = result["engines"]["off"]["best_decode_tok_s"]
     for mode in MODES:
         result[f"decode_ratio_{mode}"] = median_of(rows[mode], "decode_tok_s") / off
