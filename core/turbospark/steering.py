@@ -303,16 +303,20 @@ class _LayerSteer:
             return h if self.w is None else h + self.w  # add: one op, nothing to fuse
         if self.one_launch is not None and h.shape[1] == 1:
             return steer_cuda.steer_rows(h, *self.one_launch)
-        arrays = [a for a in (self.u, self.t, self.a, self.w, self.r) if a is not None]
-        flags = tuple(a is not None for a in (self.u, self.t, self.a, self.w, self.r))
+        flags, arrays = self._held()
         return _kernel(*flags, self.renorm)(h, *arrays)
 
     def _steered_join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
-        arrays = [a for a in (self.u, self.t, self.a, self.w, self.r) if a is not None]
-        flags = tuple(a is not None for a in (self.u, self.t, self.a, self.w, self.r))
+        flags, arrays = self._held()
         if scale is None:
             return _kernel(*flags, self.renorm, "unscaled")(h, update, *arrays)
         return _kernel(*flags, self.renorm, "scaled")(h, update, scale, *arrays)
+
+    def _held(self) -> tuple[tuple[bool, ...], list[mx.array]]:
+        """Which of ``u, t, a, w, r`` this layer holds (the compiled function's
+        key) and those arrays, in that order (its arguments)."""
+        every = (self.u, self.t, self.a, self.w, self.r)
+        return tuple(a is not None for a in every), [a for a in every if a is not None]
 
 
 def _join(h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
