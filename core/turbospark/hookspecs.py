@@ -245,11 +245,11 @@ def turbospark_forward(
     ``i``'s output hidden states ``(1, L, hidden)``, after its feed-forward
     residual join, for every layer ``i`` (see :mod:`turbospark.steering`).
     When None, run no extra op. Optionally, where a layer ends with the join
-    ``(h + update) * scale`` (or ``h + update``), hand it over instead:
-    ``join = turbospark.steering.joiner(steer, i)``; when it is not None,
-    return ``join(h, update, scale)`` (scale None for a plain add) and do not
-    call ``steer(i, h)`` for that layer; steering then costs no extra kernel
-    for ``add`` (the kit checks both forms agree).
+    ``(h + update) * scale`` (or ``h + update``), hand it over instead: with
+    ``join = turbospark.steering.joiner(steer, i)`` (None exactly when *steer*
+    is), return ``join(h, update, scale)`` (scale None for a plain add) in
+    place of both the join and ``steer(i, h)``; steering then costs no extra
+    kernel for ``add`` (the kit checks both forms agree).
     """
 
 

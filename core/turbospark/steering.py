@@ -62,16 +62,21 @@ Join = Callable[[mx.array, mx.array, "mx.array | None"], mx.array]
 
 
 def joiner(steer: LayerHook | None, layer: int) -> Join | None:
-    """*layer*'s last residual join and its steering as one call, when *steer*
-    offers that (a :class:`Steer` does; a plain hook does not, and the family
-    then calls ``steer(layer, h)`` after the layer as usual).
+    """*layer*'s last residual join and its steering as one call; None when
+    *steer* is None (the family runs its own join, nothing extra).
 
     ``join(h, update, scale)`` is ``steer(layer, (h + update) * scale)`` (no
     scale: ``h + update``). A family that ends its layer with that join hands
-    the two halves over instead, so ``add`` fuses into the join's own kernel
-    and a steered layer costs no extra launch."""
+    the two halves over instead of calling ``steer(layer, h)`` after it. A
+    :class:`Steer` then runs ``add`` inside the join's own kernel, so a
+    steered layer costs no extra launch; any other hook (a recorder) is
+    called on the joined output, as if the family had called it."""
+    if steer is None:
+        return None
     join = getattr(steer, "join", None)
-    return None if join is None else functools.partial(join, layer)
+    if join is None:
+        return lambda h, update, scale: steer(layer, _join(h, update, scale))
+    return functools.partial(join, layer)
 
 
 class SteeringPolicy(BaseModel):

@@ -123,7 +123,7 @@ class SteeringChecks:
         """A family may hand its last residual join to the steering
         (:func:`turbospark.steering.joiner`), so ``add`` costs no extra kernel:
         for each mode, a chunk and one-token steps after it give the logits
-        that calling ``steer(i, h)`` after each layer gives."""
+        that a plain ``steer(i, h)`` hook on each layer's output gives."""
         self.require_steering(kit)
         layers = range(1, kit.arch.num_hidden_layers)
         prompt = kit.tokens(123, 12)

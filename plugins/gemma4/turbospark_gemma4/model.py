@@ -676,10 +676,7 @@ class Gemma4TextModel(nn.Module):
             kv = state[slot[0]][slot[1]] if slot else None
             shared = None if slot else attended[self._sources[i]]
             layer_input = per_layer[:, :, i] if per_layer is not None else None
-            join = joiner(steer, i)
-            h, attended[i] = layer(h, start, kv, shared, layer_input, join)
-            if steer is not None and join is None:
-                h = steer(i, h)
+            h, attended[i] = layer(h, start, kv, shared, layer_input, joiner(steer, i))
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:
             state[spec.name].advance(tokens.shape[1])

@@ -453,10 +453,7 @@ class QwenGdn(nn.Module):
             positions = vision.rope_positions(offset, length)  # (3, L)
         kv, gdn = state["kv"], state["gdn"]
         for i, layer in enumerate(self.model.layers):
-            join = joiner(steer, i)
-            h = layer(h, kv, gdn, self._rope, offset, positions, join)
-            if steer is not None and join is None:
-                h = steer(i, h)
+            h = layer(h, kv, gdn, self._rope, offset, positions, joiner(steer, i))
         kv.advance(length)
         gdn.advance(length)
         return self.model.norm(h)
