@@ -310,3 +310,29 @@ def test_every_state_dtype_round_trips_bit_for_bit(tmp_path, dtype):
                       (loaded.checkpoints[0].snapshots["kv"]["keys"], values[:, :2].astype(dtype))]:  # fmt: skip
         assert got.dtype == want.dtype and got.shape == want.shape
         assert bytes(memoryview(got)) == bytes(memoryview(mx.contiguous(want)))
+
+
+def test_a_tensor_of_a_dtype_no_session_holds_is_refused(tmp_path):
+    """float64 (which MLX would quietly read back as float32) is refused as
+    unreadable, naming the dtype, instead of coming back as another array."""
+    from turbospark.disk import (
+        ModelIdentity,
+        RejectReason,
+        SessionFileError,
+        read_session,
+        write_session,
+    )
+    from turbospark.pool import SessionSnapshot
+
+    state = {"kv": {"keys": mx.arange(6, dtype=mx.int64).reshape(2, 3)}}
+    snapshot = SessionSnapshot(tokens=[1, 2], tainted=False, arrays=state, checkpoints=())
+    model = ModelIdentity(family="f", manifest_sha256="0" * 64, dtype="mlx.core.float32")
+    path = tmp_path / "s.safetensors"
+    write_session(path, snapshot, model, ["kv"])
+    raw = path.read_bytes()
+    assert raw.count(b'"I64"') == 1
+    path.write_bytes(raw.replace(b'"I64"', b'"F64"'))  # same size, a dtype we do not read
+    with pytest.raises(SessionFileError) as refused:
+        read_session(path, model)
+    assert refused.value.reason == RejectReason.UNREADABLE
+    assert "unsupported dtype" in str(refused.value) and "F64" in str(refused.value)
