@@ -63,3 +63,26 @@ def test_prefill_takes_the_compiled_ops() -> None:
     whole = steer(1, h)
     one_by_one = mx.concatenate([steer(1, h[:, i : i + 1]) for i in range(5)], axis=1)
     np.testing.assert_allclose(np.array(whole), np.array(one_by_one), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_join_inside_the_launch_equals_the_join_then_the_launch(
+    scaled: bool, dtype: mx.Dtype
+) -> None:
+    """Handed a family's last join, the kernel computes it as the join's own
+    kernel does (rounding after each op), so the result is the kernel's on the
+    joined ``h``, bit for bit, in every mode at once."""
+    mx.set_default_device(mx.gpu)
+    rng = np.random.default_rng(7)
+    hidden = 1536
+    steer = Steer.of(_policies(hidden, rng), dtype)
+    assert steer is not None
+    layer = steer.layers[1]
+    h, update = (
+        mx.array(rng.standard_normal((len(ROWS), 1, hidden)) * 2, dtype=dtype) for _ in range(2)
+    )
+    scale = mx.array([0.37], dtype=dtype) if scaled else None
+    joined = h + update if scale is None else (h + update) * scale
+    assert mx.array_equal(steer.join(1, h, update, scale), layer(joined))
+    assert mx.array_equal(steer.join(1, h, update, scale)[-1], joined[-1])

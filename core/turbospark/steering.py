@@ -294,13 +294,14 @@ class _LayerSteer:
     one_launch: tuple[mx.array, mx.array, mx.array] | None = None
 
     def join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
-        """``self((h + update) * scale)``; ``add`` in the join's one fused kernel."""
+        """``self((h + update) * scale)``; ``add`` in the join's one fused kernel,
+        and on CUDA a one-token step of any mode in the one-launch kernel."""
         if self.u is None and not self.renorm:
             return (
                 _join(h, update, scale) if self.w is None else _join_add(h, update, scale, self.w)
             )
-        if self.one_launch is not None and h.shape[1] == 1:
-            return self(_join(h, update, scale))  # the join, then the one-launch kernel
+        if self.one_launch is not None and h.shape[1] == 1 and _one_element(scale):
+            return steer_cuda.steer_rows(h, *self.one_launch, update=update, scale=scale)
         return self._steered_join(h, update, scale)
 
     def __call__(self, h: mx.array) -> mx.array:
@@ -322,6 +323,11 @@ class _LayerSteer:
         key) and those arrays, in that order (its arguments)."""
         every = (self.u, self.t, self.a, self.w, self.r)
         return tuple(a is not None for a in every), [a for a in every if a is not None]
+
+
+def _one_element(scale: mx.array | None) -> bool:
+    """The one-launch kernel reads a join's scale as one number (a layer scalar)."""
+    return scale is None or scale.size == 1
 
 
 def _join(h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:

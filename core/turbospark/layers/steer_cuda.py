@@ -7,7 +7,10 @@ MLX ops they cost several launches per steered layer (measured: ``renorm``
 at 0.73–0.85x of ``off`` on an H200, against ``add``'s single op). Here each
 token row is one thread block that reads ``h`` once, reduces ``h.h``, ``h.u``
 and (for ``renorm``) ``h'.h'`` in registers and shared memory, and writes the
-steered row: one launch per layer for every mode, like ``add``.
+steered row: one launch per layer for every mode, like ``add``. Handed a
+family's last residual join (:func:`turbospark.steering.joiner`), the kernel
+computes the join too, rounding as the join's own kernel does, so a steered
+layer costs no launch beyond the unsteered one in any mode.
 
 The math is :func:`turbospark.steering._kernel`'s, accumulated in float32 and
 rounded to the model's dtype once at the end (the compiled ops round after
@@ -39,10 +42,12 @@ __device__ inline float block_sum(float value, float* shared) {
 }
 """
 
-# Inputs: h (B, H) the layer's output for one token per row; u, w (B, H) the
-# unit direction and the added vector, in h's dtype; coef (B, 3) float32: a (1
-# where the component along u is replaced), t (what replaces it), r (1 where the
-# row renormalises). A row of zeros is the identity, exactly.
+# Inputs: h (B, H) the layer's output for one token per row, or with JOIN the
+# residual h and the update whose join ((h + update) * scale, scale a (1,) array
+# when JOIN == 2) is that output; u, w (B, H) the unit direction and the added
+# vector, in h's dtype; coef (B, 3) float32: a (1 where the component along u is
+# replaced), t (what replaces it), r (1 where the row renormalises). A row of
+# zeros is the identity, exactly.
 _SOURCE = """
     constexpr int N = (H + TPB - 1) / TPB;
     __shared__ float shared[32];
@@ -57,6 +62,11 @@ _SOURCE = """
         x[i] = 0.0f;
         if (j < H) {
             x[i] = static_cast<float>(hr[j]);
+            if (JOIN) {  // round after each op, as the join's own kernel does
+                x[i] = static_cast<float>(static_cast<T>(x[i] + static_cast<float>(update[row * H + j])));
+                if (JOIN == 2)
+                    x[i] = static_cast<float>(static_cast<T>(x[i] * static_cast<float>(scale[0])));
+            }
             hh += x[i] * x[i];
             hu += x[i] * static_cast<float>(ur[j]);
         }
@@ -90,25 +100,39 @@ def available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+_JOINED = {None: ["h", "u", "w", "coef"], 1: ["h", "update", "u", "w", "coef"]}
+_JOINED[2] = ["h", "update", "scale", "u", "w", "coef"]
+
+
 @functools.cache
-def _kernel() -> object:
+def _kernel(join: int | None) -> object:
     return mx.fast.cuda_kernel(
-        name="turbospark_steer",
-        input_names=["h", "u", "w", "coef"],
+        name=f"turbospark_steer{join or ''}",
+        input_names=_JOINED[join],
         output_names=["out"],
         source=_SOURCE,
         header=_HEADER,
     )
 
 
-def steer_rows(h: mx.array, u: mx.array, w: mx.array, coef: mx.array) -> mx.array:
-    """Steer ``h`` ``(B, 1, H)``: one launch. *u*, *w* ``(B, 1, H)`` in ``h``'s dtype,
-    *coef* ``(B, 1, 3)`` float32 (``a``, ``t``, renormalise), as built by
-    :meth:`turbospark.steering.Steer.of`."""
+def steer_rows(
+    h: mx.array,
+    u: mx.array,
+    w: mx.array,
+    coef: mx.array,
+    update: mx.array | None = None,
+    scale: mx.array | None = None,
+) -> mx.array:
+    """Steer ``h`` ``(B, 1, H)``, or with *update* the join ``(h + update) * scale``
+    (no *scale*: ``h + update``): one launch. *u*, *w* ``(B, 1, H)`` in ``h``'s
+    dtype, *coef* ``(B, 1, 3)`` float32 (``a``, ``t``, renormalise), as built by
+    :meth:`turbospark.steering.Steer.of`; *scale* a one-element array."""
     rows, hidden = h.shape[0], h.shape[-1]
-    (out,) = _kernel()(
-        inputs=[h, u, w, coef],
-        template=[("T", h.dtype), ("H", hidden), ("TPB", THREADS)],
+    join = None if update is None else 1 if scale is None else 2
+    joined = [] if update is None else [update] if scale is None else [update, scale]
+    (out,) = _kernel(join)(
+        inputs=[h, *joined, u, w, coef],
+        template=[("T", h.dtype), ("H", hidden), ("TPB", THREADS), ("JOIN", join or 0)],
         grid=(rows * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[h.shape],
