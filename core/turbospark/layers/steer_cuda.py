@@ -62,11 +62,7 @@ _SOURCE = """
         x[i] = 0.0f;
         if (j < H) {
             x[i] = static_cast<float>(hr[j]);
-            if (JOIN) {  // round after each op, as the join's own kernel does
-                x[i] = static_cast<float>(static_cast<T>(x[i] + static_cast<float>(update[row * H + j])));
-                if (JOIN == 2)
-                    x[i] = static_cast<float>(static_cast<T>(x[i] * static_cast<float>(scale[0])));
-            }
+            /*JOIN*/
             hh += x[i] * x[i];
             hu += x[i] * static_cast<float>(ur[j]);
         }
@@ -100,17 +96,25 @@ def available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-_JOINED = {None: ["h", "u", "w", "coef"], 1: ["h", "update", "u", "w", "coef"]}
-_JOINED[2] = ["h", "update", "scale", "u", "w", "coef"]
+# The join, rounded after each op as the join's own kernel rounds, spliced in
+# where x[i] holds h (only the joined kernels have `update` and `scale`).
+_ADD = "x[i] = static_cast<float>(static_cast<T>(x[i] + static_cast<float>(update[row * H + j])));"
+_SCALE = "x[i] = static_cast<float>(static_cast<T>(x[i] * static_cast<float>(scale[0])));"
+_JOINED = {
+    None: (["h", "u", "w", "coef"], ""),
+    1: (["h", "update", "u", "w", "coef"], _ADD),
+    2: (["h", "update", "scale", "u", "w", "coef"], _ADD + "\n" + _SCALE),
+}
 
 
 @functools.cache
 def _kernel(join: int | None) -> object:
+    names, code = _JOINED[join]
     return mx.fast.cuda_kernel(
         name=f"turbospark_steer{join or ''}",
-        input_names=_JOINED[join],
+        input_names=names,
         output_names=["out"],
-        source=_SOURCE,
+        source=_SOURCE.replace("/*JOIN*/", code),
         header=_HEADER,
     )
 
@@ -132,7 +136,7 @@ def steer_rows(
     joined = [] if update is None else [update] if scale is None else [update, scale]
     (out,) = _kernel(join)(
         inputs=[h, *joined, u, w, coef],
-        template=[("T", h.dtype), ("H", hidden), ("TPB", THREADS), ("JOIN", join or 0)],
+        template=[("T", h.dtype), ("H", hidden), ("TPB", THREADS)],
         grid=(rows * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[h.shape],
