@@ -43,7 +43,7 @@ __device__ inline float block_sum(float value, float* shared) {
 """
 
 # Inputs: h (B, H) the layer's output for one token per row, or with JOIN the
-# residual h and the update whose join ((h + update) * scale, scale a (1,) array
+# residual h and the update whose join ((h + update) * layer_scale, a (1,) array
 # when JOIN == 2) is that output; u, w (B, H) the unit direction and the added
 # vector, in h's dtype; coef (B, 3) float32: a (1 where the component along u is
 # replaced), t (what replaces it), r (1 where the row renormalises). A row of
@@ -99,11 +99,11 @@ def available() -> bool:
 # The join, rounded after each op as the join's own kernel rounds, spliced in
 # where x[i] holds h (only the joined kernels have `update` and `scale`).
 _ADD = "x[i] = static_cast<float>(static_cast<T>(x[i] + static_cast<float>(update[row * H + j])));"
-_SCALE = "x[i] = static_cast<float>(static_cast<T>(x[i] * static_cast<float>(scale[0])));"
+_SCALE = "x[i] = static_cast<float>(static_cast<T>(x[i] * static_cast<float>(layer_scale[0])));"
 _JOINED = {
     None: (["h", "u", "w", "coef"], ""),
     1: (["h", "update", "u", "w", "coef"], _ADD),
-    2: (["h", "update", "scale", "u", "w", "coef"], _ADD + "\n" + _SCALE),
+    2: (["h", "update", "layer_scale", "u", "w", "coef"], _ADD + "\n" + _SCALE),
 }
 
 
