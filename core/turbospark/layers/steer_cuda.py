@@ -97,7 +97,7 @@ def available() -> bool:
 
 
 # The join, rounded after each op as the join's own kernel rounds, spliced in
-# where x[i] holds h (only the joined kernels have `update` and `scale`).
+# where x[i] holds h (only the joined kernels have `update` and `layer_scale`).
 _ADD = "x[i] = static_cast<float>(static_cast<T>(x[i] + static_cast<float>(update[row * H + j])));"
 _SCALE = "x[i] = static_cast<float>(static_cast<T>(x[i] * static_cast<float>(layer_scale[0])));"
 _JOINED = {
