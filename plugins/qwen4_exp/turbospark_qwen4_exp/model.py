@@ -38,7 +38,7 @@ from turbospark.hookspecs import ArchConfig
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNDims
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.rope import apply_rope, rope_freqs
-from turbospark.state import LayerKV, State
+from turbospark.state import KVComponent, LayerKV, State
 from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_qwen4_exp.qsa import QSABudget, qsa_attention
@@ -197,17 +197,19 @@ class QSAttention(nn.Module):
         self,
         x: mx.array,
         positions: list[int],
+        offset: int | mx.array,
         kv: LayerKV | BatchLayerKV,
         index: LayerIndex | list[LayerIndex],
     ) -> mx.array:
-        """``x`` ``(B, L, hidden)``, row ``i`` at positions ``positions[i]..``;
-        appends to *kv* and *index* (one session's, or a batch's: one index per row)."""
+        """``x`` ``(B, L, hidden)``, row ``i`` at positions ``positions[i]..``
+        (*offset*: the same for RoPE, an int for one session, ``(B,)`` for a
+        batch); appends to *kv* and *index* (one session's, or a batch's: one
+        index per row)."""
         batch, length, _ = x.shape
         # (B, L, heads * dim) -> (B, L, heads, dim) -> (B, heads, L, dim)
         q = self.q_norm(self.q_proj(x).reshape(batch, length, self.heads, -1))
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, -1))
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = positions[0] if isinstance(kv, LayerKV) else mx.array(positions)
         q = apply_rope(q.transpose(0, 2, 1, 3), offset, self.rotated, self._freqs)
         k = apply_rope(k.transpose(0, 2, 1, 3), offset, self.rotated, self._freqs)
         keys, values, _ = kv.update_and_fetch(k, v)  # every token so far (kv has no window)
@@ -277,13 +279,20 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = nn.RMSNorm(hidden, eps=arch.rms_norm_eps)
 
     def __call__(
-        self, h: mx.array, positions: list[int], state: State, slot: int, per_layer: mx.array
+        self,
+        h: mx.array,
+        positions: list[int],
+        offset: int | mx.array,
+        state: State,
+        slot: int,
+        per_layer: mx.array,
     ) -> mx.array:
-        """``h`` ``(B, L, hidden)``, row ``i`` at ``positions[i]..``; *slot* is this
-        layer's index in its components (kv/qsa, or gdn)."""
+        """``h`` ``(B, L, hidden)``, row ``i`` at ``positions[i]..`` (*offset* for
+        RoPE); *slot* is this layer's index in its components (kv/qsa, or gdn)."""
         x = self.input_layernorm(h)
         if self.is_qsa:
-            mixed = self.self_attn(x, positions, state["kv"][slot], state["qsa"][slot])
+            kv, index = state["kv"][slot], state["qsa"][slot]
+            mixed = self.self_attn(x, positions, offset, kv, index)
         else:
             mixed = self.linear_attn(x, state["gdn"], slot)
         h = h + mixed
@@ -349,8 +358,11 @@ class Qwen4Exp(nn.Module):
             # Text-only RoPE: injected image rows use plain token positions.
             h = vision.inject(h[0], positions[0])[None]
         per_layer = self.per_layer_input(tokens, state)
+        # RoPE's offset: an int for one session, one position per row for a batch.
+        batched = not isinstance(state["kv"], KVComponent)
+        offset = mx.array(positions) if batched else positions[0]
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, state, self._slots[i], per_layer)
+            h = layer(h, positions, offset, state, self._slots[i], per_layer)
             if steer is not None:
                 h = steer(i, h)
         for name in ("kv", "qsa", "gdn"):

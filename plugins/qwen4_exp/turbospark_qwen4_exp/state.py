@@ -288,7 +288,9 @@ class StreamTail:
     A causal operator over a short window (an n-gram hash, a dilated conv)
     needs only this tail between calls. ``initial`` is what stands before the
     first token: EOS ids for the n-gram context, zero rows for the conv. Not
-    rewindable: rows that fall out of the window are gone.
+    rewindable: rows that fall out of the window are gone. Several sessions'
+    tails merge into a :class:`BatchStreamTail`; both take and return a batch
+    axis first, so the model calls either the same way.
     """
 
     def __init__(self, name: str, initial: mx.array):
