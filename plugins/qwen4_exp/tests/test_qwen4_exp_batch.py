@@ -5,7 +5,8 @@ sessions at different positions takes several tokens a row in one forward
 (``logits="all"``): all rows still dense (one masked attention over the
 left-padded K/V), and rows on both sides of the QSA budget (each row attends
 alone, over its own columns and block selection). Every row's logits equal
-the same chunk fed to the same session alone.
+the same chunk fed to the same session alone. Then the batched index and
+tails on their own under hypothesis schedules.
 """
 
 from __future__ import annotations
@@ -17,13 +18,21 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turbospark.errors import InvalidInput, RewindError
 from turbospark.install import build_synthetic_install, load_weights, read_manifest
 from turbospark.plugins import default_registry
 from turbospark.state import State
 from turbospark_qwen4_exp.model import Qwen4ExpConfig
-from turbospark_qwen4_exp.state import BatchQSA, BatchStreamTail
+from turbospark_qwen4_exp.state import (
+    BatchQSA,
+    BatchStreamTail,
+    LayerIndex,
+    QSAComponent,
+    StreamTail,
+)
 
 ATOL = 2e-4
 # Synthetic budget (blocks of 4, top 2, window 4): dense through position 14.
@@ -133,3 +142,112 @@ def test_a_tail_row_goes_back_only_by_the_whole_step_held(loaded):
         tails.extract(1, 5, 2, held)
     with pytest.raises(RewindError, match="'ngram_context' can rewind at most 0 token"):
         tails.extract(1, 6, 1, None)
+
+
+# -- the batched components alone, under random schedules ----------------------
+
+BLOCK = 2
+PAD = 7  # the n-gram context's id before the first token
+
+
+def _one_row(values: list[float]) -> tuple[LayerIndex, StreamTail]:
+    index, tail = LayerIndex(BLOCK), StreamTail("ngram_context", mx.full((2,), PAD, mx.int32))
+    if values:
+        index.append(mx.array([[v, -v] for v in values], dtype=mx.float32))
+        tail.push(mx.array([[int(v) for v in values]], dtype=mx.int32))
+    return index, tail
+
+
+def _expect(index: LayerIndex, tail: StreamTail, values: list[float], where: str) -> None:
+    """*index* and *tail* hold exactly what a one-row run over *values* holds."""
+    assert index.fill == len(values), where
+    keys = [] if index.keys is None else index.keys[: index.fill, 0].tolist()
+    assert keys == values, where
+    blocks = len(values) // BLOCK
+    if blocks:
+        means = [sum(values[b * BLOCK : (b + 1) * BLOCK]) / BLOCK for b in range(blocks)]
+        assert index.pooled[:blocks, 0].tolist() == pytest.approx(means), where
+    assert tail.tail.tolist() == ([PAD, PAD] + [int(v) for v in values])[-2:], where
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    first=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    schedule=st.lists(
+        st.one_of(
+            st.tuples(st.just("step"), st.integers(0, 0)),
+            st.tuples(st.just("fail"), st.integers(0, 0)),
+            st.tuples(st.just("join"), st.integers(0, 5)),
+            st.tuples(st.just("leave"), st.integers(0, 2**8)),
+            st.tuples(st.just("back"), st.integers(0, 2**8)),
+        ),
+        max_size=14,
+    ),
+)
+def test_batched_index_and_tails_hold_each_row_whatever_the_schedule(first, schedule):
+    """Joins, leaves, steps, failed steps (rolled back) and rows leaving one
+    token back: every row always holds exactly its own keys, block means and
+    tail, and the sessions merged in are never changed by the batch."""
+    counter = iter(range(1, 10**6))
+    rows = [[float(next(counter)) for _ in range(n)] for n in first]
+    sessions = [_one_row(r) for r in rows]
+    originals = [(list(r), s) for r, s in zip(rows, sessions, strict=True)]
+    qsa = QSAComponent.merge([_component(index) for index, _ in sessions])
+    tails = StreamTail.merge([tail for _, tail in sessions])
+
+    def step() -> tuple[object, object]:
+        for component in (qsa, tails):
+            component.prepare(1)
+        held = (qsa.hold(), tails.hold())
+        new = [float(next(counter)) for _ in rows]
+        for i, index in enumerate(qsa[0]):
+            index.append(mx.array([[new[i], -new[i]]], dtype=mx.float32))
+        tails.push(mx.array([[int(v)] for v in new], dtype=mx.int32))
+        for row, value in zip(rows, new, strict=True):
+            row.append(value)
+        return held
+
+    for op, arg in schedule:
+        if op == "step":
+            step()
+        elif op == "fail":  # a forward that raised after writing: undone from what was held
+            before = [list(r) for r in rows]
+            held = step()
+            qsa.rollback(held[0])
+            tails.rollback(held[1])
+            rows[:] = before
+        elif op == "join":
+            joining = [float(next(counter)) for _ in range(arg)]
+            index, tail = _one_row(joining)
+            originals.append((list(joining), (index, tail)))
+            qsa.extend(QSAComponent.merge([_component(index)]))
+            tails.extend(StreamTail.merge([tail]))
+            rows.append(joining)
+        elif op == "leave" and len(rows) > 1:
+            stay = [i for i in range(len(rows)) if arg >> i & 1] or [0]
+            qsa.filter(stay)
+            tails.filter(stay)
+            rows[:] = [rows[i] for i in stay]
+        elif op == "back" and len(rows) > 1:  # a stop id fed: the row leaves one token back
+            going = arg % len(rows)
+            held = step()
+            out_qsa = qsa.extract(going, len(rows[going]) - 1, 1, held[0])
+            out_tail = tails.extract(going, len(rows[going]) - 1, 1, held[1])
+            _expect(out_qsa[0], out_tail, rows[going][:-1], f"row {going} leaving a token back")
+            stay = [i for i in range(len(rows)) if i != going]
+            qsa.filter(stay)
+            tails.filter(stay)
+            rows[:] = [rows[i] for i in stay]
+    for i, row in enumerate(rows):
+        out_qsa = qsa.extract(i, len(row), 0, None)
+        out_tail = tails.extract(i, len(row), 0, (tails.tail, 0))
+        assert out_qsa.position == out_tail.position == len(row)
+        _expect(out_qsa[0], out_tail, row, f"row {i} at the end")
+    for values, (index, tail) in originals:
+        _expect(index, tail, values, "a session merged into the batch")
+
+
+def _component(index: LayerIndex) -> QSAComponent:
+    component = QSAComponent(0, BLOCK)
+    component.layers = [index]
+    return component
