@@ -206,9 +206,13 @@ class QSAComponent(LayeredComponent[LayerIndex]):
 
     @classmethod
     def merge(cls, parts: list[QSAComponent]) -> BatchQSA:
-        """Several sessions' indexes side by side: a view of each (no copy; a
-        session's own index is never written by the batch, see :meth:`LayerIndex.view`)."""
-        layers = [[part.layers[i].view(part.layers[i].fill) for part in parts] for i in range(len(parts[0].layers))]  # fmt: skip
+        """Several sessions' indexes side by side: a view of each, no copy. What
+        a session's own index holds never changes: the batch writes only past
+        its fill (see :meth:`LayerIndex.view`), so a failed batch leaves it intact."""
+        layers = [
+            [part.layers[i].view(part.layers[i].fill) for part in parts]
+            for i in range(len(parts[0].layers))
+        ]
         return BatchQSA(parts[0].block_size, layers)
 
     @classmethod
