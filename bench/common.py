@@ -213,6 +213,47 @@ SIZES["gemma4"]["moe_large"] = {
 }
 
 
+# qwen4_exp has no upstream (no mlx-lm to compare with), so it is not in
+# FAMILIES; bench/batch_decode.py measures it against itself. QSA budgets are
+# small enough that a few hundred tokens reach the sparse regime: "small" is
+# dense while a query's position + 1 <= 4 * 16 + 64 = 128, "large" while
+# <= 4 * 64 + 256 = 512.
+SIZES["qwen4_exp"] = {
+    "tiny": {"vocab_size": 128},
+    "small": {
+        "vocab_size": 1024,
+        "num_layers": 4,
+        "full_attention_interval": 2,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 768,
+        "linear_num_value_heads": 8,
+        "linear_num_key_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "index_head_dim": 32,
+        "qsa_block_size": 16,
+        "qsa_top_blocks": 4,
+        "qsa_local_window": 64,
+        "ngram_buckets": 4096,
+        "hidden_size_per_layer_input": 32,
+    },
+    "large": {
+        **_LARGE["qwen_gdn"],
+        "full_attention_interval": 4,
+        "index_head_dim": 64,
+        "qsa_block_size": 64,
+        "qsa_top_blocks": 4,
+        "qsa_local_window": 256,
+        "ngram_buckets": 65536,
+        "hidden_size_per_layer_input": 128,
+        "ple_layer": 3,
+    },
+}
+
+
 def default_dtype() -> str:
     """bfloat16 where a GPU runs the model; float32 on the CPU, where MLX's
     bfloat16 matmul has no BLAS path (~10x slower) and ``gather_mm`` (MoE)

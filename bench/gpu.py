@@ -3,9 +3,12 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|step_cost|constrain|draft|experts|steering|tp] [--profile]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|step_cost|constrain|draft|experts|steering|tp|batch_decode] [--profile]
 
-``constrain`` runs once (it is per vocabulary, not per family). ``experts`` runs
+``constrain`` runs once (it is per vocabulary, not per family), and so does
+``batch_decode``: qwen4_exp's batched decode against its row-by-row decode
+on its ``large`` install (B = 8 and 16, 128- and 1024-token prompts: dense
+and sparse QSA; :mod:`bench.batch_decode`). ``experts`` runs
 for gemma4 only, on the ``moe_large`` install (``--size`` is for the other pieces).
 ``forward`` times both engines' hand loops and library loops, ours again with
 compilation off (the uncompiled decode step), the fraction of the bandwidth
@@ -37,6 +40,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.batch_decode import bench_batch_decode
 from bench.common import install, machine, random_tokens
 from bench.concurrency import bench_concurrency
 from bench.constrain import bench_constrain
@@ -73,6 +77,7 @@ def main() -> None:
             "experts",
             "steering",
             "tp",
+            "batch_decode",
         ],
     )
     parser.add_argument("--draft-depths", type=int, nargs="+", help="default 1-6")
@@ -100,10 +105,15 @@ def main() -> None:
     if "constrain" in (args.only or []):
         started = time.perf_counter()
         emit("-", "constrain", bench_constrain(args.reps), started)
+    if "batch_decode" in (args.only or []):
+        started = time.perf_counter()
+        size, batches, prompts, steps = GPU.batch_decode
+        path = install("qwen4_exp", size, "bfloat16", args.cache_dir)
+        result = bench_batch_decode(path, batches, prompts, steps, args.reps)
+        emit("qwen4_exp", "batch_decode", result, started)
+    once = ("constrain", "batch_decode")
     for family in args.family or ["gemma4", "qwen_gdn"]:
-        for piece in [
-            p for p in args.only or ["forward", "swap", "interleaved"] if p != "constrain"
-        ]:
+        for piece in [p for p in args.only or ["forward", "swap", "interleaved"] if p not in once]:
             started = time.perf_counter()
             if piece == "forward":
                 path = install(family, args.size, "bfloat16", args.cache_dir)

@@ -17,7 +17,9 @@ xgrammar, on a 151,643-token vocabulary; once, not per family), ``draft``
 (speculative decoding: tok/s against acceptance and depth, against off),
 ``experts`` (gemma4 only: the routed-expert cache's decode speed, hit rate and
 memory against slot count), ``steering`` (decode with every layer steered
-against steering off).
+against steering off), ``batch_decode`` (qwen4_exp's batched decode against
+its row-by-row decode, dense and sparse QSA; once, not per family:
+:mod:`bench.batch_decode`).
 Benchmarks never decide whether the test suite passes.
 """
 
@@ -35,6 +37,8 @@ if __package__ in (None, ""):
     # Run as a script: make the repository root importable so `bench.*` resolves.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.batch_decode import bench_batch_decode
+from bench.batch_decode import summary as summary_batch
 from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine
 from bench.concurrency import ConcurrencyPlan, bench_concurrency
 from bench.constrain import bench_constrain
@@ -51,7 +55,7 @@ from bench.workload import ChatWorkload
 
 SECTIONS = (
     "forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "constrain", "draft",
-    "experts", "steering",
+    "experts", "steering", "batch_decode",
 )  # fmt: skip
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
@@ -82,6 +86,13 @@ class Plan:
     draft_tokens: int = 64
     experts_size: str = "moe"
     experts_decode: int = 32
+    # bench/batch_decode.py on qwen4_exp: (size, batch sizes, prompt lengths, steps)
+    batch_decode: tuple[str, tuple[int, ...], tuple[int, ...], int] = (
+        "small",
+        (4, 8),
+        (32, 256),
+        32,
+    )
 
 
 QUICK = Plan(
@@ -101,6 +112,7 @@ QUICK = Plan(
     draft_depths=(1, 2, 4, 6),
     draft_accuracies=(1.0, 0.5, 0.0),
     draft_tokens=32,
+    batch_decode=("small", (4,), (32, 256), 16),
 )
 FULL = Plan(
     forward_sizes=("small", "medium"),
@@ -136,6 +148,7 @@ GPU = Plan(
     draft_tokens=128,
     experts_size="moe_large",
     experts_decode=128,
+    batch_decode=("large", (8, 16), (128, 1024), 64),
 )
 
 
@@ -250,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "constrain" in sections:
         report["constrain"] = bench_constrain(plan.reps)
+    if "batch_decode" in sections:
+        size, batches, prompts, steps = plan.batch_decode
+        path = install("qwen4_exp", size, dtype, args.cache_dir)
+        report["batch_decode"] = bench_batch_decode(
+            path, batches, prompts, steps, 1 if args.quick else 3
+        )
     report["wall_s"] = time.perf_counter() - started
 
     stem = mode
@@ -264,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(report)
         if "constrain" in report:
             print_constrain(report["constrain"])
+        if "batch_decode" in report:
+            print("\n== qwen4_exp batched decode against row by row", *summary_batch(report["batch_decode"]), sep="\n")  # fmt: skip
         print(
             f"\nwrote {args.out / (stem + '.json')}" + ("" if args.no_plot else f" and {stem}.png")
         )

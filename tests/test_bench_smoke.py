@@ -20,6 +20,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     sys.path.insert(0, str(ROOT))
     try:
         from bench import (
+            batch_decode,
             common,
             concurrency,
             constrain,
@@ -38,6 +39,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {
         "gemma4": common.install("gemma4", "tiny", "float32", cache),
         "qwen_gdn": common.install("qwen_gdn", "tiny", "float32", cache),
+        "qwen4_exp": common.install("qwen4_exp", "tiny", "float32", cache),
+        "batch_decode": batch_decode,
         "common": common,
         "concurrency": concurrency,
         "constrain": constrain,
@@ -208,3 +211,13 @@ def test_experts(bench: dict, tmp_path: Path) -> None:
     for row in out["engines"].values():
         assert row["decode_tok_s"] > 0 and row["same_tokens_as_all"]
         assert 0 <= row["hit_rate"] <= 1 and row["resident_expert_bytes"] > 0
+
+
+def test_batch_decode(bench: dict) -> None:
+    """qwen4_exp, dense (8-token prompts) and sparse (20: past the tiny budget's 15)."""
+    out = bench["batch_decode"].bench_batch_decode(
+        bench["qwen4_exp"], batches=(2,), prompts=(8, 20), steps=2, reps=1
+    )
+    assert set(out["levels"]) == {"P=8,B=2", "P=20,B=2"}
+    for level in out["levels"].values():
+        assert level["batched_tok_s"] > 0 and level["row_by_row_tok_s"] > 0 and level["ratio"] > 0

@@ -20,12 +20,17 @@ def test_families_json_lists_every_builtin_with_capabilities(capsys):
     assert gdn["gdn"]["swappable"] and gdn["gdn"]["rewindable"] is False
     window = {c["name"]: c for c in listed["gemma4"]["components"]}["window"]
     assert window["rewindable"] == "window"
+    # Every built-in decodes concurrent requests in one forward, qwen4_exp's five components too.
+    assert {name: f["batched_decode"] for name, f in listed.items()} == dict.fromkeys(listed, True)
+    assert all(c["batchable"] for c in listed["qwen4_exp"]["components"])
 
 
 def test_families_text_output_names_components(capsys):
     assert main(["families"]) == 0
     out = capsys.readouterr().out
     assert "qwen4_exp" in out and "ple_conv_tail" in out and "not swappable" in out
+    qwen4 = out[out.index("qwen4_exp  (") :].split("\n")[1]
+    assert qwen4.strip() == "concurrent requests decode batched (one forward per step)"
 
 
 def test_the_allowlist_filters_and_disables_plugins():

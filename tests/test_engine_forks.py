@@ -82,11 +82,11 @@ def test_greedy_forks_equal_one_completion_and_prefill_once(
     assert_sessions_sound(runner)
 
 
-@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn", "qwen4_exp"])
 def test_seeded_forks_each_equal_a_request_with_that_seed(family, request):
     install = request.getfixturevalue(f"{family}_install")
     codec = load_text(install)
-    runner = open_runner(install)
+    runner = open_runner(install, slots=1 if family == "qwen4_exp" else 4)
     engine = Engine(runner, codec, max_batch=4, prefill_budget=4)
     configs = [
         GenerationConfig(

@@ -24,7 +24,7 @@ MODEL = "tiny-batch"
 CONTEXT = 4096
 
 
-@pytest.fixture(scope="module", params=["gemma4", "qwen_gdn"])
+@pytest.fixture(scope="module", params=["gemma4", "qwen_gdn", "qwen4_exp"])
 def install(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp(f"batch-{request.param}")
     build_synthetic_install(request.param, path, vocab_size=128, num_layers=4, model_id=MODEL)
@@ -40,8 +40,11 @@ def codec(install: Path) -> TextCodec:
 def server(install: Path, codec: TextCodec) -> Iterator[ThreadedServer]:
     worker = RunnerWorker()
 
+    # qwen4_exp parks nothing (only its kv is swappable): one slot, its live session.
+    slots = 1 if install.name.startswith("batch-qwen4_exp") else 4
+
     def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=CONTEXT, session_slots=4)
+        runner = Runner.open(install, context_length=CONTEXT, session_slots=slots)
         runner.set_prefix_reuse(True)
         return runner
 

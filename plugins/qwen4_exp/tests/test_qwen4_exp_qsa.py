@@ -124,9 +124,9 @@ def test_qsa_component_refuses_rewind_past_its_start() -> None:
 
 def test_stream_tail_keeps_its_window_and_cannot_rewind() -> None:
     tail = StreamTail("ngram_context", mx.full((2,), 2, dtype=mx.int32))
-    window = tail.extend(mx.array([10, 11, 12], dtype=mx.int32))
+    window = tail.push(mx.array([[10, 11, 12]], dtype=mx.int32))[0]
     assert window.tolist() == [2, 2, 10, 11, 12] and tail.tail.tolist() == [11, 12]
-    assert tail.extend(mx.array([13], dtype=mx.int32)).tolist() == [11, 12, 13]
+    assert tail.push(mx.array([[13]], dtype=mx.int32))[0].tolist() == [11, 12, 13]
     assert tail.position == 4 and tail.max_safe_rewind == 0
     tail.rewind(0)
     with pytest.raises(RewindError, match="'ngram_context' can rewind at most 0"):

@@ -14,8 +14,15 @@ Each layer is pre-norm mixer + pre-norm SwiGLU MLP. One layer (``ple_layer``)
 also adds a per-layer input, Gemma-PLE style: an embedding of a hash of the
 last ``ngram_n`` token ids, run through a dilated causal depthwise conv, gated
 by the hidden state, projected and normed. The head is a plain (optionally
-tied) linear. Hidden states are ``(1, L, hidden)``: one sequence, with the
-batch axis the GDN layer and MLX's fused attention want.
+tied) linear.
+
+Shapes: hidden states are ``(B, L, hidden)``: one session is ``B = 1``; a
+batch (:mod:`turbospark.batch`) stacks several sessions, row ``i`` at its own
+position ``positions[i]``. Embeddings, the n-gram PLE, every gated-DeltaNet
+layer, the norms, MLPs and head run over the whole batch; a QSA layer's
+projections and RoPE do too, but its attention runs row by row (each row
+over its own K/V columns and its own block selection) unless every row is
+still dense, when one masked attention takes them all.
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import Field, model_validator
 
+from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNDims
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.rope import apply_rope, rope_freqs
-from turbospark.state import LayerKV, State
+from turbospark.state import KVComponent, LayerKV, State
 from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_qwen4_exp.qsa import QSABudget, qsa_attention
@@ -149,16 +157,17 @@ def sanitize(weights: dict[str, mx.array], arch: Qwen4ExpConfig) -> dict[str, mx
 def ngram_hash(window: mx.array, n: int, buckets: int) -> mx.array:
     """Bucket of the n-gram ending at each position.
 
-    ``window`` is ``(n - 1 + L,)`` ids (the stored context, then the chunk);
-    returns ``(L,)`` int32 rows of ``embed_ngram``. Oldest id first:
+    ``window`` is ``(..., n - 1 + L)`` ids (the stored context, then the
+    chunk; any leading batch axes); returns ``(..., L)`` int32 rows of
+    ``embed_ngram``. Oldest id first:
     ``h = (h * NGRAM_MULTIPLIER + id + 1) mod buckets`` (the ``+ 1`` keeps id 0
     from vanishing), in int64 so no product overflows.
     """
-    length = window.shape[0] - (n - 1)
+    length = window.shape[-1] - (n - 1)
     ids = window.astype(mx.int64)
-    bucket = mx.zeros((length,), dtype=mx.int64)
+    bucket = mx.zeros((*window.shape[:-1], length), dtype=mx.int64)
     for j in range(n):
-        bucket = (bucket * NGRAM_MULTIPLIER + ids[j : j + length] + 1) % buckets
+        bucket = (bucket * NGRAM_MULTIPLIER + ids[..., j : j + length] + 1) % buckets
     return bucket.astype(mx.int32)
 
 
@@ -184,23 +193,70 @@ class QSAttention(nn.Module):
         self.rotated = int(width * arch.partial_rotary_factor)
         self._freqs = rope_freqs(self.rotated, arch.rope_theta)  # "_": not a parameter
 
-    def __call__(self, x: mx.array, start: int, kv: LayerKV, index: LayerIndex) -> mx.array:
-        """``x`` ``(1, L, hidden)`` at positions ``start..``; appends to *kv* and *index*."""
-        _, length, _ = x.shape
-        # (1, L, heads * dim) -> (1, L, heads, dim) -> (1, heads, L, dim)
-        q = self.q_norm(self.q_proj(x).reshape(1, length, self.heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(1, length, self.kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(1, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
-        q = apply_rope(q, start, self.rotated, self._freqs)
-        k = apply_rope(k, start, self.rotated, self._freqs)
+    def __call__(
+        self,
+        x: mx.array,
+        positions: list[int],
+        offset: int | mx.array,
+        kv: LayerKV | BatchLayerKV,
+        index: LayerIndex | list[LayerIndex],
+    ) -> mx.array:
+        """``x`` ``(B, L, hidden)``, row ``i`` at positions ``positions[i]..``
+        (*offset*: the same for RoPE, an int for one session, ``(B,)`` for a
+        batch); appends to *kv* and *index* (one session's, or a batch's: one
+        index per row)."""
+        batch, length, _ = x.shape
+        # (B, L, heads * dim) -> (B, L, heads, dim) -> (B, heads, L, dim)
+        q = self.q_norm(self.q_proj(x).reshape(batch, length, self.heads, -1))
+        k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, -1))
+        v = self.v_proj(x).reshape(batch, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        q = apply_rope(q.transpose(0, 2, 1, 3), offset, self.rotated, self._freqs)
+        k = apply_rope(k.transpose(0, 2, 1, 3), offset, self.rotated, self._freqs)
         keys, values, _ = kv.update_and_fetch(k, v)  # every token so far (kv has no window)
-        pooled = index.append(self.index_k_proj(x)[0])  # (blocks, index_head_dim)
-        out = qsa_attention(
-            q, keys, values, self.index_q_proj(x)[0], pooled, start, self.budget,
-            self.head_dim**-0.5,
-        )  # fmt: skip
-        # (1, heads, L, dim) -> (1, L, heads * dim)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, length, -1))
+        index_q, index_k = self.index_q_proj(x), self.index_k_proj(x)  # (B, L, index_head_dim)
+        scale = self.head_dim**-0.5
+        if isinstance(index, LayerIndex):  # one session: its K/V are exactly its tokens
+            pooled = index.append(index_k[0])  # (blocks, index_head_dim)
+            out = qsa_attention(q, keys, values, index_q[0], pooled, positions[0], self.budget, scale)  # fmt: skip
+        else:
+            assert isinstance(kv, BatchLayerKV)
+            out = self._rows(q, keys, values, index_q, index_k, positions, kv, index, scale)
+        # (B, heads, L, dim) -> (B, L, heads * dim)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def _rows(
+        self,
+        q: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        index_q: mx.array,
+        index_k: mx.array,
+        positions: list[int],
+        kv: BatchLayerKV,
+        index: list[LayerIndex],
+        scale: float,
+    ) -> mx.array:
+        """A batch's attention. Every row's index takes its keys; while every
+        row's last query is dense (at most ``top_blocks`` candidate blocks:
+        plain causal attention) one attention takes every row, masked to each
+        row's own columns; otherwise each row attends alone, over its K/V
+        columns (left-padded: row ``i``'s start at ``kv.left[i]``) and its own
+        selection, exactly as one session does, and the rows are concatenated."""
+        length = q.shape[2]
+        pooled = [row.append(index_k[i]) for i, row in enumerate(index)]
+        if all(self.budget.is_dense(start + length - 1) for start in positions):
+            mask = kv.mask(length, 0, keys.shape[2])
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        outs = []
+        for i, start in enumerate(positions):
+            left = kv.left[i]
+            outs.append(
+                qsa_attention(
+                    q[i : i + 1], keys[i : i + 1, :, left:], values[i : i + 1, :, left:],
+                    index_q[i], pooled[i], start, self.budget, scale,
+                )
+            )  # fmt: skip
+        return mx.concatenate(outs, axis=0)
 
 
 class DecoderLayer(nn.Module):
@@ -223,12 +279,20 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = nn.RMSNorm(hidden, eps=arch.rms_norm_eps)
 
     def __call__(
-        self, h: mx.array, start: int, state: State, slot: int, per_layer: mx.array
+        self,
+        h: mx.array,
+        positions: list[int],
+        offset: int | mx.array,
+        state: State,
+        slot: int,
+        per_layer: mx.array,
     ) -> mx.array:
-        """*slot* is this layer's index in its components (kv/qsa, or gdn)."""
+        """``h`` ``(B, L, hidden)``, row ``i`` at ``positions[i]..`` (*offset* for
+        RoPE); *slot* is this layer's index in its components (kv/qsa, or gdn)."""
         x = self.input_layernorm(h)
         if self.is_qsa:
-            mixed = self.self_attn(x, start, state["kv"][slot], state["qsa"][slot])
+            kv, index = state["kv"][slot], state["qsa"][slot]
+            mixed = self.self_attn(x, positions, offset, kv, index)
         else:
             mixed = self.linear_attn(x, state["gdn"], slot)
         h = h + mixed
@@ -267,39 +331,43 @@ class Qwen4Exp(nn.Module):
         self._slots.update({layer: i for i, layer in enumerate(arch.gdn_layers)})
 
     def per_layer_input(self, tokens: mx.array, state: State) -> mx.array:
-        """``(L,)`` ids -> ``(1, L, hidden_size_per_layer_input)`` PLE features."""
+        """``(B, L)`` ids -> ``(B, L, hidden_size_per_layer_input)`` PLE features."""
         arch = self.arch
-        window = state["ngram_context"].extend(tokens.astype(mx.int32))  # (n - 1 + L,)
+        window = state["ngram_context"].push(tokens.astype(mx.int32))  # (B, n - 1 + L)
         rows = self.model.embed_ngram(ngram_hash(window, arch.ngram_n, arch.ngram_buckets))
-        # ((kernel - 1) * dilation + L, ple): exactly the rows the causal conv reads
-        conv_in = state["ple_conv_tail"].extend(rows)
-        return self.model.ple_conv(conv_in[None])  # (1, L, ple)
+        # (B, (kernel - 1) * dilation + L, ple): exactly the rows the causal conv reads
+        conv_in = state["ple_conv_tail"].push(rows)
+        return self.model.ple_conv(conv_in)  # (B, L, ple)
 
     def __call__(
         self,
         tokens: mx.array,
-        start: int,
+        positions: list[int],
         state: State,
         vision: VisionMap | None,
         steer: LayerHook | None = None,
     ) -> mx.array:
-        """Advance every component of *state* over ``(L,)`` tokens; return the
-        final-normed hidden states ``(L, hidden)``. *steer* sees each layer's
-        output (after the MLP's residual join and its PLE); None adds no op."""
-        length = tokens.shape[0]
-        h = self.model.embed_tokens(tokens)  # (L, hidden)
+        """Advance every component of *state* over ``(B, L)`` tokens, row ``i``
+        from ``positions[i]`` (one session: ``B = 1`` and its own state; a
+        batch: the merged state); return the final-normed hidden states
+        ``(B, L, hidden)``. *steer* sees each layer's output (after the MLP's
+        residual join and its PLE); None adds no op. *vision* is one session's."""
+        length = tokens.shape[1]
+        h = self.model.embed_tokens(tokens)  # (B, L, hidden)
         if vision is not None:
             # Text-only RoPE: injected image rows use plain token positions.
-            h = vision.inject(h, start)
+            h = vision.inject(h[0], positions[0])[None]
         per_layer = self.per_layer_input(tokens, state)
-        h = h[None]  # (1, L, hidden)
+        # RoPE's offset: an int for one session, one position per row for a batch.
+        batched = not isinstance(state["kv"], KVComponent)
+        offset = mx.array(positions) if batched else positions[0]
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, start, state, self._slots[i], per_layer)
+            h = layer(h, positions, offset, state, self._slots[i], per_layer)
             if steer is not None:
                 h = steer(i, h)
         for name in ("kv", "qsa", "gdn"):
             state[name].advance(length)
-        return self.model.norm(h[0])
+        return self.model.norm(h)
 
     def head(self, hidden: mx.array) -> mx.array:
         if self.arch.tie_word_embeddings:

@@ -9,14 +9,14 @@ from turbospark.errors import InvalidInput
 from turbospark.family import CommonHooks
 from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
 from turbospark.install import load_checked
-from turbospark.layers.logits import logits_for
+from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.state import State, state_position
 from turbospark.steering import LayerHook
 from turbospark.vision import VisionMap
 from turbospark_qwen4_exp import state as state_module
 from turbospark_qwen4_exp import synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig, sanitize
-from turbospark_qwen4_exp.state import new_state
+from turbospark_qwen4_exp.state import check_batch_positions, new_state
 
 common = CommonHooks(
     "qwen4_exp", ["qwen4_exp"], Qwen4ExpConfig, state_module, synthetic.build, steerable=True
@@ -44,7 +44,7 @@ def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int
 def turbospark_forward_hidden(
     model: nn.Module, tokens: mx.array, start: int, state: State
 ) -> mx.array:
-    return model(tokens, start, state, None)  # (L, hidden)
+    return model(tokens[None], [start], state, None)[0]  # (L, hidden)
 
 
 @hookimpl
@@ -63,5 +63,19 @@ def turbospark_forward(
             f"qwen4_exp state is at position {state_position(state)}, asked to write at {start}; "
             "rewind or reset the session first"
         )
-    hidden = model(tokens, start, state, vision, steer)  # (L, hidden)
+    hidden = model(tokens[None], [start], state, vision, steer)[0]  # (L, hidden)
     return logits_for(hidden, model.head, logits)
+
+
+@hookimpl
+def turbospark_forward_batch(
+    model: nn.Module,
+    tokens: mx.array,
+    positions: list[int],
+    state: State,
+    logits: LogitsWanted,
+    steer: LayerHook | None,
+) -> mx.array | None:
+    check_batch_positions(state, positions)
+    hidden = model(tokens, positions, state, None, steer)  # (B, L, hidden)
+    return batch_logits_for(hidden, model.head, logits)

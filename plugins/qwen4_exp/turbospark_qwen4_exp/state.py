@@ -19,6 +19,13 @@ checkpoint of non-rewindable components covers them for free. ``qsa`` keeps
 every raw index key, so it can truncate exactly. The three that cannot go
 back are traceable: a speculative verify pass keeps their state after every
 token, so rejected drafts are dropped without a second forward.
+
+All five batch (:mod:`turbospark.batch`): ``kv`` and ``gdn`` are the core's
+(left-padded K/V, stacked recurrent state), the two tails stack along the
+batch axis (:class:`BatchStreamTail`), and ``qsa`` keeps each row's own
+:class:`LayerIndex` side by side (:class:`BatchQSA`), because QSA picks key
+blocks per query and so per row: the model runs those layers' attention row
+by row over each row's K/V columns.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from turbospark.batch import BatchedComponent
+from turbospark.errors import InvalidInput
 from turbospark.hookspecs import ComponentSpec
 from turbospark.layers.gated_delta import GDNComponent
 from turbospark.state import KVComponent, LayeredComponent, Snapshot, State, refuse_rewind
@@ -41,6 +50,7 @@ COMPONENTS = [
         swappable=True,
         rewindable=True,
         persistable=True,
+        batchable=True,
     ),
     ComponentSpec(
         name="gdn",
@@ -48,6 +58,7 @@ COMPONENTS = [
         swappable=False,
         rewindable=False,
         persistable=True,
+        batchable=True,
         traceable=True,
     ),
     ComponentSpec(
@@ -56,6 +67,7 @@ COMPONENTS = [
         swappable=False,
         rewindable=True,
         persistable=True,
+        batchable=True,
     ),
     ComponentSpec(
         name="ngram_context",
@@ -63,6 +75,7 @@ COMPONENTS = [
         swappable=False,
         rewindable=False,
         persistable=True,
+        batchable=True,
         traceable=True,
     ),
     ComponentSpec(
@@ -71,6 +84,7 @@ COMPONENTS = [
         swappable=False,
         rewindable=False,
         persistable=True,
+        batchable=True,
         traceable=True,
     ),
 ]
@@ -111,6 +125,16 @@ class LayerIndex:
         # (``blocks`` shrinks with ``fill``) and overwritten when they complete again.
         self.fill -= n
 
+    def view(self, fill: int) -> LayerIndex:
+        """Another index over the same arrays holding the first *fill* tokens.
+
+        Appends write only past their own ``fill``, so the two never see each
+        other's tokens while neither goes below the other's fill: this is how
+        a row joins a batch and leaves it without a copy (:class:`BatchQSA`)."""
+        other = LayerIndex(self.block_size)
+        other.keys, other.pooled, other.fill = self.keys, self.pooled, fill
+        return other
+
     @staticmethod
     def _grown(buffer: mx.array | None, used: int, need: int, like: mx.array) -> mx.array:
         capacity = 0 if buffer is None else buffer.shape[0]
@@ -120,17 +144,25 @@ class LayerIndex:
         extra = mx.zeros((grow, like.shape[1]), like.dtype)
         return extra if buffer is None else mx.concatenate([buffer[:used], extra], axis=0)
 
+    def reserve(self, length: int, like: mx.array) -> None:
+        """Room for *length* more keys (and the blocks they complete) shaped
+        like *like*, so the next :meth:`append` of that length writes in place."""
+        need = self.fill + length
+        self.keys = self._grown(self.keys, self.fill, need, like)
+        blocks = need // self.block_size
+        if blocks > self.blocks:
+            self.pooled = self._grown(self.pooled, self.blocks, blocks, like)
+
     def append(self, keys: mx.array) -> mx.array:
         """Append ``(L, index_head_dim)`` keys; return the pooled keys of every
         block complete after them, ``(blocks, index_head_dim)``."""
         length = keys.shape[0]
         old_blocks = self.blocks
-        self.keys = self._grown(self.keys, self.fill, self.fill + length, keys)
+        self.reserve(length, keys)
         self.keys[self.fill : self.fill + length] = keys
         self.fill += length
         new_blocks = self.blocks
         if new_blocks > old_blocks:
-            self.pooled = self._grown(self.pooled, old_blocks, new_blocks, keys)
             size = self.block_size
             rows = self.keys[old_blocks * size : new_blocks * size]
             # (new blocks * size, dim) -> (new blocks, size, dim): one mean per block
@@ -170,6 +202,88 @@ class QSAComponent(LayeredComponent[LayerIndex]):
 
     def __init__(self, num_layers: int, block_size: int):
         super().__init__("qsa", [LayerIndex(block_size) for _ in range(num_layers)])
+        self.block_size = block_size
+
+    @classmethod
+    def merge(cls, parts: list[QSAComponent]) -> BatchQSA:
+        """Several sessions' indexes side by side: a view of each, no copy. What
+        a session's own index holds never changes: the batch writes only past
+        its fill (see :meth:`LayerIndex.view`), so a failed batch leaves it intact."""
+        layers = [
+            [part.layers[i].view(part.layers[i].fill) for part in parts]
+            for i in range(len(parts[0].layers))
+        ]
+        return BatchQSA(parts[0].block_size, layers)
+
+    @classmethod
+    def adopt(cls, layers: list[LayerIndex], block_size: int, position: int) -> QSAComponent:
+        """A component made of existing *layers* at *position* (a row leaving a batch)."""
+        component = cls(0, block_size)
+        component.layers = layers
+        component._position = position
+        return component
+
+
+class BatchQSA:
+    """The ``qsa`` component of several sessions: per QSA layer, each row's
+    own :class:`LayerIndex` (``layers[layer][row]``), side by side.
+
+    QSA chooses key blocks per query, so rows never share a selection and
+    the model runs these layers' attention row by row; keeping the rows'
+    one-row indexes makes joining and leaving moves of references, and the
+    indexer math exactly the one-row code's. A step appends to every row's
+    index in place past its ``fill`` (after :meth:`prepare`), so the fills
+    are all :meth:`hold` needs to undo it, and a row going back just drops
+    its last keys, as :meth:`LayerIndex.rewind` does.
+    """
+
+    name = "qsa"
+
+    def __init__(self, block_size: int, layers: list[list[LayerIndex]]):
+        self.block_size = block_size
+        self.layers = layers
+
+    def __getitem__(self, index: int) -> list[LayerIndex]:
+        return self.layers[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        return [a for rows in self.layers for row in rows for a in row.arrays()]
+
+    def advance(self, n: int) -> None:
+        del n  # positions are per row, kept by the rows themselves
+
+    def extend(self, other: BatchedComponent) -> None:
+        assert isinstance(other, BatchQSA)
+        self.layers = [
+            mine + theirs for mine, theirs in zip(self.layers, other.layers, strict=True)
+        ]
+
+    def filter(self, rows: list[int]) -> None:
+        self.layers = [[layer[row] for row in rows] for layer in self.layers]
+
+    def prepare(self, length: int) -> None:
+        for layer in self.layers:
+            for row in layer:
+                if row.keys is not None:  # a fresh row allocates on its first append
+                    row.reserve(length, row.keys)
+
+    def hold(self) -> object:
+        return [[row.fill for row in layer] for layer in self.layers]
+
+    def rollback(self, held: object) -> None:
+        assert isinstance(held, list)
+        for layer, fills in zip(self.layers, held, strict=True):
+            for row, fill in zip(layer, fills, strict=True):
+                row.fill = fill
+
+    def extract(self, row: int, position: int, back: int, held: object | None) -> QSAComponent:
+        del held  # rewindable: a row going back drops its last keys
+        layers = [layer[row].view(layer[row].fill - back) for layer in self.layers]
+        return QSAComponent.adopt(layers, self.block_size, position)
 
 
 class StreamTail:
@@ -178,7 +292,9 @@ class StreamTail:
     A causal operator over a short window (an n-gram hash, a dilated conv)
     needs only this tail between calls. ``initial`` is what stands before the
     first token: EOS ids for the n-gram context, zero rows for the conv. Not
-    rewindable: rows that fall out of the window are gone.
+    rewindable: rows that fall out of the window are gone. Several sessions'
+    tails merge into a :class:`BatchStreamTail`; both take and return a batch
+    axis first, so the model calls either the same way.
     """
 
     def __init__(self, name: str, initial: mx.array):
@@ -186,7 +302,7 @@ class StreamTail:
         self.initial = initial
         self.tail = initial
         self._position = 0
-        self._traced: tuple[mx.array, int] | None = None  # (window, tokens) of a traced extend
+        self._traced: tuple[mx.array, int] | None = None  # (window, tokens) of a traced push
         self._tracing = False
 
     @property
@@ -201,22 +317,29 @@ class StreamTail:
     def max_safe_rewind(self) -> int:
         return 0
 
-    def extend(self, rows: mx.array) -> mx.array:
-        """Append ``(L, ...)`` rows; return ``(tail + L, ...)``: the stored tail
-        followed by *rows*, which is exactly the window a causal operator needs."""
-        window = mx.concatenate([self.tail, rows], axis=0)
+    def push(self, rows: mx.array) -> mx.array:
+        """Append ``(1, L, ...)`` rows (one session: a batch of one); return
+        ``(1, tail + L, ...)``: the stored tail followed by *rows*, which is
+        exactly the window a causal operator needs."""
+        window = mx.concatenate([self.tail, rows[0]], axis=0)
         self.tail = window[window.shape[0] - self.initial.shape[0] :]
-        self._position += rows.shape[0]
+        self._position += rows.shape[1]
         if self._tracing:
-            self._traced, self._tracing = (window, rows.shape[0]), False
-        return window
+            self._traced, self._tracing = (window, rows.shape[1]), False
+        return window[None]
+
+    @classmethod
+    def merge(cls, parts: list[StreamTail]) -> BatchStreamTail:
+        """Several sessions' tails stacked along the batch axis (a copy of a few rows each)."""
+        first = parts[0]
+        return BatchStreamTail(first.name, first.initial, mx.stack([p.tail for p in parts]))
 
     def trace(self) -> None:
-        """Keep the window of the next :meth:`extend` (a speculative verify pass)."""
+        """Keep the window of the next :meth:`push` (a speculative verify pass)."""
         self._tracing, self._traced = True, None
 
     def keep_traced(self, n: int) -> None:
-        """Become the tail after the first *n* rows of the traced extend."""
+        """Become the tail after the first *n* rows of the traced push."""
         traced, self._traced = self._traced, None
         if traced is None or not 0 <= n <= traced[1]:
             raise refuse_rewind(self.name, 0 if traced is None else traced[1] - n, 0)
@@ -243,6 +366,96 @@ class StreamTail:
         self.tail = snapshot["tail"]
         self._tracing, self._traced = False, None
         self._position = int(snapshot["position"].item())
+
+
+class BatchStreamTail:
+    """The tails of several sessions, ``(B, rows, ...)``: row ``i`` is session
+    ``i``'s :class:`StreamTail`. Every row takes the same number of new rows a
+    step (decode: one; a batched prefill: the same chunk length), so the
+    window a causal operator needs is one concatenation for the whole batch.
+
+    Not rewindable: a step replaces :attr:`tail` (never writes it in place), so
+    :meth:`hold` keeps the reference from before it, which undoes a failed
+    step and is what a row going back that step leaves with. Not traced: the
+    engine's drafted rounds run alone, through the one-row component.
+    """
+
+    def __init__(self, name: str, initial: mx.array, tail: mx.array):
+        self.name = name
+        self.initial = initial  # one session's tail before its first token
+        self.tail = tail
+        self._step = 0  # rows the coming step appends (prepare)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tail.nbytes
+
+    def arrays(self) -> list[mx.array]:
+        return [self.tail]
+
+    def advance(self, n: int) -> None:
+        del n  # positions are per row, kept by the rows themselves
+
+    def push(self, rows: mx.array) -> mx.array:
+        """Append ``(B, L, ...)`` rows; return ``(B, tail + L, ...)``."""
+        window = mx.concatenate([self.tail, rows], axis=1)
+        self.tail = window[:, window.shape[1] - self.initial.shape[0] :]
+        return window
+
+    def extend(self, other: BatchedComponent) -> None:
+        assert isinstance(other, BatchStreamTail)
+        self.tail = mx.concatenate([self.tail, other.tail], axis=0)
+
+    def filter(self, rows: list[int]) -> None:
+        if rows == list(range(len(rows))):
+            self.tail = self.tail[: len(rows)]
+        else:
+            self.tail = self.tail[mx.array(rows)]
+
+    def prepare(self, length: int) -> None:
+        self._step = length
+
+    def hold(self) -> object:
+        return self.tail, self._step
+
+    def rollback(self, held: object) -> None:
+        assert isinstance(held, tuple)
+        self.tail = held[0]
+
+    def extract(self, row: int, position: int, back: int, held: object | None) -> StreamTail:
+        """Row *row* on its own at *position*; going back (the whole step, never
+        part of it) reads the tail *held* before the step."""
+        tail = self.tail
+        if back:
+            before, step = held if isinstance(held, tuple) else (None, 0)
+            if before is None or back != step:
+                raise refuse_rewind(self.name, back, step)
+            tail = before
+        one = StreamTail(self.name, self.initial)
+        one.tail = mx.contiguous(tail[row])
+        one._position = position
+        return one
+
+
+def check_batch_positions(state: State, positions: list[int]) -> None:
+    """Refuse a batched step whose rows are not where their state stopped,
+    before anything moves: the tails and the recurrent state only continue
+    from there, and QSA reads a row's K/V as exactly its tokens so far. Each
+    row's index keeps one key per token, so its fill is the row's position."""
+    qsa = state["qsa"]
+    assert isinstance(qsa, BatchQSA), "a batched step takes the merged state"
+    for layer in qsa.layers[:1]:
+        if len(layer) != len(positions):
+            raise InvalidInput(
+                f"a qwen4_exp batch of {len(layer)} rows was given {len(positions)} positions; "
+                "pass one position per row"
+            )
+        for row, (index, position) in enumerate(zip(layer, positions, strict=True)):
+            if index.fill != position:
+                raise InvalidInput(
+                    f"qwen4_exp batch row {row} is at position {index.fill}, asked to write at "
+                    f"{position}; pass each row's own position"
+                )
 
 
 def new_state(arch: Qwen4ExpConfig, dtype: mx.Dtype) -> State:
