@@ -87,6 +87,7 @@ from turbospark.server.schemas import (
 )
 from turbospark.server.sessions import ROUTES as PAGE_ROUTES
 from turbospark.server.settings import ServerLimits
+from turbospark.server.sse import TextEvent, sse
 from turbospark.server.tools import (
     StreamSplitter,
     Tool,
@@ -404,7 +405,12 @@ class Service:
         running = len(jobs)
         try:
             while running:
-                index, item = await deadline.run(queue.get(), "while generating")
+                if queue.empty():
+                    index, item = await deadline.run(queue.get(), "while generating")
+                elif deadline.expired:  # what is queued is not waited for, so check here
+                    raise deadline.error("while generating")
+                else:  # a step's chunks come together: no timeout armed for each
+                    index, item = queue.get_nowait()
                 if isinstance(item, Exception):
                     raise item
                 yield index, item
@@ -450,17 +456,9 @@ class EventStream(StreamingResponse):
             self.ticket.release()
 
 
-def _sse(payload: BaseModel | dict[str, Any] | str) -> str:
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump_json(exclude_none=False)
-    elif isinstance(payload, dict):
-        payload = json.dumps(payload)
-    return f"data: {payload}\n\n"
-
-
 async def _sse_stream(
     chunks: AsyncIterator[tuple[int, Chunk]],
-    render: Callable[[int, Chunk], BaseModel | None],
+    render: Callable[[int, Chunk], BaseModel | str | None],
     usage_event: Callable[[Usage], BaseModel] | None,
     n: int,
     param: str,
@@ -472,19 +470,21 @@ async def _sse_stream(
     try:
         async for index, chunk in chunks:
             event = render(index, chunk)
-            if event is not None:
-                yield _sse(event)
+            if isinstance(event, str):  # pre-encoded (sse.TextEvent)
+                yield event
+            elif event is not None:
+                yield sse(event)
             if chunk.stats is not None:
                 stats[index] = chunk.stats
         if usage_event is not None:
-            yield _sse(usage_event(Usage.of_choices([stats[i] for i in sorted(stats)], n)))
+            yield sse(usage_event(Usage.of_choices([stats[i] for i in sorted(stats)], n)))
     except APIError as exc:  # the deadline
-        yield _sse(error_json(exc.body))
+        yield sse(error_json(exc.body))
     except TurbosparkError as exc:
-        yield _sse(error_json(refusal(exc, param).body))
+        yield sse(error_json(refusal(exc, param).body))
     except Exception as exc:  # the headers are sent: report in-band, then end the stream
-        yield _sse(error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body))
-    yield _sse("[DONE]")
+        yield sse(error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body))
+    yield sse("[DONE]")
 
 
 def _message(text: str, syntax: ToolSyntax | None) -> AssistantMessage:
@@ -542,12 +542,20 @@ async def _chat(
 
     started: set[int] = set()
     splitters: dict[int, StreamSplitter] = {}
+    created = int(time.time())  # every chunk of one completion carries the same time
+    texts: dict[int, TextEvent] = {}
 
-    def render(index: int, chunk: Chunk) -> BaseModel | None:
-        """Each choice's first event carries the role; empty deltas are not sent."""
+    def render(index: int, chunk: Chunk) -> BaseModel | str | None:
+        """Each choice's first event carries the role; empty deltas are not sent.
+        A plain text delta (most events) is filled into its pre-encoded event."""
         first = index not in started
-        if chunk.finish_reason is None and not chunk.text and not first and not chunk.logprobs:
-            return None
+        if chunk.finish_reason is None and not chunk.logprobs and not first:
+            if not chunk.text:
+                return None
+            if syntax is None:
+                if index not in texts:
+                    texts[index] = TextEvent(chunk_of(index, Delta(content=TextEvent.MARK)))
+                return texts[index](chunk.text)
         started.add(index)
         text, calls, finish = chunk.text, None, chunk.finish_reason
         if syntax is not None:  # prose goes out at once; tool-call blocks when the choice ends
@@ -567,11 +575,20 @@ async def _chat(
         logprobs = None
         if chunk.logprobs is not None and chunk.token is not None:
             logprobs = chat_logprobs(codec, [chunk.token], [chunk.logprobs])
+        return chunk_of(index, delta, finish, logprobs)
+
+    def chunk_of(
+        index: int, delta: Delta, finish: str | None = None, logprobs: Any = None
+    ) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return ChatCompletionChunk(id=ident, model=service.model_id, choices=[choice])
+        return ChatCompletionChunk(
+            id=ident, created=created, model=service.model_id, choices=[choice]
+        )
 
     def usage_event(usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(id=ident, model=service.model_id, choices=[], usage=usage)
+        return ChatCompletionChunk(
+            id=ident, created=created, model=service.model_id, choices=[], usage=usage
+        )
 
     events = _sse_stream(
         service.chunks(choices, deadline),
@@ -637,11 +654,18 @@ async def _complete(
         )
 
     offsets: dict[int, int] = {}
+    created = int(time.time())  # every chunk of one completion carries the same time
+    texts: dict[int, TextEvent] = {}
 
-    def render(index: int, chunk: Chunk) -> BaseModel | None:
+    def render(index: int, chunk: Chunk) -> BaseModel | str | None:
         echo = echoes[index // body.n] if index not in offsets else ""
         if not chunk.text and not echo and chunk.finish_reason is None and not chunk.logprobs:
             return None
+        if not echo and chunk.finish_reason is None and not chunk.logprobs and index in offsets:
+            offsets[index] += len(chunk.text)  # a plain text delta: its pre-encoded event
+            if index not in texts:
+                texts[index] = TextEvent(text_chunk(TextChoice(index=index, text=TextEvent.MARK)))
+            return texts[index](chunk.text)
         offset = offsets.setdefault(index, 0)
         logprobs = None
         if chunk.logprobs is not None and chunk.token is not None:
@@ -653,10 +677,15 @@ async def _complete(
             finish_reason=chunk.finish_reason,
             logprobs=logprobs,
         )
-        return TextCompletion(id=ident, model=service.model_id, choices=[choice])
+        return text_chunk(choice)
+
+    def text_chunk(choice: TextChoice) -> TextCompletion:
+        return TextCompletion(id=ident, created=created, model=service.model_id, choices=[choice])
 
     def usage_event(usage: Usage) -> BaseModel:
-        return TextCompletion(id=ident, model=service.model_id, choices=[], usage=usage)
+        return TextCompletion(
+            id=ident, created=created, model=service.model_id, choices=[], usage=usage
+        )
 
     events = _sse_stream(
         service.chunks(choices, deadline),
