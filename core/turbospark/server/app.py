@@ -403,20 +403,28 @@ class Service:
         for job in leads(jobs):  # one prefill per prompt, its other choices forked
             self.engine.submit(job)
         running = len(jobs)
+        # One timer for the whole generation puts the deadline's error in the
+        # queue, instead of a timeout armed around every chunk's wait.
+        remaining = deadline.remaining()
+        timer = None
+        if remaining is not None:
+            overdue = deadline.error("while generating")
+            timer = asyncio.get_running_loop().call_later(
+                remaining, queue.put_nowait, (-1, overdue)
+            )
         try:
             while running:
-                if queue.empty():
-                    index, item = await deadline.run(queue.get(), "while generating")
-                elif deadline.expired:  # what is queued is not waited for, so check here
+                if deadline.expired:  # chunks queued ahead of the timer's error
                     raise deadline.error("while generating")
-                else:  # a step's chunks come together: no timeout armed for each
-                    index, item = queue.get_nowait()
+                index, item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
                 yield index, item
                 if item.finish_reason is not None:
                     running -= 1
         finally:
+            if timer is not None:
+                timer.cancel()
             for job in jobs:
                 job.cancelled.set()
             self.engine.wake()
