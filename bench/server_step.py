@@ -22,6 +22,12 @@ whether it prefilled. Reported:
 - ``loop_cpu_ms_per_step`` / ``runner_cpu_ms_per_step``: CPU time of the
   event loop's thread and of the runner thread over the whole timed run
   (from ``/proc``, so load-independent), divided by the decode steps;
+  ``text_cpu_ms_per_request``: the prompt pool's threads (chat template and
+  tokenizer; the template holds the GIL) per request; ``other_cpu_ms_per_step``:
+  the rest of the process (MLX's own threads: on the CPU, the compute);
+- ``time`` / ``runner_cpu``: wall and runner CPU seconds in steps that
+  prefilled, decode-only steps of the full batch and of fewer rows, and
+  (wall) between steps;
 - ``steps``, ``full_steps``, ``prefill_steps`` and each batch size's steps;
 - aggregate completion tok/s and TTFT p50 of the clients.
 
@@ -194,10 +200,15 @@ def measure_server(
             log.profiles = {kind: cProfile.Profile(time.thread_time) for kind in ("prefill", "decode", "loop")}  # fmt: skip
             # The event loop's thread (the bridge the warm-up burst made knows it).
             _on_loop(app.state.service._loop_bridge.loop, log.profiles["loop"].enable)
-        cpu0 = {name: _thread_cpu_s(tid) for name, tid in (("runner", runner_tid), ("loop", loop_tid))}  # fmt: skip
+        # The prompt pool (chat template and tokenizer) holds the GIL while it renders.
+        text = [t.native_id for t in threading.enumerate() if t.name.startswith("turbospark-text")]
+        tids = {"runner": [runner_tid], "loop": [loop_tid], "text": [t for t in text if t]}
+        cpu0 = {name: sum(_thread_cpu_s(t) for t in ids) for name, ids in tids.items()}
         process0 = time.process_time()
         run = drive(base, clients, plan, plan.seed, plan.reply_tokens)
-        cpu = {name: _thread_cpu_s(tid) - cpu0[name] for name, tid in (("runner", runner_tid), ("loop", loop_tid))}  # fmt: skip
+        text = [t.native_id for t in threading.enumerate() if t.name.startswith("turbospark-text")]
+        tids["text"] = [t for t in text if t]  # the pool starts its threads on demand
+        cpu = {name: sum(_thread_cpu_s(t) for t in ids) - cpu0[name] for name, ids in tids.items()}
         process = time.process_time() - process0
         if log.profiles is not None:
             _on_loop(app.state.service._loop_bridge.loop, log.profiles["loop"].disable)
@@ -232,7 +243,8 @@ def measure_server(
         "server_step_host_ms": ms([log.cpu[i] for i in full]),
         "loop_cpu_ms_per_step": 1e3 * cpu["loop"] / decoding,
         "runner_cpu_ms_per_step": 1e3 * cpu["runner"] / decoding,
-        "other_cpu_ms_per_step": 1e3 * (process - cpu["loop"] - cpu["runner"]) / decoding,
+        "text_cpu_ms_per_request": 1e3 * cpu["text"] / len(run["requests"]),
+        "other_cpu_ms_per_step": 1e3 * (process - sum(cpu.values())) / decoding,
         "steps": steps,
         "decode_steps": decoding,
         "full_steps": len(full),
@@ -275,7 +287,8 @@ def summary(family: str, row: dict[str, Any]) -> str:
         f"(inside step {row['server_step_inside_ms']:.2f}, runner CPU {row['server_step_host_ms']:.2f}) "
         f"vs engine step {row['engine_step_ms']:.2f} ms (CPU {row['engine_host_ms']:.2f}): "
         f"x{row['server_over_engine']:.2f} | per decode step: loop CPU {row['loop_cpu_ms_per_step']:.2f} ms, "
-        f"runner CPU {row['runner_cpu_ms_per_step']:.2f}, other {row['other_cpu_ms_per_step']:.2f} | "
+        f"runner CPU {row['runner_cpu_ms_per_step']:.2f}, other {row['other_cpu_ms_per_step']:.2f}; "
+        f"prompt pool CPU {row['text_cpu_ms_per_request']:.2f} ms a request | "
         f"{row['completion_tok_s']:.0f} tok/s, TTFT p50 {1e3 * row['ttft_p50_s']:.0f} ms | "
         f"steps {row['steps']} (full {row['full_steps']}, prefill {row['prefill_steps']})\n"
         f"    time: "
