@@ -21,6 +21,7 @@ one request may hold (bytes, a queue place, time) is bounded in ``limits.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import sys
@@ -388,11 +389,22 @@ class Service:
     async def chunks(
         self, draws: list[Draw], deadline: Deadline
     ) -> AsyncIterator[tuple[int, Chunk]]:
+        """Each draw's chunks, tagged with its index, one at a time (:meth:`chunk_batches`)."""
+        async with contextlib.aclosing(self.chunk_batches(draws, deadline)) as batches:
+            async for batch in batches:
+                for pair in batch:
+                    yield pair
+
+    async def chunk_batches(
+        self, draws: list[Draw], deadline: Deadline
+    ) -> AsyncIterator[list[tuple[int, Chunk]]]:
         """Each draw's chunks, tagged with its index, as the engine produces them,
-        within the deadline. The draws are rows of the engine's batch. When the
-        consumer stops (a client that left, the deadline, a draw that failed)
-        every draw is cancelled: its row is freed at the engine's next step, and
-        one given up while still queued never starts."""
+        within the deadline: every chunk queued by the time the consumer asks,
+        in order, so a stream that fell behind the engine catches up in one
+        write. The draws are rows of the engine's batch. When the consumer
+        stops (a client that left, the deadline, a draw that failed) every draw
+        is cancelled: its row is freed at the engine's next step, and one given
+        up while still queued never starts."""
         bridge = self._bridge(asyncio.get_running_loop())
         queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
 
@@ -416,12 +428,24 @@ class Service:
             while running:
                 if deadline.expired:  # chunks queued ahead of the timer's error
                     raise deadline.error("while generating")
-                index, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield index, item
-                if item.finish_reason is not None:
-                    running -= 1
+                batch: list[tuple[int, Chunk]] = []
+                failed: Exception | None = None
+                pair = await queue.get()
+                while True:
+                    index, item = pair
+                    if isinstance(item, Exception):
+                        failed = item
+                        break
+                    batch.append((index, item))
+                    if item.finish_reason is not None:
+                        running -= 1
+                    if not running or queue.empty():
+                        break
+                    pair = queue.get_nowait()
+                if batch:
+                    yield batch
+                if failed is not None:
+                    raise failed
         finally:
             if timer is not None:
                 timer.cancel()
@@ -465,25 +489,30 @@ class EventStream(StreamingResponse):
 
 
 async def _sse_stream(
-    chunks: AsyncIterator[tuple[int, Chunk]],
+    batches: AsyncIterator[list[tuple[int, Chunk]]],
     render: Callable[[int, Chunk], BaseModel | str | None],
     usage_event: Callable[[Usage], BaseModel] | None,
     n: int,
     param: str,
 ) -> AsyncIterator[str]:
-    """SSE events for the choices' chunks; the usage event (when asked) comes
-    once every choice is done. An error after the headers went out can only be
-    reported in-band, as an ``error`` event."""
+    """SSE events for the choices' chunks, the events of the chunks that came
+    together sent in one write; the usage event (when asked) comes once every
+    choice is done. An error after the headers went out can only be reported
+    in-band, as an ``error`` event."""
     stats: dict[int, GenerationStats] = {}
     try:
-        async for index, chunk in chunks:
-            event = render(index, chunk)
-            if isinstance(event, str):  # pre-encoded (sse.TextEvent)
-                yield event
-            elif event is not None:
-                yield sse(event)
-            if chunk.stats is not None:
-                stats[index] = chunk.stats
+        async for batch in batches:
+            events = []
+            for index, chunk in batch:
+                event = render(index, chunk)
+                if isinstance(event, str):  # pre-encoded (sse.TextEvent)
+                    events.append(event)
+                elif event is not None:
+                    events.append(sse(event))
+                if chunk.stats is not None:
+                    stats[index] = chunk.stats
+            if events:
+                yield "".join(events)
         if usage_event is not None:
             yield sse(usage_event(Usage.of_choices([stats[i] for i in sorted(stats)], n)))
     except APIError as exc:  # the deadline
@@ -599,7 +628,7 @@ async def _chat(
         )
 
     events = _sse_stream(
-        service.chunks(choices, deadline),
+        service.chunk_batches(choices, deadline),
         render,
         usage_event if body.include_usage else None,
         body.n,
@@ -696,7 +725,7 @@ async def _complete(
         )
 
     events = _sse_stream(
-        service.chunks(choices, deadline),
+        service.chunk_batches(choices, deadline),
         render,
         usage_event if body.include_usage else None,
         body.n,
