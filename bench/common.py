@@ -177,6 +177,36 @@ for _family, _dims in _LARGE.items():
     SIZES[_family]["large"] = _dims
     SIZES[_family]["chat_large"] = {**_dims, "vocab_size": SIZES[_family]["chat"]["vocab_size"]}
 
+# The server's host-bound proxy (bench/server_step.py): chat_large's depth
+# (16 layers, so the step builds as many ops as on the H200) at widths so small
+# that the CPU computes a step in about the time the H200 does, and the step is
+# bound by the host's Python and graph work, as it is there.
+SIZES["gemma4"]["chat_host"] = {
+    "vocab_size": SIZES["gemma4"]["chat"]["vocab_size"],
+    "num_layers": 16,
+    "hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "intermediate_size": 128,
+    "hidden_size_per_layer_input": 8,
+    "sliding_window": 512,
+}
+SIZES["qwen_gdn"]["chat_host"] = {
+    "vocab_size": SIZES["qwen_gdn"]["chat"]["vocab_size"],
+    "num_layers": 16,
+    "hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "intermediate_size": 128,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
 # The expert cache's benchmark (bench/experts.py): MoE installs whose routed
 # experts are most of the weights (no PLE, as in the MoE releases). "moe":
 # ~200 MB of float32 experts against ~10 MB of the rest, for the CPU;

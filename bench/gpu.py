@@ -3,7 +3,7 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|step_cost|constrain|draft|experts|steering|tp|batch_decode] [--profile]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|server_step|step_cost|constrain|draft|experts|steering|tp|batch_decode] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family), and so does
 ``batch_decode``: qwen4_exp's batched decode against its row-by-row decode
@@ -18,6 +18,11 @@ decode loop into ``OUT_DIR``, one text file per family.
 ``step_cost`` times the engine's batched decode step alone at B = 8 and 16
 on the ``chat_{size}`` install (host CPU time against wall time per step,
 and the top functions: :mod:`bench.step_cost`).
+``server_step`` serves the ``chat_{size}`` install in process to 16 chat
+clients and compares its decode step with the engine's step alone (thread
+CPU times, where the time between steps goes, cProfile of the runner thread
+and of the event loop: :mod:`bench.server_step`); ``concurrency`` runs it
+too, after both servers, as a line of its own.
 ``--only tp`` needs two GPUs (``nvidia-h200-x2``): TP=2 against TP=1 on the
 ~8B shape through NCCL (``bench/tp.py``), whatever ``--size`` says.
 """
@@ -50,6 +55,7 @@ from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
+from bench.server_step import bench_server_step
 from bench.serving import bench_servers
 from bench.steering import bench_steering
 from bench.step_cost import measure as measure_step
@@ -71,6 +77,7 @@ def main() -> None:
             "interleaved",
             "serving",
             "concurrency",
+            "server_step",
             "step_cost",
             "constrain",
             "draft",
@@ -158,6 +165,11 @@ def main() -> None:
                     result = bench_interleaved(path, GPU.chat)
                 elif piece == "concurrency":
                     result = bench_concurrency(path, GPU.concurrency, args.out / "logs")
+                    emit(family, piece, result, started)
+                    started, piece = time.perf_counter(), "server_step"
+                    result = bench_server_step(path, 16, GPU.server_step, profile=True)
+                elif piece == "server_step":
+                    result = bench_server_step(path, 16, GPU.server_step, profile=True)
                 elif piece == "step_cost":
                     result = [measure_step(path, b, 100, 0.0, profile=True) for b in (8, 16)]
                 else:

@@ -12,6 +12,8 @@ pool against no pool, in process), ``serving`` (the same chats over HTTP,
 ``turbospark serve`` against ``mlx_lm.server``), ``concurrency`` (N clients
 at once, each a multi-turn chat, against both servers), ``swap`` (swap cost against
 history length, pool memory), ``dispatch`` (the hook path's per-token cost),
+``server_step`` (the server's decode step against its engine's step alone,
+on the host-bound ``chat_host`` shapes: :mod:`bench.server_step`),
 ``constrain`` (constrained decoding's per-token cost, llguidance against
 xgrammar, on a 151,643-token vocabulary; once, not per family), ``draft``
 (speculative decoding: tok/s against acceptance and depth, against off),
@@ -48,18 +50,22 @@ from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.interleaved import bench_interleaved
 from bench.report import headline, print_constrain, print_table
+from bench.server_step import bench_server_step
 from bench.serving import bench_servers
 from bench.steering import bench_steering
 from bench.swap import bench_swap
 from bench.workload import ChatWorkload
 
 SECTIONS = (
-    "forward", "interleaved", "serving", "concurrency", "swap", "dispatch", "constrain", "draft",
-    "experts", "steering", "batch_decode",
+    "forward", "interleaved", "serving", "concurrency", "server_step", "swap", "dispatch",
+    "constrain", "draft", "experts", "steering", "batch_decode",
 )  # fmt: skip
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
+
+
+SERVER_STEP = ConcurrencyPlan(clients=(16,))  # 16 clients, 3 turns, 64 tokens a reply
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,9 @@ class Plan:
         (32, 256),
         32,
     )
+    # bench/server_step.py: clients (its one level), turns, reply tokens; the install size
+    server_step: ConcurrencyPlan = SERVER_STEP
+    server_step_size: str = "chat_host"
 
 
 QUICK = Plan(
@@ -109,6 +118,7 @@ QUICK = Plan(
     swap_vs_mlx_lm=False,
     dispatch_tokens=128,
     concurrency=ConcurrencyPlan(clients=(1, 8), reply_tokens=32),
+    server_step=ConcurrencyPlan(clients=(8,), turns=2, reply_tokens=32),
     draft_depths=(1, 2, 4, 6),
     draft_accuracies=(1.0, 0.5, 0.0),
     draft_tokens=32,
@@ -144,6 +154,7 @@ GPU = Plan(
     dispatch_tokens=200,
     concurrency=ConcurrencyPlan(clients=(1, 16)),
     chat_size="chat_large",
+    server_step_size="chat_large",
     draft_size="large",
     draft_tokens=128,
     experts_size="moe_large",
@@ -177,6 +188,11 @@ def run_family(
         result["serving"] = bench_servers(chat, plan.chat, out / "logs")
     if "concurrency" in sections:
         result["concurrency"] = bench_concurrency(chat, plan.concurrency, out / "logs")
+    if "server_step" in sections:
+        plan_step = plan.server_step
+        result["server_step"] = bench_server_step(
+            install(family, plan.server_step_size, dtype, cache), plan_step.clients[0], plan_step
+        )
     if "swap" in sections:
         result["swap"] = bench_swap(
             install(family, plan.swap_size, dtype, cache),

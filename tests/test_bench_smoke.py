@@ -28,6 +28,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             forward,
             interleaved,
             report,
+            server_step,
             session_disk,
             steering,
             swap,
@@ -48,6 +49,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "forward": forward,
         "interleaved": interleaved,
         "report": report,
+        "server_step": server_step,
         "swap": swap,
         "session_disk": session_disk,
         "steering": steering,
@@ -155,6 +157,20 @@ def test_concurrency_workload_and_ratios(bench: dict) -> None:
     assert "ratio_refused" in c.compare(level, 4) and "tok_s_ratio" not in c.compare(level, 4)
     level["mlx_lm"] = c.medians([run(20.0, 9, 3)])
     assert not c.compare(level, 4)["same_completion_tokens"]
+
+
+@pytest.mark.slow  # a server, a client subprocess, an engine run: ~10 s
+def test_server_step(bench: dict) -> None:
+    """The server in process, clients in a subprocess: every step recorded, the
+    threads' CPU read, and the engine's step alone beside it."""
+    plan = bench["concurrency"].ConcurrencyPlan(clients=(2,), turns=2, reply_tokens=6)
+    out = bench["server_step"].bench_server_step(bench["gemma4"], 2, plan, steps=5, profile=True)
+    assert out["decode_steps"] >= 6 and out["steps_per_batch"].get(2, 0) >= 1
+    assert out["loop_cpu_ms_per_step"] > 0 and out["runner_cpu_ms_per_step"] > 0
+    assert out["engine_step_ms"] > 0 and out["server_over_engine"] > 0
+    assert out["completion_tok_s"] > 0 and set(out["time"]) >= {"prefill_s", "decode_full_s"}
+    assert out["top_own_cpu_ms_loop"] and out["top_cumulative_cpu_ms_decode"]
+    assert bench["server_step"].summary("gemma4", out)
 
 
 def test_constrain(bench: dict) -> None:

@@ -527,3 +527,25 @@ def test_a_batched_step_reads_the_ids_queued_by_the_step_before(gemma4_install, 
     assert seen and all(seen)
     for job in jobs:
         assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, request):
+    """Compiled pieces that are not shapeless trace once per batch size: the
+    warm-up runs the batched decode at each size up to ``max_batch`` before the
+    first real request, then forgets its sessions."""
+    install = request.getfixturevalue(f"{family}_install")
+    runner = open_runner(install)
+    engine = Engine(runner, load_text(install), max_batch=4, prefill_budget=16)
+    sizes: list[int] = []
+    real = engine._batch.step
+
+    def step():
+        sizes.append(len(engine._batch.rows))
+        return real()
+
+    engine._batch.step = step
+    engine.warm_up([2, *range(5, 25)])
+    assert set(sizes) == {1, 2, 3, 4}
+    assert not engine.warming and engine.active_rows == 0 and engine.queue_depth == 0
+    assert all(session.position == 0 for session in runner.sessions())

@@ -133,3 +133,44 @@ def test_serving_hands_the_gil_back_fast_and_restores_the_interval(install, code
     with ThreadedServer(app):
         assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
     assert sys.getswitchinterval() == before
+
+
+def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, codec):
+    """``Service.chunk_batches`` hands over every chunk queued by the time the
+    consumer asks (one write for a stream that fell behind the engine), and
+    the chunks are the ones the one-at-a-time iterator gives."""
+    import asyncio
+
+    from turbospark.server.schemas import ChatCompletionRequest
+
+    worker = RunnerWorker()
+
+    def open_runner() -> Runner:
+        runner = Runner.open(install, context_length=CONTEXT, session_slots=2)
+        runner.set_prefix_reuse(True)
+        return runner
+
+    service = create_app(worker.run(open_runner), codec, worker=worker, max_batch=2).state.service
+    body = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "about comets"}],
+         "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    )  # fmt: skip
+
+    async def main() -> tuple[list, list]:
+        draws, _ = await service.chat_draws(body, service.deadline())
+        alone = [pair async for pair in service.chunks(draws, service.deadline())]
+        draws, _ = await service.chat_draws(body, service.deadline())
+        batches = []
+        async for batch in service.chunk_batches(draws, service.deadline()):
+            batches.append(batch)
+            await asyncio.sleep(0.3)  # a slow client: the engine runs ahead
+        return alone, batches
+
+    service.start(None)
+    try:
+        alone, batches = asyncio.run(main())
+    finally:
+        service.stop()
+    seen = lambda pairs: [(i, c.token, c.text, c.finish_reason) for i, c in pairs]  # noqa: E731
+    assert seen(pair for batch in batches for pair in batch) == seen(alone)
+    assert len(alone) == 13 and max(len(batch) for batch in batches) > 1

@@ -436,20 +436,33 @@ class Engine:
                         self._wake.wait(timeout=0.05)
         self._run_calls()
 
-    def warm_up(self, ids: list[int], rows: int = 2) -> None:
-        """Run *rows* copies of a short request to the end, so the prefill, the
-        one-row decode and the batched decode are built (and, on a GPU, their
-        kernels compiled) before the first real request is admitted. Requests
-        that arrive meanwhile wait in the queue; the warm-up's sessions are
-        forgotten afterwards."""
-        config = GenerationConfig(max_tokens=3, temperature=0.0, stop_token_ids=[])
+    def warm_up(self, ids: list[int], rows: int | None = None) -> None:
+        """Run *rows* (default ``max_batch``) short requests to the end, so the
+        prefill, the batched prefill and the batched decode at every batch size
+        are built (and, on a GPU, their kernels compiled) before the first real
+        request is admitted: the first request prefills *ids*, the others a
+        few of its tokens, and they stop one step apart, so the batch decodes
+        at each size from ``rows`` down to one (compiled pieces that are not
+        shapeless trace once per batch size, e.g. the gated-DeltaNet step).
+        Requests that arrive meanwhile wait in the queue; the warm-up's
+        sessions are forgotten afterwards."""
+        count = min(rows or self.max_batch, self.max_batch)
+        short = ids[: min(len(ids), 8)]
+        jobs = [  # the long prompt joins the batch last, so it stops last
+            Job(
+                ids=list(ids if k == 0 else short),
+                config=GenerationConfig(
+                    max_tokens=8 + (count + 2 if k == 0 else k), temperature=0.0, stop_token_ids=[]
+                ),
+                emit=lambda item: None,
+                warm_up=True,
+            )
+            for k in range(count)
+        ]
         self.warming = True
         started = time.perf_counter()
         with self._wake:
-            for _ in range(min(rows, self.max_batch)):
-                self._queue.appendleft(
-                    Job(ids=list(ids), config=config, emit=lambda item: None, warm_up=True)
-                )
+            self._queue.extendleft(reversed(jobs))
         try:
             while self.step():
                 pass

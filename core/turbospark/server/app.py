@@ -21,6 +21,7 @@ one request may hold (bytes, a queue place, time) is bounded in ``limits.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import sys
@@ -87,6 +88,7 @@ from turbospark.server.schemas import (
 )
 from turbospark.server.sessions import ROUTES as PAGE_ROUTES
 from turbospark.server.settings import ServerLimits
+from turbospark.server.sse import TextEvent, sse
 from turbospark.server.tools import (
     StreamSplitter,
     Tool,
@@ -387,11 +389,22 @@ class Service:
     async def chunks(
         self, draws: list[Draw], deadline: Deadline
     ) -> AsyncIterator[tuple[int, Chunk]]:
+        """Each draw's chunks, tagged with its index, one at a time (:meth:`chunk_batches`)."""
+        async with contextlib.aclosing(self.chunk_batches(draws, deadline)) as batches:
+            async for batch in batches:
+                for pair in batch:
+                    yield pair
+
+    async def chunk_batches(
+        self, draws: list[Draw], deadline: Deadline
+    ) -> AsyncIterator[list[tuple[int, Chunk]]]:
         """Each draw's chunks, tagged with its index, as the engine produces them,
-        within the deadline. The draws are rows of the engine's batch. When the
-        consumer stops (a client that left, the deadline, a draw that failed)
-        every draw is cancelled: its row is freed at the engine's next step, and
-        one given up while still queued never starts."""
+        within the deadline: every chunk queued by the time the consumer asks,
+        in order, so a stream that fell behind the engine catches up in one
+        write. The draws are rows of the engine's batch. When the consumer
+        stops (a client that left, the deadline, a draw that failed) every draw
+        is cancelled: its row is freed at the engine's next step, and one given
+        up while still queued never starts."""
         bridge = self._bridge(asyncio.get_running_loop())
         queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
 
@@ -402,15 +415,40 @@ class Service:
         for job in leads(jobs):  # one prefill per prompt, its other choices forked
             self.engine.submit(job)
         running = len(jobs)
+        # One timer for the whole generation puts the deadline's error in the
+        # queue, instead of a timeout armed around every chunk's wait.
+        remaining = deadline.remaining()
+        timer = None
+        if remaining is not None:
+            overdue = deadline.error("while generating")
+            timer = asyncio.get_running_loop().call_later(
+                remaining, queue.put_nowait, (-1, overdue)
+            )
         try:
             while running:
-                index, item = await deadline.run(queue.get(), "while generating")
-                if isinstance(item, Exception):
-                    raise item
-                yield index, item
-                if item.finish_reason is not None:
-                    running -= 1
+                if deadline.expired:  # chunks queued ahead of the timer's error
+                    raise deadline.error("while generating")
+                batch: list[tuple[int, Chunk]] = []
+                failed: Exception | None = None
+                pair = await queue.get()
+                while True:
+                    index, item = pair
+                    if isinstance(item, Exception):
+                        failed = item
+                        break
+                    batch.append((index, item))
+                    if item.finish_reason is not None:
+                        running -= 1
+                    if not running or queue.empty():
+                        break
+                    pair = queue.get_nowait()
+                if batch:
+                    yield batch
+                if failed is not None:
+                    raise failed
         finally:
+            if timer is not None:
+                timer.cancel()
             for job in jobs:
                 job.cancelled.set()
             self.engine.wake()
@@ -450,41 +488,40 @@ class EventStream(StreamingResponse):
             self.ticket.release()
 
 
-def _sse(payload: BaseModel | dict[str, Any] | str) -> str:
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump_json(exclude_none=False)
-    elif isinstance(payload, dict):
-        payload = json.dumps(payload)
-    return f"data: {payload}\n\n"
-
-
 async def _sse_stream(
-    chunks: AsyncIterator[tuple[int, Chunk]],
-    render: Callable[[int, Chunk], BaseModel | None],
+    batches: AsyncIterator[list[tuple[int, Chunk]]],
+    render: Callable[[int, Chunk], BaseModel | str | None],
     usage_event: Callable[[Usage], BaseModel] | None,
     n: int,
     param: str,
 ) -> AsyncIterator[str]:
-    """SSE events for the choices' chunks; the usage event (when asked) comes
-    once every choice is done. An error after the headers went out can only be
-    reported in-band, as an ``error`` event."""
+    """SSE events for the choices' chunks, the events of the chunks that came
+    together sent in one write; the usage event (when asked) comes once every
+    choice is done. An error after the headers went out can only be reported
+    in-band, as an ``error`` event."""
     stats: dict[int, GenerationStats] = {}
     try:
-        async for index, chunk in chunks:
-            event = render(index, chunk)
-            if event is not None:
-                yield _sse(event)
-            if chunk.stats is not None:
-                stats[index] = chunk.stats
+        async for batch in batches:
+            events = []
+            for index, chunk in batch:
+                event = render(index, chunk)
+                if isinstance(event, str):  # pre-encoded (sse.TextEvent)
+                    events.append(event)
+                elif event is not None:
+                    events.append(sse(event))
+                if chunk.stats is not None:
+                    stats[index] = chunk.stats
+            if events:
+                yield "".join(events)
         if usage_event is not None:
-            yield _sse(usage_event(Usage.of_choices([stats[i] for i in sorted(stats)], n)))
+            yield sse(usage_event(Usage.of_choices([stats[i] for i in sorted(stats)], n)))
     except APIError as exc:  # the deadline
-        yield _sse(error_json(exc.body))
+        yield sse(error_json(exc.body))
     except TurbosparkError as exc:
-        yield _sse(error_json(refusal(exc, param).body))
+        yield sse(error_json(refusal(exc, param).body))
     except Exception as exc:  # the headers are sent: report in-band, then end the stream
-        yield _sse(error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body))
-    yield _sse("[DONE]")
+        yield sse(error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body))
+    yield sse("[DONE]")
 
 
 def _message(text: str, syntax: ToolSyntax | None) -> AssistantMessage:
@@ -542,12 +579,20 @@ async def _chat(
 
     started: set[int] = set()
     splitters: dict[int, StreamSplitter] = {}
+    created = int(time.time())  # every chunk of one completion carries the same time
+    texts: dict[int, TextEvent] = {}
 
-    def render(index: int, chunk: Chunk) -> BaseModel | None:
-        """Each choice's first event carries the role; empty deltas are not sent."""
+    def render(index: int, chunk: Chunk) -> BaseModel | str | None:
+        """Each choice's first event carries the role; empty deltas are not sent.
+        A plain text delta (most events) is filled into its pre-encoded event."""
         first = index not in started
-        if chunk.finish_reason is None and not chunk.text and not first and not chunk.logprobs:
-            return None
+        if chunk.finish_reason is None and not chunk.logprobs and not first:
+            if not chunk.text:
+                return None
+            if syntax is None:
+                if index not in texts:
+                    texts[index] = TextEvent(chunk_of(index, Delta(content=TextEvent.MARK)))
+                return texts[index](chunk.text)
         started.add(index)
         text, calls, finish = chunk.text, None, chunk.finish_reason
         if syntax is not None:  # prose goes out at once; tool-call blocks when the choice ends
@@ -567,14 +612,23 @@ async def _chat(
         logprobs = None
         if chunk.logprobs is not None and chunk.token is not None:
             logprobs = chat_logprobs(codec, [chunk.token], [chunk.logprobs])
+        return chunk_of(index, delta, finish, logprobs)
+
+    def chunk_of(
+        index: int, delta: Delta, finish: str | None = None, logprobs: Any = None
+    ) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return ChatCompletionChunk(id=ident, model=service.model_id, choices=[choice])
+        return ChatCompletionChunk(
+            id=ident, created=created, model=service.model_id, choices=[choice]
+        )
 
     def usage_event(usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(id=ident, model=service.model_id, choices=[], usage=usage)
+        return ChatCompletionChunk(
+            id=ident, created=created, model=service.model_id, choices=[], usage=usage
+        )
 
     events = _sse_stream(
-        service.chunks(choices, deadline),
+        service.chunk_batches(choices, deadline),
         render,
         usage_event if body.include_usage else None,
         body.n,
@@ -637,11 +691,18 @@ async def _complete(
         )
 
     offsets: dict[int, int] = {}
+    created = int(time.time())  # every chunk of one completion carries the same time
+    texts: dict[int, TextEvent] = {}
 
-    def render(index: int, chunk: Chunk) -> BaseModel | None:
+    def render(index: int, chunk: Chunk) -> BaseModel | str | None:
         echo = echoes[index // body.n] if index not in offsets else ""
         if not chunk.text and not echo and chunk.finish_reason is None and not chunk.logprobs:
             return None
+        if not echo and chunk.finish_reason is None and not chunk.logprobs and index in offsets:
+            offsets[index] += len(chunk.text)  # a plain text delta: its pre-encoded event
+            if index not in texts:
+                texts[index] = TextEvent(text_chunk(TextChoice(index=index, text=TextEvent.MARK)))
+            return texts[index](chunk.text)
         offset = offsets.setdefault(index, 0)
         logprobs = None
         if chunk.logprobs is not None and chunk.token is not None:
@@ -653,13 +714,18 @@ async def _complete(
             finish_reason=chunk.finish_reason,
             logprobs=logprobs,
         )
-        return TextCompletion(id=ident, model=service.model_id, choices=[choice])
+        return text_chunk(choice)
+
+    def text_chunk(choice: TextChoice) -> TextCompletion:
+        return TextCompletion(id=ident, created=created, model=service.model_id, choices=[choice])
 
     def usage_event(usage: Usage) -> BaseModel:
-        return TextCompletion(id=ident, model=service.model_id, choices=[], usage=usage)
+        return TextCompletion(
+            id=ident, created=created, model=service.model_id, choices=[], usage=usage
+        )
 
     events = _sse_stream(
-        service.chunks(choices, deadline),
+        service.chunk_batches(choices, deadline),
         render,
         usage_event if body.include_usage else None,
         body.n,
