@@ -36,12 +36,16 @@ def codec(install: Path) -> TextCodec:
     return load_text(install)
 
 
+def _slots(install: Path, wanted: int) -> int:
+    """qwen4_exp parks nothing (only its kv is swappable): one slot, its live session."""
+    return 1 if install.name.startswith("batch-qwen4_exp") else wanted
+
+
 @pytest.fixture(scope="module")
 def server(install: Path, codec: TextCodec) -> Iterator[ThreadedServer]:
     worker = RunnerWorker()
 
-    # qwen4_exp parks nothing (only its kv is swappable): one slot, its live session.
-    slots = 1 if install.name.startswith("batch-qwen4_exp") else 4
+    slots = _slots(install, 4)
 
     def open_runner() -> Runner:
         runner = Runner.open(install, context_length=CONTEXT, session_slots=slots)
@@ -146,7 +150,7 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, 
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=CONTEXT, session_slots=2)
+        runner = Runner.open(install, context_length=CONTEXT, session_slots=_slots(install, 2))
         runner.set_prefix_reuse(True)
         return runner
 
