@@ -428,7 +428,7 @@ class Runner:
     def verify(self, session: Session | None, tokens: Sequence[int], start: int) -> mx.array:
         """Feed *tokens* (a confirmed token, then drafts) at ``start..`` in one
         forward; float32 logits ``(L, vocab)``, row ``j`` for the token after
-        ``tokens[j]``. Traceable components keep every token's state, so
+        ``tokens[j]``. Traceable components can give their state after any token, so
         :meth:`accept` cuts back to any prefix without a second forward."""
         live = session or self._live
         self.check_ids(tokens)  # before any component is told to trace
