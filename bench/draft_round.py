@@ -52,7 +52,7 @@ from turbospark.text import load_text
 PROMPT_TOKENS = 16
 # The methods a round calls, by phase: (owner, attribute).
 PHASES: dict[str, list[tuple[Any, str]]] = {
-    "propose": [(ReplayDrafter, "propose"), (ReplayDrafter, "propose_ahead")],
+    "propose": [(ReplayDrafter, "propose")],
     "verify_build": [(runner_module.Runner, "verify")],
     "read_accept": [(speculative, "accept_greedy"), (speculative.Speculation, "resolve")],
     "rollback_commit": [(speculative.Speculation, "commit"), (speculative.Speculation, "cut")],
@@ -109,6 +109,7 @@ def timed_run(
         "host_us_by_phase": split,
         "accepted": stats.draft_accepted,
         "proposed": stats.draft_proposed,
+        "probed": stats.draft_probed,
     }
 
 
@@ -134,18 +135,22 @@ def kernels(runner: Runner, prompt: list[int], depth: int) -> dict[str, int]:
     return counts
 
 
-def profile(family: str, depth: int, tokens: int, reps: int) -> dict[str, Any]:
+def profile(
+    family: str, depth: int, tokens: int, reps: int, accuracies: tuple[float, ...] = (1.0, 0.0)
+) -> dict[str, Any]:
     path = install(family, "tiny", "float32", DEFAULT_CACHE)
     runner = Runner.open(path, context_length=PROMPT_TOKENS + tokens + 16)
     codec = load_text(path)
     config = GenerationConfig(max_tokens=tokens, stop_token_ids=[])
     prompt = random_tokens(PROMPT_TOKENS, runner.vocab_size, seed=11)
     reference, _ = fixed_point_reference(runner, codec, prompt, config, depth)
-    rows: dict[str, list[dict[str, Any]]] = {"off": [], "drafted": []}
-    for _ in range(reps + 1):  # the first pair warms up (compiled steps, buffers)
+    rows: dict[str, list[dict[str, Any]]] = {"off": []}
+    for rep in range(reps + 1):  # the first round warms up (compiled steps, buffers)
         rows["off"].append(timed_run(runner, codec, prompt, config, None))
-        drafter = ReplayDrafter(reference, runner.vocab_size, depth)
-        rows["drafted"].append(timed_run(runner, codec, prompt, config, drafter))
+        for accuracy in accuracies:
+            drafter = ReplayDrafter(reference, runner.vocab_size, depth, accuracy, seed=rep)
+            run = timed_run(runner, codec, prompt, config, drafter)
+            rows.setdefault(f"drafted_{accuracy:.0%}", []).append(run)
     out: dict[str, Any] = {"family": family, "depth": depth, "tokens": tokens, "reps": reps}
     out["kernels"] = kernels(runner, prompt, depth)
     for name, runs in rows.items():
@@ -162,6 +167,7 @@ def profile(family: str, depth: int, tokens: int, reps: int) -> dict[str, Any]:
             },
             "accepted": runs[-1]["accepted"],
             "proposed": runs[-1]["proposed"],
+            "probed": runs[-1]["probed"],
         }
     return out
 
@@ -172,18 +178,23 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--accuracies", type=float, nargs="+", default=[1.0, 0.0])
     args = parser.parse_args()
     for family in args.family:
-        result = profile(family, args.depth, args.tokens, args.reps)
+        result = profile(family, args.depth, args.tokens, args.reps, tuple(args.accuracies))
         print(json.dumps(result))
-        off, on = result["off"], result["drafted"]
-        print(
-            f"# {family} depth {args.depth}: host us/token off {off['host_us_per_token']:.0f}, "
-            f"drafted {on['host_us_per_token']:.0f} ({on['accepted']}/{on['proposed']} accepted); "
-            f"wall us/token off {off['wall_us_per_token']:.0f}, drafted {on['wall_us_per_token']:.0f}; "
-            f"kernels {result['kernels']}",
-            file=sys.stderr,
+        off = result["off"]
+        line = (
+            f"# {family} depth {args.depth}, verify/step kernels {result['kernels']}: host us/token "
+            f"(wall) off {off['host_us_per_token']:.0f} ({off['wall_us_per_token']:.0f})"
         )
+        for name, on in result.items():
+            if name.startswith("drafted_"):
+                line += (
+                    f"; {name[8:]} {on['host_us_per_token']:.0f} ({on['wall_us_per_token']:.0f}) "
+                    f"{on['accepted']}/{on['proposed']} accepted, {on['probed']} probed"
+                )
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,11 @@ prompt rewinds nothing it does not have to.
 
 With a draft policy (or a *drafter*), a step may instead verify drafts in one
 forward and emit several tokens (:mod:`turbospark.speculative`); a round is
-committed before any of its tokens is yielded.
+committed before any of its tokens is yielded. Until a drafter has been right
+(and again after it missed), a step is a blind probe instead: the same
+pipelined step with drafts verified after the still-lazy id, which keeps only
+that id and learns from the drafts' fate one step later, so a drafter that is
+never right costs no waits.
 
 A consumer may stop iterating :func:`stream_generate` at any time (a client
 that hung up): every yield happens after a finished ``produce`` call, so the
@@ -102,6 +106,7 @@ class GenerationStats(BaseModel):
     batch_size: int = 1  # the most requests this one decoded beside, itself included
     draft_proposed: int = 0  # speculative tokens verified (turbospark.speculative)
     draft_accepted: int = 0  # of which the target agreed with
+    draft_probed: int = 0  # drafts blind probes verified to set the depth (never emitted)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -237,8 +242,8 @@ def stream_generate(
     finish: FinishReason = "length"
     while limit is None or len(generated) < limit:
         remaining = None if limit is None else limit - len(generated)
-        depth = 0 if spec is None else spec.plan(position, remaining)
-        if depth:
+        depth = 0 if spec is None or spec.probing else spec.plan(position, remaining)
+        if depth and not spec.blind:
             # A drafted round: emit what the target confirmed, then go on from its next token.
             tok = int(pending.item())
             verified = None if tok in stop_ids else spec.round(tok, position, depth)
@@ -261,16 +266,29 @@ def stream_generate(
                 pending = mx.array(verified.following)
                 continue
         more = (limit is None or len(generated) + 1 < limit) and position < runner.context_length
+        probed = False
         if more:
             # Build the next forward and its sample from the still-lazy id and
-            # queue both, before this token is read and detokenised.
-            following = runner.produce(pending, position, then=sampler)
+            # queue both, before this token is read and detokenised. A blind
+            # probe is such a forward with drafts after the id (plan() leaves
+            # room for them).
+            following = spec.probe(pending, position, depth) if depth else None
+            probed = following is not None
+            if not probed:
+                following = runner.produce(pending, position, then=sampler)
         tok = int(pending.item())
+        if spec is not None and not probed:
+            spec.settle_probe()  # the last step's probe: computed with this id
         if tok in stop_ids:
-            if more:
+            if probed:
+                spec.commit(position, 0)  # the stop id and the drafts leave
+                spec.drop_probe()
+            elif more:
                 runner.take_back()  # the stop id was fed speculatively
             finish = "stop"
             break
+        if probed:
+            spec.commit(position, 1)  # keep the id, drop the probe's drafts
         generated.append(tok)
         if more:
             position += 1
@@ -297,6 +315,7 @@ def stream_generate(
         decode_seconds=time.perf_counter() - prefilled,
         draft_proposed=0 if spec is None else spec.proposed,
         draft_accepted=0 if spec is None else spec.accepted,
+        draft_probed=0 if spec is None else spec.probed,
     )
     yield Chunk(text=tail, finish_reason=finish, stats=stats)
 

@@ -27,8 +27,18 @@ drafts one past what passed; a round with nothing accepted halves it and
 pauses drafting for 1, 2, 4 ... 64 steps (plain pipelined decode) before the
 next probe, so a hopeless drafter costs a depth-1 probe every 64 tokens at
 most. A drafter that
-proposes nothing pauses at most 8 steps: its probe is a lookup and a sync,
-no verify.
+proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
+
+Blind probes (:meth:`Speculation.probe`): until a drafter has been right, and
+again after every round with nothing accepted, the generation loop does not
+run a round (which waits for the confirmed token, then for the verify pass)
+but a plain pipelined step whose forward also carries drafts after the
+still-lazy token (:meth:`Drafter.propose_ahead`). Only that token is kept; the
+next is sampled from the pass's first row, as a plain step would; the drafts'
+fate is read one step later, with the next token, and only sets the depth. So
+a hopeless drafter costs no waits, only the verify pass's extra kernels once
+per pause (the 5% target against ``off``), and a good one starts drafting one
+step late. The engine's solo rows run rounds only.
 
 A request drafts only when it decodes alone through the one-row forward (the
 generation loop; the engine's solo rows) and samples without logits
@@ -114,6 +124,7 @@ class DepthControl:
     depth: int = 1  # start shallow: a drafter earns depth by being right
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
+    blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
 
     def next_depth(self) -> int:
         """The depth to draft now; 0 while paused (the step decodes plainly)."""
@@ -123,6 +134,7 @@ class DepthControl:
         return self.depth
 
     def record(self, proposed: int, accepted: int) -> None:
+        self.blind = accepted == 0
         if proposed and accepted == proposed:
             self.depth = min(self.max_depth, 2 * self.depth)
             self.backoff = 1
@@ -166,9 +178,67 @@ class Speculation:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
+    probed: int = 0  # drafts blind probes verified (not emitted; see probe())
+    # A blind probe in flight: the target's choice after each of its drafts, and them.
+    _probe: tuple[mx.array, list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.control = DepthControl(self.drafter.max_depth)
+
+    @property
+    def blind(self) -> bool:
+        """Whether the next drafted step should be a blind :meth:`probe` (nothing
+        accepted yet, or since the last miss) rather than a :meth:`round`."""
+        return self.control.blind and self.drafter.guesses_ahead
+
+    @property
+    def probing(self) -> bool:
+        """A probe's outcome is not read yet: the step after it is plain (reading
+        it earlier would wait for the probe's forward)."""
+        return self._probe is not None
+
+    def probe(self, pending: mx.array, position: int, depth: int) -> mx.array | None:
+        """A blind round, which costs no wait: verify drafts after the still-lazy
+        *pending* token (:meth:`Drafter.propose_ahead`), queued as a plain step
+        is, before *pending* is read. Only *pending* is kept (:meth:`cut` with 1
+        once it is read and not a stop); the next token is sampled from the
+        pass's first row, as a plain step samples it, and returned (lazy). The
+        drafts' fate is read with that token (:meth:`settle_probe`) and only
+        sets the depth: a drafter that keeps failing costs the verify pass's
+        extra kernels every probe, not a wait and a lost overlap. None: the
+        drafter had nothing to propose (the caller takes a plain step)."""
+        drafts = self.drafter.propose_ahead([*self.prompt, *self.generated], depth).tokens
+        drafts = drafts[:depth]
+        if not drafts:
+            self.control.record(0, 0)
+            return None
+
+        def sample_and_choose(logits: mx.array) -> tuple[mx.array, mx.array]:
+            choice = mx.argmax(logits[: len(drafts)], axis=-1)  # (k,): the target after each
+            return self.sampler(logits[0]), choice
+
+        following, choice = self.runner.verify(
+            self.session, [pending, *drafts], position, then=sample_and_choose
+        )
+        self._probe = (choice, drafts)
+        self.probed += len(drafts)
+        return following
+
+    def settle_probe(self) -> None:
+        """Read the last probe's outcome (computed with the token it sampled, which
+        the caller has read) and set the depth from it."""
+        if self._probe is None:
+            return
+        (choice, drafts), self._probe = self._probe, None
+        target = choice.tolist()
+        passed = 0
+        while passed < len(drafts) and drafts[passed] == target[passed]:
+            passed += 1
+        self.control.record(len(drafts), passed)
+
+    def drop_probe(self) -> None:
+        """Forget a probe whose confirmed token turned out a stop (it is undone)."""
+        self._probe = None
 
     def plan(self, position: int, remaining: int | None) -> int:
         """How many drafts the step at *position* may verify (0: a plain step).
@@ -205,7 +275,8 @@ class Speculation:
         return Round([token, *drafts[:accepted]], following, len(drafts))
 
     def commit(self, position: int, keep: int) -> None:
-        """Keep the first *keep* tokens the round fed at *position*; the rest leave."""
+        """Keep the first *keep* tokens the round (or probe) fed at *position*; the
+        rest leave."""
         self.runner.accept(self.session, position, keep)
 
 
