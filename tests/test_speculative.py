@@ -139,6 +139,27 @@ def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(qwen_gdn_ins
         assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
 
 
+def test_blind_probes_of_a_hopeless_drafter_end_where_off_does(install):
+    """A drafter that is never right only ever gets blind probes (a plain step's
+    forward that also verifies drafts after the unread id): nothing is proposed
+    for output, the reply and the session's record equal off's, and a probe whose
+    unread id is a stop (the first, here, and a later one) leaves nothing fed."""
+    off = off_completion(install, PROMPT)
+    for config in (
+        CONFIG,
+        CONFIG.model_copy(update={"stop_token_ids": [off.tokens[0]]}),
+        CONFIG.model_copy(update={"stop_token_ids": [off.tokens[9]]}),
+    ):
+        plain = off_completion(install, PROMPT, config)
+        runner = open_runner(install)
+        drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy=0.0)
+        drafted = generate(runner, load_text(install), PROMPT, config, drafter=drafter)
+        assert (drafted.tokens, drafted.finish_reason) == (plain.tokens, plain.finish_reason)
+        assert drafted.stats.draft_proposed == 0 and drafted.stats.draft_probed > 0
+        fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
+        assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
 # -- rollback leaves no trace --------------------------------------------------------
 
 
