@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from turbospark.draft import Draft, NgramDrafter, ReplayDrafter
 from turbospark.engine import Engine, Job
 from turbospark.errors import InvalidInput
-from turbospark.generate import GenerationConfig, generate
+from turbospark.generate import GenerationConfig, generate, stream_generate
 from turbospark.hookspecs import FamilySpec, hookimpl
 from turbospark.plugins import FamilyRegistry
 from turbospark.policies import DraftPolicies
@@ -122,7 +122,8 @@ def test_a_request_can_opt_out_of_the_policy(qwen_gdn_install):
     assert done.stats.draft_proposed == 0
 
 
-def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(qwen_gdn_install):
+def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(install):
+    qwen_gdn_install = install  # every family: chained rounds cut their rings and traces
     off = off_completion(qwen_gdn_install, PROMPT)
     stop = off.tokens[7]  # lands inside a round of depth 4
     for config in (
@@ -158,6 +159,33 @@ def test_blind_probes_of_a_hopeless_drafter_end_where_off_does(install):
         assert drafted.stats.draft_proposed == 0 and drafted.stats.draft_probed > 0
         fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
         assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+def test_a_stream_closed_inside_chained_rounds_leaves_no_unread_round(install):
+    """Greedy rounds that pass whole queue the next round before they are read;
+    a consumer that stops iterating at any token leaves the session holding only
+    tokens of the rounds it was given (a prefix of off's reply), never the
+    round queued behind them."""
+    off = off_completion(install, PROMPT)
+    reference = [*PROMPT, *off.tokens]
+    codec = load_text(install)
+    for taken in range(1, 16):
+        runner = open_runner(install)
+        drafter = ReplayDrafter(reference, runner.vocab_size, 4, accuracy=0.9, seed=taken)
+        chunks = stream_generate(runner, codec, PROMPT, CONFIG, drafter=drafter)
+        for _ in range(taken):
+            next(chunks)
+        chunks.close()
+        held = list(runner.sessions()[0].record.tokens)
+        assert held == reference[: len(held)]
+        assert len(PROMPT) + taken - 1 <= len(held) <= len(PROMPT) + taken + 4
+        assert runner.position == len(held)
+        nxt = runner.produce(reference[len(held)], len(held))
+        fresh = open_runner(install)  # the same tokens, decoded one at a time
+        fresh.prefill_chunk(PROMPT, 0)
+        for position in range(len(PROMPT), len(held) + 1):
+            expected = fresh.produce(reference[position], position)
+        np.testing.assert_allclose(np.array(nxt), np.array(expected), atol=1e-4, rtol=1e-4)
 
 
 # -- rollback leaves no trace --------------------------------------------------------

@@ -58,7 +58,7 @@ from turbospark.errors import ContextOverflow
 from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams, TokenLogprobs
-from turbospark.speculative import settle, speculation_for
+from turbospark.speculative import Queued, settle, speculation_for
 from turbospark.steering import SteeringPolicy
 from turbospark.text import StopStrings, TextCodec
 
@@ -239,25 +239,59 @@ def stream_generate(
     stops = StopStrings(config.stop)
     limit = config.max_tokens
     position = len(ids)  # where the next generated token is fed
+    inflight: Queued | None = None  # a greedy round queued behind the last one, unread
     finish: FinishReason = "length"
     while limit is None or len(generated) < limit:
         remaining = None if limit is None else limit - len(generated)
         depth = 0 if spec is None or spec.probing else spec.plan(position, remaining)
-        if depth and not spec.blind:
-            # A drafted round: emit what the target confirmed, then go on from its next token.
-            tok = int(pending.item())
-            verified = None if tok in stop_ids else spec.round(tok, position, depth)
+        if inflight is not None or (depth and not spec.blind):
+            # A drafted round: emit what the target confirmed, then go on from its next
+            # token. Greedy rounds are queued (launch) and, while they pass whole, the
+            # next is queued behind each before it is read (launch_after).
+            verified, queued, ahead = None, inflight, None
+            if queued is None:
+                tok = int(pending.item())
+                if tok in stop_ids:
+                    pass  # the plain step below ends the reply
+                elif spec.greedy:
+                    queued = spec.launch(tok, position, depth)
+                else:
+                    verified = spec.round(tok, position, depth)
+            if queued is not None:
+                if spec.chains:
+                    ahead = spec.launch_after(queued, remaining)
+                verified = spec.resolve(queued)
+            inflight = None
             if verified is not None:
                 emit, keep = settle(verified.tokens, stop_ids, remaining)
-                spec.commit(position, keep)  # before any yield: state and record agree
                 chunks = []
                 for tok in verified.tokens[:emit]:
                     generated.append(tok)
                     chunks.append(Chunk(text=stops.feed(decoder.add(tok)), token=tok))
                     if stops.stopped is not None:
                         break
-                yield from chunks
-                if stops.stopped is not None or emit < len(verified.tokens):
+                stopped = stops.stopped is not None or emit < len(verified.tokens)
+                # The round behind this one was fed after all of it: it goes on when
+                # all of this one passed, stays fed, and the reply continues.
+                goes_on = (
+                    ahead is not None
+                    and len(verified.tokens) == ahead.position - position
+                    and keep == emit == len(verified.tokens)
+                    and not stopped
+                    and verified.following not in stop_ids
+                )
+                inflight = ahead if goes_on else None
+                if inflight is None and queued is not None:
+                    spec.cut(queued, keep)  # before any yield; a round behind it leaves too
+                elif queued is None:
+                    spec.commit(position, keep)  # before any yield: state and record agree
+                try:
+                    yield from chunks
+                except GeneratorExit:  # the consumer left: no unread round stays fed
+                    if inflight is not None:
+                        spec.cut(inflight, 0)
+                    raise
+                if stopped:
                     finish = "stop"
                     break
                 if keep < emit:

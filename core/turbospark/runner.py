@@ -458,14 +458,29 @@ class Runner:
             live.state[name].trace()  # type: ignore[attr-defined]
         return self._feed(list(tokens), start, "all", session, then)
 
-    def accept(self, session: Session | None, start: int, keep: int) -> None:
+    def accept(
+        self,
+        session: Session | None,
+        start: int,
+        keep: int,
+        held: dict[str, object] | None = None,
+    ) -> None:
         """After :meth:`verify` at *start*: keep its first *keep* tokens. The rest
         leave every component (rewound, or the traced state at ``start + keep``)
-        and the record, so the session never holds a rejected token."""
+        and the record, so the session never holds a rejected token. *held*
+        (:meth:`hold`, taken after that verify): a later verify was queued since,
+        and it leaves too."""
         live = session or self._live
         for name in self.traced_components:
-            live.state[name].keep_traced(keep)  # type: ignore[attr-defined]
+            trace = None if held is None else held[name]
+            live.state[name].keep_traced(keep, trace)  # type: ignore[attr-defined]
         live.cut_to(start + keep)  # the others rewind; the record and checkpoints follow
+
+    def hold(self, session: Session | None) -> dict[str, object]:
+        """The last :meth:`verify`'s traces, so :meth:`accept` can cut inside it
+        after another verify was queued behind it (a chained round)."""
+        live = session or self._live
+        return {name: live.state[name].held_trace() for name in self.traced_components}  # type: ignore[attr-defined]
 
     def mtp_track(self, session: Session | None) -> MtpTrack:
         """*session*'s (None: the live one's) MTP K/V and hidden-state record."""

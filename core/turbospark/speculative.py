@@ -125,6 +125,11 @@ class DepthControl:
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
     blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
+    whole: bool = False  # the last round's drafts all passed: chain the next one
+
+    def after_whole(self) -> int:
+        """The depth the next round drafts if the one in flight passes whole."""
+        return min(self.max_depth, 2 * self.depth)
 
     def next_depth(self) -> int:
         """The depth to draft now; 0 while paused (the step decodes plainly)."""
@@ -135,6 +140,7 @@ class DepthControl:
 
     def record(self, proposed: int, accepted: int) -> None:
         self.blind = accepted == 0
+        self.whole = bool(proposed) and accepted == proposed
         if proposed and accepted == proposed:
             self.depth = min(self.max_depth, 2 * self.depth)
             self.backoff = 1
@@ -158,6 +164,22 @@ class Round:
     tokens: list[int]
     following: int
     proposed: int
+
+
+@dataclass
+class Queued:
+    """A greedy round queued and not read yet (:meth:`Speculation.launch`)."""
+
+    position: int
+    token: int | None  # the confirmed token; None until read (a chained round's is lazy)
+    drafts: list[int]
+    choice: mx.array  # (k + 1,): the target's greedy token after each fed one
+    bonus: mx.array  # choice's last entry, its own array (a chained round feeds it unread)
+    held: dict[str, object] | None = None  # its traces, once a round is queued behind it
+
+    @property
+    def fed(self) -> int:
+        return 1 + len(self.drafts)
 
 
 @dataclass
@@ -273,6 +295,82 @@ class Speculation:
         self.accepted += accepted
         self.rounds += 1
         return Round([token, *drafts[:accepted]], following, len(drafts))
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: rounds are queued and read once (:meth:`launch`)."""
+        return self.sampler.params.temperature == 0.0
+
+    @property
+    def chains(self) -> bool:
+        """Queue the next round before this one is read (:meth:`launch` with its
+        bonus): greedy, a drafter that can guess past an unread token, and the
+        last round passed whole, so this one likely does too."""
+        return self.greedy and self.drafter.guesses_ahead and self.control.whole
+
+    def launch(self, token: int, position: int, depth: int) -> Queued | None:
+        """Queue a greedy round after the confirmed *token* (read): drafts, one
+        verify pass, and the target's choices, all unread. None: the drafter had
+        nothing (the caller takes a plain step)."""
+        drafts = self.drafter.propose([*self.prompt, *self.generated, token], depth).tokens
+        if not drafts[:depth]:
+            self.control.record(0, 0)
+            return None
+        return self._queue(token, drafts[:depth], position)
+
+    def launch_after(self, queued: Queued, remaining: int | None) -> Queued | None:
+        """Queue the round that follows *queued* if it passes whole: its first
+        token is *queued*'s unread bonus, its drafts guessed past it
+        (:meth:`Drafter.propose_ahead`). Waits for *queued* to finish computing
+        (not for this one). None when the reply or the context has no room for
+        it, or the drafter had nothing; *queued*'s traces are held, so it can
+        still be cut anywhere (:meth:`cut`)."""
+        position = queued.position + queued.fed
+        if remaining is not None:
+            remaining -= queued.fed
+        room = self.runner.context_length - position - 1
+        cap = room if remaining is None else min(room, remaining - 1)
+        depth = min(cap, self.control.after_whole())
+        if depth <= 0:
+            return None
+        assert queued.token is not None
+        context = [*self.prompt, *self.generated, queued.token, *queued.drafts]
+        drafts = self.drafter.propose_ahead(context, depth).tokens[:depth]
+        if not drafts:
+            return None
+        queued.held = self.runner.hold(self.session)
+        after = self._queue(queued.bonus, drafts, position)
+        after.token = int(queued.bonus.item())  # read by the verify, after queueing it
+        return after
+
+    def _queue(self, token: int | mx.array, drafts: list[int], position: int) -> Queued:
+        def choose(logits: mx.array) -> tuple[mx.array, mx.array]:
+            choice = mx.argmax(logits, axis=-1)  # (k + 1,)
+            return choice, mx.argmax(logits[-1])
+
+        choice, bonus = self.runner.verify(self.session, [token, *drafts], position, then=choose)
+        first = token if isinstance(token, int) else None
+        return Queued(position, first, drafts, choice, bonus)
+
+    def resolve(self, queued: Queued) -> Round:
+        """Read a queued round's choices (the one wait per round) and decide:
+        drafts pass while they equal the target's choice before them."""
+        assert queued.token is not None
+        choice = queued.choice.tolist()
+        drafts = queued.drafts
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
+            accepted += 1
+        self.control.record(len(drafts), accepted)
+        self.proposed += len(drafts)
+        self.accepted += accepted
+        self.rounds += 1
+        return Round([queued.token, *drafts[:accepted]], choice[accepted], len(drafts))
+
+    def cut(self, queued: Queued, keep: int) -> None:
+        """Keep the first *keep* tokens *queued* fed; the rest, and any round
+        queued behind it, leave."""
+        self.runner.accept(self.session, queued.position, keep, queued.held)
 
     def commit(self, position: int, keep: int) -> None:
         """Keep the first *keep* tokens the round (or probe) fed at *position*; the

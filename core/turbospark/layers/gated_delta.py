@@ -545,6 +545,17 @@ mix_traced = mx.compile(partial(mix, traced=True))
 Rebuild = Callable[[int], tuple[mx.array, mx.array]]
 
 
+@dataclass
+class TracedPass:
+    """A traced forward (a verify pass): where it started, how many tokens it
+    fed, and per layer the ``(tail, recurrent)`` before it and the
+    :data:`Rebuild` of its state after its first n tokens."""
+
+    start: int
+    layers: list[tuple[tuple[mx.array | None, mx.array | None], Rebuild] | None]
+    length: int = 0
+
+
 class GDNComponent:
     """Per linear layer: the conv tail ``(1, K-1, conv_dim)`` and the float32
     recurrent matrix ``(1, Hv, Dv, Dk)``.
@@ -566,11 +577,7 @@ class GDNComponent:
         self._states: list[mx.array | None] = [None] * num_layers
         self._position = 0
         self.tracing = False  # the next forward keeps every token's state (trace())
-        # After a traced forward, per layer: (tail, recurrent) before it, and what
-        # builds them after its first n tokens (gated_delta.traced_layer).
-        self._traced: list[tuple[tuple[mx.array | None, mx.array | None], Rebuild] | None] | None
-        self._traced = None
-        self._traced_length = 0
+        self._traced: TracedPass | None = None  # the last traced forward's
 
     def layer(self, index: int) -> tuple[mx.array | None, mx.array | None]:
         return self._tails[index], self._states[index]
@@ -585,37 +592,47 @@ class GDNComponent:
         """A traced forward's layer *index*: its state after the last token, and
         *rebuild* (n -> its state after the first n tokens, 1 or more)."""
         assert self._traced is not None, "set_layer_traced outside a traced forward"
-        self._traced[index] = (self.layer(index), rebuild)
+        self._traced.layers[index] = (self.layer(index), rebuild)
         self.set_layer(index, tail, recurrent)
 
     def advance(self, n: int) -> None:
         """Called by the family once per forward, after every layer has run."""
         self._position += n
         if self.tracing:
-            self._traced_length, self.tracing = n, False
+            assert self._traced is not None
+            self._traced.length, self.tracing = n, False
 
     # -- speculative rollback (turbospark.speculative) -----------------------------
 
     def trace(self) -> None:
         """Keep the state after every token of the next forward (a verify pass)."""
         self.tracing = True
-        self._traced = [None] * len(self._tails)
+        self._traced = TracedPass(self._position, [None] * len(self._tails))
 
-    def keep_traced(self, n: int) -> None:
-        """Become the state after the first *n* tokens of the traced forward; the
-        trace is dropped. All of it kept: nothing to do (the state is current);
-        none: the held references from before it; otherwise each layer's state
-        there is built from the trace (one matmul, lazily)."""
-        traced, self._traced = self._traced, None
-        length = self._traced_length
-        if traced is None or not 0 <= n <= length:
-            raise refuse_rewind(self.name, length - n, 0 if traced is None else length)
-        if n < length:
-            for i, layer in enumerate(traced):
+    def held_trace(self) -> TracedPass | None:
+        """The last traced forward, for a :meth:`keep_traced` after later
+        forwards (a chained round queued before this one was read)."""
+        return self._traced
+
+    def keep_traced(self, n: int, held: object | None = None) -> None:
+        """Become the state after the first *n* tokens of the last traced forward,
+        or of *held* (:meth:`held_trace`; anything fed after it leaves too); the
+        trace is dropped. The last one kept whole: nothing to do (the state is
+        current); none: the held references from before it; otherwise each
+        layer's state there is built from the trace (one matmul, lazily)."""
+        traced = self._traced if held is None else held
+        assert traced is None or isinstance(traced, TracedPass)
+        current = traced is self._traced
+        self._traced = None
+        if traced is None or not 0 <= n <= traced.length:
+            length = 0 if traced is None else traced.length
+            raise refuse_rewind(self.name, length - n, length)
+        if not (current and n == traced.length):
+            for i, layer in enumerate(traced.layers):
                 assert layer is not None, f"layer {i} ran no traced forward"
                 before, rebuild = layer
                 self._tails[i], self._states[i] = before if n == 0 else rebuild(n)
-        self._position -= length - n
+        self._position = traced.start + n
 
     @property
     def position(self) -> int:
