@@ -22,7 +22,7 @@ from turbospark.plugins import FamilyRegistry
 from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
-from turbospark.speculative import MAX_PAUSE, DepthControl, accept_sampled
+from turbospark.speculative import MAX_PAUSE, DepthControl, Speculation, accept_sampled
 from turbospark.text import load_text
 
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
@@ -159,6 +159,34 @@ def test_blind_probes_of_a_hopeless_drafter_end_where_off_does(install):
         assert drafted.stats.draft_proposed == 0 and drafted.stats.draft_probed > 0
         fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
         assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+def test_chained_rounds_cut_inside_a_round_read_short(install, monkeypatch):
+    """At 90% some rounds pass whole (the next is chained behind them) and some
+    chained ones are read short and cut back through their held traces; the
+    reply and the session still equal off's."""
+    chained, cut_held = [], []
+    launch_after, accept = Speculation.launch_after, Runner.accept
+
+    def counting_launch_after(self, queued, remaining):
+        after = launch_after(self, queued, remaining)
+        chained.append(after is not None)
+        return after
+
+    def counting_accept(self, session, start, keep, held=None):
+        cut_held.append(held is not None)
+        return accept(self, session, start, keep, held)
+
+    monkeypatch.setattr(Speculation, "launch_after", counting_launch_after)
+    monkeypatch.setattr(Runner, "accept", counting_accept)
+    config = CONFIG.model_copy(update={"max_tokens": 48})
+    off = off_completion(install, PROMPT, config)
+    runner = open_runner(install)
+    drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, 0.9, seed=1)
+    drafted = generate(runner, load_text(install), PROMPT, config, drafter=drafter)
+    assert drafted.tokens == off.tokens
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+    assert any(chained) and any(cut_held)
 
 
 def test_a_stream_closed_inside_chained_rounds_leaves_no_unread_round(install):

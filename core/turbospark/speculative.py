@@ -40,6 +40,17 @@ a hopeless drafter costs no waits, only the verify pass's extra kernels once
 per pause (the 5% target against ``off``), and a good one starts drafting one
 step late. The engine's solo rows run rounds only.
 
+Chained rounds (greedy; :meth:`Speculation.launch_after`): a round is queued
+(:meth:`Speculation.launch`: drafts, the verify pass and the target's choices
+computed on the device, nothing read) and, once two rounds in a row passed
+whole, the next round is queued behind it before it is read: its first token
+is this round's unread bonus, its drafts are guessed past it. The host then
+builds round ``r + 1`` while round ``r`` computes, and reads each round once.
+A round read short is cut back inside itself through its held traces
+(:meth:`Runner.hold`), and the round behind it leaves with everything after
+the cut; so between steps the session may hold one unread round, never once
+the reply is over (nor when its consumer stops reading).
+
 A request drafts only when it decodes alone through the one-row forward (the
 generation loop; the engine's solo rows) and samples without logits
 processors or logprobs (those see every sampled token one at a time).
@@ -125,7 +136,7 @@ class DepthControl:
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
     blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
-    whole: bool = False  # the last round's drafts all passed: chain the next one
+    streak: int = 0  # rounds in a row whose drafts all passed (2 or more: chain them)
 
     def after_whole(self) -> int:
         """The depth the next round drafts if the one in flight passes whole."""
@@ -140,7 +151,7 @@ class DepthControl:
 
     def record(self, proposed: int, accepted: int) -> None:
         self.blind = accepted == 0
-        self.whole = bool(proposed) and accepted == proposed
+        self.streak = self.streak + 1 if proposed and accepted == proposed else 0
         if proposed and accepted == proposed:
             self.depth = min(self.max_depth, 2 * self.depth)
             self.backoff = 1
@@ -303,10 +314,11 @@ class Speculation:
 
     @property
     def chains(self) -> bool:
-        """Queue the next round before this one is read (:meth:`launch` with its
-        bonus): greedy, a drafter that can guess past an unread token, and the
-        last round passed whole, so this one likely does too."""
-        return self.greedy and self.drafter.guesses_ahead and self.control.whole
+        """Queue the next round before this one is read (:meth:`launch_after`):
+        greedy, a drafter that can guess past an unread token, and the last two
+        rounds passed whole, so this one likely does too (a round queued behind
+        one read short is built for nothing)."""
+        return self.greedy and self.drafter.guesses_ahead and self.control.streak >= 2
 
     def launch(self, token: int, position: int, depth: int) -> Queued | None:
         """Queue a greedy round after the confirmed *token* (read): drafts, one
