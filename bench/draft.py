@@ -94,6 +94,7 @@ def bench_draft(
             "proposed": done.stats.draft_proposed,
             "accepted": done.stats.draft_accepted,
             "acceptance": done.stats.draft_accepted / max(1, done.stats.draft_proposed),
+            "probed": done.stats.draft_probed,
             "output_equals_off": None if expected is None else done.tokens == expected,
         }
 

@@ -22,7 +22,13 @@ from turbospark.plugins import FamilyRegistry
 from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
-from turbospark.speculative import MAX_PAUSE, DepthControl, Speculation, accept_sampled
+from turbospark.speculative import (
+    MAX_PAUSE,
+    MAX_WAITING_PAUSE,
+    DepthControl,
+    Speculation,
+    accept_sampled,
+)
 from turbospark.text import load_text
 
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
@@ -311,6 +317,18 @@ def test_a_hopeless_drafter_is_probed_rarely():
             rounds += 1
             control.record(depth, 0)
     assert rounds < 2000 / MAX_PAUSE + 10
+
+
+def test_a_hopeless_drafter_whose_probes_wait_backs_off_faster():
+    control = DepthControl(max_depth=4, waits=True)
+    probes = []
+    for step in range(2000):
+        depth = control.next_depth()
+        if depth:
+            probes.append(step)
+            control.record(depth, 0)
+    assert probes[:5] == [0, 2, 7, 24, 89]  # pauses of 1, 4, 16, 64
+    assert len(probes) < 2000 / MAX_WAITING_PAUSE + 6
 
 
 def test_a_perfect_drafter_reaches_full_depth_and_stays():

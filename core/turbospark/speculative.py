@@ -26,7 +26,7 @@ whose drafts all pass doubles the depth (up to ``max_depth``); a partial one
 drafts one past what passed; a round with nothing accepted halves it and
 pauses drafting for 1, 2, 4 ... 64 steps (plain pipelined decode) before the
 next probe, so a hopeless drafter costs a depth-1 probe every 64 tokens at
-most. A drafter that
+most (a drafter without blind probes, below: 1, 4, 16 ... 256 steps). A drafter that
 proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
 
 Blind probes (:meth:`Speculation.probe`): until a drafter has been right, and
@@ -73,6 +73,9 @@ MAX_PAUSE = 64  # plain steps between probes of a drafter that keeps failing
 # ... and between lookups of one that keeps proposing nothing: such a probe costs
 # only a sync (no verify), and prompt lookup finds matches in bursts.
 MAX_IDLE_PAUSE = 8
+# A drafter whose probes wait (no blind probes: the MTP head reads the confirmed id)
+# backs off 4x per miss up to this: a waiting probe costs about a step and a half.
+MAX_WAITING_PAUSE = 256
 
 
 # -- acceptance -------------------------------------------------------------------
@@ -135,6 +138,7 @@ class DepthControl:
     depth: int = 1  # start shallow: a drafter earns depth by being right
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
+    waits: bool = False  # its probes wait for the confirmed token (no blind probes)
     blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
     streak: int = 0  # rounds in a row whose drafts all passed (2 or more: chain them)
 
@@ -161,7 +165,10 @@ class DepthControl:
         else:  # nothing proposed, or nothing passed: pause, longer each time
             self.depth = max(1, self.depth // 2)
             self.pause = self.backoff if proposed else min(self.backoff, MAX_IDLE_PAUSE)
-            self.backoff = min(MAX_PAUSE, 2 * self.backoff)
+            if self.waits and proposed:
+                self.backoff = min(MAX_WAITING_PAUSE, 4 * self.backoff)
+            else:
+                self.backoff = min(MAX_PAUSE, 2 * self.backoff)
 
 
 # -- a request's drafting ----------------------------------------------------------
@@ -216,7 +223,7 @@ class Speculation:
     _probe: tuple[mx.array, list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.control = DepthControl(self.drafter.max_depth)
+        self.control = DepthControl(self.drafter.max_depth, waits=not self.drafter.guesses_ahead)
 
     @property
     def blind(self) -> bool:
