@@ -167,6 +167,20 @@ def test_blind_probes_of_a_hopeless_drafter_end_where_off_does(install):
         assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
 
 
+def test_a_sampled_reply_with_blind_probes_equals_off_by_seed(qwen_gdn_install):
+    """At temperature > 0 a blind probe's emitted token is drawn from its first
+    row with the step's own key, as a plain step draws it: a drafter that is
+    never right leaves the seeded sampled reply exactly what off gives."""
+    config = CONFIG.model_copy(update={"temperature": 0.8, "top_k": 8, "seed": 3})
+    off = off_completion(qwen_gdn_install, PROMPT, config)
+    runner = open_runner(qwen_gdn_install)
+    drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy=0.0)
+    done = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+    assert done.stats.draft_probed > 0 and done.stats.draft_proposed == 0
+    assert done.tokens == off.tokens
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
 def test_chained_rounds_cut_inside_a_round_read_short(install, monkeypatch):
     """At 90% some rounds pass whole (the next is chained behind them) and some
     chained ones are read short and cut back through their held traces; the
