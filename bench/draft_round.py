@@ -136,9 +136,14 @@ def kernels(runner: Runner, prompt: list[int], depth: int) -> dict[str, int]:
 
 
 def profile(
-    family: str, depth: int, tokens: int, reps: int, accuracies: tuple[float, ...] = (1.0, 0.0)
+    family: str,
+    depth: int,
+    tokens: int,
+    reps: int,
+    accuracies: tuple[float, ...] = (1.0, 0.0),
+    cache: Path = DEFAULT_CACHE,
 ) -> dict[str, Any]:
-    path = install(family, "tiny", "float32", DEFAULT_CACHE)
+    path = install(family, "tiny", "float32", cache)
     runner = Runner.open(path, context_length=PROMPT_TOKENS + tokens + 16)
     codec = load_text(path)
     config = GenerationConfig(max_tokens=tokens, stop_token_ids=[])

@@ -213,6 +213,19 @@ def test_draft_reference_is_a_fixed_point_in_bf16(bench: dict, family: str, tmp_
     assert done.stats.draft_accepted == done.stats.draft_proposed
 
 
+def test_draft_round(bench: dict, tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import draft_round
+    finally:
+        sys.path.remove(str(ROOT))
+    out = draft_round.profile("qwen_gdn", depth=2, tokens=8, reps=1, cache=tmp_path)
+    assert out["kernels"]["verify"] > out["kernels"]["step"] > 0
+    full, hopeless = out["drafted_100%"], out["drafted_0%"]
+    assert full["accepted"] == full["proposed"] > 0 and hopeless["accepted"] == 0
+    assert out["off"]["host_us_per_token"] > 0 and full["host_us_by_phase"]["verify_build"] > 0
+
+
 def test_draft_mtp(bench: dict, tmp_path: Path) -> None:
     path = bench["common"].install("qwen_gdn", "tiny", "float32", tmp_path, mtp=True)
     sys.path.insert(0, str(ROOT))
