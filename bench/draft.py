@@ -1,10 +1,18 @@
 """Speculative decoding: decode tok/s against acceptance rate and depth, against ``off``.
 
 Random weights make a real drafter's acceptance meaningless, so the curve is
-drawn with oracles (:class:`turbospark.draft.ReplayDrafter`): each replays the
-greedy reply recorded without drafts, every token right with probability p
-(1: all accepted, 0: hopeless, where the adaptive depth must keep the cost
-within 5% of ``off``). Depth is the drafter's most tokens per round. Also
+drawn with oracles (:class:`turbospark.draft.ReplayDrafter`): each replays a
+recorded greedy reply, every token right with probability p (1: all accepted,
+0: hopeless, where the adaptive depth must keep the cost within 5% of ``off``).
+
+The reply replayed is recorded from the drafted path itself, per depth
+(:func:`fixed_point_reference`): in bf16 a verify pass (``k + 1`` tokens in
+one forward) rounds differently from a one-token step, random weights'
+near-tied logits flip, and a drafted run then leaves the reply recorded
+without drafts, after which every replayed draft is wrong. Replaying the
+drafted run's own output until it reproduces itself gives a reply the 100%
+oracle really gets all of (``acceptance`` 1.0); ``output_equals_off`` still
+says whether that reply is ``off``'s (it is in float32). Depth is the drafter's most tokens per round. Also
 ``ngram`` (prompt lookup) on a copy-heavy prompt: a long text, then the start
 of an edited copy of it.
 
@@ -40,10 +48,11 @@ from turbospark.mtp import MtpDrafter
 from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
-from turbospark.text import load_text
+from turbospark.text import TextCodec, load_text
 
 ACCURACIES = (1.0, 0.75, 0.5, 0.25, 0.0)
 MTP_FAMILIES = ("qwen_gdn",)  # families whose synthetic installs can carry an MTP head
+FIXED_POINT_ROUNDS = 32  # recordings fixed_point_reference tries before it gives up
 PROPOSALS = 20  # timed MTP proposals per depth
 PROMPT_TOKENS = 128
 TEXT_TOKENS = 384  # the copy-heavy prompt's long text
@@ -85,19 +94,22 @@ def bench_draft(
             "proposed": done.stats.draft_proposed,
             "accepted": done.stats.draft_accepted,
             "acceptance": done.stats.draft_accepted / max(1, done.stats.draft_proposed),
+            "probed": done.stats.draft_probed,
             "output_equals_off": None if expected is None else done.tokens == expected,
         }
 
-    reference = [*prompt, *generate(runner, codec, prompt, config).tokens]  # also the warm-up
+    off_reply = generate(runner, codec, prompt, config).tokens  # also the warm-up
     curve = []
     for depth in depths:
-        generate(runner, codec, prompt, config, drafter=ReplayDrafter(reference, vocab, depth))
+        reference, rounds = fixed_point_reference(runner, codec, prompt, config, depth)
         for accuracy in accuracies:
             point = paired(
                 prompt,
-                lambda rep, d=depth, a=accuracy: ReplayDrafter(reference, vocab, d, a, seed=rep),
-                reference[len(prompt) :],
+                lambda rep, d=depth, a=accuracy, r=reference: ReplayDrafter(r, vocab, d, a, rep),
+                off_reply,
             )
+            point["reference_rounds"] = rounds
+            point["reference_equals_off"] = reference[len(prompt) :] == off_reply
             curve.append({"depth": depth, "accuracy": accuracy, **point})
 
     text = random_tokens(TEXT_TOKENS, vocab, seed=12)
@@ -110,6 +122,34 @@ def bench_draft(
     if mtp_install is not None:
         result["mtp"] = bench_mtp(mtp_install, depths, tokens, reps)
     return result
+
+
+def fixed_point_reference(
+    runner: Runner,
+    codec: TextCodec,
+    prompt: list[int],
+    config: GenerationConfig,
+    depth: int,
+    limit: int = FIXED_POINT_ROUNDS,
+) -> tuple[list[int], int]:
+    """``(prompt + reply, recordings)``: a greedy reply that the drafted path at
+    *depth*, replaying it, reproduces token for token, so its 100% oracle
+    accepts every draft. Starts from ``off``'s reply and replays the drafted
+    run's own output until it stops changing (each pass agrees with the last
+    one for longer: the drafted path is deterministic, and it only leaves the
+    replayed reply where a draft was wrong). Refuses to measure (ValueError)
+    when *limit* recordings do not settle."""
+    reply = generate(runner, codec, prompt, config).tokens
+    for recording in range(1, limit + 1):
+        drafter = ReplayDrafter([*prompt, *reply], runner.vocab_size, depth)
+        again = generate(runner, codec, prompt, config, drafter=drafter).tokens
+        if again == reply:
+            return [*prompt, *reply], recording
+        reply = again
+    raise ValueError(
+        f"the drafted path at depth {depth} did not reproduce its own greedy reply after "
+        f"{limit} recordings; the 100% oracle would not be 100%"
+    )
 
 
 def bench_mtp(path: Path, depths: Sequence[int], tokens: int, reps: int) -> list[dict[str, Any]]:

@@ -199,8 +199,50 @@ def test_draft(bench: dict, family: str) -> None:
     assert out["ngram_copy"]["tok_s"] > 0 and out["ngram_copy"]["off_tok_s"] > 0
     full, hopeless = out["curve"]
     assert full["acceptance"] == 1.0 and full["output_equals_off"]
+    assert full["reference_equals_off"] and full["reference_rounds"] == 1  # float32: off's reply
     assert hopeless["accepted"] == 0 and hopeless["speedup_vs_off"] > 0
     assert draft.summary(out)["draft_full_acceptance_depth"] == 2
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_draft_reference_is_a_fixed_point_in_bf16(bench: dict, family: str, tmp_path: Path) -> None:
+    """In bf16 a verify pass rounds differently from one-token steps; the
+    reference the 100% oracle replays must still be one the drafted path
+    reproduces, so replaying it accepts every draft."""
+    path = bench["common"].install(family, "tiny", "bfloat16", tmp_path)
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import draft
+    finally:
+        sys.path.remove(str(ROOT))
+    from turbospark.draft import ReplayDrafter
+    from turbospark.generate import GenerationConfig, generate
+    from turbospark.runner import Runner
+    from turbospark.text import load_text
+
+    runner, codec = Runner.open(path, context_length=96), load_text(path)
+    config = GenerationConfig(max_tokens=48, stop_token_ids=[])
+    prompt = bench["common"].random_tokens(16, runner.vocab_size, seed=3)
+    reference, recordings = draft.fixed_point_reference(runner, codec, prompt, config, 4)
+    done = generate(
+        runner, codec, prompt, config, drafter=ReplayDrafter(reference, runner.vocab_size, 4)
+    )
+    assert recordings >= 1 and done.tokens == reference[len(prompt) :]
+    assert done.stats.draft_proposed > 0
+    assert done.stats.draft_accepted == done.stats.draft_proposed
+
+
+def test_draft_round(bench: dict, tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import draft_round
+    finally:
+        sys.path.remove(str(ROOT))
+    out = draft_round.profile("qwen_gdn", depth=2, tokens=8, reps=1, cache=tmp_path)
+    assert out["kernels"]["verify"] > out["kernels"]["step"] > 0
+    full, hopeless = out["drafted_100%"], out["drafted_0%"]
+    assert full["accepted"] == full["proposed"] > 0 and hopeless["accepted"] == 0
+    assert out["off"]["host_us_per_token"] > 0 and full["host_us_by_phase"]["verify_build"] > 0
 
 
 def test_draft_mtp(bench: dict, tmp_path: Path) -> None:

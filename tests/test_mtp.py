@@ -170,6 +170,10 @@ class _MtpThenOracle:
 
     def __init__(self, mtp: MtpDrafter, reference: list[int]) -> None:
         self.mtp, self.reference, self.max_depth = mtp, reference, 4
+        self.guesses_ahead = False  # every round asks the MTP drafter: no blind probes
+
+    def propose_ahead(self, context, depth):
+        return Draft([])
 
     def propose(self, context, depth):
         self.mtp.propose(context, depth)

@@ -16,13 +16,19 @@ from hypothesis import strategies as st
 from turbospark.draft import Draft, NgramDrafter, ReplayDrafter
 from turbospark.engine import Engine, Job
 from turbospark.errors import InvalidInput
-from turbospark.generate import GenerationConfig, generate
+from turbospark.generate import GenerationConfig, generate, stream_generate
 from turbospark.hookspecs import FamilySpec, hookimpl
 from turbospark.plugins import FamilyRegistry
 from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
-from turbospark.speculative import MAX_PAUSE, DepthControl, accept_sampled
+from turbospark.speculative import (
+    MAX_PAUSE,
+    MAX_WAITING_PAUSE,
+    DepthControl,
+    Speculation,
+    accept_sampled,
+)
 from turbospark.text import load_text
 
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
@@ -98,7 +104,7 @@ def test_greedy_output_with_any_drafter_equals_off(install, accuracy):
     drafted = generate(runner, load_text(install), PROMPT, CONFIG, drafter=drafter)
     assert drafted.tokens == off.tokens
     assert drafted.finish_reason == off.finish_reason
-    assert drafted.stats.draft_proposed > 0
+    assert drafted.stats.draft_proposed + drafted.stats.draft_probed > 0
     if accuracy == 1.0:
         assert drafted.stats.draft_accepted == drafted.stats.draft_proposed
     if accuracy == 0.0:
@@ -122,7 +128,8 @@ def test_a_request_can_opt_out_of_the_policy(qwen_gdn_install):
     assert done.stats.draft_proposed == 0
 
 
-def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(qwen_gdn_install):
+def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(install):
+    qwen_gdn_install = install  # every family: chained rounds cut their rings and traces
     off = off_completion(qwen_gdn_install, PROMPT)
     stop = off.tokens[7]  # lands inside a round of depth 4
     for config in (
@@ -137,6 +144,96 @@ def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(qwen_gdn_ins
         assert (drafted.tokens, drafted.finish_reason) == (plain.tokens, plain.finish_reason)
         fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
         assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+def test_blind_probes_of_a_hopeless_drafter_end_where_off_does(install):
+    """A drafter that is never right only ever gets blind probes (a plain step's
+    forward that also verifies drafts after the unread id): nothing is proposed
+    for output, the reply and the session's record equal off's, and a probe whose
+    unread id is a stop (the first, here, and a later one) leaves nothing fed."""
+    off = off_completion(install, PROMPT)
+    for config in (
+        CONFIG,
+        CONFIG.model_copy(update={"stop_token_ids": [off.tokens[0]]}),
+        CONFIG.model_copy(update={"stop_token_ids": [off.tokens[9]]}),
+    ):
+        plain = off_completion(install, PROMPT, config)
+        runner = open_runner(install)
+        drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy=0.0)
+        drafted = generate(runner, load_text(install), PROMPT, config, drafter=drafter)
+        assert (drafted.tokens, drafted.finish_reason) == (plain.tokens, plain.finish_reason)
+        assert drafted.stats.draft_proposed == 0 and drafted.stats.draft_probed > 0
+        fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
+        assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+def test_a_sampled_reply_with_blind_probes_equals_off_by_seed(qwen_gdn_install):
+    """At temperature > 0 a blind probe's emitted token is drawn from its first
+    row with the step's own key, as a plain step draws it: a drafter that is
+    never right leaves the seeded sampled reply exactly what off gives."""
+    config = CONFIG.model_copy(update={"temperature": 0.8, "top_k": 8, "seed": 3})
+    off = off_completion(qwen_gdn_install, PROMPT, config)
+    runner = open_runner(qwen_gdn_install)
+    drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy=0.0)
+    done = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+    assert done.stats.draft_probed > 0 and done.stats.draft_proposed == 0
+    assert done.tokens == off.tokens
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+def test_chained_rounds_cut_inside_a_round_read_short(install, monkeypatch):
+    """At 90% some rounds pass whole (the next is chained behind them) and some
+    chained ones are read short and cut back through their held traces; the
+    reply and the session still equal off's."""
+    chained, cut_held = [], []
+    launch_after, accept = Speculation.launch_after, Runner.accept
+
+    def counting_launch_after(self, queued, remaining):
+        after = launch_after(self, queued, remaining)
+        chained.append(after is not None)
+        return after
+
+    def counting_accept(self, session, start, keep, held=None):
+        cut_held.append(held is not None)
+        return accept(self, session, start, keep, held)
+
+    monkeypatch.setattr(Speculation, "launch_after", counting_launch_after)
+    monkeypatch.setattr(Runner, "accept", counting_accept)
+    config = CONFIG.model_copy(update={"max_tokens": 48})
+    off = off_completion(install, PROMPT, config)
+    runner = open_runner(install)
+    drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, 0.9, seed=1)
+    drafted = generate(runner, load_text(install), PROMPT, config, drafter=drafter)
+    assert drafted.tokens == off.tokens
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+    assert any(chained) and any(cut_held)
+
+
+def test_a_stream_closed_inside_chained_rounds_leaves_no_unread_round(install):
+    """Greedy rounds that pass whole queue the next round before they are read;
+    a consumer that stops iterating at any token leaves the session holding only
+    tokens of the rounds it was given (a prefix of off's reply), never the
+    round queued behind them."""
+    off = off_completion(install, PROMPT)
+    reference = [*PROMPT, *off.tokens]
+    codec = load_text(install)
+    for taken in range(1, 16):
+        runner = open_runner(install)
+        drafter = ReplayDrafter(reference, runner.vocab_size, 4, accuracy=0.9, seed=taken)
+        chunks = stream_generate(runner, codec, PROMPT, CONFIG, drafter=drafter)
+        for _ in range(taken):
+            next(chunks)
+        chunks.close()
+        held = list(runner.sessions()[0].record.tokens)
+        assert held == reference[: len(held)]
+        assert len(PROMPT) + taken - 1 <= len(held) <= len(PROMPT) + taken + 4
+        assert runner.position == len(held)
+        nxt = runner.produce(reference[len(held)], len(held))
+        fresh = open_runner(install)  # the same tokens, decoded one at a time
+        fresh.prefill_chunk(PROMPT, 0)
+        for position in range(len(PROMPT), len(held) + 1):
+            expected = fresh.produce(reference[position], position)
+        np.testing.assert_allclose(np.array(nxt), np.array(expected), atol=1e-4, rtol=1e-4)
 
 
 # -- rollback leaves no trace --------------------------------------------------------
@@ -234,6 +331,18 @@ def test_a_hopeless_drafter_is_probed_rarely():
             rounds += 1
             control.record(depth, 0)
     assert rounds < 2000 / MAX_PAUSE + 10
+
+
+def test_a_hopeless_drafter_whose_probes_wait_backs_off_faster():
+    control = DepthControl(max_depth=4, waits=True)
+    probes = []
+    for step in range(2000):
+        depth = control.next_depth()
+        if depth:
+            probes.append(step)
+            control.record(depth, 0)
+    assert probes[:5] == [0, 2, 7, 24, 89]  # pauses of 1, 4, 16, 64
+    assert len(probes) < 2000 / MAX_WAITING_PAUSE + 6
 
 
 def test_a_perfect_drafter_reaches_full_depth_and_stays():

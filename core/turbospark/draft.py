@@ -43,9 +43,19 @@ class Drafter(Protocol):
     def max_depth(self) -> int:
         """The most tokens one round may propose."""
 
+    @property
+    def guesses_ahead(self) -> bool:
+        """Whether :meth:`propose_ahead` can propose at all (blind probes need it)."""
+
     def propose(self, context: Sequence[int], depth: int) -> Draft:
         """Up to *depth* tokens to follow *context* (empty: nothing worth verifying).
         Contexts of one request only grow, so a drafter may index incrementally."""
+
+    def propose_ahead(self, context: Sequence[int], depth: int) -> Draft:
+        """Up to *depth* tokens to follow *context* and then one token not read
+        yet (the target's next, still being computed): a blind probe verifies
+        them without waiting for that token (:mod:`turbospark.speculative`).
+        Empty when the drafter cannot guess without it."""
 
 
 class NgramDrafter:
@@ -64,6 +74,7 @@ class NgramDrafter:
                 f"NgramDrafter(max_draft={max_draft}, min_match={min_match}): both must be 1 or more"
             )
         self.max_depth = max_draft
+        self.guesses_ahead = True
         self.sizes = list(range(max(min_match, MAX_NGRAM), min_match - 1, -1))
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self._indexed = 0  # n-grams ending before this index are in the index
@@ -82,6 +93,10 @@ class NgramDrafter:
             if found is not None:
                 return Draft(list(context[found + 1 : found + 1 + min(depth, self.max_depth)]))
         return Draft([])
+
+    def propose_ahead(self, context: Sequence[int], depth: int) -> Draft:
+        """What followed the match, past the token it guesses the unread one is."""
+        return Draft(self.propose(context, min(depth, self.max_depth) + 1).tokens[1:])
 
 
 class ReplayDrafter:
@@ -108,8 +123,13 @@ class ReplayDrafter:
         self.reference = list(reference)
         self.vocab_size = vocab_size
         self.max_depth = max_depth
+        self.guesses_ahead = True
         self.accuracy = accuracy
         self._random = random.Random(seed)
+
+    def propose_ahead(self, context: Sequence[int], depth: int) -> Draft:
+        """The reply's tokens after the unread one (its position is all that counts)."""
+        return self.propose([*context, 0], depth)
 
     def propose(self, context: Sequence[int], depth: int) -> Draft:
         start = len(context)

@@ -23,7 +23,11 @@ prompt rewinds nothing it does not have to.
 
 With a draft policy (or a *drafter*), a step may instead verify drafts in one
 forward and emit several tokens (:mod:`turbospark.speculative`); a round is
-committed before any of its tokens is yielded.
+committed before any of its tokens is yielded. Until a drafter has been right
+(and again after it missed), a step is a blind probe instead: the same
+pipelined step with drafts verified after the still-lazy id, which keeps only
+that id and learns from the drafts' fate one step later, so a drafter that is
+never right costs no waits.
 
 A consumer may stop iterating :func:`stream_generate` at any time (a client
 that hung up): every yield happens after a finished ``produce`` call, so the
@@ -54,7 +58,7 @@ from turbospark.errors import ContextOverflow
 from turbospark.reuse import ReuseReport
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams, TokenLogprobs
-from turbospark.speculative import settle, speculation_for
+from turbospark.speculative import Queued, settle, speculation_for
 from turbospark.steering import SteeringPolicy
 from turbospark.text import StopStrings, TextCodec
 
@@ -102,6 +106,7 @@ class GenerationStats(BaseModel):
     batch_size: int = 1  # the most requests this one decoded beside, itself included
     draft_proposed: int = 0  # speculative tokens verified (turbospark.speculative)
     draft_accepted: int = 0  # of which the target agreed with
+    draft_probed: int = 0  # drafts blind probes verified to set the depth (never emitted)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -234,25 +239,59 @@ def stream_generate(
     stops = StopStrings(config.stop)
     limit = config.max_tokens
     position = len(ids)  # where the next generated token is fed
+    inflight: Queued | None = None  # a greedy round queued behind the last one, unread
     finish: FinishReason = "length"
     while limit is None or len(generated) < limit:
         remaining = None if limit is None else limit - len(generated)
-        depth = 0 if spec is None else spec.plan(position, remaining)
-        if depth:
-            # A drafted round: emit what the target confirmed, then go on from its next token.
-            tok = int(pending.item())
-            verified = None if tok in stop_ids else spec.round(tok, position, depth)
+        depth = 0 if spec is None or spec.probing else spec.plan(position, remaining)
+        if inflight is not None or (depth and not spec.blind):
+            # A drafted round: emit what the target confirmed, then go on from its next
+            # token. Greedy rounds are queued (launch) and, while they pass whole, the
+            # next is queued behind each before it is read (launch_after).
+            verified, queued, ahead = None, inflight, None
+            if queued is None:
+                tok = int(pending.item())
+                if tok in stop_ids:
+                    pass  # the plain step below ends the reply
+                elif spec.greedy:
+                    queued = spec.launch(tok, position, depth)
+                else:
+                    verified = spec.round(tok, position, depth)
+            if queued is not None:
+                if spec.chains:
+                    ahead = spec.launch_after(queued, remaining)
+                verified = spec.resolve(queued)
+            inflight = None
             if verified is not None:
                 emit, keep = settle(verified.tokens, stop_ids, remaining)
-                spec.commit(position, keep)  # before any yield: state and record agree
                 chunks = []
                 for tok in verified.tokens[:emit]:
                     generated.append(tok)
                     chunks.append(Chunk(text=stops.feed(decoder.add(tok)), token=tok))
                     if stops.stopped is not None:
                         break
-                yield from chunks
-                if stops.stopped is not None or emit < len(verified.tokens):
+                stopped = stops.stopped is not None or emit < len(verified.tokens)
+                # The round behind this one was fed after all of it: it goes on when
+                # all of this one passed, stays fed, and the reply continues.
+                goes_on = (
+                    ahead is not None
+                    and len(verified.tokens) == ahead.position - position
+                    and keep == emit == len(verified.tokens)
+                    and not stopped
+                    and verified.following not in stop_ids
+                )
+                inflight = ahead if goes_on else None
+                if inflight is None and queued is not None:
+                    spec.cut(queued, keep)  # before any yield; a round behind it leaves too
+                elif queued is None:
+                    spec.commit(position, keep)  # before any yield: state and record agree
+                try:
+                    yield from chunks
+                except GeneratorExit:  # the consumer left: no unread round stays fed
+                    if inflight is not None:
+                        spec.cut(inflight, 0)
+                    raise
+                if stopped:
                     finish = "stop"
                     break
                 if keep < emit:
@@ -261,16 +300,29 @@ def stream_generate(
                 pending = mx.array(verified.following)
                 continue
         more = (limit is None or len(generated) + 1 < limit) and position < runner.context_length
+        probed = False
         if more:
             # Build the next forward and its sample from the still-lazy id and
-            # queue both, before this token is read and detokenised.
-            following = runner.produce(pending, position, then=sampler)
+            # queue both, before this token is read and detokenised. A blind
+            # probe is such a forward with drafts after the id (plan() leaves
+            # room for them).
+            following = spec.probe(pending, position, depth) if depth else None
+            probed = following is not None
+            if not probed:
+                following = runner.produce(pending, position, then=sampler)
         tok = int(pending.item())
+        if spec is not None and not probed:
+            spec.settle_probe()  # the last step's probe: computed with this id
         if tok in stop_ids:
-            if more:
+            if probed:
+                spec.commit(position, 0)  # the stop id and the drafts leave
+                spec.drop_probe()
+            elif more:
                 runner.take_back()  # the stop id was fed speculatively
             finish = "stop"
             break
+        if probed:
+            spec.commit(position, 1)  # keep the id, drop the probe's drafts
         generated.append(tok)
         if more:
             position += 1
@@ -297,6 +349,7 @@ def stream_generate(
         decode_seconds=time.perf_counter() - prefilled,
         draft_proposed=0 if spec is None else spec.proposed,
         draft_accepted=0 if spec is None else spec.accepted,
+        draft_probed=0 if spec is None else spec.probed,
     )
     yield Chunk(text=tail, finish_reason=finish, stats=stats)
 

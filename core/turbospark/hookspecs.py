@@ -87,8 +87,9 @@ class ComponentSpec(BaseModel):
     traceable: bool = Field(
         default=False,
         description="keeps its state after every token of a verify forward (the component "
-        "class has trace() and keep_traced(); see turbospark.speculative), so a non-rewindable "
-        "component can drop rejected draft tokens without a second forward",
+        "class has trace(), held_trace() and keep_traced(n, held=None); see "
+        "turbospark.speculative), so a non-rewindable component can drop rejected draft "
+        "tokens without a second forward, even after a later verify forward",
     )
 
 

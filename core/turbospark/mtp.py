@@ -135,6 +135,7 @@ class MtpDrafter:
         self.track_of = track
         self.sampler = sampler
         self.max_depth = depth
+        self.guesses_ahead = False  # its first step reads the confirmed token's id
 
     def propose(self, context: Sequence[int], depth: int) -> Draft:
         track = self.track_of()
@@ -161,6 +162,11 @@ class MtpDrafter:
         if cache.position > last + 1:
             cache.rewind(cache.position - (last + 1))  # no unverified entry stays
         return Draft(tokens_out, None if probs[0] is None else mx.stack(probs))
+
+    def propose_ahead(self, context: Sequence[int], depth: int) -> Draft:
+        """Nothing: the head's first step reads the unread token's id."""
+        del context, depth
+        return Draft([])
 
     def _pick(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         """A lazy draft id and the distribution it came from (None: greedy)."""

@@ -12,6 +12,7 @@ import operator
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pluggy
@@ -362,16 +363,24 @@ class Runner:
     ) -> mx.array | None:
         """Feed *session* (the live one by default; the engine passes the session
         a request checked out) through the family's one-row forward; *then*
-        (logits only) is applied before anything is queued (see :meth:`produce`)."""
+        (logits only) is applied before anything is queued (see :meth:`produce`).
+        The first token may be a lazy id (:meth:`produce`, :meth:`verify`): it is
+        read after the forward is queued."""
         live = session or self._live
-        lazy = tokens[0] if len(tokens) == 1 and isinstance(tokens[0], mx.array) else None
-        ids = self._validate_write([0] if lazy is not None else tokens, start, live)
-        fed = mx.array(ids, dtype=mx.int32) if lazy is None else self.clip_ids(lazy.reshape(1))
+        lazy = tokens[0] if tokens and isinstance(tokens[0], mx.array) else None
+        known = tokens if lazy is None else tokens[1:]
+        ids = self._validate_write(known if lazy is None else [0, *known], start, live)
+        if lazy is None:
+            fed = mx.array(ids, dtype=mx.int32)
+        elif not known:
+            fed = self.clip_ids(lazy.reshape(1))
+        else:  # a blind verify pass: the unread id, then drafts
+            fed = mx.concatenate([self.clip_ids(lazy.reshape(1)), mx.array(ids[1:], mx.int32)])
         if start < live.position:
             self._rewind(live, live.position - start)
         # The components that cannot rewind, by reference: a failed forward puts them back.
         before = Checkpoint(start, self._rigid_snapshots(live))
-        live.undo = None if lazy is None else before
+        live.undo = before if lazy is not None and not known else None
         try:
             forward = dict(
                 model=self.model,
@@ -393,7 +402,7 @@ class Runner:
             if lazy is not None:
                 # The id itself, queued by the step before: a node made from it
                 # (a reshape) would queue behind this step and wait for its end.
-                ids = self._validate_write([lazy.item()], start, live)  # waits
+                ids = self._validate_write([lazy.item(), *known], start, live)  # waits
         except Exception:
             self._recover(live, before)
             raise
@@ -425,25 +434,53 @@ class Runner:
 
     # -- speculative decoding: one verify forward, then a cut (turbospark.speculative) ----
 
-    def verify(self, session: Session | None, tokens: Sequence[int], start: int) -> mx.array:
+    def verify(
+        self,
+        session: Session | None,
+        tokens: Sequence[int | mx.array],
+        start: int,
+        then: Callable[[mx.array], Any] | None = None,
+    ) -> Any:
         """Feed *tokens* (a confirmed token, then drafts) at ``start..`` in one
         forward; float32 logits ``(L, vocab)``, row ``j`` for the token after
-        ``tokens[j]``. Traceable components keep every token's state, so
-        :meth:`accept` cuts back to any prefix without a second forward."""
+        ``tokens[j]``. Traceable components can give their state after any token, so
+        :meth:`accept` cuts back to any prefix without a second forward.
+
+        The confirmed token may be a still-lazy id (a blind probe,
+        :meth:`Speculation.probe <turbospark.speculative.Speculation.probe>`):
+        the pass is queued before it is read, as :meth:`produce` does; *then*
+        maps the logits to what is returned (arrays) and is queued with them."""
         live = session or self._live
-        self.check_ids(tokens)  # before any component is told to trace
+        lazy = bool(tokens) and isinstance(tokens[0], mx.array)
+        if not lazy or len(tokens) > 1:
+            self.check_ids(tokens[1:] if lazy else tokens)  # before any component traces
         for name in self.traced_components:
             live.state[name].trace()  # type: ignore[attr-defined]
-        return self._feed(list(tokens), start, "all", session)
+        return self._feed(list(tokens), start, "all", session, then)
 
-    def accept(self, session: Session | None, start: int, keep: int) -> None:
+    def accept(
+        self,
+        session: Session | None,
+        start: int,
+        keep: int,
+        held: dict[str, object] | None = None,
+    ) -> None:
         """After :meth:`verify` at *start*: keep its first *keep* tokens. The rest
         leave every component (rewound, or the traced state at ``start + keep``)
-        and the record, so the session never holds a rejected token."""
+        and the record, so the session never holds a rejected token. *held*
+        (:meth:`hold`, taken after that verify): a later verify was queued since,
+        and it leaves too."""
         live = session or self._live
         for name in self.traced_components:
-            live.state[name].keep_traced(keep)  # type: ignore[attr-defined]
+            trace = None if held is None else held[name]
+            live.state[name].keep_traced(keep, trace)  # type: ignore[attr-defined]
         live.cut_to(start + keep)  # the others rewind; the record and checkpoints follow
+
+    def hold(self, session: Session | None) -> dict[str, object]:
+        """The last :meth:`verify`'s traces, so :meth:`accept` can cut inside it
+        after another verify was queued behind it (a chained round)."""
+        live = session or self._live
+        return {name: live.state[name].held_trace() for name in self.traced_components}  # type: ignore[attr-defined]
 
     def mtp_track(self, session: Session | None) -> MtpTrack:
         """*session*'s (None: the live one's) MTP K/V and hidden-state record."""

@@ -26,9 +26,30 @@ whose drafts all pass doubles the depth (up to ``max_depth``); a partial one
 drafts one past what passed; a round with nothing accepted halves it and
 pauses drafting for 1, 2, 4 ... 64 steps (plain pipelined decode) before the
 next probe, so a hopeless drafter costs a depth-1 probe every 64 tokens at
-most. A drafter that
-proposes nothing pauses at most 8 steps: its probe is a lookup and a sync,
-no verify.
+most (a drafter without blind probes, below: 1, 4, 16 ... 256 steps). A drafter that
+proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
+
+Blind probes (:meth:`Speculation.probe`): until a drafter has been right, and
+again after every round with nothing accepted, the generation loop does not
+run a round (which waits for the confirmed token, then for the verify pass)
+but a plain pipelined step whose forward also carries drafts after the
+still-lazy token (:meth:`Drafter.propose_ahead`). Only that token is kept; the
+next is sampled from the pass's first row, as a plain step would; the drafts'
+fate is read one step later, with the next token, and only sets the depth. So
+a hopeless drafter costs no waits, only the verify pass's extra kernels once
+per pause (the 5% target against ``off``), and a good one starts drafting one
+step late. The engine's solo rows run rounds only.
+
+Chained rounds (greedy; :meth:`Speculation.launch_after`): a round is queued
+(:meth:`Speculation.launch`: drafts, the verify pass and the target's choices
+computed on the device, nothing read) and, once two rounds in a row passed
+whole, the next round is queued behind it before it is read: its first token
+is this round's unread bonus, its drafts are guessed past it. The host then
+builds round ``r + 1`` while round ``r`` computes, and reads each round once.
+A round read short is cut back inside itself through its held traces
+(:meth:`Runner.hold`), and the round behind it leaves with everything after
+the cut; so between steps the session may hold one unread round, never once
+the reply is over (nor when its consumer stops reading).
 
 A request drafts only when it decodes alone through the one-row forward (the
 generation loop; the engine's solo rows) and samples without logits
@@ -52,6 +73,9 @@ MAX_PAUSE = 64  # plain steps between probes of a drafter that keeps failing
 # ... and between lookups of one that keeps proposing nothing: such a probe costs
 # only a sync (no verify), and prompt lookup finds matches in bursts.
 MAX_IDLE_PAUSE = 8
+# A drafter whose probes wait (no blind probes: the MTP head reads the confirmed id)
+# backs off 4x per miss up to this: a waiting probe costs about a step and a half.
+MAX_WAITING_PAUSE = 256
 
 
 # -- acceptance -------------------------------------------------------------------
@@ -114,6 +138,13 @@ class DepthControl:
     depth: int = 1  # start shallow: a drafter earns depth by being right
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
+    waits: bool = False  # its probes wait for the confirmed token (no blind probes)
+    blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
+    streak: int = 0  # rounds in a row whose drafts all passed (2 or more: chain them)
+
+    def after_whole(self) -> int:
+        """The depth the next round drafts if the one in flight passes whole."""
+        return min(self.max_depth, 2 * self.depth)
 
     def next_depth(self) -> int:
         """The depth to draft now; 0 while paused (the step decodes plainly)."""
@@ -123,6 +154,8 @@ class DepthControl:
         return self.depth
 
     def record(self, proposed: int, accepted: int) -> None:
+        self.blind = accepted == 0
+        self.streak = self.streak + 1 if proposed and accepted == proposed else 0
         if proposed and accepted == proposed:
             self.depth = min(self.max_depth, 2 * self.depth)
             self.backoff = 1
@@ -132,7 +165,10 @@ class DepthControl:
         else:  # nothing proposed, or nothing passed: pause, longer each time
             self.depth = max(1, self.depth // 2)
             self.pause = self.backoff if proposed else min(self.backoff, MAX_IDLE_PAUSE)
-            self.backoff = min(MAX_PAUSE, 2 * self.backoff)
+            if self.waits and proposed:
+                self.backoff = min(MAX_WAITING_PAUSE, 4 * self.backoff)
+            else:
+                self.backoff = min(MAX_PAUSE, 2 * self.backoff)
 
 
 # -- a request's drafting ----------------------------------------------------------
@@ -146,6 +182,22 @@ class Round:
     tokens: list[int]
     following: int
     proposed: int
+
+
+@dataclass
+class Queued:
+    """A greedy round queued and not read yet (:meth:`Speculation.launch`)."""
+
+    position: int
+    token: int | None  # the confirmed token; None until read (a chained round's is lazy)
+    drafts: list[int]
+    choice: mx.array  # (k + 1,): the target's greedy token after each fed one
+    bonus: mx.array  # choice's last entry, its own array (a chained round feeds it unread)
+    held: dict[str, object] | None = None  # its traces, once a round is queued behind it
+
+    @property
+    def fed(self) -> int:
+        return 1 + len(self.drafts)
 
 
 @dataclass
@@ -166,9 +218,67 @@ class Speculation:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
+    probed: int = 0  # drafts blind probes verified (not emitted; see probe())
+    # A blind probe in flight: the target's choice after each of its drafts, and them.
+    _probe: tuple[mx.array, list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.control = DepthControl(self.drafter.max_depth)
+        self.control = DepthControl(self.drafter.max_depth, waits=not self.drafter.guesses_ahead)
+
+    @property
+    def blind(self) -> bool:
+        """Whether the next drafted step should be a blind :meth:`probe` (nothing
+        accepted yet, or since the last miss) rather than a :meth:`round`."""
+        return self.control.blind and self.drafter.guesses_ahead
+
+    @property
+    def probing(self) -> bool:
+        """A probe's outcome is not read yet: the step after it is plain (reading
+        it earlier would wait for the probe's forward)."""
+        return self._probe is not None
+
+    def probe(self, pending: mx.array, position: int, depth: int) -> mx.array | None:
+        """A blind round, which costs no wait: verify drafts after the still-lazy
+        *pending* token (:meth:`Drafter.propose_ahead`), queued as a plain step
+        is, before *pending* is read. Only *pending* is kept (:meth:`cut` with 1
+        once it is read and not a stop); the next token is sampled from the
+        pass's first row, as a plain step samples it, and returned (lazy). The
+        drafts' fate is read with that token (:meth:`settle_probe`) and only
+        sets the depth: a drafter that keeps failing costs the verify pass's
+        extra kernels every probe, not a wait and a lost overlap. None: the
+        drafter had nothing to propose (the caller takes a plain step)."""
+        drafts = self.drafter.propose_ahead([*self.prompt, *self.generated], depth).tokens
+        drafts = drafts[:depth]
+        if not drafts:
+            self.control.record(0, 0)
+            return None
+
+        def sample_and_choose(logits: mx.array) -> tuple[mx.array, mx.array]:
+            choice = mx.argmax(logits[: len(drafts)], axis=-1)  # (k,): the target after each
+            return self.sampler(logits[0]), choice
+
+        following, choice = self.runner.verify(
+            self.session, [pending, *drafts], position, then=sample_and_choose
+        )
+        self._probe = (choice, drafts)
+        self.probed += len(drafts)
+        return following
+
+    def settle_probe(self) -> None:
+        """Read the last probe's outcome (computed with the token it sampled, which
+        the caller has read) and set the depth from it."""
+        if self._probe is None:
+            return
+        (choice, drafts), self._probe = self._probe, None
+        target = choice.tolist()
+        passed = 0
+        while passed < len(drafts) and drafts[passed] == target[passed]:
+            passed += 1
+        self.control.record(len(drafts), passed)
+
+    def drop_probe(self) -> None:
+        """Forget a probe whose confirmed token turned out a stop (it is undone)."""
+        self._probe = None
 
     def plan(self, position: int, remaining: int | None) -> int:
         """How many drafts the step at *position* may verify (0: a plain step).
@@ -204,8 +314,86 @@ class Speculation:
         self.rounds += 1
         return Round([token, *drafts[:accepted]], following, len(drafts))
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: rounds are queued and read once (:meth:`launch`)."""
+        return self.sampler.params.temperature == 0.0
+
+    @property
+    def chains(self) -> bool:
+        """Queue the next round before this one is read (:meth:`launch_after`):
+        greedy, a drafter that can guess past an unread token, and the last two
+        rounds passed whole, so this one likely does too (a round queued behind
+        one read short is built for nothing)."""
+        return self.greedy and self.drafter.guesses_ahead and self.control.streak >= 2
+
+    def launch(self, token: int, position: int, depth: int) -> Queued | None:
+        """Queue a greedy round after the confirmed *token* (read): drafts, one
+        verify pass, and the target's choices, all unread. None: the drafter had
+        nothing (the caller takes a plain step)."""
+        drafts = self.drafter.propose([*self.prompt, *self.generated, token], depth).tokens
+        if not drafts[:depth]:
+            self.control.record(0, 0)
+            return None
+        return self._queue(token, drafts[:depth], position)
+
+    def launch_after(self, queued: Queued, remaining: int | None) -> Queued | None:
+        """Queue the round that follows *queued* if it passes whole: its first
+        token is *queued*'s unread bonus, its drafts guessed past it
+        (:meth:`Drafter.propose_ahead`). Waits for *queued* to finish computing
+        (not for this one). None when the reply or the context has no room for
+        it, or the drafter had nothing; *queued*'s traces are held, so it can
+        still be cut anywhere (:meth:`cut`)."""
+        position = queued.position + queued.fed
+        if remaining is not None:
+            remaining -= queued.fed
+        room = self.runner.context_length - position - 1
+        cap = room if remaining is None else min(room, remaining - 1)
+        depth = min(cap, self.control.after_whole())
+        if depth <= 0:
+            return None
+        assert queued.token is not None
+        context = [*self.prompt, *self.generated, queued.token, *queued.drafts]
+        drafts = self.drafter.propose_ahead(context, depth).tokens[:depth]
+        if not drafts:
+            return None
+        queued.held = self.runner.hold(self.session)
+        after = self._queue(queued.bonus, drafts, position)
+        after.token = int(queued.bonus.item())  # read by the verify, after queueing it
+        return after
+
+    def _queue(self, token: int | mx.array, drafts: list[int], position: int) -> Queued:
+        def choose(logits: mx.array) -> tuple[mx.array, mx.array]:
+            choice = mx.argmax(logits, axis=-1)  # (k + 1,)
+            return choice, mx.argmax(logits[-1])
+
+        choice, bonus = self.runner.verify(self.session, [token, *drafts], position, then=choose)
+        first = token if isinstance(token, int) else None
+        return Queued(position, first, drafts, choice, bonus)
+
+    def resolve(self, queued: Queued) -> Round:
+        """Read a queued round's choices (the one wait per round) and decide:
+        drafts pass while they equal the target's choice before them."""
+        assert queued.token is not None
+        choice = queued.choice.tolist()
+        drafts = queued.drafts
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
+            accepted += 1
+        self.control.record(len(drafts), accepted)
+        self.proposed += len(drafts)
+        self.accepted += accepted
+        self.rounds += 1
+        return Round([queued.token, *drafts[:accepted]], choice[accepted], len(drafts))
+
+    def cut(self, queued: Queued, keep: int) -> None:
+        """Keep the first *keep* tokens *queued* fed; the rest, and any round
+        queued behind it, leave."""
+        self.runner.accept(self.session, queued.position, keep, queued.held)
+
     def commit(self, position: int, keep: int) -> None:
-        """Keep the first *keep* tokens the round fed at *position*; the rest leave."""
+        """Keep the first *keep* tokens the round (or probe) fed at *position*; the
+        rest leave."""
         self.runner.accept(self.session, position, keep)
 
 

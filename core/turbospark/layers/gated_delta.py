@@ -9,7 +9,10 @@ Per value head the layer keeps a matrix ``S`` (``(Dv, Dk)``) and, per token,
 chunkwise (WY) form of "Gated Delta Networks" (Yang et al., 2024): inside a
 chunk the deltas solve a unit lower-triangular system, so a chunk of ``C``
 tokens costs a few ``C x C`` and ``C x D`` matmuls and only the state carry
-between chunks is sequential. Both forms compute in float32.
+between chunks is sequential. A draft's verify pass is one such chunk that
+also hands back its deltas, from which the state after any of its tokens is
+one matmul, built only when drafts were rejected (:func:`gated_delta_traced`,
+:func:`traced_layer`). Every form computes in float32.
 
 Shapes follow mlx-lm's ``gated_delta.py`` so checkpoints and states line up:
 q/k ``(B, T, Hk, Dk)``, v ``(B, T, Hv, Dv)``, gates ``(B, T, Hv)``, state
@@ -22,17 +25,21 @@ Families import the pieces: :class:`GatedDeltaNet` (HF parameter names
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from turbospark.layers.fused import runs_compiled
 from turbospark.layers.stacked import Stacked, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
+# A verify pass's trace (mix(traced=True)): conv input, deltas, keys, segment sums, log decay.
+Trace = tuple[mx.array, mx.array, mx.array, mx.array, mx.array]
 IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stacked in this order
 
 
@@ -86,15 +93,6 @@ def causal_conv_with_tail(
     return mx.conv1d(padded, weight, groups=channels), new_tail
 
 
-def conv_tails(x: mx.array, tail: mx.array | None, kernel: int) -> list[mx.array]:
-    """The conv tail after each token of ``x`` (``(1, L, C)``), continuing from
-    ``tail``: entry ``j`` is the ``K - 1`` inputs ending at token ``j``."""
-    if tail is None:
-        tail = mx.zeros((x.shape[0], kernel - 1, x.shape[2]), dtype=x.dtype)
-    padded = mx.concatenate([tail, x], axis=1)  # (1, K - 1 + L, C)
-    return [mx.contiguous(padded[:, j + 1 : j + kernel]) for j in range(x.shape[1])]
-
-
 # -- the recurrence -------------------------------------------------------------
 
 
@@ -116,8 +114,20 @@ def gated_delta_sequential(
     q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
 ) -> tuple[mx.array, mx.array]:
     """The recurrence token by token (decode, and the reference for the chunked form)."""
-    out, states = gated_delta_traced(q, k, v, log_g, beta, state)
-    return out, states[-1]
+    q, k = _expand_heads(q, k, v.shape[2])
+    g = mx.exp(log_g)
+    ys = []
+    for t in range(q.shape[1]):
+        y, state = gated_delta_step(
+            q[:, t].astype(mx.float32),
+            k[:, t].astype(mx.float32),
+            v[:, t].astype(mx.float32),
+            g[:, t],
+            beta[:, t].astype(mx.float32),
+            state,
+        )
+        ys.append(y)
+    return mx.stack(ys, axis=1).astype(v.dtype), state
 
 
 def _segment_sums(log_g: mx.array) -> mx.array:
@@ -246,28 +256,88 @@ def gated_delta_chunked(
     return y.astype(v.dtype), state
 
 
+@lru_cache
+def _traced_sums(length: int) -> np.ndarray:
+    """``(L, L*L + L)`` 0/1: ``log_g @ it`` gives every segment sum
+    ``sum(log_g[j+1 : i+1])`` (``(L, L)`` flattened, 0 above the diagonal), then
+    every cumulative sum ``sum(log_g[: i+1])``: one exact matmul instead of
+    cumulative sums, masks and selects (kernels a launch-bound step pays for)."""
+    i, j, m = np.meshgrid(*[np.arange(length)] * 3, indexing="ij")
+    segments = ((j < m) & (m <= i)).reshape(length * length, length)
+    prefixes = np.tril(np.ones((length, length), dtype=bool))
+    return np.concatenate([segments, prefixes]).T.astype(np.float32)
+
+
 def gated_delta_traced(
     q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
-) -> tuple[mx.array, list[mx.array]]:
-    """The recurrence token by token, keeping the state after every token: a
-    speculative verify pass (a few tokens) takes the state at the last accepted
-    one with no second forward. The steps are decode's, so an accepted prefix
-    leaves exactly the state one-token decoding would have."""
+) -> tuple[mx.array, mx.array, tuple[mx.array, mx.array, mx.array, mx.array]]:
+    """A verify pass (``L`` tokens, a few): the output, the state after the last
+    token, and what the state after any earlier token is rebuilt from
+    (:func:`traced_state`) if drafts are rejected.
+
+    The WY form of :func:`gated_delta_chunked` for one chunk, written for the
+    fewest kernels (about 24 whatever ``L`` up to 8, against about 7 a token
+    stepping token by token, which is what a launch-bound GPU pays for): the
+    segment and prefix sums of the log decays are one matmul with a constant
+    (:func:`_traced_sums`), the inverse is :func:`_doubling_inverse`-style
+    products fused with their sums (``addmm``) on every device, and each read
+    of the start state ``S0`` is one ``addmm``. The trace is ``(deltas, keys,
+    segment sums, log decay)``, ``(B, Hv, L, Dv)``, ``(B, Hv, L, Dk)``,
+    ``(B, Hv, L, L)``, ``(B, Hv, L)``, all float32: with ``G_n`` the decay over
+    the first ``n`` tokens, ``S_n = G_n S0 + sum_{j<n} (G_n / G_j) u_j k_j^T``."""
+    length = q.shape[1]
     q, k = _expand_heads(q, k, v.shape[2])
-    g = mx.exp(log_g)
-    ys, states = [], []
-    for t in range(q.shape[1]):
-        y, state = gated_delta_step(
-            q[:, t].astype(mx.float32),
-            k[:, t].astype(mx.float32),
-            v[:, t].astype(mx.float32),
-            g[:, t],
-            beta[:, t].astype(mx.float32),
-            state,
-        )
-        ys.append(y)
-        states.append(state)
-    return mx.stack(ys, axis=1).astype(v.dtype), states
+    # (B, L, Hv, ...) -> (B, Hv, L, ...), float32
+    qc, kc, vc, gc, bc = (mx.moveaxis(x.astype(mx.float32), 2, 1) for x in (q, k, v, log_g, beta))
+    sums = gc @ mx.array(_traced_sums(length))  # (B, Hv, L*L + L)
+    seg = sums[..., : length * length].reshape(*gc.shape, length)  # (B, Hv, L, L)
+    cum = sums[..., length * length :]  # (B, Hv, L): log G_i
+    lower = mx.array(np.tril(np.ones((length, length), dtype=bool)))
+    decay = mx.where(lower, mx.exp(seg), 0.0)  # G_i / G_j on and below the diagonal
+    k_beta = kc * bc[..., None]
+    strict = mx.array(np.tril(np.ones((length, length), dtype=bool), -1))
+    # -M, M strictly lower: (I + M)^-1 = prod_j (I + (-M)^(2^j)) (M is nilpotent)
+    power = mx.where(strict, -(k_beta @ mx.swapaxes(kc, -1, -2)) * decay, 0.0)
+    inverse = mx.array(np.eye(length, dtype=np.float32)) + power
+    span = 2
+    while span < length:
+        power = power @ power
+        inverse = mx.addmm(inverse, inverse, power)
+        span *= 2
+    u = inverse @ (vc * bc[..., None])  # (B, Hv, L, Dv)
+    w = inverse @ (k_beta * mx.exp(cum)[..., None])  # (B, Hv, L, Dk)
+    s0_t = mx.swapaxes(state, -1, -2)  # (B, Hv, Dk, Dv)
+    deltas = mx.addmm(u, w, s0_t, alpha=-1.0)  # (B, Hv, L, Dv): the delta-rule updates
+    attn = (qc @ mx.swapaxes(kc, -1, -2)) * decay  # (B, Hv, L, L), causal incl. diagonal
+    y = mx.addmm((qc * mx.exp(cum)[..., None]) @ s0_t, attn, deltas)  # (B, Hv, L, Dv)
+    trace = (deltas, kc, seg, cum)
+    return mx.moveaxis(y, 1, 2).astype(v.dtype), traced_state(state, trace, length), trace
+
+
+def traced_state(
+    start: mx.array, trace: tuple[mx.array, mx.array, mx.array, mx.array], n: int
+) -> mx.array:
+    """The recurrent state after the first *n* (1 or more) tokens of a traced
+    pass that began at *start*; see :func:`gated_delta_traced`."""
+    deltas, keys, seg, cum = trace
+    to_n = keys[..., :n, :] * mx.exp(seg[..., n - 1, :n])[..., None]  # k_j * G_n / G_j
+    start = start * mx.exp(cum[..., n - 1])[..., None, None]
+    return mx.addmm(start, mx.swapaxes(deltas[..., :n, :], -1, -2), to_n)  # (B, Hv, Dv, Dk)
+
+
+def traced_layer(
+    tail: mx.array, recurrent: mx.array, trace: Trace, n: int
+) -> tuple[mx.array, mx.array]:
+    """A layer's ``(conv tail, state)`` after the first *n* (1 or more) tokens of
+    a traced pass that began at ``(tail, recurrent)``; *trace* is what
+    :func:`mix` hands back from it: the conv input ``(B, L, C)``, then the
+    recurrence's trace (:func:`gated_delta_traced`)."""
+    projected, *recurrence = trace
+    padded = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
+    return (
+        mx.contiguous(padded[:, n : n + tail.shape[1]]),
+        traced_state(recurrent, tuple(recurrence), n),  # type: ignore[arg-type]
+    )
 
 
 def gated_delta(
@@ -396,8 +466,11 @@ class GatedDeltaNet(nn.Module):
         )
         if state.tracing:  # a verify pass: every token's state is kept
             traced = mix_traced if runs_compiled(*x.shape[:2]) else partial(mix, traced=True)
-            out, tails, recurrents = traced(*args)
-            state.set_layer_traced(index, tails, recurrents)
+            out, new_tail, new_recurrent, trace = traced(*args)
+            # The state after an earlier token is built only if asked (drafts rejected).
+            state.set_layer_traced(
+                index, new_tail, new_recurrent, partial(traced_layer, tail, recurrent, trace)
+            )
         else:
             out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
             state.set_layer(index, tail, recurrent)
@@ -420,15 +493,15 @@ def mix(
     value_head_dim: int,
     eps: float,
     traced: bool = False,
-) -> tuple[mx.array, mx.array, mx.array]:
+) -> tuple[mx.array, ...]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
     input projections (*in_proj*: the rows of ``in_proj_qkv/z/a/b`` stacked,
     one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
     gates, the gated delta rule from *recurrent* and the gated norm. Returns
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
-    (a draft's verify pass), the output, every token's conv tail and every
-    token's state instead (:func:`conv_tails`, :func:`gated_delta_traced`).
+    (a draft's verify pass), also the :data:`Trace` that
+    :func:`traced_layer` rebuilds the state after any of its tokens from.
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
     batch, length, _ = x.shape
@@ -439,7 +512,6 @@ def mix(
     projected, z, a, b = mx.split(
         x @ in_proj.T, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
     )
-    tails = conv_tails(projected, tail, conv_weight.shape[1]) if traced else None
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
     mixed = nn.silu(mixed)
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
@@ -449,24 +521,39 @@ def mix(
     log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
     beta = mx.sigmoid(b)
     if traced:
-        out, recurrents = gated_delta_traced(q, k, v, log_g, beta, recurrent)
+        out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
     else:
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
-    return (out, tails, recurrents) if traced else (out, tail, recurrent)
+    if traced:
+        return out, tail, recurrent, (projected, *recurrence)
+    return out, tail, recurrent
 
 
 # One token per row: no Python loop and no CPU-stream inverse, so the whole of
 # :func:`mix` compiles; MLX traces it once per batch size and dtype.
 mix_step = mx.compile(mix)
-# A verify pass (a lone row, ``k + 1`` tokens): the per-token recurrence is a
-# short Python loop of small ops, which is where compiling pays most.
+# A verify pass (a lone row, ``k + 1`` tokens): one WY chunk and its trace.
 mix_traced = mx.compile(partial(mix, traced=True))
 
 
 # -- the state ------------------------------------------------------------------
+
+# A traced layer's state after its first n tokens (traced_layer, bound to the pass).
+Rebuild = Callable[[int], tuple[mx.array, mx.array]]
+
+
+@dataclass
+class TracedPass:
+    """A traced forward (a verify pass): where it started, how many tokens it
+    fed, and per layer the ``(tail, recurrent)`` before it and the
+    :data:`Rebuild` of its state after its first n tokens."""
+
+    start: int
+    layers: list[tuple[tuple[mx.array | None, mx.array | None], Rebuild] | None]
+    length: int = 0
 
 
 class GDNComponent:
@@ -490,9 +577,7 @@ class GDNComponent:
         self._states: list[mx.array | None] = [None] * num_layers
         self._position = 0
         self.tracing = False  # the next forward keeps every token's state (trace())
-        # After a traced forward: per layer, (tail, recurrent) before it and after each token.
-        self._traced: list[list[tuple[mx.array | None, mx.array | None]]] | None = None
-        self._traced_length = 0
+        self._traced: TracedPass | None = None  # the last traced forward's
 
     def layer(self, index: int) -> tuple[mx.array | None, mx.array | None]:
         return self._tails[index], self._states[index]
@@ -502,36 +587,52 @@ class GDNComponent:
         self._states[index] = recurrent
 
     def set_layer_traced(
-        self, index: int, tails: list[mx.array], recurrents: list[mx.array]
+        self, index: int, tail: mx.array, recurrent: mx.array, rebuild: Rebuild
     ) -> None:
-        """A traced forward's layer *index*: its state after every token (the last is current)."""
+        """A traced forward's layer *index*: its state after the last token, and
+        *rebuild* (n -> its state after the first n tokens, 1 or more)."""
         assert self._traced is not None, "set_layer_traced outside a traced forward"
-        self._traced[index] = [self.layer(index), *zip(tails, recurrents, strict=True)]
-        self.set_layer(index, tails[-1], recurrents[-1])
+        self._traced.layers[index] = (self.layer(index), rebuild)
+        self.set_layer(index, tail, recurrent)
 
     def advance(self, n: int) -> None:
         """Called by the family once per forward, after every layer has run."""
         self._position += n
         if self.tracing:
-            self._traced_length, self.tracing = n, False
+            assert self._traced is not None
+            self._traced.length, self.tracing = n, False
 
     # -- speculative rollback (turbospark.speculative) -----------------------------
 
     def trace(self) -> None:
         """Keep the state after every token of the next forward (a verify pass)."""
         self.tracing = True
-        self._traced = [[] for _ in self._tails]
+        self._traced = TracedPass(self._position, [None] * len(self._tails))
 
-    def keep_traced(self, n: int) -> None:
-        """Become the state after the first *n* tokens of the traced forward (held
-        references, no compute); the trace is dropped."""
-        traced, self._traced = self._traced, None
-        length = self._traced_length
-        if traced is None or not 0 <= n <= length:
-            raise refuse_rewind(self.name, length - n, 0 if traced is None else length)
-        for i, states in enumerate(traced):
-            self._tails[i], self._states[i] = states[n]
-        self._position -= length - n
+    def held_trace(self) -> TracedPass | None:
+        """The last traced forward, for a :meth:`keep_traced` after later
+        forwards (a chained round queued before this one was read)."""
+        return self._traced
+
+    def keep_traced(self, n: int, held: object | None = None) -> None:
+        """Become the state after the first *n* tokens of the last traced forward,
+        or of *held* (:meth:`held_trace`; anything fed after it leaves too); the
+        trace is dropped. The last one kept whole: nothing to do (the state is
+        current); none: the held references from before it; otherwise each
+        layer's state there is built from the trace (one matmul, lazily)."""
+        traced = self._traced if held is None else held
+        assert traced is None or isinstance(traced, TracedPass)
+        current = traced is self._traced
+        self._traced = None
+        if traced is None or not 0 <= n <= traced.length:
+            length = 0 if traced is None else traced.length
+            raise refuse_rewind(self.name, length - n, length)
+        if not (current and n == traced.length):
+            for i, layer in enumerate(traced.layers):
+                assert layer is not None, f"layer {i} ran no traced forward"
+                before, rebuild = layer
+                self._tails[i], self._states[i] = before if n == 0 else rebuild(n)
+        self._position = traced.start + n
 
     @property
     def position(self) -> int:

@@ -302,7 +302,8 @@ class StreamTail:
         self.initial = initial
         self.tail = initial
         self._position = 0
-        self._traced: tuple[mx.array, int] | None = None  # (window, tokens) of a traced push
+        # (window, tokens, start position) of the last traced push
+        self._traced: tuple[mx.array, int, int] | None = None
         self._tracing = False
 
     @property
@@ -323,9 +324,9 @@ class StreamTail:
         exactly the window a causal operator needs."""
         window = mx.concatenate([self.tail, rows[0]], axis=0)
         self.tail = window[window.shape[0] - self.initial.shape[0] :]
-        self._position += rows.shape[1]
         if self._tracing:
-            self._traced, self._tracing = (window, rows.shape[1]), False
+            self._traced, self._tracing = (window, rows.shape[1], self._position), False
+        self._position += rows.shape[1]
         return window[None]
 
     @classmethod
@@ -338,14 +339,20 @@ class StreamTail:
         """Keep the window of the next :meth:`push` (a speculative verify pass)."""
         self._tracing, self._traced = True, None
 
-    def keep_traced(self, n: int) -> None:
-        """Become the tail after the first *n* rows of the traced push."""
-        traced, self._traced = self._traced, None
+    def held_trace(self) -> tuple[mx.array, int, int] | None:
+        """The last traced push, for a :meth:`keep_traced` after later ones."""
+        return self._traced
+
+    def keep_traced(self, n: int, held: tuple[mx.array, int, int] | None = None) -> None:
+        """Become the tail after the first *n* rows of the last traced push, or
+        of *held* (:meth:`held_trace`; later rows leave too)."""
+        traced = self._traced if held is None else held
+        self._traced = None
         if traced is None or not 0 <= n <= traced[1]:
             raise refuse_rewind(self.name, 0 if traced is None else traced[1] - n, 0)
-        window, length = traced
+        window, _, start = traced
         self.tail = window[n : n + self.initial.shape[0]]
-        self._position -= length - n
+        self._position = start + n
 
     def reset(self) -> None:
         self.tail = self.initial

@@ -16,8 +16,11 @@ from turbospark.layers.gated_delta import (
     causal_conv_with_tail,
     gated_delta_chunked,
     gated_delta_sequential,
+    gated_delta_traced,
     log_decay,
     normalize_qk,
+    traced_layer,
+    traced_state,
 )
 
 HK, HV, DK, DV = 2, 4, 16, 24
@@ -105,3 +108,35 @@ def test_the_gpu_inverse_equals_lapacks(chunk_size: int) -> None:
     )
     expected = mx.linalg.tri_inv(mx.eye(chunk_size) + m, upper=False, stream=mx.cpu)
     np.testing.assert_allclose(np.array(gd._doubling_inverse(m)), np.array(expected), atol=2e-5)
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 8])
+def test_traced_pass_equals_token_steps(length: int) -> None:
+    """A verify pass's one-chunk form: its outputs, its last state and the
+    state it rebuilds after every earlier token equal stepping token by token."""
+    q, k, v, log_g, beta, state = _inputs(length, seed=40 + length)
+    y, last, trace = mx.compile(gated_delta_traced)(q, k, v, log_g, beta, state)
+    y_seq, s_seq = gated_delta_sequential(q, k, v, log_g, beta, state)
+    np.testing.assert_allclose(np.array(y), np.array(y_seq), atol=ATOL)
+    np.testing.assert_allclose(np.array(last), np.array(s_seq), atol=ATOL)
+    for n in range(1, length + 1):
+        cut = (x[:, :n] for x in (q, k, v, log_g, beta))
+        _, s_n = gated_delta_sequential(*cut, state)
+        np.testing.assert_allclose(
+            np.array(traced_state(state, trace, n)), np.array(s_n), atol=ATOL
+        )
+
+
+def test_traced_layer_rebuilds_the_conv_tail() -> None:
+    """The conv tail after n tokens of a traced pass is the one a conv over
+    those n tokens alone leaves."""
+    rng = np.random.default_rng(7)
+    tail = mx.array(rng.normal(size=(1, 3, 6)).astype(np.float32))
+    projected = mx.array(rng.normal(size=(1, 5, 6)).astype(np.float32))
+    weight = mx.array(rng.normal(size=(6, 4, 1)).astype(np.float32))
+    q, k, v, log_g, beta, state = _inputs(5, seed=9)
+    _, _, recurrence = gated_delta_traced(q, k, v, log_g, beta, state)
+    for n in range(1, 6):
+        _, expected = causal_conv_with_tail(projected[:, :n], tail, weight)
+        got, _ = traced_layer(tail, state, (projected, *recurrence), n)
+        np.testing.assert_array_equal(np.array(got), np.array(expected))
