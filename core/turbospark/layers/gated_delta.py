@@ -379,15 +379,17 @@ class GatedDeltaNet(nn.Module):
             recurrent = mx.zeros(
                 (batch, d.num_value_heads, d.value_head_dim, d.key_head_dim), dtype=mx.float32
             )
+        # Arrays by item (a module is a dict): nn.Module.__getattr__ is a Python
+        # call, and this runs for every linear layer and step.
         args = (
             x,
             self.in_projections().weight,
             tail,
             recurrent,
-            self.conv1d.weight,
-            self.A_log,
-            self.dt_bias,
-            self.norm.weight,
+            self["conv1d"]["weight"],
+            self["A_log"],
+            self["dt_bias"],
+            self["norm"]["weight"],
             d.num_key_heads,
             d.num_value_heads,
             d.key_head_dim,
@@ -395,14 +397,14 @@ class GatedDeltaNet(nn.Module):
             d.eps,
         )
         if state.tracing:  # a verify pass: every token's state is kept
-            traced = mix_traced if runs_compiled(*x.shape[:2]) else partial(mix, traced=True)
+            traced = mix_traced if runs_compiled(batch, length) else partial(mix, traced=True)
             out, tails, recurrents = traced(*args)
             state.set_layer_traced(index, tails, recurrents)
         else:
             out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
             state.set_layer(index, tail, recurrent)
         # The module, not its weight: a sharded out_proj sums the ranks' parts.
-        return self.out_proj(out)
+        return self["out_proj"](out)
 
 
 def mix(

@@ -17,6 +17,7 @@ the modules one by one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import is_
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,9 +51,10 @@ class Stacked:
 
     def matches(self, owner: nn.Module, names: Sequence[str]) -> bool:
         """Whether every module still holds the rows this stack gave it (a
-        module is a dict: item lookups, as this runs for every layer and step)."""
-        parts = zip(names, self._parts, strict=True)
-        return all(owner[name]["weight"] is part for name, part in parts)
+        module is a dict: item lookups, and the identities compared in C, as
+        this runs for every layer and step)."""
+        held = [owner[name]["weight"] for name in names]
+        return len(held) == len(self._parts) and all(map(is_, held, self._parts))
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each layer's output for ``x`` ``(..., in)``, in the order they were stacked."""

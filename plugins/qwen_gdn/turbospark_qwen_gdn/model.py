@@ -24,6 +24,7 @@ then an array of ``B`` positions; see :mod:`turbospark.batch`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -282,22 +283,67 @@ class GatedAttention(nn.Module):
         positions: mx.array | None,
     ) -> mx.array:
         batch, length, _ = x.shape
-        # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
         qkv = stacked(self, ("q_proj", "k_proj", "v_proj"))  # one matmul (unless sharded)
-        q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if qkv is None else qkv(x)
-        # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
-        queries, gate = mx.split(q.reshape(batch, length, self.heads, -1), 2, axis=-1)
-        gate = gate.reshape(batch, length, -1)
-        keys = k.reshape(batch, length, self.kv_heads, self.head_dim)
-        values = v.reshape(batch, length, self.kv_heads, self.head_dim)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # (B, heads, L, dim)
-        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
-        values = values.transpose(0, 2, 1, 3)
-        queries = rope(queries, offset, positions)
-        keys = rope(keys, offset, positions)
+        if qkv is None:
+            q, k, v = (self[name](x) for name in ("q_proj", "k_proj", "v_proj"))
+        else:
+            q, k, v = qkv(x)
+        norms = (self["q_norm"]["weight"], self["k_norm"]["weight"])
+        dims = (self.heads, self.kv_heads, self.head_dim, self["q_norm"].eps)
+        if positions is None and runs_compiled(batch, length):
+            # One trace for every position: the offset is a device array (a caller's
+            # Python int would be a constant of the trace, one per position).
+            if isinstance(offset, int):
+                offset = mx.array(offset, dtype=mx.int32)
+            queries, keys, values, gate = attention_inputs_step(
+                q, k, v, norms, offset, dims, rope.dims, rope.base
+            )
+        else:
+            queries, keys, values, gate = attention_inputs(q, k, v, norms, None, dims)
+            queries = rope(queries, offset, positions)
+            keys = rope(keys, offset, positions)
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # (B, L, heads * dim)
-        return self.o_proj(sigmoid_gate(out, gate))
+        return self["o_proj"](sigmoid_gate(out, gate))
+
+
+def attention_inputs(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    norms: tuple[mx.array, mx.array],
+    offset: mx.array | None,
+    dims: tuple[int, int, int, float],
+    rotary_dims: int = 0,
+    base: float = 0.0,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Projections -> normed queries and keys, values (each ``(B, n, L, dim)``)
+    and the output gate ``(B, L, heads * dim)``; rotated from *offset* with
+    plain RoPE (text) when it is given, else the caller rotates (a vision
+    prompt's per-token positions). Exactly the modules' ops (``nn.RMSNorm`` is
+    ``mx.fast.rms_norm``, :class:`QwenRope` without positions is
+    ``mx.fast.rope``), over arrays so it compiles."""
+    heads, kv_heads, head_dim, eps = dims
+    batch, length, _ = q.shape
+    # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
+    queries, gate = mx.split(q.reshape(batch, length, heads, -1), 2, axis=-1)
+    gate = gate.reshape(batch, length, -1)
+    keys = k.reshape(batch, length, kv_heads, head_dim)
+    values = v.reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    q_norm, k_norm = norms
+    queries = mx.fast.rms_norm(queries, q_norm, eps).transpose(0, 2, 1, 3)  # (B, heads, L, dim)
+    keys = mx.fast.rms_norm(keys, k_norm, eps).transpose(0, 2, 1, 3)
+    if offset is not None:
+        rotate = partial(
+            mx.fast.rope, dims=rotary_dims, traditional=False, base=base, scale=1.0, offset=offset
+        )
+        queries, keys = rotate(queries), rotate(keys)
+    return queries, keys, values, gate
+
+
+# Traced once per batch size and short lone-row length (runs_compiled), with
+# the RoPE offset a device array; prefill runs it uncompiled and rotates apart.
+attention_inputs_step = mx.compile(attention_inputs)
 
 
 class DecoderLayer(nn.Module):
@@ -327,25 +373,23 @@ class DecoderLayer(nn.Module):
     ) -> mx.array:
         """The layer's output; with *join* (steering, see
         :func:`turbospark.steering.joiner`) its last residual add is handed to it."""
-        normed = self.input_layernorm(x)
+        # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
+        # is a Python call, and this runs for every layer and step.
+        norm = self["input_layernorm"]
+        normed = mx.fast.rms_norm(x, norm["weight"], norm.eps)
         if self.is_linear:
-            mixed = self.linear_attn(normed, gdn, self.slot)
+            mixed = self["linear_attn"](normed, gdn, self.slot)
         else:
-            mixed = self.self_attn(normed, kv[self.slot], rope, offset, positions)
-        mlp = self.mlp
+            mixed = self["self_attn"](normed, kv[self.slot], rope, offset, positions)
+        mlp = self["mlp"]
         gate_up = stacked(mlp, ("gate_proj", "up_proj"))
-        if gate_up is None or not isinstance(mlp.down_proj, nn.Linear):
+        down = mlp["down_proj"]
+        if gate_up is None or not isinstance(down, nn.Linear):
             h = x + mixed  # sharded: the modules sum the ranks' parts
             update = mlp(self.post_attention_layernorm(h))
             return h + update if join is None else join(h, update, None)
-        args = (
-            x,
-            mixed,
-            self.post_attention_layernorm.weight,
-            gate_up.weight,
-            mlp.down_proj.weight,
-            self.post_attention_layernorm.eps,
-        )
+        norm = self["post_attention_layernorm"]
+        args = (x, mixed, norm["weight"], gate_up.weight, down["weight"], norm.eps)
         compiled = runs_compiled(*x.shape[:2])
         if join is None:
             return (mlp_tail_step if compiled else mlp_tail)(*args)
@@ -451,6 +495,9 @@ class QwenGdn(nn.Module):
             assert isinstance(offset, int)
             h = vision.inject(h[0], offset)[None]
             positions = vision.rope_positions(offset, length)  # (3, L)
+        if isinstance(offset, int) and positions is None:
+            # RoPE's offset as a device array once per forward, not once per layer.
+            offset = mx.array(offset, dtype=mx.int32)
         kv, gdn = state["kv"], state["gdn"]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, kv, gdn, self._rope, offset, positions, joiner(steer, i))
