@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark.layers.fused import runs_compiled
-from turbospark.layers.stacked import Stacked, stacked
+from turbospark.layers.stacked import Stacked, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
@@ -383,7 +383,7 @@ class GatedDeltaNet(nn.Module):
         # call, and this runs for every linear layer and step.
         args = (
             x,
-            self.in_projections().weight,
+            self.in_projections().weight_t,
             tail,
             recurrent,
             self["conv1d"]["weight"],
@@ -404,12 +404,12 @@ class GatedDeltaNet(nn.Module):
             out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
             state.set_layer(index, tail, recurrent)
         # The module, not its weight: a sharded out_proj sums the ranks' parts.
-        return self["out_proj"](out)
+        return project(self["out_proj"], out)
 
 
 def mix(
     x: mx.array,
-    in_proj: mx.array,
+    in_proj_t: mx.array,
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -424,8 +424,8 @@ def mix(
     traced: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
-    input projections (*in_proj*: the rows of ``in_proj_qkv/z/a/b`` stacked,
-    one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
+    input projections (*in_proj_t*: the transpose of ``in_proj_qkv/z/a/b``'s
+    rows stacked, one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
     gates, the gated delta rule from *recurrent* and the gated norm. Returns
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
@@ -439,7 +439,7 @@ def mix(
     conv_dim = 2 * key_dim + value_dim
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
     projected, z, a, b = mx.split(
-        x @ in_proj.T, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
+        x @ in_proj_t, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
     )
     tails = conv_tails(projected, tail, conv_weight.shape[1]) if traced else None
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)

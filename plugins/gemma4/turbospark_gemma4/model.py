@@ -30,13 +30,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
-from turbospark.layers.attention import cached_attention, shared_attention
+from turbospark.layers.attention import (
+    cached_attention,
+    merge_heads,
+    normed_heads,
+    shared_attention,
+)
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import geglu, residual_scale, runs_compiled, softcap
 from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
-from turbospark.layers.stacked import stacked
+from turbospark.layers.stacked import project, stacked, transposed
 from turbospark.sharding import kv_copies, require_divisible, shard_attention, shard_mlp
 from turbospark.state import LayerKV, State
 from turbospark.steering import Join, LayerHook, joiner
@@ -318,10 +322,10 @@ class Attention(nn.Module):
         """Queries, keys and values (None where this layer has none) from one
         matmul over the stacked weights, or the modules one by one when sharded."""
         if not self.owns_kv:  # a KV-shared layer: queries only
-            return self["q_proj"](x), None, None
+            return project(self["q_proj"], x), None, None
         names = ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
         stack = stacked(self, names)
-        outs = [self[name](x) for name in names] if stack is None else stack(x)
+        outs = [project(self[name], x) for name in names] if stack is None else stack(x)
         return outs[0], outs[1], outs[2] if len(outs) == 3 else None
 
     def __call__(
@@ -347,8 +351,7 @@ class Attention(nn.Module):
         else:
             attended = shared
             out = shared_attention(queries, shared, scale=1.0)
-        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # -> (B, L, heads*D)
-        return self["o_proj"](out), attended
+        return project(self["o_proj"], merge_heads(out)), attended
 
 
 def attention_inputs(
@@ -368,23 +371,17 @@ def attention_inputs(
     values; *v* None with *k* given: ``attention_k_eq_v``, values are the raw
     key projection, before k_norm and RoPE). Exactly the modules' ops
     (``nn.RMSNorm`` is ``mx.fast.rms_norm``), over arrays so it compiles."""
-    batch, length, _ = q.shape
     q_norm, k_norm = norms
-    queries = mx.fast.rms_norm(q.reshape(batch, length, heads, head_dim), q_norm, eps)
-    queries = apply_rope(queries.transpose(0, 2, 1, 3), start, head_dim, freqs)
+    queries = apply_rope(normed_heads(q, heads, q_norm, eps), start, head_dim, freqs)
     if k is None:
         return queries, None, None
-    keys = k.reshape(batch, length, kv_heads, head_dim)  # (B, L, n*D) -> (B, L, n, D)
-    values = keys if v is None else v.reshape(batch, length, kv_heads, head_dim)
-    keys = apply_rope(
-        mx.fast.rms_norm(keys, k_norm, eps).transpose(0, 2, 1, 3), start, head_dim, freqs
-    )
-    values = rms_norm_no_scale(values, eps).transpose(0, 2, 1, 3)  # (B, kv, L, D)
+    keys = apply_rope(normed_heads(k, kv_heads, k_norm, eps), start, head_dim, freqs)
+    values = normed_heads(k if v is None else v, kv_heads, None, eps)  # no scale
     return queries, keys, values
 
 
 # Traced once per batch size and short lone-row length, with the RoPE offset a
-# device array (runs_compiled); prefill runs it uncompiled at a Python-int offset.
+# device array (runs_compiled); prefill runs it uncompiled.
 attention_inputs_step = mx.compile(attention_inputs)
 
 
@@ -545,8 +542,8 @@ class DecoderLayer(nn.Module):
         weights = (
             self["post_attention_layernorm"]["weight"],
             self["pre_feedforward_layernorm"]["weight"],
-            gate_up.weight,
-            down["weight"],
+            gate_up.weight_t,
+            transposed(down),
             self["post_feedforward_layernorm"]["weight"],
         )
         compiled = runs_compiled(*h.shape[:2])
@@ -561,12 +558,13 @@ class DecoderLayer(nn.Module):
         return self._joined(parts, join), attended
 
     def _ple_weights(self) -> PleWeights | None:
-        """The per-layer input block's input gate, projection and norm weights."""
+        """The per-layer input block's input gate and projection (transposed,
+        :func:`~turbospark.layers.stacked.transposed`) and norm weights."""
         if not self.ple:
             return None
         return (
-            self["per_layer_input_gate"]["weight"],
-            self["per_layer_projection"]["weight"],
+            transposed(self["per_layer_input_gate"]),
+            transposed(self["per_layer_projection"]),
             self["post_per_layer_input_norm"]["weight"],
         )
 
@@ -578,7 +576,7 @@ class DecoderLayer(nn.Module):
         return join(h, update, self.layer_scalar)
 
 
-PleWeights = tuple[mx.array, mx.array, mx.array]  # input gate, projection, norm
+PleWeights = tuple[mx.array, mx.array, mx.array]  # input gate.T, projection.T, norm
 
 
 def layer_end_parts(
@@ -593,10 +591,10 @@ def layer_end_parts(
     join: its output is ``residual_scale(*parts, layer_scalar)``."""
     if ple is None:
         return h, ff
-    gate_w, proj_w, norm_w = ple
+    gate_t, proj_t, norm_w = ple
     h = h + ff
-    gate = geglu(h @ gate_w.T, per_layer_input)
-    return h, mx.fast.rms_norm(gate @ proj_w.T, norm_w, eps)
+    gate = geglu(h @ gate_t, per_layer_input)
+    return h, mx.fast.rms_norm(gate @ proj_t, norm_w, eps)
 
 
 def dense_tail_parts(
@@ -610,12 +608,13 @@ def dense_tail_parts(
     """A dense layer after its attention output, up to its last join: exactly
     the modules' ops (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is
     ``mx.fast.rms_norm``), written over arrays so it compiles. The MLP's gate
-    and up rows are one stacked weight (:mod:`turbospark.layers.stacked`)."""
-    post_attn, pre_ff, gate_up_w, down_w, post_ff = weights
+    and up rows are one stacked weight, and the matmuls' weights come
+    transposed, as leaf views (:mod:`turbospark.layers.stacked`)."""
+    post_attn, pre_ff, gate_up_t, down_t, post_ff = weights
     h = h + mx.fast.rms_norm(attn, post_attn, eps)
     x = mx.fast.rms_norm(h, pre_ff, eps)
-    gate, up = mx.split(x @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
-    ff = geglu(gate, up) @ down_w.T
+    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
+    ff = geglu(gate, up) @ down_t
     return layer_end_parts(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, eps)
 
 

@@ -33,11 +33,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
-from turbospark.layers.attention import cached_attention
+from turbospark.layers.attention import cached_attention, heads_first, merge_heads, normed_heads
 from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.stacked import stacked
+from turbospark.layers.stacked import project, stacked, transposed
 from turbospark.sharding import (
     kv_copies,
     require_divisible,
@@ -285,11 +285,11 @@ class GatedAttention(nn.Module):
         batch, length, _ = x.shape
         qkv = stacked(self, ("q_proj", "k_proj", "v_proj"))  # one matmul (unless sharded)
         if qkv is None:
-            q, k, v = (self[name](x) for name in ("q_proj", "k_proj", "v_proj"))
+            q, k, v = (project(self[name], x) for name in ("q_proj", "k_proj", "v_proj"))
         else:
             q, k, v = qkv(x)
         norms = (self["q_norm"]["weight"], self["k_norm"]["weight"])
-        dims = (self.heads, self.kv_heads, self.head_dim, self["q_norm"].eps)
+        dims = (self.heads, self.kv_heads, self["q_norm"].eps)
         if positions is None and runs_compiled(batch, length):
             # One trace for every position: the offset is a device array (a caller's
             # Python int would be a constant of the trace, one per position).
@@ -303,8 +303,7 @@ class GatedAttention(nn.Module):
             queries = rope(queries, offset, positions)
             keys = rope(keys, offset, positions)
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
-        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # (B, L, heads * dim)
-        return self["o_proj"](sigmoid_gate(out, gate))
+        return project(self["o_proj"], sigmoid_gate(merge_heads(out), gate))
 
 
 def attention_inputs(
@@ -313,26 +312,25 @@ def attention_inputs(
     v: mx.array,
     norms: tuple[mx.array, mx.array],
     offset: mx.array | None,
-    dims: tuple[int, int, int, float],
+    dims: tuple[int, int, float],
     rotary_dims: int = 0,
     base: float = 0.0,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Projections -> normed queries and keys, values (each ``(B, n, L, dim)``)
+    """Projections ``(B, L, n * dim)`` (*dims*: the query and key/value head
+    counts and the norms' eps) -> normed queries and keys, values (each ``(B, n, L, dim)``)
     and the output gate ``(B, L, heads * dim)``; rotated from *offset* with
     plain RoPE (text) when it is given, else the caller rotates (a vision
     prompt's per-token positions). Exactly the modules' ops (``nn.RMSNorm`` is
     ``mx.fast.rms_norm``, :class:`QwenRope` without positions is
     ``mx.fast.rope``), over arrays so it compiles."""
-    heads, kv_heads, head_dim, eps = dims
-    batch, length, _ = q.shape
-    # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
-    queries, gate = mx.split(q.reshape(batch, length, heads, -1), 2, axis=-1)
-    gate = gate.reshape(batch, length, -1)
-    keys = k.reshape(batch, length, kv_heads, head_dim)
-    values = v.reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    heads, kv_heads, eps = dims
+    # (B, L, heads * 2 * dim) -> queries and gate, each (B, heads, L, dim)
+    queries, gate = mx.split(heads_first(q, heads), 2, axis=-1)
+    gate = merge_heads(gate)  # (B, L, heads * dim)
     q_norm, k_norm = norms
-    queries = mx.fast.rms_norm(queries, q_norm, eps).transpose(0, 2, 1, 3)  # (B, heads, L, dim)
-    keys = mx.fast.rms_norm(keys, k_norm, eps).transpose(0, 2, 1, 3)
+    queries = mx.fast.rms_norm(queries, q_norm, eps)
+    keys = normed_heads(k, kv_heads, k_norm, eps)
+    values = heads_first(v, kv_heads)
     if offset is not None:
         rotate = partial(
             mx.fast.rope, dims=rotary_dims, traditional=False, base=base, scale=1.0, offset=offset
@@ -389,7 +387,7 @@ class DecoderLayer(nn.Module):
             update = mlp(self.post_attention_layernorm(h))
             return h + update if join is None else join(h, update, None)
         norm = self["post_attention_layernorm"]
-        args = (x, mixed, norm["weight"], gate_up.weight, down["weight"], norm.eps)
+        args = (x, mixed, norm["weight"], gate_up.weight_t, transposed(down), norm.eps)
         compiled = runs_compiled(*x.shape[:2])
         if join is None:
             return (mlp_tail_step if compiled else mlp_tail)(*args)
@@ -400,30 +398,31 @@ def mlp_tail_parts(
     x: mx.array,
     mixed: mx.array,
     norm_w: mx.array,
-    gate_up_w: mx.array,
-    down_w: mx.array,
+    gate_up_t: mx.array,
+    down_t: mx.array,
     eps: float,
 ) -> tuple[mx.array, mx.array]:
     """A layer after its mixer: residual, RMSNorm and the SwiGLU MLP, up to the
     last residual add (the layer's output is their sum). Exactly the modules'
-    ops (``nn.Linear`` is ``x @ w.T``; *gate_up_w* is gate's rows then up's,
-    :mod:`turbospark.layers.stacked`), over arrays so it compiles."""
+    ops (``nn.Linear`` is ``x @ w.T``), over arrays so it compiles. The weights
+    come transposed, as leaf views (:mod:`turbospark.layers.stacked`):
+    *gate_up_t* is the stacked gate then up rows' transpose, *down_t* ``down_proj.weight.T``."""
     h = x + mixed
     y = mx.fast.rms_norm(h, norm_w, eps)
-    gate, up = mx.split(y @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
-    return h, swiglu(gate, up) @ down_w.T
+    gate, up = mx.split(y @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
+    return h, swiglu(gate, up) @ down_t
 
 
 def mlp_tail(
     x: mx.array,
     mixed: mx.array,
     norm_w: mx.array,
-    gate_up_w: mx.array,
-    down_w: mx.array,
+    gate_up_t: mx.array,
+    down_t: mx.array,
     eps: float,
 ) -> mx.array:
     """:func:`mlp_tail_parts` and the residual add, so :data:`mlp_tail_step` compiles it whole."""
-    h, update = mlp_tail_parts(x, mixed, norm_w, gate_up_w, down_w, eps)
+    h, update = mlp_tail_parts(x, mixed, norm_w, gate_up_t, down_t, eps)
     return h + update
 
 
