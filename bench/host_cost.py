@@ -91,11 +91,13 @@ def batched_step(path: Path, batch: int) -> tuple[Step, Runner]:
     return step, runner
 
 
-def host_cost(family: str, steps: int, rounds: int, cache_dir: Path) -> dict[str, dict[str, Any]]:
+def host_cost(
+    family: str, steps: int, rounds: int, cache_dir: Path, size: str = "host"
+) -> dict[str, dict[str, Any]]:
     """Per engine: the graph of one step, and thread CPU µs to build one: the
     minimum over *rounds* (engines interleaved) of each round's median, and
     every round's median (the spread)."""
-    path = install(family, "host", "float32", cache_dir)
+    path = install(family, size, "float32", cache_dir)
     runner = Runner.open(path, context_length=PROMPT_TOKENS + 2 * (rounds + 1) * steps + 64)
     prompt = random_tokens(PROMPT_TOKENS, runner.vocab_size, seed=1)
     ours = _ours_step(runner, prompt)
