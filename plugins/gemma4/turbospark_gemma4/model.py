@@ -667,11 +667,11 @@ class Gemma4TextModel(nn.Module):
             )
             self.per_layer_projection_norm = nn.RMSNorm(self.ple_dim, eps=arch.rms_norm_eps)
         slots = kv_slots(arch)
-        # Per layer, decided once: the layer, its K/V slot (None: KV-shared) and
-        # the layer whose K/V it attends over. In the instance's __dict__, not
-        # through Module.__setattr__: not a child or parameter of the module.
+        # Per layer, decided once: its K/V slot (None: KV-shared) and the layer
+        # whose K/V it attends over. In the instance's __dict__, not through
+        # Module.__setattr__ (which would hold a list as a child module).
         self.__dict__["_plan"] = [
-            (layer, slots.get(i), arch.kv_source(i)) for i, layer in enumerate(self.layers)
+            (slots.get(i), arch.kv_source(i)) for i in range(arch.num_hidden_layers)
         ]
 
     def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
@@ -713,7 +713,7 @@ class Gemma4TextModel(nn.Module):
             start = mx.array(start, dtype=mx.int32)
 
         attended: list[Attended | None] = [None] * len(self.layers)
-        for i, (layer, slot, source) in enumerate(self._plan):
+        for i, (layer, (slot, source)) in enumerate(zip(self.layers, self._plan, strict=True)):
             if slot is None and last_only and h.shape[1] > 1:
                 # The first KV-shared layer: every later one is shared too (they form
                 # the tail), so from here on only the last token is ever read.
