@@ -303,7 +303,9 @@ class GatedAttention(nn.Module):
             queries = rope(queries, offset, positions)
             keys = rope(keys, offset, positions)
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
-        return project(self["o_proj"], sigmoid_gate(merge_heads(out), gate))
+        # Gated in the heads layout: the gate is a strided half of q's heads, read
+        # in place by the fused kernel, where flattening it first would copy it.
+        return project(self["o_proj"], merge_heads(sigmoid_gate(out, gate)))
 
 
 def attention_inputs(
@@ -318,7 +320,7 @@ def attention_inputs(
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """Projections ``(B, L, n * dim)`` (*dims*: the query and key/value head
     counts and the norms' eps) -> normed queries and keys, values (each ``(B, n, L, dim)``)
-    and the output gate ``(B, L, heads * dim)``; rotated from *offset* with
+    and the output gate ``(B, heads, L, dim)``; rotated from *offset* with
     plain RoPE (text) when it is given, else the caller rotates (a vision
     prompt's per-token positions). Exactly the modules' ops (``nn.RMSNorm`` is
     ``mx.fast.rms_norm``, :class:`QwenRope` without positions is
@@ -326,7 +328,6 @@ def attention_inputs(
     heads, kv_heads, eps = dims
     # (B, L, heads * 2 * dim) -> queries and gate, each (B, heads, L, dim)
     queries, gate = mx.split(heads_first(q, heads), 2, axis=-1)
-    gate = merge_heads(gate)  # (B, L, heads * dim)
     q_norm, k_norm = norms
     queries = mx.fast.rms_norm(queries, q_norm, eps)
     keys = normed_heads(k, kv_heads, k_norm, eps)
