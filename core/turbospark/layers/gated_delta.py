@@ -76,13 +76,17 @@ def causal_conv_with_tail(
     ``weight`` is mlx's conv layout ``(C, K, 1)``; ``tail`` holds the previous
     ``K - 1`` inputs (``None``: zeros, the sequence start). Returns the conv
     output ``(1, L, C)`` (no activation) and the new tail ``(1, K - 1, C)``,
-    copied so it does not keep the whole chunk's input alive.
+    after a chunk copied so it does not keep the whole chunk's input alive;
+    after one token a view (it keeps one row more alive, and a batch's
+    strided tail would cost a copy kernel every step).
     """
     channels, kernel, _ = weight.shape
     if tail is None:
         tail = mx.zeros((x.shape[0], kernel - 1, channels), dtype=x.dtype)
     padded = mx.concatenate([tail, x], axis=1)  # (1, K - 1 + L, C)
-    new_tail = mx.contiguous(padded[:, padded.shape[1] - (kernel - 1) :])
+    new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
+    if x.shape[1] > 1:
+        new_tail = mx.contiguous(new_tail)
     return mx.conv1d(padded, weight, groups=channels), new_tail
 
 
