@@ -143,6 +143,29 @@ _LARGE: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 128,
     },
 }
+# The host cost of a decode step (bench/host_cost.py): the large sizes' layer
+# layout (16 layers, the same kinds, KV sharing and head counts) at tiny widths,
+# so on a CPU the step is all host work: graph building and per-kernel dispatch.
+_HOST: dict[str, dict[str, Any]] = {
+    "gemma4": {
+        **_LARGE["gemma4"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "intermediate_size": 128,
+        "hidden_size_per_layer_input": 8,
+    },
+    "qwen_gdn": {
+        **_LARGE["qwen_gdn"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+    },
+}
 # Tensor parallelism (bench/tp.py): about 8B parameters, every head count even.
 _TP8B: dict[str, dict[str, Any]] = {
     "gemma4": {
@@ -173,6 +196,8 @@ _TP8B: dict[str, dict[str, Any]] = {
 }
 for _family, _dims in _TP8B.items():
     SIZES[_family]["tp8b"] = _dims
+for _family, _dims in _HOST.items():
+    SIZES[_family]["host"] = _dims
 for _family, _dims in _LARGE.items():
     SIZES[_family]["large"] = _dims
     SIZES[_family]["chat_large"] = {**_dims, "vocab_size": SIZES[_family]["chat"]["vocab_size"]}

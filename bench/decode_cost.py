@@ -14,7 +14,8 @@ graph it builds, and the host time spent building it.
   their element ops, so the CPU count is higher than the GPU's for both engines.
 - **Host time per step.** Wall time to build one step's graph (the Python and
   graph work, nothing evaluated), the per-token cost a launch-bound device waits
-  for; medians over steps.
+  for, and the same as the thread's CPU time (``host_cpu_us_per_step``: what
+  other processes' load moves least); medians over steps.
 - **Overlap.** The share of a step still running when ``Runner.produce``
   (a lazy id, its sample queued with it) returns: what the host can spend
   building the next step while the device works. Near 0 means the loop does
@@ -136,18 +137,23 @@ def _theirs_step(model: nn.Module, prompt: list[int], vocab: int) -> Step:
 
 
 def _measure(step: Step, steps: int) -> dict[str, float]:
-    """Host µs to build a step (median over *steps*, after 3 warm-ups), and the
-    primitives of one step's graph."""
+    """Host µs to build a step, wall and thread CPU (medians over *steps*,
+    after 3 warm-ups), and the primitives of one step's graph."""
     for i in range(3):
         mx.eval(step(i))
-    built = []
+    built, cpu = [], []
     for i in range(steps):
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.thread_time()
         outputs = step(i)
+        cpu.append(time.thread_time() - began)
         built.append(time.perf_counter() - start)
         mx.eval(outputs)
     counts = graph_primitives(step(steps))
-    return {"host_us_per_step": statistics.median(built) * 1e6, **counts}
+    return {
+        "host_us_per_step": statistics.median(built) * 1e6,
+        "host_cpu_us_per_step": statistics.median(cpu) * 1e6,
+        **counts,
+    }
 
 
 def overlap(runner: Runner, prompt: list[int], steps: int = 24) -> float:

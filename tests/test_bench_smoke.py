@@ -26,6 +26,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             constrain,
             dispatch,
             forward,
+            host_cost,
             interleaved,
             report,
             server_step,
@@ -47,6 +48,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "constrain": constrain,
         "dispatch": dispatch,
         "forward": forward,
+        "host_cost": host_cost,
         "interleaved": interleaved,
         "report": report,
         "server_step": server_step,
@@ -72,10 +74,22 @@ def test_forward(bench: dict, family: str) -> None:
         assert out["roofline"]["fraction"][engine] > 0
     for engine in ("ours", "ours_uncompiled", "mlx_lm"):
         cost = out["step_cost"][engine]
-        assert cost["host_us_per_step"] > 0 and 0 < cost["kernels"] <= cost["primitives"]
+        assert cost["host_us_per_step"] > 0 and cost["host_cpu_us_per_step"] > 0
+        assert 0 < cost["kernels"] <= cost["primitives"]
     # Compiling fuses: fewer kernels per step than the same step uncompiled.
     assert out["step_cost"]["ours"]["kernels"] < out["step_cost"]["ours_uncompiled"]["kernels"]
     assert 0 < out["step_cost"]["ours"]["overlap"] < 1  # produce returned before its step ended
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_host_cost(bench: dict, family: str) -> None:
+    cache = bench[family].parent
+    out = bench["host_cost"].host_cost(family, steps=2, rounds=1, cache_dir=cache, size="tiny")
+    assert set(out) == {"ours", "ours_uncompiled", "mlx_lm", "ours_batch8"}
+    for row in out.values():
+        assert row["cpu_us"] > 0 and len(row["cpu_us_rounds"]) == 1
+        assert 0 < row["kernels"] <= row["primitives"]
+    assert out["ours"]["kernels"] < out["ours_uncompiled"]["kernels"]
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])

@@ -154,10 +154,16 @@ def test_batched_decode_same_tokens_compiled_or_not(family_install: Path, rows: 
 
 # A name each compiled decode function looks up only while tracing: counting its
 # calls counts the traces (prefill, uncompiled, calls it too, so none runs here).
+# The attention inputs (``normed_heads``) trace once too: RoPE reads the step's
+# offset as a device array, not as a constant of the trace.
 TRACED = {
-    "gemma4": [("turbospark_gemma4.model", "layer_end_parts")],
+    "gemma4": [
+        ("turbospark_gemma4.model", "layer_end_parts"),
+        ("turbospark_gemma4.model", "normed_heads"),
+    ],
     "qwen_gdn": [
         ("turbospark_qwen_gdn.model", "swiglu"),
+        ("turbospark_qwen_gdn.model", "normed_heads"),
         ("turbospark.layers.gated_delta", "gated_delta"),
     ],
 }

@@ -10,6 +10,7 @@ Float32 on CPU.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from turbospark import build_synthetic_install
-from turbospark.layers.stacked import stacked
+from turbospark.layers.stacked import project, stacked, transposed
 from turbospark.runner import Runner
 
 
@@ -71,6 +72,42 @@ def test_unstackable_layers_are_left_alone() -> None:
     assert stacked(block, NAMES) is None
     block.v_proj = nn.Identity()  # not a plain nn.Linear (as a sharded one is not)
     assert stacked(block, NAMES) is None
+
+
+def _graph_labels(out: mx.array, tmp_path: Path) -> list[str]:
+    dot = tmp_path / "graph.dot"
+    mx.export_to_dot(str(dot), out)
+    return re.findall(r'label ="([^"]+)"', dot.read_text())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_project_is_the_module_with_no_transpose_node(bias: bool, tmp_path: Path) -> None:
+    linear = nn.Linear(24, 8, bias=bias)
+    x = mx.random.normal((2, 3, 24), key=mx.random.key(1))
+    assert mx.array_equal(project(linear, x), linear(x)).item()
+    # The module's own ``x @ w.T`` is a Transpose node and a Matmul; project, the Matmul.
+    assert "Transpose" in _graph_labels(linear(x), tmp_path)
+    assert "Transpose" not in _graph_labels(project(linear, x), tmp_path)
+    assert transposed(linear) is transposed(linear)  # built once
+
+
+def test_transposed_follows_a_replaced_weight() -> None:
+    linear = nn.Linear(24, 8, bias=False)
+    first = transposed(linear)
+    linear.weight = linear.weight * 2
+    assert transposed(linear) is not first
+    x = mx.ones((1, 24))
+    assert mx.array_equal(project(linear, x), linear(x)).item()
+
+
+def test_project_calls_any_other_module() -> None:
+    class Doubled(nn.Linear):  # a subclass stands for a sharded layer: its own __call__
+        def __call__(self, x: mx.array) -> mx.array:
+            return 2 * super().__call__(x)
+
+    layer = Doubled(4, 4)
+    x = mx.ones((1, 4))
+    assert mx.array_equal(project(layer, x), layer(x)).item()
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])

@@ -36,3 +36,35 @@ def shared_attention(
     """Attend over another layer's ``(keys, values, mask)`` (KV-shared layers)."""
     keys, values, mask = shared
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+# Every graph node costs host time to build and schedule, a view too. For one
+# token (decode) ``(B, 1, n*D)`` and ``(B, n, 1, D)`` are the same memory, so
+# the heads axis comes first with one reshape, where a prompt needs a reshape
+# and a transpose.
+
+
+def heads_first(x: mx.array, n: int) -> mx.array:
+    """``(B, L, n*D) -> (B, n, L, D)``."""
+    batch, length, _ = x.shape
+    if length == 1:
+        return x.reshape(batch, n, 1, -1)
+    return x.reshape(batch, length, n, -1).transpose(0, 2, 1, 3)
+
+
+def normed_heads(x: mx.array, n: int, weight: mx.array | None, eps: float) -> mx.array:
+    """``(B, L, n*D) -> (B, n, L, D)``, each head RMS-normed (``nn.RMSNorm``'s
+    op; *weight* None: no scale), the norm before the transpose as the
+    reference models do."""
+    batch, length, _ = x.shape
+    if length == 1:
+        return mx.fast.rms_norm(x.reshape(batch, n, 1, -1), weight, eps)
+    return mx.fast.rms_norm(x.reshape(batch, length, n, -1), weight, eps).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: mx.array) -> mx.array:
+    """``(B, n, L, D) -> (B, L, n*D)`` (an attention output, back to the hidden layout)."""
+    batch, _, length, _ = x.shape
+    if length == 1:
+        return x.reshape(batch, 1, -1)
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, -1)

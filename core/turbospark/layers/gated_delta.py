@@ -34,7 +34,7 @@ import mlx.nn as nn
 import numpy as np
 
 from turbospark.layers.fused import runs_compiled
-from turbospark.layers.stacked import Stacked, stacked
+from turbospark.layers.stacked import Stacked, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
@@ -83,13 +83,17 @@ def causal_conv_with_tail(
     ``weight`` is mlx's conv layout ``(C, K, 1)``; ``tail`` holds the previous
     ``K - 1`` inputs (``None``: zeros, the sequence start). Returns the conv
     output ``(1, L, C)`` (no activation) and the new tail ``(1, K - 1, C)``,
-    copied so it does not keep the whole chunk's input alive.
+    after a chunk copied so it does not keep the whole chunk's input alive;
+    after one token a view (it keeps one row more alive, and a batch's
+    strided tail would cost a copy kernel every step).
     """
     channels, kernel, _ = weight.shape
     if tail is None:
         tail = mx.zeros((x.shape[0], kernel - 1, channels), dtype=x.dtype)
     padded = mx.concatenate([tail, x], axis=1)  # (1, K - 1 + L, C)
-    new_tail = mx.contiguous(padded[:, padded.shape[1] - (kernel - 1) :])
+    new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
+    if x.shape[1] > 1:
+        new_tail = mx.contiguous(new_tail)
     return mx.conv1d(padded, weight, groups=channels), new_tail
 
 
@@ -449,15 +453,17 @@ class GatedDeltaNet(nn.Module):
             recurrent = mx.zeros(
                 (batch, d.num_value_heads, d.value_head_dim, d.key_head_dim), dtype=mx.float32
             )
+        # Arrays by item (a module is a dict): nn.Module.__getattr__ is a Python
+        # call, and this runs for every linear layer and step.
         args = (
             x,
-            self.in_projections().weight,
+            self.in_projections().weight_t,
             tail,
             recurrent,
-            self.conv1d.weight,
-            self.A_log,
-            self.dt_bias,
-            self.norm.weight,
+            self["conv1d"]["weight"],
+            self["A_log"],
+            self["dt_bias"],
+            self["norm"]["weight"],
             d.num_key_heads,
             d.num_value_heads,
             d.key_head_dim,
@@ -465,7 +471,7 @@ class GatedDeltaNet(nn.Module):
             d.eps,
         )
         if state.tracing:  # a verify pass: every token's state is kept
-            traced = mix_traced if runs_compiled(*x.shape[:2]) else partial(mix, traced=True)
+            traced = mix_traced if runs_compiled(batch, length) else partial(mix, traced=True)
             out, new_tail, new_recurrent, trace = traced(*args)
             # The state after an earlier token is built only if asked (drafts rejected).
             state.set_layer_traced(
@@ -475,12 +481,12 @@ class GatedDeltaNet(nn.Module):
             out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
             state.set_layer(index, tail, recurrent)
         # The module, not its weight: a sharded out_proj sums the ranks' parts.
-        return self.out_proj(out)
+        return project(self["out_proj"], out)
 
 
 def mix(
     x: mx.array,
-    in_proj: mx.array,
+    in_proj_t: mx.array,
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -495,8 +501,8 @@ def mix(
     traced: bool = False,
 ) -> tuple[mx.array, ...]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
-    input projections (*in_proj*: the rows of ``in_proj_qkv/z/a/b`` stacked,
-    one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
+    input projections (*in_proj_t*: the transpose of ``in_proj_qkv/z/a/b``'s
+    rows stacked, one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
     gates, the gated delta rule from *recurrent* and the gated norm. Returns
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
@@ -510,7 +516,7 @@ def mix(
     conv_dim = 2 * key_dim + value_dim
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
     projected, z, a, b = mx.split(
-        x @ in_proj.T, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
+        x @ in_proj_t, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
     )
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
     mixed = nn.silu(mixed)

@@ -2,6 +2,10 @@
 
 A decode step on a GPU is launch-bound, so q/k/v (or gate/up, or a gated
 DeltaNet's four input projections) cost three launches where one would do.
+And every graph node costs host time to build and to schedule, view or not:
+``x @ w.T`` is two nodes per call (a Transpose, then the Matmul), so the stack
+keeps its weight's transpose as a leaf array, and :func:`transposed` does the
+same for any single ``nn.Linear`` a compiled step reads.
 :func:`stacked` concatenates the ``nn.Linear`` weights once, on first use,
 and re-points each module's ``weight`` at its rows of the stacked array
 (views, no copy), so the weights are held once, every parameter keeps its
@@ -17,6 +21,7 @@ the modules one by one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import is_
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +31,8 @@ class Stacked:
     """The rows of some ``nn.Linear`` layers' weights (and biases) in one array.
 
     ``splits`` are the row offsets between the parts: ``mx.split(y, splits,
-    axis=-1)`` of ``x @ weight.T`` gives each layer's output."""
+    axis=-1)`` of ``x @ weight.T`` gives each layer's output; ``weight_t`` is
+    ``weight.T``, evaluated (a view of the same memory, no node per call)."""
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
         weight = mx.concatenate([linear.weight for linear in linears], axis=0)
@@ -38,7 +44,9 @@ class Stacked:
             ends.append(ends[-1] + linear.weight.shape[0])
         self.splits = ends[1:-1]
         self.weight = weight
+        self.weight_t = weight.T
         self.bias = bias
+        mx.eval(self.weight_t)
         # The modules now read their rows of the stack (views: one copy held).
         for linear, part in zip(linears, mx.split(weight, self.splits, axis=0), strict=True):
             linear.weight = part
@@ -50,13 +58,14 @@ class Stacked:
 
     def matches(self, owner: nn.Module, names: Sequence[str]) -> bool:
         """Whether every module still holds the rows this stack gave it (a
-        module is a dict: item lookups, as this runs for every layer and step)."""
-        parts = zip(names, self._parts, strict=True)
-        return all(owner[name]["weight"] is part for name, part in parts)
+        module is a dict: item lookups, and the identities compared in C, as
+        this runs for every layer and step)."""
+        held = [owner[name]["weight"] for name in names]
+        return len(held) == len(self._parts) and all(map(is_, held, self._parts))
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each layer's output for ``x`` ``(..., in)``, in the order they were stacked."""
-        y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        y = x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
         return mx.split(y, self.splits, axis=-1)
 
 
@@ -78,3 +87,26 @@ def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
         return None
     stack = stacks[names] = Stacked(linears)
     return stack
+
+
+def transposed(linear: nn.Module) -> mx.array:
+    """*linear*'s ``weight.T`` as an evaluated view (no node in any graph),
+    kept in the module's ``__dict__`` (no parameter) and rebuilt when the
+    weight was replaced."""
+    weight = linear["weight"]
+    held = linear.__dict__.get("_transposed")
+    if held is not None and held[0] is weight:
+        return held[1]
+    weight_t = weight.T
+    mx.eval(weight_t)
+    linear.__dict__["_transposed"] = (weight, weight_t)
+    return weight_t
+
+
+def project(linear: nn.Module, x: mx.array) -> mx.array:
+    """``linear(x)``: for a plain ``nn.Linear`` its own ops over
+    :func:`transposed` (one node fewer); any other module (sharded) is called."""
+    if type(linear) is not nn.Linear:
+        return linear(x)
+    weight_t = transposed(linear)
+    return x @ weight_t if "bias" not in linear else mx.addmm(linear["bias"], x, weight_t)

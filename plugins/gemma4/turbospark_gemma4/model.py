@@ -30,13 +30,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
-from turbospark.layers.attention import cached_attention, shared_attention
+from turbospark.layers.attention import (
+    cached_attention,
+    merge_heads,
+    normed_heads,
+    shared_attention,
+)
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import geglu, residual_scale, runs_compiled, softcap
 from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.norms import rms_norm_no_scale
 from turbospark.layers.rope import apply_rope, rope_freqs
-from turbospark.layers.stacked import stacked
+from turbospark.layers.stacked import project, stacked, transposed
 from turbospark.sharding import kv_copies, require_divisible, shard_attention, shard_mlp
 from turbospark.state import LayerKV, State
 from turbospark.steering import Join, LayerHook, joiner
@@ -318,14 +322,11 @@ class Attention(nn.Module):
         """Queries, keys and values (None where this layer has none) from one
         matmul over the stacked weights, or the modules one by one when sharded."""
         if not self.owns_kv:  # a KV-shared layer: queries only
-            return self.q_proj(x), None, None
+            return project(self["q_proj"], x), None, None
         names = ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
         stack = stacked(self, names)
-        outs = [getattr(self, name)(x) for name in names] if stack is None else stack(x)
+        outs = [project(self[name], x) for name in names] if stack is None else stack(x)
         return outs[0], outs[1], outs[2] if len(outs) == 3 else None
-
-    def _heads(self, x: mx.array, n: int) -> mx.array:
-        return x.reshape(*x.shape[:2], n, self.head_dim)  # (B, L, n*D) -> (B, L, n, D)
 
     def __call__(
         self,
@@ -334,24 +335,54 @@ class Attention(nn.Module):
         kv: LayerKV | BatchLayerKV | None,
         shared: Attended | None,
     ) -> tuple[mx.array, Attended]:
+        """The attention output ``(B, L, hidden)`` and what it attended. *start*
+        is the RoPE offset: a Python int, or (compiled steps) a device array,
+        so that one trace serves every position."""
         batch, length, _ = x.shape
         q, k, v = self._project(x)
-        queries = self.q_norm(self._heads(q, self.n_heads))
-        queries = apply_rope(queries.transpose(0, 2, 1, 3), start, self.head_dim, self._freqs)
+        norms = (self["q_norm"]["weight"], self["k_norm"]["weight"] if self.owns_kv else None)
+        inputs = attention_inputs_step if runs_compiled(batch, length) else attention_inputs
+        queries, keys, values = inputs(
+            q, k, v, norms, start, self["_freqs"], self.n_heads, self.n_kv_heads, self.head_dim,
+            self.eps,
+        )  # fmt: skip
         if self.owns_kv:
-            keys = self._heads(k, self.n_kv_heads)
-            # k_eq_v: values are the raw key projection (no k_norm, no RoPE).
-            values = keys if self.k_eq_v else self._heads(v, self.n_kv_heads)
-            keys = apply_rope(
-                self.k_norm(keys).transpose(0, 2, 1, 3), start, self.head_dim, self._freqs
-            )
-            values = rms_norm_no_scale(values, self.eps).transpose(0, 2, 1, 3)  # (B, kv, L, D)
             out, attended = cached_attention(queries, keys, values, kv, scale=1.0)
         else:
             attended = shared
             out = shared_attention(queries, shared, scale=1.0)
-        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # -> (B, L, heads*D)
-        return self.o_proj(out), attended
+        return project(self["o_proj"], merge_heads(out)), attended
+
+
+def attention_inputs(
+    q: mx.array,
+    k: mx.array | None,
+    v: mx.array | None,
+    norms: tuple[mx.array, mx.array | None],
+    start: int | mx.array,
+    freqs: mx.array,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Projections ``(B, L, n*D)`` -> normed, rotated queries and keys and
+    normed values, each ``(B, n, L, D)`` (None for a KV-shared layer's keys and
+    values; *v* None with *k* given: ``attention_k_eq_v``, values are the raw
+    key projection, before k_norm and RoPE). Exactly the modules' ops
+    (``nn.RMSNorm`` is ``mx.fast.rms_norm``), over arrays so it compiles."""
+    q_norm, k_norm = norms
+    queries = apply_rope(normed_heads(q, heads, q_norm, eps), start, head_dim, freqs)
+    if k is None:
+        return queries, None, None
+    keys = apply_rope(normed_heads(k, kv_heads, k_norm, eps), start, head_dim, freqs)
+    values = normed_heads(k if v is None else v, kv_heads, None, eps)  # no scale
+    return queries, keys, values
+
+
+# Traced once per batch size and short lone-row length, with the RoPE offset a
+# device array (runs_compiled); prefill runs it uncompiled.
+attention_inputs_step = mx.compile(attention_inputs)
 
 
 class Router(nn.Module):
@@ -482,20 +513,16 @@ class DecoderLayer(nn.Module):
     ) -> tuple[mx.array, Attended]:
         """The layer's output and what it attended; with *join* (steering, see
         :func:`turbospark.steering.joiner`) the last residual join is handed to it."""
-        attn, attended = self.self_attn(self.input_layernorm(h), start, kv, shared)
-        ple = (
-            (
-                self.per_layer_input_gate.weight,
-                self.per_layer_projection.weight,
-                self.post_per_layer_input_norm.weight,
-            )
-            if self.ple
-            else None
-        )
+        # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
+        # is a Python call, and this runs for every layer and step.
+        normed = mx.fast.rms_norm(h, self["input_layernorm"]["weight"], self.eps)
+        attn, attended = self["self_attn"](normed, start, kv, shared)
+        ple = self._ple_weights()
+        mlp = self["mlp"]
         if self.moe:
             h = h + self.post_attention_layernorm(attn)
             # Dense MLP and expert block side by side, both reading the same residual.
-            dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+            dense = self.post_feedforward_layernorm_1(mlp(self.pre_feedforward_layernorm(h)))
             tokens = h.reshape(-1, h.shape[-1])  # (B*L, H): routing is per token
             chosen, weights = self.router(tokens)
             sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights, dense)
@@ -503,31 +530,43 @@ class DecoderLayer(nn.Module):
             ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
             parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
             return self._joined(parts, join), attended
-        gate_up = stacked(self.mlp, ("gate_proj", "up_proj"))
-        if gate_up is None or not isinstance(self.mlp.down_proj, nn.Linear):
+        gate_up = stacked(mlp, ("gate_proj", "up_proj"))
+        down = mlp["down_proj"]
+        if gate_up is None or not isinstance(down, nn.Linear):
             # sharded: the modules sum the ranks' parts
             h = h + self.post_attention_layernorm(attn)
-            ff = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            ff = self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h)))
             parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
             return self._joined(parts, join), attended
         # Decode: the whole dense half (norms, GeGLU MLP, PLE, residuals) is one trace.
         weights = (
-            self.post_attention_layernorm.weight,
-            self.pre_feedforward_layernorm.weight,
-            gate_up.weight,
-            self.mlp.down_proj.weight,
-            self.post_feedforward_layernorm.weight,
+            self["post_attention_layernorm"]["weight"],
+            self["pre_feedforward_layernorm"]["weight"],
+            gate_up.weight_t,
+            transposed(down),
+            self["post_feedforward_layernorm"]["weight"],
         )
         compiled = runs_compiled(*h.shape[:2])
         if join is None:
             tail = dense_tail_step if compiled else dense_tail
             return tail(
-                h, attn, per_layer_input, weights, ple, self.layer_scalar, self.eps
+                h, attn, per_layer_input, weights, ple, self["layer_scalar"], self.eps
             ), attended
         parts = (dense_tail_parts_step if compiled else dense_tail_parts)(
             h, attn, per_layer_input, weights, ple, self.eps
         )
         return self._joined(parts, join), attended
+
+    def _ple_weights(self) -> PleWeights | None:
+        """The per-layer input block's input gate and projection (transposed,
+        :func:`~turbospark.layers.stacked.transposed`) and norm weights."""
+        if not self.ple:
+            return None
+        return (
+            transposed(self["per_layer_input_gate"]),
+            transposed(self["per_layer_projection"]),
+            self["post_per_layer_input_norm"]["weight"],
+        )
 
     def _joined(self, parts: tuple[mx.array, mx.array], join: Join | None) -> mx.array:
         """The residual times the layer scalar, through *join* when steering."""
@@ -537,7 +576,7 @@ class DecoderLayer(nn.Module):
         return join(h, update, self.layer_scalar)
 
 
-PleWeights = tuple[mx.array, mx.array, mx.array]  # input gate, projection, norm
+PleWeights = tuple[mx.array, mx.array, mx.array]  # input gate.T, projection.T, norm
 
 
 def layer_end_parts(
@@ -552,10 +591,10 @@ def layer_end_parts(
     join: its output is ``residual_scale(*parts, layer_scalar)``."""
     if ple is None:
         return h, ff
-    gate_w, proj_w, norm_w = ple
+    gate_t, proj_t, norm_w = ple
     h = h + ff
-    gate = geglu(h @ gate_w.T, per_layer_input)
-    return h, mx.fast.rms_norm(gate @ proj_w.T, norm_w, eps)
+    gate = geglu(h @ gate_t, per_layer_input)
+    return h, mx.fast.rms_norm(gate @ proj_t, norm_w, eps)
 
 
 def dense_tail_parts(
@@ -569,12 +608,13 @@ def dense_tail_parts(
     """A dense layer after its attention output, up to its last join: exactly
     the modules' ops (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is
     ``mx.fast.rms_norm``), written over arrays so it compiles. The MLP's gate
-    and up rows are one stacked weight (:mod:`turbospark.layers.stacked`)."""
-    post_attn, pre_ff, gate_up_w, down_w, post_ff = weights
+    and up rows are one stacked weight, and the matmuls' weights come
+    transposed, as leaf views (:mod:`turbospark.layers.stacked`)."""
+    post_attn, pre_ff, gate_up_t, down_t, post_ff = weights
     h = h + mx.fast.rms_norm(attn, post_attn, eps)
     x = mx.fast.rms_norm(h, pre_ff, eps)
-    gate, up = mx.split(x @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
-    ff = geglu(gate, up) @ down_w.T
+    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
+    ff = geglu(gate, up) @ down_t
     return layer_end_parts(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, eps)
 
 
@@ -626,8 +666,13 @@ class Gemma4TextModel(nn.Module):
                 arch.hidden_size, n * self.ple_dim, bias=False
             )
             self.per_layer_projection_norm = nn.RMSNorm(self.ple_dim, eps=arch.rms_norm_eps)
-        self._slots = kv_slots(arch)
-        self._sources = [arch.kv_source(i) for i in range(arch.num_hidden_layers)]
+        slots = kv_slots(arch)
+        # Per layer, decided once: its K/V slot (None: KV-shared) and the layer
+        # whose K/V it attends over. In the instance's __dict__, not through
+        # Module.__setattr__ (which would hold a list as a child module).
+        self.__dict__["_plan"] = [
+            (slots.get(i), arch.kv_source(i)) for i in range(arch.num_hidden_layers)
+        ]
 
     def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
         """``(B, L, layers, ple_dim)``: a per-layer token embedding mixed with a
@@ -662,10 +707,13 @@ class Gemma4TextModel(nn.Module):
             embeddings = vision.inject(embeddings[0], start)[None]
         h = embeddings * self.arch.hidden_size**0.5
         per_layer = self._per_layer_inputs(tokens, h) if self.ple_dim else None
+        if isinstance(start, int):
+            # RoPE's offset as a device array: the compiled attention inputs trace once
+            # for every position (a Python int would be a constant of the trace).
+            start = mx.array(start, dtype=mx.int32)
 
         attended: list[Attended | None] = [None] * len(self.layers)
-        for i, layer in enumerate(self.layers):
-            slot = self._slots.get(i)
+        for i, (layer, (slot, source)) in enumerate(zip(self.layers, self._plan, strict=True)):
             if slot is None and last_only and h.shape[1] > 1:
                 # The first KV-shared layer: every later one is shared too (they form
                 # the tail), so from here on only the last token is ever read.
@@ -674,7 +722,7 @@ class Gemma4TextModel(nn.Module):
                 per_layer = None if per_layer is None else per_layer[:, -1:]
                 attended = [None if a is None else _last_query(a) for a in attended]
             kv = state[slot[0]][slot[1]] if slot else None
-            shared = None if slot else attended[self._sources[i]]
+            shared = None if slot else attended[source]
             layer_input = per_layer[:, :, i] if per_layer is not None else None
             h, attended[i] = layer(h, start, kv, shared, layer_input, joiner(steer, i))
         # Once per call, whether or not this arch has layers of that kind.

@@ -24,6 +24,7 @@ then an array of ``B`` positions; see :mod:`turbospark.batch`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -32,11 +33,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
-from turbospark.layers.attention import cached_attention
+from turbospark.layers.attention import cached_attention, heads_first, merge_heads, normed_heads
 from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.stacked import stacked
+from turbospark.layers.stacked import project, stacked, transposed
 from turbospark.sharding import (
     kv_copies,
     require_divisible,
@@ -282,22 +283,66 @@ class GatedAttention(nn.Module):
         positions: mx.array | None,
     ) -> mx.array:
         batch, length, _ = x.shape
-        # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
         qkv = stacked(self, ("q_proj", "k_proj", "v_proj"))  # one matmul (unless sharded)
-        q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if qkv is None else qkv(x)
-        # (B, L, heads, 2 * dim) -> queries and gate, each (B, L, heads, dim)
-        queries, gate = mx.split(q.reshape(batch, length, self.heads, -1), 2, axis=-1)
-        gate = gate.reshape(batch, length, -1)
-        keys = k.reshape(batch, length, self.kv_heads, self.head_dim)
-        values = v.reshape(batch, length, self.kv_heads, self.head_dim)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # (B, heads, L, dim)
-        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
-        values = values.transpose(0, 2, 1, 3)
-        queries = rope(queries, offset, positions)
-        keys = rope(keys, offset, positions)
+        if qkv is None:
+            q, k, v = (project(self[name], x) for name in ("q_proj", "k_proj", "v_proj"))
+        else:
+            q, k, v = qkv(x)
+        norms = (self["q_norm"]["weight"], self["k_norm"]["weight"])
+        dims = (self.heads, self.kv_heads, self["q_norm"].eps)
+        if positions is None and runs_compiled(batch, length):
+            # One trace for every position: the offset is a device array (a caller's
+            # Python int would be a constant of the trace, one per position).
+            if isinstance(offset, int):
+                offset = mx.array(offset, dtype=mx.int32)
+            queries, keys, values, gate = attention_inputs_step(
+                q, k, v, norms, offset, dims, rope.dims, rope.base
+            )
+        else:
+            queries, keys, values, gate = attention_inputs(q, k, v, norms, None, dims)
+            queries = rope(queries, offset, positions)
+            keys = rope(keys, offset, positions)
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
-        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # (B, L, heads * dim)
-        return self.o_proj(sigmoid_gate(out, gate))
+        # Gated in the heads layout: the gate is a strided half of q's heads, read
+        # in place by the fused kernel, where flattening it first would copy it.
+        return project(self["o_proj"], merge_heads(sigmoid_gate(out, gate)))
+
+
+def attention_inputs(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    norms: tuple[mx.array, mx.array],
+    offset: mx.array | None,
+    dims: tuple[int, int, float],
+    rotary_dims: int = 0,
+    base: float = 0.0,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Projections ``(B, L, n * dim)`` (*dims*: the query and key/value head
+    counts and the norms' eps) -> normed queries and keys, values (each ``(B, n, L, dim)``)
+    and the output gate ``(B, heads, L, dim)``; rotated from *offset* with
+    plain RoPE (text) when it is given, else the caller rotates (a vision
+    prompt's per-token positions). Exactly the modules' ops (``nn.RMSNorm`` is
+    ``mx.fast.rms_norm``, :class:`QwenRope` without positions is
+    ``mx.fast.rope``), over arrays so it compiles."""
+    heads, kv_heads, eps = dims
+    # (B, L, heads * 2 * dim) -> queries and gate, each (B, heads, L, dim)
+    queries, gate = mx.split(heads_first(q, heads), 2, axis=-1)
+    q_norm, k_norm = norms
+    queries = mx.fast.rms_norm(queries, q_norm, eps)
+    keys = normed_heads(k, kv_heads, k_norm, eps)
+    values = heads_first(v, kv_heads)
+    if offset is not None:
+        rotate = partial(
+            mx.fast.rope, dims=rotary_dims, traditional=False, base=base, scale=1.0, offset=offset
+        )
+        queries, keys = rotate(queries), rotate(keys)
+    return queries, keys, values, gate
+
+
+# Traced once per batch size and short lone-row length (runs_compiled), with
+# the RoPE offset a device array; prefill runs it uncompiled and rotates apart.
+attention_inputs_step = mx.compile(attention_inputs)
 
 
 class DecoderLayer(nn.Module):
@@ -327,25 +372,23 @@ class DecoderLayer(nn.Module):
     ) -> mx.array:
         """The layer's output; with *join* (steering, see
         :func:`turbospark.steering.joiner`) its last residual add is handed to it."""
-        normed = self.input_layernorm(x)
+        # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
+        # is a Python call, and this runs for every layer and step.
+        norm = self["input_layernorm"]
+        normed = mx.fast.rms_norm(x, norm["weight"], norm.eps)
         if self.is_linear:
-            mixed = self.linear_attn(normed, gdn, self.slot)
+            mixed = self["linear_attn"](normed, gdn, self.slot)
         else:
-            mixed = self.self_attn(normed, kv[self.slot], rope, offset, positions)
-        mlp = self.mlp
+            mixed = self["self_attn"](normed, kv[self.slot], rope, offset, positions)
+        mlp = self["mlp"]
         gate_up = stacked(mlp, ("gate_proj", "up_proj"))
-        if gate_up is None or not isinstance(mlp.down_proj, nn.Linear):
+        down = mlp["down_proj"]
+        if gate_up is None or not isinstance(down, nn.Linear):
             h = x + mixed  # sharded: the modules sum the ranks' parts
             update = mlp(self.post_attention_layernorm(h))
             return h + update if join is None else join(h, update, None)
-        args = (
-            x,
-            mixed,
-            self.post_attention_layernorm.weight,
-            gate_up.weight,
-            mlp.down_proj.weight,
-            self.post_attention_layernorm.eps,
-        )
+        norm = self["post_attention_layernorm"]
+        args = (x, mixed, norm["weight"], gate_up.weight_t, transposed(down), norm.eps)
         compiled = runs_compiled(*x.shape[:2])
         if join is None:
             return (mlp_tail_step if compiled else mlp_tail)(*args)
@@ -356,30 +399,31 @@ def mlp_tail_parts(
     x: mx.array,
     mixed: mx.array,
     norm_w: mx.array,
-    gate_up_w: mx.array,
-    down_w: mx.array,
+    gate_up_t: mx.array,
+    down_t: mx.array,
     eps: float,
 ) -> tuple[mx.array, mx.array]:
     """A layer after its mixer: residual, RMSNorm and the SwiGLU MLP, up to the
     last residual add (the layer's output is their sum). Exactly the modules'
-    ops (``nn.Linear`` is ``x @ w.T``; *gate_up_w* is gate's rows then up's,
-    :mod:`turbospark.layers.stacked`), over arrays so it compiles."""
+    ops (``nn.Linear`` is ``x @ w.T``), over arrays so it compiles. The weights
+    come transposed, as leaf views (:mod:`turbospark.layers.stacked`):
+    *gate_up_t* is the stacked gate then up rows' transpose, *down_t* ``down_proj.weight.T``."""
     h = x + mixed
     y = mx.fast.rms_norm(h, norm_w, eps)
-    gate, up = mx.split(y @ gate_up_w.T, 2, axis=-1)  # (B, L, inner) each
-    return h, swiglu(gate, up) @ down_w.T
+    gate, up = mx.split(y @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
+    return h, swiglu(gate, up) @ down_t
 
 
 def mlp_tail(
     x: mx.array,
     mixed: mx.array,
     norm_w: mx.array,
-    gate_up_w: mx.array,
-    down_w: mx.array,
+    gate_up_t: mx.array,
+    down_t: mx.array,
     eps: float,
 ) -> mx.array:
     """:func:`mlp_tail_parts` and the residual add, so :data:`mlp_tail_step` compiles it whole."""
-    h, update = mlp_tail_parts(x, mixed, norm_w, gate_up_w, down_w, eps)
+    h, update = mlp_tail_parts(x, mixed, norm_w, gate_up_t, down_t, eps)
     return h + update
 
 
@@ -451,6 +495,9 @@ class QwenGdn(nn.Module):
             assert isinstance(offset, int)
             h = vision.inject(h[0], offset)[None]
             positions = vision.rope_positions(offset, length)  # (3, L)
+        if isinstance(offset, int) and positions is None:
+            # RoPE's offset as a device array once per forward, not once per layer.
+            offset = mx.array(offset, dtype=mx.int32)
         kv, gdn = state["kv"], state["gdn"]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, kv, gdn, self._rope, offset, positions, joiner(steer, i))
