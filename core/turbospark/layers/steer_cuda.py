@@ -42,9 +42,9 @@ __device__ inline float block_sum(float value, float* shared) {
 }
 """
 
-# Inputs: h (B, H) the layer's output for one token per row, or with JOIN the
-# residual h and the update whose join ((h + update) * layer_scale, a (1,) array
-# when JOIN == 2) is that output; u, w (B, H) the unit direction and the added
+# Inputs: h (B, H) the layer's output for one token per row, or in a joined
+# kernel (_JOINED) the residual h and the update whose join (h + update, or
+# (h + update) * layer_scale with a (1,) layer_scale) is that output; u, w (B, H) the unit direction and the added
 # vector, in h's dtype; coef (B, 3) float32: a (1 where the component along u is
 # replaced), t (what replaces it), r (1 where the row renormalises). A row of
 # zeros is the identity, exactly.
