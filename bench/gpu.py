@@ -3,7 +3,8 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|server_step|step_cost|constrain|draft|experts|steering|tp|batch_decode] [--profile]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|server_step|step_cost|constrain|draft|experts|steering|tp|batch_decode
+|graph_size] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family), and so does
 ``batch_decode``: qwen4_exp's batched decode against its row-by-row decode
@@ -23,6 +24,8 @@ clients and compares its decode step with the engine's step alone (thread
 CPU times, where the time between steps goes, cProfile of the runner thread
 and of the event loop: :mod:`bench.server_step`); ``concurrency`` runs it
 too, after both servers, as a line of its own.
+``graph_size`` times both library loops under several sizes of MLX's CUDA
+graphs, each in a process of its own (:mod:`bench.graph_size`).
 ``--only tp`` needs two GPUs (``nvidia-h200-x2``): TP=2 against TP=1 on the
 ~8B shape through NCCL (``bench/tp.py``), whatever ``--size`` says.
 """
@@ -53,6 +56,7 @@ from bench.decode_cost import profile_decode
 from bench.draft import MTP_FAMILIES, bench_draft
 from bench.experts import bench_experts
 from bench.forward import bench_forward
+from bench.graph_size import bench_graph_size
 from bench.interleaved import bench_interleaved
 from bench.run import GPU
 from bench.server_step import bench_server_step
@@ -85,6 +89,7 @@ def main() -> None:
             "steering",
             "tp",
             "batch_decode",
+            "graph_size",
         ],
     )
     parser.add_argument("--draft-depths", type=int, nargs="+", help="default 1-6")
@@ -155,6 +160,9 @@ def main() -> None:
                 result = bench_steering(path, GPU.decode_tokens, args.reps)
             elif piece == "tp":
                 result = bench_tp(family, "tp8b", 2, "nccl", "bfloat16", args.reps, args.cache_dir)
+            elif piece == "graph_size":
+                path = install(family, args.size, "bfloat16", args.cache_dir)
+                result = bench_graph_size(path, ["default", "60", "200", "off"], 2, args.reps)
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)
