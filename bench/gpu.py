@@ -94,6 +94,9 @@ def main() -> None:
     )
     parser.add_argument("--draft-depths", type=int, nargs="+", help="default 1-6")
     parser.add_argument("--draft-accuracies", type=float, nargs="+", help="default 1 .75 .5 .25 0")
+    parser.add_argument("--graph-sizes", nargs="+", default=["default", "60", "200", "off"],
+                        help="graph_size's settings (kernels a graph, default, off)")  # fmt: skip
+    parser.add_argument("--graph-rounds", type=int, default=2, help="graph_size's rounds")
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench-cache"))
@@ -162,7 +165,7 @@ def main() -> None:
                 result = bench_tp(family, "tp8b", 2, "nccl", "bfloat16", args.reps, args.cache_dir)
             elif piece == "graph_size":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
-                result = bench_graph_size(path, ["default", "60", "200", "off"], 2, args.reps)
+                result = bench_graph_size(path, args.graph_sizes, args.graph_rounds, args.reps)
             elif piece == "swap":
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 result = bench_swap(path, list(GPU.swap_lengths), 5, compare_mlx_lm=False)
