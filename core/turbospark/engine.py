@@ -552,6 +552,7 @@ class Engine:
             enabled=config.draft,
             drafter=job.drafter,
             session=session,
+            blind_probes=False,  # a solo row's probes are rounds: they wait
         )
         return row
 

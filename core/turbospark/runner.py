@@ -440,11 +440,15 @@ class Runner:
         tokens: Sequence[int | mx.array],
         start: int,
         then: Callable[[mx.array], Any] | None = None,
+        keep: int | None = None,
     ) -> Any:
         """Feed *tokens* (a confirmed token, then drafts) at ``start..`` in one
         forward; float32 logits ``(L, vocab)``, row ``j`` for the token after
         ``tokens[j]``. Traceable components can give their state after any token, so
-        :meth:`accept` cuts back to any prefix without a second forward.
+        :meth:`accept` cuts back to any prefix without a second forward. *keep*
+        (a blind probe, which keeps its first *keep* tokens or none, whatever
+        the drafts' fate): components may leave the state after those current
+        and trace nothing, so that :meth:`accept` builds nothing.
 
         The confirmed token may be a still-lazy id (a blind probe,
         :meth:`Speculation.probe <turbospark.speculative.Speculation.probe>`):
@@ -455,7 +459,7 @@ class Runner:
         if not lazy or len(tokens) > 1:
             self.check_ids(tokens[1:] if lazy else tokens)  # before any component traces
         for name in self.traced_components:
-            live.state[name].trace()  # type: ignore[attr-defined]
+            live.state[name].trace(keep)  # type: ignore[attr-defined]
         return self._feed(list(tokens), start, "all", session, then)
 
     def accept(

@@ -23,10 +23,11 @@ A deterministic drafter's ``q`` is a point mass at its token.
 
 Adaptive depth (:class:`DepthControl`): drafting starts at depth 1; a round
 whose drafts all pass doubles the depth (up to ``max_depth``); a partial one
-drafts one past what passed; a round with nothing accepted halves it and
-pauses drafting for 1, 2, 4 ... 64 steps (plain pipelined decode) before the
-next probe, so a hopeless drafter costs a depth-1 probe every 64 tokens at
-most (a drafter without blind probes, below: 1, 4, 16 ... 256 steps). A drafter that
+drafts one past what passed; a round (or probe) with nothing accepted drops
+it to 1 and pauses drafting for 1, 2, 4, 8 ... steps (plain pipelined decode)
+before the next depth-1 probe, doubling without a bound until a draft passes,
+so a hopeless drafter is probed O(log N) times in N tokens (a drafter without
+blind probes, below, whose probes wait: 1, 4, 16 ... steps). A drafter that
 proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
 
 Blind probes (:meth:`Speculation.probe`): until a drafter has been right, and
@@ -38,7 +39,10 @@ next is sampled from the pass's first row, as a plain step would; the drafts'
 fate is read one step later, with the next token, and only sets the depth. So
 a hopeless drafter costs no waits, only the verify pass's extra kernels once
 per pause (the 5% target against ``off``), and a good one starts drafting one
-step late. The engine's solo rows run rounds only.
+step late. A probe always keeps exactly its unread token (or nothing, when that
+is a stop), so its pass leaves the recurrent state after that token current
+(:meth:`Runner.verify` with ``keep=1``) and the cut after it builds nothing.
+The engine's solo rows run rounds only (each waits), so their misses back off 4x.
 
 Chained rounds (greedy; :meth:`Speculation.launch_after`): a round is queued
 (:meth:`Speculation.launch`: drafts, the verify pass and the target's choices
@@ -69,13 +73,14 @@ from turbospark.pool import Session
 from turbospark.runner import Runner, check_rollback
 from turbospark.sampling import Sampler
 
-MAX_PAUSE = 64  # plain steps between probes of a drafter that keeps failing
-# ... and between lookups of one that keeps proposing nothing: such a probe costs
-# only a sync (no verify), and prompt lookup finds matches in bursts.
+# The most plain steps between lookups of a drafter that keeps proposing nothing:
+# such a probe costs only a lookup (no verify), and prompt lookup finds matches in
+# bursts. Probes that verify something back off without a bound (DepthControl).
 MAX_IDLE_PAUSE = 8
+BLIND_BACKOFF = 2  # a missed blind probe's pause grows by this: it costs a few kernels
 # A drafter whose probes wait (no blind probes: the MTP head reads the confirmed id)
-# backs off 4x per miss up to this: a waiting probe costs about a step and a half.
-MAX_WAITING_PAUSE = 256
+# backs off faster: a waiting probe costs a proposal and a lost overlap, about a step.
+WAITING_BACKOFF = 4
 
 
 # -- acceptance -------------------------------------------------------------------
@@ -162,13 +167,13 @@ class DepthControl:
         elif accepted:
             self.depth = max(1, accepted + 1)
             self.backoff = 1
-        else:  # nothing proposed, or nothing passed: pause, longer each time
-            self.depth = max(1, self.depth // 2)
-            self.pause = self.backoff if proposed else min(self.backoff, MAX_IDLE_PAUSE)
-            if self.waits and proposed:
-                self.backoff = min(MAX_WAITING_PAUSE, 4 * self.backoff)
-            else:
-                self.backoff = min(MAX_PAUSE, 2 * self.backoff)
+        elif proposed:  # nothing passed: pause, longer each time, then probe at depth 1
+            self.depth = 1
+            self.pause = self.backoff
+            self.backoff *= WAITING_BACKOFF if self.waits else BLIND_BACKOFF
+        else:  # nothing proposed: ask again soon (a lookup costs no verify)
+            self.pause = min(self.backoff, MAX_IDLE_PAUSE)
+            self.backoff = min(MAX_IDLE_PAUSE, 2 * self.backoff)
 
 
 # -- a request's drafting ----------------------------------------------------------
@@ -214,6 +219,9 @@ class Speculation:
     prompt: Sequence[int]
     generated: list[int]
     session: Session | None = None  # None: the runner's live session
+    # The caller runs blind probes (stream_generate); False: every probe is a round
+    # that waits (the engine's solo rows), so misses back off as MTP's do.
+    blind_probes: bool = True
     control: DepthControl = field(init=False)
     proposed: int = 0
     accepted: int = 0
@@ -223,13 +231,14 @@ class Speculation:
     _probe: tuple[mx.array, list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.control = DepthControl(self.drafter.max_depth, waits=not self.drafter.guesses_ahead)
+        blind = self.blind_probes and self.drafter.guesses_ahead
+        self.control = DepthControl(self.drafter.max_depth, waits=not blind)
 
     @property
     def blind(self) -> bool:
         """Whether the next drafted step should be a blind :meth:`probe` (nothing
         accepted yet, or since the last miss) rather than a :meth:`round`."""
-        return self.control.blind and self.drafter.guesses_ahead
+        return self.control.blind and not self.control.waits
 
     @property
     def probing(self) -> bool:
@@ -257,8 +266,9 @@ class Speculation:
             choice = mx.argmax(logits[: len(drafts)], axis=-1)  # (k,): the target after each
             return self.sampler(logits[0]), choice
 
+        # keep=1: only the unread token ever stays, so its state is made current now.
         following, choice = self.runner.verify(
-            self.session, [pending, *drafts], position, then=sample_and_choose
+            self.session, [pending, *drafts], position, then=sample_and_choose, keep=1
         )
         self._probe = (choice, drafts)
         self.probed += len(drafts)
@@ -421,11 +431,13 @@ def speculation_for(
     enabled: bool = True,
     drafter: Drafter | None = None,
     session: Session | None = None,
+    blind_probes: bool = True,
 ) -> Speculation | None:
     """A request's :class:`Speculation`, or None when it decodes one token per
     step: drafts are off (the runner's policy, or the request opted out with
     *enabled* False), or the sampler has logits processors or keeps logprobs.
-    *drafter* overrides the runner's policy (the benchmark's oracles)."""
+    *drafter* overrides the runner's policy (the benchmark's oracles);
+    *blind_probes* False: the caller's probes are rounds that wait (the engine)."""
     if not enabled or sampler.stepwise:
         return None
     if drafter is not None:
@@ -441,4 +453,4 @@ def speculation_for(
             )
         else:
             drafter = drafter_for(policy.mode, policy.max_draft, policy.min_match)
-    return Speculation(runner, sampler, drafter, prompt, generated, session)
+    return Speculation(runner, sampler, drafter, prompt, generated, session, blind_probes)
