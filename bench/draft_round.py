@@ -19,6 +19,10 @@ the rest of the loop: settling, detokenising, emitting), and takes the
 calling thread's time in each.
 
     uv run python bench/draft_round.py [--family qwen_gdn] [--depth 4] [--tokens 96] [--reps 5]
+        [--size tiny] [--dtype float32]
+
+On the H200: ``python3 bench/gpu.py OUT --family qwen_gdn --only draft_round``
+(*large* bf16, depth 4, 128 tokens, oracles at 100% and 0%).
 """
 
 from __future__ import annotations
@@ -142,8 +146,13 @@ def profile(
     reps: int,
     accuracies: tuple[float, ...] = (1.0, 0.0),
     cache: Path = DEFAULT_CACHE,
+    size: str = "tiny",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    path = install(family, "tiny", "float32", cache)
+    """The split for one family. *size*/*dtype*: *tiny* float32 is the CPU's
+    host-bound proxy; on a GPU (``gpu.py --only draft_round``) *large* bf16,
+    where the split says what a round costs beyond its verify forward."""
+    path = install(family, size, dtype, cache)
     runner = Runner.open(path, context_length=PROMPT_TOKENS + tokens + 16)
     codec = load_text(path)
     config = GenerationConfig(max_tokens=tokens, stop_token_ids=[])
@@ -156,7 +165,14 @@ def profile(
             drafter = ReplayDrafter(reference, runner.vocab_size, depth, accuracy, seed=rep)
             run = timed_run(runner, codec, prompt, config, drafter)
             rows.setdefault(f"drafted_{accuracy:.0%}", []).append(run)
-    out: dict[str, Any] = {"family": family, "depth": depth, "tokens": tokens, "reps": reps}
+    out: dict[str, Any] = {
+        "family": family,
+        "size": size,
+        "dtype": dtype,
+        "depth": depth,
+        "tokens": tokens,
+        "reps": reps,
+    }
     out["kernels"] = kernels(runner, prompt, depth)
     for name, runs in rows.items():
         runs = runs[1:]
@@ -184,9 +200,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--accuracies", type=float, nargs="+", default=[1.0, 0.0])
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     for family in args.family:
-        result = profile(family, args.depth, args.tokens, args.reps, tuple(args.accuracies))
+        result = profile(
+            family, args.depth, args.tokens, args.reps, tuple(args.accuracies),
+            size=args.size, dtype=args.dtype,
+        )  # fmt: skip
         print(json.dumps(result))
         off = result["off"]
         line = (

@@ -30,11 +30,14 @@ so a hopeless drafter is probed O(log N) times in N tokens (a drafter without
 blind probes, below, whose probes wait: 1, 4, 16 ... steps). A drafter that
 proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
 
-Blind probes (:meth:`Speculation.probe`): until a drafter has been right, and
-again after every round with nothing accepted, the generation loop does not
+Blind probes (:meth:`Speculation.probe`): until a drafter has been right (an
+MTP head gets one real round first), and again after every round with nothing
+accepted, the generation loop does not
 run a round (which waits for the confirmed token, then for the verify pass)
 but a plain pipelined step whose forward also carries drafts after the
-still-lazy token (:meth:`Drafter.propose_ahead`). Only that token is kept; the
+still-lazy token (:meth:`Drafter.propose_ahead`; the MTP head drafts one from
+that token itself, still lazy, :meth:`MtpDrafter.probe_after
+<turbospark.mtp.MtpDrafter.probe_after>`). Only that token is kept; the
 next is sampled from the pass's first row, as a plain step would; the drafts'
 fate is read one step later, with the next token, and only sets the depth. So
 a hopeless drafter costs no waits, only the verify pass's extra kernels once
@@ -227,12 +230,23 @@ class Speculation:
     accepted: int = 0
     rounds: int = 0
     probed: int = 0  # drafts blind probes verified (not emitted; see probe())
-    # A blind probe in flight: the target's choice after each of its drafts, and them.
-    _probe: tuple[mx.array, list[int]] | None = field(default=None, init=False)
+    # A blind probe in flight: the target's choice after each of its drafts, and them
+    # (an MTP probe's draft still lazy).
+    _probe: tuple[mx.array, list[int] | list[mx.array]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        blind = self.blind_probes and self.drafter.guesses_ahead
-        self.control = DepthControl(self.drafter.max_depth, waits=not blind)
+        blind = self.blind_probes and (self.drafter.guesses_ahead or self._mtp is not None)
+        # A checkpoint's MTP head was trained to be right: its first round is a real
+        # one (it waits); only after a miss does it earn rounds back through probes.
+        self.control = DepthControl(
+            self.drafter.max_depth, waits=not blind, blind=self._mtp is None
+        )
+
+    @property
+    def _mtp(self) -> MtpDrafter | None:
+        """The MTP drafter, which probes blind from the unread id itself
+        (:meth:`MtpDrafter.probe_after`) though it cannot guess ahead as ids."""
+        return self.drafter if isinstance(self.drafter, MtpDrafter) else None
 
     @property
     def blind(self) -> bool:
@@ -256,8 +270,13 @@ class Speculation:
         sets the depth: a drafter that keeps failing costs the verify pass's
         extra kernels every probe, not a wait and a lost overlap. None: the
         drafter had nothing to propose (the caller takes a plain step)."""
-        drafts = self.drafter.propose_ahead([*self.prompt, *self.generated], depth).tokens
-        drafts = drafts[:depth]
+        fed = [*self.prompt, *self.generated]
+        drafts: list[int] | list[mx.array]
+        if self._mtp is not None:  # one lazy draft after the unread id: depth 1
+            lazy = self._mtp.probe_after(fed, pending)
+            drafts = [] if lazy is None else [lazy]
+        else:
+            drafts = self.drafter.propose_ahead(fed, depth).tokens[:depth]
         if not drafts:
             self.control.record(0, 0)
             return None
@@ -281,6 +300,7 @@ class Speculation:
             return
         (choice, drafts), self._probe = self._probe, None
         target = choice.tolist()
+        drafts = [d if isinstance(d, int) else int(d.item()) for d in drafts]
         passed = 0
         while passed < len(drafts) and drafts[passed] == target[passed]:
             passed += 1
