@@ -27,7 +27,8 @@ drafts one past what passed; a round (or probe) with nothing accepted drops
 it to 1 and pauses drafting for 1, 2, 4, 8 ... steps (plain pipelined decode)
 before the next depth-1 probe, doubling without a bound until a draft passes,
 so a hopeless drafter is probed O(log N) times in N tokens (a drafter without
-blind probes, below, whose probes wait: 1, 4, 16 ... steps). A drafter that
+blind probes, below, whose probes wait, and the MTP head, whose probes run
+the head: 1, 4, 16 ... steps). A drafter that
 proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
 
 Blind probes (:meth:`Speculation.probe`): until a drafter has been right (an
@@ -81,8 +82,9 @@ from turbospark.sampling import Sampler
 # bursts. Probes that verify something back off without a bound (DepthControl).
 MAX_IDLE_PAUSE = 8
 BLIND_BACKOFF = 2  # a missed blind probe's pause grows by this: it costs a few kernels
-# A drafter whose probes wait (no blind probes: the MTP head reads the confirmed id)
-# backs off faster: a waiting probe costs a proposal and a lost overlap, about a step.
+# A drafter whose probes wait (the engine's solo rows) backs off faster: a waiting
+# probe costs a lost overlap, about a step; so does an MTP head's blind probe, which
+# runs the head (catch-up and one step) besides the verify pass's extra kernels.
 WAITING_BACKOFF = 4
 
 
@@ -147,6 +149,7 @@ class DepthControl:
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
     waits: bool = False  # its probes wait for the confirmed token (no blind probes)
+    growth: int = 0  # how much each miss lengthens the next pause (0: by waits)
     blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
     streak: int = 0  # rounds in a row whose drafts all passed (2 or more: chain them)
 
@@ -173,7 +176,7 @@ class DepthControl:
         elif proposed:  # nothing passed: pause, longer each time, then probe at depth 1
             self.depth = 1
             self.pause = self.backoff
-            self.backoff *= WAITING_BACKOFF if self.waits else BLIND_BACKOFF
+            self.backoff *= self.growth or (WAITING_BACKOFF if self.waits else BLIND_BACKOFF)
         else:  # nothing proposed: ask again soon (a lookup costs no verify)
             self.pause = min(self.backoff, MAX_IDLE_PAUSE)
             self.backoff = min(MAX_IDLE_PAUSE, 2 * self.backoff)
@@ -239,7 +242,10 @@ class Speculation:
         # A checkpoint's MTP head was trained to be right: its first round is a real
         # one (it waits); only after a miss does it earn rounds back through probes.
         self.control = DepthControl(
-            self.drafter.max_depth, waits=not blind, blind=self._mtp is None
+            self.drafter.max_depth,
+            waits=not blind,
+            blind=self._mtp is None,
+            growth=WAITING_BACKOFF if self._mtp is not None else 0,
         )
 
     @property
