@@ -203,7 +203,7 @@ class Queued:
     token: int | None  # the confirmed token; None until read (a chained round's is lazy)
     drafts: list[int]
     choice: mx.array  # (k + 1,): the target's greedy token after each fed one
-    bonus: mx.array  # choice's last entry, its own array (a chained round feeds it unread)
+    bonus: mx.array  # choice's last entry, evaluated with it (a chained round feeds it unread)
     held: dict[str, object] | None = None  # its traces, once a round is queued behind it
 
     @property
@@ -401,7 +401,9 @@ class Speculation:
     def _queue(self, token: int | mx.array, drafts: list[int], position: int) -> Queued:
         def choose(logits: mx.array) -> tuple[mx.array, mx.array]:
             choice = mx.argmax(logits, axis=-1)  # (k + 1,)
-            return choice, mx.argmax(logits[-1])
+            # Evaluated with the pass (a view: no kernel), so a chained round reads it
+            # without queueing anything behind the round it feeds.
+            return choice, choice[-1]
 
         choice, bonus = self.runner.verify(self.session, [token, *drafts], position, then=choose)
         first = token if isinstance(token, int) else None

@@ -40,7 +40,7 @@ from turbospark.layers.stacked import Stacked, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
-# A verify pass's trace (mix(traced=True)): conv input, deltas, keys, segment sums, log decay.
+# A verify pass's trace (mix(traced=True)): conv input, deltas, keys, decays, G_i.
 Trace = tuple[mx.array, mx.array, mx.array, mx.array, mx.array]
 IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stacked in this order
 
@@ -288,8 +288,9 @@ def gated_delta_traced(
     (:func:`_traced_sums`), the inverse is :func:`_doubling_inverse`-style
     products fused with their sums (``addmm``) on every device, and each read
     of the start state ``S0`` is one ``addmm``. The trace is ``(deltas, keys,
-    segment sums, log decay)``, ``(B, Hv, L, Dv)``, ``(B, Hv, L, Dk)``,
-    ``(B, Hv, L, L)``, ``(B, Hv, L)``, all float32: with ``G_n`` the decay over
+    decays G_i / G_j (0 above the diagonal), G_i)``, ``(B, Hv, L, Dv)``,
+    ``(B, Hv, L, Dk)``, ``(B, Hv, L, L)``, ``(B, Hv, L)``, all float32, the decays
+    exponentiated once for the pass and any state rebuilt: with ``G_n`` the decay over
     the first ``n`` tokens, ``S_n = G_n S0 + sum_{j<n} (G_n / G_j) u_j k_j^T``."""
     length = q.shape[1]
     q, k = _expand_heads(q, k, v.shape[2])
@@ -310,13 +311,15 @@ def gated_delta_traced(
         power = power @ power
         inverse = mx.addmm(inverse, inverse, power)
         span *= 2
+    growth = mx.exp(cum)  # (B, Hv, L): G_i
     u = inverse @ (vc * bc[..., None])  # (B, Hv, L, Dv)
-    w = inverse @ (k_beta * mx.exp(cum)[..., None])  # (B, Hv, L, Dk)
+    w = inverse @ (k_beta * growth[..., None])  # (B, Hv, L, Dk)
     s0_t = mx.swapaxes(state, -1, -2)  # (B, Hv, Dk, Dv)
     deltas = mx.addmm(u, w, s0_t, alpha=-1.0)  # (B, Hv, L, Dv): the delta-rule updates
     attn = (qc @ mx.swapaxes(kc, -1, -2)) * decay  # (B, Hv, L, L), causal incl. diagonal
-    y = mx.addmm((qc * mx.exp(cum)[..., None]) @ s0_t, attn, deltas)  # (B, Hv, L, Dv)
-    trace = (deltas, kc, seg, cum)
+    y = mx.addmm((qc * growth[..., None]) @ s0_t, attn, deltas)  # (B, Hv, L, Dv)
+    # The decays as computed above: a state after n tokens exponentiates nothing again.
+    trace = (deltas, kc, decay, growth)
     return mx.moveaxis(y, 1, 2).astype(v.dtype), traced_state(state, trace, length), trace
 
 
@@ -325,9 +328,10 @@ def traced_state(
 ) -> mx.array:
     """The recurrent state after the first *n* (1 or more) tokens of a traced
     pass that began at *start*; see :func:`gated_delta_traced`."""
-    deltas, keys, seg, cum = trace
-    to_n = keys[..., :n, :] * mx.exp(seg[..., n - 1, :n])[..., None]  # k_j * G_n / G_j
-    start = start * mx.exp(cum[..., n - 1])[..., None, None]
+    deltas, keys, decay, growth = trace
+    # row n - 1 up to column n - 1 is on or below the diagonal: G_n / G_j, unmasked
+    to_n = keys[..., :n, :] * decay[..., n - 1, :n][..., None]  # k_j * G_n / G_j
+    start = start * growth[..., n - 1][..., None, None]
     return mx.addmm(start, mx.swapaxes(deltas[..., :n, :], -1, -2), to_n)  # (B, Hv, Dv, Dk)
 
 
