@@ -118,21 +118,34 @@ def timed_run(
 
 
 def kernels(runner: Runner, prompt: list[int], depth: int) -> dict[str, int]:
-    """Kernels in one plain step's graph and in one verify pass of ``depth + 1``
-    tokens (the state writes included; exact, load-independent)."""
+    """Kernels in one plain step's graph, in one verify pass of ``depth + 1``
+    tokens, and in a depth-1 blind probe's pass cut to its first token: as it
+    runs (``keep=1``, the state after that token made by the pass) and as a
+    verify pass traced whole and then cut (``probe_traced_cut``, what a probe
+    cost before ``keep``; the pass's own last state, evaluated and dropped, not
+    counted). The state writes included; exact, load-independent."""
     counts = {}
-    for name, fed in (("step", 1), ("verify", depth + 1)):
+    cases = (
+        ("step", 1, None, None),
+        ("verify", depth + 1, None, None),
+        ("probe", 2, 1, 1),
+        ("probe_traced_cut", 2, None, 1),
+    )
+    for name, fed, keep, cut in cases:
         runner.reset()
         runner.prefill_chunk(prompt, 0, logits=False)
         live = runner.sessions()[0]
         mx.eval([a for c in live.state.values() for a in c.arrays()])
         if fed > 1:
             for component in runner.traced_components:
-                live.state[component].trace()  # as Runner.verify does
+                live.state[component].trace(keep)  # as Runner.verify does
         logits = runner._hook.turbospark_forward(
             model=runner.model, tokens=mx.array(prompt[:fed], mx.int32), start=len(prompt),
             state=live.state, vision=None, logits="all" if fed > 1 else "last", steer=None,
         )  # fmt: skip
+        if cut is not None:
+            for component in runner.traced_components:
+                live.state[component].keep_traced(cut)  # as Runner.accept does
         arrays = [logits, *(a for c in live.state.values() for a in c.arrays())]
         counts[name] = graph_primitives(arrays)["kernels"]
     runner.reset()
