@@ -284,6 +284,23 @@ def test_a_probe_pass_keeping_its_first_token_equals_a_traced_pass_cut_there(ins
             runner.accept(None, len(PROMPT), 2)
 
 
+@pytest.mark.parametrize("keep", [0, 4, -1])
+def test_a_probe_keeping_nothing_or_more_than_it_feeds_is_refused_before_any_state_changes(
+    qwen_gdn_install, keep
+):
+    runner = open_runner(qwen_gdn_install)
+    runner.prefill_chunk(PROMPT, 0)
+    with pytest.raises(InvalidInput, match=f"keep={keep}"):
+        runner.verify(None, [7, 5, 9], len(PROMPT), keep=keep)
+    assert runner.position == len(PROMPT)
+    assert not runner.sessions()[0].state["gdn"].tracing
+    after = runner.produce(7, len(PROMPT))
+    fresh = open_runner(qwen_gdn_install)
+    fresh.prefill_chunk(PROMPT, 0)
+    expected = fresh.produce(7, len(PROMPT))
+    np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
+
+
 def test_a_hopeless_drafter_is_probed_a_logarithmic_number_of_times_end_to_end(qwen_gdn_install):
     """Through the generation loop: greedy output equals off's token for token, and
     the number of (depth-1) probes over N tokens grows like log2 N, not N."""

@@ -465,6 +465,11 @@ class Runner:
         :meth:`Speculation.probe <turbospark.speculative.Speculation.probe>`):
         the pass is queued before it is read, as :meth:`produce` does; *then*
         maps the logits to what is returned (arrays) and is queued with them."""
+        if keep is not None and not 1 <= keep <= len(tokens):
+            raise InvalidInput(
+                f"verify(keep={keep}) with {len(tokens)} token(s): keep is how many of them "
+                f"a probe keeps, 1 to {len(tokens)} (None: any prefix, decided after)"
+            )
         live = session or self._live
         lazy = bool(tokens) and isinstance(tokens[0], mx.array)
         known = [t for t in (tokens[1:] if lazy else tokens) if not isinstance(t, mx.array)]
