@@ -314,7 +314,7 @@ def test_a_hopeless_drafter_is_probed_a_logarithmic_number_of_times_end_to_end(q
         assert done.tokens == off.tokens
         assert done.stats.draft_proposed == 0
         probed[tokens] = done.stats.draft_probed
-    # pauses 1, 2, 4, ...: probes at steps 0, 2, 5, 10, 19, 36, 69 (and 134, past 128)
+    # pauses 1, 2, 4, ... from when a probe is read: probes feed ids 0, 3, 7, 13, ... (7 < 128)
     assert probed == {16: 4, 128: 7}
 
 
@@ -459,6 +459,43 @@ def test_an_engine_row_decoding_alone_drafts_and_equals_off(install):
     stats = emit.chunks[-1].stats
     assert 0 < stats.draft_accepted < stats.draft_proposed
     assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+def _engine_reply(path: Path, config: GenerationConfig, reply: list[int]) -> tuple[Runner, list]:
+    """An engine row decoding alone with a drafter that is never right about *reply*."""
+    runner = open_runner(path)
+    engine = Engine(runner, load_text(path))
+    emit = Collector()
+    drafter = ReplayDrafter([*PROMPT, *reply], runner.vocab_size, 4, accuracy=0.0)
+    engine.submit(Job(ids=list(PROMPT), config=config, emit=emit, drafter=drafter))
+    for _ in range(200):
+        if emit.chunks and emit.chunks[-1].finish_reason is not None:
+            break
+        engine.step()
+    return runner, emit.chunks
+
+
+@pytest.mark.parametrize("stop_at", [None, 0, 3, 4, 7])
+def test_an_engine_row_probes_a_hopeless_drafter_blind_and_ends_where_off_does(
+    qwen_gdn_install, stop_at
+):
+    """An engine row decoding alone probes blind, as the generation loop does
+    (probes feed ids 0, 3, 7 and 13 of this reply): nothing is proposed for
+    output, the probes are few, and a probe whose unread id is a stop leaves
+    nothing fed."""
+    off = off_completion(qwen_gdn_install, PROMPT)
+    stop = [] if stop_at is None else [off.tokens[stop_at]]
+    config = CONFIG.model_copy(update={"stop_token_ids": stop})
+    plain = off_completion(qwen_gdn_install, PROMPT, config)
+    runner, chunks = _engine_reply(qwen_gdn_install, config, off.tokens)
+    assert [c.token for c in chunks if c.token is not None] == plain.tokens
+    assert chunks[-1].finish_reason == plain.finish_reason
+    stats = chunks[-1].stats
+    assert stats.draft_proposed == 0
+    if stop_at is None:
+        assert stats.draft_probed == 4  # 24 tokens
+    fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
 
 
 # -- the server and the CLI ---------------------------------------------------------------

@@ -46,7 +46,7 @@ per pause (the 5% target against ``off``), and a good one starts drafting one
 step late. A probe always keeps exactly its unread token (or nothing, when that
 is a stop), so its pass leaves the recurrent state after that token current
 (:meth:`Runner.verify` with ``keep=1``) and the cut after it builds nothing.
-The engine's solo rows run rounds only (each waits), so their misses back off 4x.
+The engine's solo rows probe and draft the same way, one row at a time.
 
 Chained rounds (greedy; :meth:`Speculation.launch_after`): a round is queued
 (:meth:`Speculation.launch`: drafts, the verify pass and the target's choices
@@ -82,9 +82,9 @@ from turbospark.sampling import Sampler
 # bursts. Probes that verify something back off without a bound (DepthControl).
 MAX_IDLE_PAUSE = 8
 BLIND_BACKOFF = 2  # a missed blind probe's pause grows by this: it costs a few kernels
-# A drafter whose probes wait (the engine's solo rows) backs off faster: a waiting
-# probe costs a lost overlap, about a step; so does an MTP head's blind probe, which
-# runs the head (catch-up and one step) besides the verify pass's extra kernels.
+# A drafter whose probes wait (no blind probes) backs off faster: a waiting probe
+# costs a lost overlap, about a step; so does an MTP head's blind probe, which runs
+# the head (catch-up and one step) besides the verify pass's extra kernels.
 WAITING_BACKOFF = 4
 
 
@@ -225,9 +225,6 @@ class Speculation:
     prompt: Sequence[int]
     generated: list[int]
     session: Session | None = None  # None: the runner's live session
-    # The caller runs blind probes (stream_generate); False: every probe is a round
-    # that waits (the engine's solo rows), so misses back off as MTP's do.
-    blind_probes: bool = True
     control: DepthControl = field(init=False)
     proposed: int = 0
     accepted: int = 0
@@ -238,7 +235,7 @@ class Speculation:
     _probe: tuple[mx.array, list[int] | list[mx.array]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        blind = self.blind_probes and (self.drafter.guesses_ahead or self._mtp is not None)
+        blind = self.drafter.guesses_ahead or self._mtp is not None
         # A checkpoint's MTP head was trained to be right: its first round is a real
         # one (it waits); only after a miss does it earn rounds back through probes.
         self.control = DepthControl(
@@ -459,13 +456,11 @@ def speculation_for(
     enabled: bool = True,
     drafter: Drafter | None = None,
     session: Session | None = None,
-    blind_probes: bool = True,
 ) -> Speculation | None:
     """A request's :class:`Speculation`, or None when it decodes one token per
     step: drafts are off (the runner's policy, or the request opted out with
     *enabled* False), or the sampler has logits processors or keeps logprobs.
-    *drafter* overrides the runner's policy (the benchmark's oracles);
-    *blind_probes* False: the caller's probes are rounds that wait (the engine)."""
+    *drafter* overrides the runner's policy (the benchmark's oracles)."""
     if not enabled or sampler.stepwise:
         return None
     if drafter is not None:
@@ -481,4 +476,4 @@ def speculation_for(
             )
         else:
             drafter = drafter_for(policy.mode, policy.max_draft, policy.min_match)
-    return Speculation(runner, sampler, drafter, prompt, generated, session, blind_probes)
+    return Speculation(runner, sampler, drafter, prompt, generated, session)
