@@ -203,6 +203,7 @@ def bench_mtp(path: Path, depths: Sequence[int], tokens: int, reps: int) -> list
                 "proposed": done.stats.draft_proposed,
                 "accepted": done.stats.draft_accepted,
                 "acceptance": done.stats.draft_accepted / max(1, done.stats.draft_proposed),
+                "probed": done.stats.draft_probed,
                 "output_equals_off": done.tokens == expected,
                 "proposal_ms": proposal_ms,
                 "decode_step_ms": step_ms,
@@ -240,7 +241,8 @@ def print_curve(family: str, result: dict[str, Any]) -> None:
     for m in result.get("mtp", []):
         print(
             f"  mtp depth {m['depth']}: {m['tok_s']:.1f} tok/s vs off {m['off_tok_s']:.1f} "
-            f"({m['speedup_vs_off']:.2f}x) at acceptance {m['accepted']}/{m['proposed']}; "
+            f"({m['speedup_vs_off']:.2f}x) at acceptance {m['accepted']}/{m['proposed']} "
+            f"({m['probed']} probed); "
             f"one proposal {m['proposal_ms']:.2f} ms = {m['proposal_vs_decode_step']:.2f} "
             f"plain decode steps ({m['decode_step_ms']:.2f} ms)"
         )

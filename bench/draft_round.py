@@ -19,6 +19,10 @@ the rest of the loop: settling, detokenising, emitting), and takes the
 calling thread's time in each.
 
     uv run python bench/draft_round.py [--family qwen_gdn] [--depth 4] [--tokens 96] [--reps 5]
+        [--size tiny] [--dtype float32]
+
+On the H200: ``python3 bench/gpu.py OUT --family qwen_gdn --only draft_round``
+(*large* bf16, depth 4, 128 tokens, oracles at 100% and 0%).
 """
 
 from __future__ import annotations
@@ -114,21 +118,34 @@ def timed_run(
 
 
 def kernels(runner: Runner, prompt: list[int], depth: int) -> dict[str, int]:
-    """Kernels in one plain step's graph and in one verify pass of ``depth + 1``
-    tokens (the state writes included; exact, load-independent)."""
+    """Kernels in one plain step's graph, in one verify pass of ``depth + 1``
+    tokens, and in a depth-1 blind probe's pass cut to its first token: as it
+    runs (``keep=1``, the state after that token made by the pass) and as a
+    verify pass traced whole and then cut (``probe_traced_cut``, what a probe
+    cost before ``keep``; the pass's own last state, evaluated and dropped, not
+    counted). The state writes included; exact, load-independent."""
     counts = {}
-    for name, fed in (("step", 1), ("verify", depth + 1)):
+    cases = (
+        ("step", 1, None, None),
+        ("verify", depth + 1, None, None),
+        ("probe", 2, 1, 1),
+        ("probe_traced_cut", 2, None, 1),
+    )
+    for name, fed, keep, cut in cases:
         runner.reset()
         runner.prefill_chunk(prompt, 0, logits=False)
         live = runner.sessions()[0]
         mx.eval([a for c in live.state.values() for a in c.arrays()])
         if fed > 1:
             for component in runner.traced_components:
-                live.state[component].trace()  # as Runner.verify does
+                live.state[component].trace(keep)  # as Runner.verify does
         logits = runner._hook.turbospark_forward(
             model=runner.model, tokens=mx.array(prompt[:fed], mx.int32), start=len(prompt),
             state=live.state, vision=None, logits="all" if fed > 1 else "last", steer=None,
         )  # fmt: skip
+        if cut is not None:
+            for component in runner.traced_components:
+                live.state[component].keep_traced(cut)  # as Runner.accept does
         arrays = [logits, *(a for c in live.state.values() for a in c.arrays())]
         counts[name] = graph_primitives(arrays)["kernels"]
     runner.reset()
@@ -142,8 +159,13 @@ def profile(
     reps: int,
     accuracies: tuple[float, ...] = (1.0, 0.0),
     cache: Path = DEFAULT_CACHE,
+    size: str = "tiny",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    path = install(family, "tiny", "float32", cache)
+    """The split for one family. *size*/*dtype*: *tiny* float32 is the CPU's
+    host-bound proxy; on a GPU (``gpu.py --only draft_round``) *large* bf16,
+    where the split says what a round costs beyond its verify forward."""
+    path = install(family, size, dtype, cache)
     runner = Runner.open(path, context_length=PROMPT_TOKENS + tokens + 16)
     codec = load_text(path)
     config = GenerationConfig(max_tokens=tokens, stop_token_ids=[])
@@ -156,7 +178,14 @@ def profile(
             drafter = ReplayDrafter(reference, runner.vocab_size, depth, accuracy, seed=rep)
             run = timed_run(runner, codec, prompt, config, drafter)
             rows.setdefault(f"drafted_{accuracy:.0%}", []).append(run)
-    out: dict[str, Any] = {"family": family, "depth": depth, "tokens": tokens, "reps": reps}
+    out: dict[str, Any] = {
+        "family": family,
+        "size": size,
+        "dtype": dtype,
+        "depth": depth,
+        "tokens": tokens,
+        "reps": reps,
+    }
     out["kernels"] = kernels(runner, prompt, depth)
     for name, runs in rows.items():
         runs = runs[1:]
@@ -184,9 +213,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--accuracies", type=float, nargs="+", default=[1.0, 0.0])
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     for family in args.family:
-        result = profile(family, args.depth, args.tokens, args.reps, tuple(args.accuracies))
+        result = profile(
+            family, args.depth, args.tokens, args.reps, tuple(args.accuracies),
+            size=args.size, dtype=args.dtype,
+        )  # fmt: skip
         print(json.dumps(result))
         off = result["off"]
         line = (

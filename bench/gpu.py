@@ -3,8 +3,9 @@
 A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
-    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving|concurrency|server_step|step_cost|constrain|draft|experts|steering|tp|batch_decode
-|graph_size] [--profile]
+    python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving
+|concurrency|server_step|step_cost|constrain|draft|draft_round|experts|steering|tp
+|batch_decode|graph_size] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family), and so does
 ``batch_decode``: qwen4_exp's batched decode against its row-by-row decode
@@ -54,6 +55,7 @@ from bench.concurrency import bench_concurrency
 from bench.constrain import bench_constrain
 from bench.decode_cost import profile_decode
 from bench.draft import MTP_FAMILIES, bench_draft
+from bench.draft_round import profile as profile_round
 from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.graph_size import bench_graph_size
@@ -85,6 +87,7 @@ def main() -> None:
             "step_cost",
             "constrain",
             "draft",
+            "draft_round",
             "experts",
             "steering",
             "tp",
@@ -152,6 +155,11 @@ def main() -> None:
                 result = bench_draft(path, args.draft_depths or GPU.draft_depths,
                                      args.draft_accuracies or GPU.draft_accuracies,
                                      GPU.draft_tokens, args.reps, mtp)  # fmt: skip
+            elif piece == "draft_round":
+                # Where a depth-4 round's host and wall time go, against a plain step,
+                # at 100% and 0% (bench/draft_round.py, here on the GPU's own sizes).
+                result = profile_round(family, 4, GPU.draft_tokens, args.reps, (1.0, 0.0),
+                                       args.cache_dir, size=args.size, dtype="bfloat16")  # fmt: skip
             elif piece == "experts":
                 if family != "gemma4":
                     continue  # only gemma4 has an MoE block

@@ -162,6 +162,41 @@ def test_greedy_output_with_mtp_equals_off(mtp_install, depth):
     assert track.nbytes > 0 and session.nbytes == state_bytes + track.nbytes
 
 
+def test_after_a_miss_mtp_probes_blind_and_rarely_and_output_equals_off(mtp_install):
+    """The head's first round misses (random weights); from then on it drafts from
+    the still-lazy id inside plain steps (MtpDrafter.probe_after), depth 1, with
+    pauses that grow 4x (a probe runs the head): three probes in 48 tokens, the reply and the session
+    are off's, and neither the head's K/V nor its hidden states run past the session."""
+    config = CONFIG.model_copy(update={"max_tokens": 48})
+    off = off_completion(mtp_install, config)
+    runner = open_runner(mtp_install, draft=DraftPolicies.mtp(4))
+    done = generate(runner, load_text(mtp_install), PROMPT, config)
+    assert done.tokens == off.tokens
+    assert done.stats.draft_accepted == 0 and done.stats.draft_proposed == 1  # the first round
+    assert done.stats.draft_probed == 3  # pauses of 1, 4, 16 after the first round
+    session = runner.sessions()[0]
+    assert session.record.tokens == [*PROMPT, *off.tokens[:-1]]
+    assert session.mtp.cache.position <= session.position - 1
+    assert session.mtp.hidden_end <= session.position
+
+
+@pytest.mark.parametrize("stop_at", [2, 3, 7, 8])
+def test_an_mtp_probe_whose_unread_id_is_a_stop_leaves_nothing_fed(mtp_install, stop_at):
+    """A blind MTP probe drafts from the unread id and feeds it; when that id is a
+    stop (the probes feed ids 2 and 8 here; 3 and 7 are plain steps), the reply ends
+    where off's does and neither the session nor the head's K/V keeps it."""
+    off = off_completion(mtp_install)
+    config = CONFIG.model_copy(update={"stop_token_ids": [off.tokens[stop_at]]})
+    plain = off_completion(mtp_install, config)
+    runner = open_runner(mtp_install, draft=DraftPolicies.mtp(4))
+    done = generate(runner, load_text(mtp_install), PROMPT, config)
+    assert (done.tokens, done.finish_reason) == (plain.tokens, plain.finish_reason)
+    session = runner.sessions()[0]
+    assert session.record.tokens == [*PROMPT, *plain.tokens]
+    assert session.mtp.cache.position <= session.position - 1
+    assert session.mtp.hidden_end <= session.position
+
+
 class _MtpThenOracle:
     """Asks the MTP drafter every round (its cache catches up, steps on its own
     drafts and rewinds), then proposes the recorded greedy run with the last

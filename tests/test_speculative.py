@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from turbospark.draft import Draft, NgramDrafter, ReplayDrafter
 from turbospark.engine import Engine, Job
-from turbospark.errors import InvalidInput
+from turbospark.errors import InvalidInput, RewindError
 from turbospark.generate import GenerationConfig, generate, stream_generate
 from turbospark.hookspecs import FamilySpec, hookimpl
 from turbospark.plugins import FamilyRegistry
@@ -23,8 +23,6 @@ from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
 from turbospark.speculative import (
-    MAX_PAUSE,
-    MAX_WAITING_PAUSE,
     DepthControl,
     Speculation,
     accept_sampled,
@@ -34,6 +32,7 @@ from turbospark.text import load_text
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
 PROMPT = [*range(3, 30), *range(3, 15)]  # a repeat, so prompt lookup finds matches
 CONFIG = GenerationConfig(max_tokens=24, stop_token_ids=[])
+PROMPT_ROOM = 64  # context beyond a reply: the prompt and a round's drafts
 
 
 def open_runner(path: Path, **kwargs: Any) -> Runner:
@@ -259,6 +258,66 @@ def test_after_a_rollback_the_next_logits_equal_a_fresh_run(install, keep):
     assert spec.sessions()[0].record.tokens == fresh.sessions()[0].record.tokens
 
 
+@pytest.mark.parametrize("keep", [0, 1])
+def test_a_probe_pass_keeping_its_first_token_equals_a_traced_pass_cut_there(install, keep):
+    """A probe's pass (``keep=1``: the state after its first token made current,
+    nothing traced) cut to that token (or to nothing) leaves what a full traced
+    pass cut there leaves: the next step's logits agree; and it refuses a cut
+    anywhere else by name, since it traced nothing."""
+    drafts = [5, 9]
+    runs = []
+    for probe in (None, 1):
+        runner = open_runner(install)
+        runner.prefill_chunk(PROMPT, 0)
+        logits = runner.verify(None, [7, *drafts], len(PROMPT), keep=probe)
+        runner.accept(None, len(PROMPT), keep)
+        runs.append((logits, runner.produce(40, runner.position), runner.sessions()[0]))
+    (full, after_full, session_full), (probed, after_probe, session_probe) = runs
+    np.testing.assert_allclose(np.array(probed), np.array(full), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.array(after_probe), np.array(after_full), atol=1e-5, rtol=1e-5)
+    assert session_probe.record.tokens == session_full.record.tokens
+    if "gdn" in session_probe.state:
+        runner = open_runner(install)
+        runner.prefill_chunk(PROMPT, 0)
+        runner.verify(None, [7, *drafts], len(PROMPT), keep=1)
+        with pytest.raises(RewindError, match="'gdn'"):
+            runner.accept(None, len(PROMPT), 2)
+
+
+@pytest.mark.parametrize("keep", [0, 4, -1])
+def test_a_probe_keeping_nothing_or_more_than_it_feeds_is_refused_before_any_state_changes(
+    qwen_gdn_install, keep
+):
+    runner = open_runner(qwen_gdn_install)
+    runner.prefill_chunk(PROMPT, 0)
+    with pytest.raises(InvalidInput, match=f"keep={keep}"):
+        runner.verify(None, [7, 5, 9], len(PROMPT), keep=keep)
+    assert runner.position == len(PROMPT)
+    assert not runner.sessions()[0].state["gdn"].tracing
+    after = runner.produce(7, len(PROMPT))
+    fresh = open_runner(qwen_gdn_install)
+    fresh.prefill_chunk(PROMPT, 0)
+    expected = fresh.produce(7, len(PROMPT))
+    np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_a_hopeless_drafter_is_probed_a_logarithmic_number_of_times_end_to_end(qwen_gdn_install):
+    """Through the generation loop: greedy output equals off's token for token, and
+    the number of (depth-1) probes over N tokens grows like log2 N, not N."""
+    probed = {}
+    for tokens in (16, 128):
+        config = CONFIG.model_copy(update={"max_tokens": tokens})
+        off = off_completion(qwen_gdn_install, PROMPT, config)
+        runner = Runner.open(qwen_gdn_install, context_length=PROMPT_ROOM + tokens, dtype="float32")
+        drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy=0.0)
+        done = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+        assert done.tokens == off.tokens
+        assert done.stats.draft_proposed == 0
+        probed[tokens] = done.stats.draft_probed
+    # pauses 1, 2, 4, ... from when a probe is read: probes feed ids 0, 3, 7, 13, ... (7 < 128)
+    assert probed == {16: 4, 128: 7}
+
+
 def test_a_drafted_reply_resumes_from_its_prompt_checkpoint_next_turn(qwen_gdn_install):
     """The second turn of a GDN chat (reuse through the prompt-boundary
     checkpoint) is the same whether the first reply was drafted or not."""
@@ -322,27 +381,36 @@ def test_sampled_speculation_matches_the_target_distribution(qwen_gdn_install, d
 # -- adaptive depth -------------------------------------------------------------------
 
 
-def test_a_hopeless_drafter_is_probed_rarely():
-    control = DepthControl(max_depth=4)
-    rounds = 0
-    for _ in range(2000):
-        depth = control.next_depth()
-        if depth:
-            rounds += 1
-            control.record(depth, 0)
-    assert rounds < 2000 / MAX_PAUSE + 10
-
-
-def test_a_hopeless_drafter_whose_probes_wait_backs_off_faster():
-    control = DepthControl(max_depth=4, waits=True)
+def _probes(control: DepthControl, steps: int, passed: int = 0) -> list[tuple[int, int]]:
+    """``(step, depth)`` of every probe a drafter whose drafts never pass (or whose
+    first *passed* probes pass whole) gets in *steps* steps."""
     probes = []
-    for step in range(2000):
+    for step in range(steps):
         depth = control.next_depth()
         if depth:
-            probes.append(step)
-            control.record(depth, 0)
-    assert probes[:5] == [0, 2, 7, 24, 89]  # pauses of 1, 4, 16, 64
-    assert len(probes) < 2000 / MAX_WAITING_PAUSE + 6
+            probes.append((step, depth))
+            control.record(depth, depth if len(probes) <= passed else 0)
+    return probes
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_hopeless_drafter_is_probed_a_logarithmic_number_of_times(waits):
+    """Every probe is depth 1, and pauses grow without a bound: over N tokens a
+    drafter that is never right is probed O(log N) times, however long the reply."""
+    for steps in (100, 1_000, 100_000):
+        probes = _probes(DepthControl(max_depth=4, waits=waits), steps)
+        assert {depth for _, depth in probes} == {1}
+        base = 4 if waits else 2
+        assert len(probes) <= np.log(steps) / np.log(base) + 2
+    at = [step for step, _ in _probes(DepthControl(max_depth=4, waits=waits), 200)]
+    assert at[:5] == ([0, 2, 7, 24, 89] if waits else [0, 2, 5, 10, 19])
+
+
+def test_a_drafter_that_misses_after_passing_probes_again_at_depth_one():
+    """A miss after rounds that passed drops to depth 1 and the shortest pause
+    (the back-off starts again once a draft passes)."""
+    probes = _probes(DepthControl(max_depth=4), 10, passed=3)
+    assert probes == [(0, 1), (1, 2), (2, 4), (3, 4), (5, 1), (8, 1)]
 
 
 def test_a_perfect_drafter_reaches_full_depth_and_stays():
@@ -391,6 +459,43 @@ def test_an_engine_row_decoding_alone_drafts_and_equals_off(install):
     stats = emit.chunks[-1].stats
     assert 0 < stats.draft_accepted < stats.draft_proposed
     assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+def _engine_reply(path: Path, config: GenerationConfig, reply: list[int]) -> tuple[Runner, list]:
+    """An engine row decoding alone with a drafter that is never right about *reply*."""
+    runner = open_runner(path)
+    engine = Engine(runner, load_text(path))
+    emit = Collector()
+    drafter = ReplayDrafter([*PROMPT, *reply], runner.vocab_size, 4, accuracy=0.0)
+    engine.submit(Job(ids=list(PROMPT), config=config, emit=emit, drafter=drafter))
+    for _ in range(200):
+        if emit.chunks and emit.chunks[-1].finish_reason is not None:
+            break
+        engine.step()
+    return runner, emit.chunks
+
+
+@pytest.mark.parametrize("stop_at", [None, 0, 3, 4, 7])
+def test_an_engine_row_probes_a_hopeless_drafter_blind_and_ends_where_off_does(
+    qwen_gdn_install, stop_at
+):
+    """An engine row decoding alone probes blind, as the generation loop does
+    (probes feed ids 0, 3, 7 and 13 of this reply): nothing is proposed for
+    output, the probes are few, and a probe whose unread id is a stop leaves
+    nothing fed."""
+    off = off_completion(qwen_gdn_install, PROMPT)
+    stop = [] if stop_at is None else [off.tokens[stop_at]]
+    config = CONFIG.model_copy(update={"stop_token_ids": stop})
+    plain = off_completion(qwen_gdn_install, PROMPT, config)
+    runner, chunks = _engine_reply(qwen_gdn_install, config, off.tokens)
+    assert [c.token for c in chunks if c.token is not None] == plain.tokens
+    assert chunks[-1].finish_reason == plain.finish_reason
+    stats = chunks[-1].stats
+    assert stats.draft_proposed == 0
+    if stop_at is None:
+        assert stats.draft_probed == 4  # 24 tokens
+    fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
 
 
 # -- the server and the CLI ---------------------------------------------------------------

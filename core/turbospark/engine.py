@@ -737,12 +737,20 @@ class Engine:
 
     def _decode_solo(self, row: _Row) -> None:
         """One token for one row through the one-row forward (stream_generate's
-        step), or a drafted round of several when the row drafts."""
-        if row.spec is not None and self._decode_drafted(row):
+        step), or a drafted round of several when the row drafts; a blind probe
+        is such a step whose forward also verifies drafts (stream_generate's)."""
+        depth = 0 if row.spec is None else self._decode_drafted(row)
+        if depth is None:
             return
         fed = not row.final
+        probed = False
         try:
-            if fed:
+            if fed and depth:
+                following = row.spec.probe(row.pending, row.position, depth)
+                probed = following is not None
+                if probed:
+                    row.following = following
+            if fed and not probed:
                 sample = partial(row.sampler, fed=row.pending)
                 if row.sampler.reads_on_host:
                     # Queue the forward first so it runs while the host waits.
@@ -751,39 +759,50 @@ class Engine:
                 else:  # the forward and its sample queued together (stream_generate's order)
                     row.following = self.runner.feed(row.session, [row.pending], row.position, logits=True, then=sample)  # fmt: skip
             token = int(row.pending.item())
+            if row.spec is not None and not probed:
+                row.spec.settle_probe()  # the last step's probe: computed with this id
+            if probed:  # keep the id (a stop: nothing), never the probe's drafts
+                row.spec.commit(row.position, 0 if token in row.stop_ids else 1)
         except Exception as exc:
             self._solo.remove(row)
             self._fail(row, exc)
             return
-        if token in row.stop_ids and fed:
+        if token in row.stop_ids and probed:
+            row.spec.drop_probe()
+        elif token in row.stop_ids and fed:
             self.runner.take_back_session(row.session)
         self._advance(row, token, fed)
 
-    def _decode_drafted(self, row: _Row) -> bool:
-        """A speculative round (stream_generate's, see turbospark.speculative);
-        False when the row takes a plain step instead (paused, or no draft)."""
+    def _decode_drafted(self, row: _Row) -> int | None:
+        """A speculative round (stream_generate's, see turbospark.speculative):
+        None when it ran; otherwise the row takes a plain step, which is a blind
+        probe of the depth returned when that is not 0 (paused, no draft, or the
+        last probe's outcome not read yet)."""
+        assert row.spec is not None
+        if row.spec.probing:
+            return 0  # reading the probe's outcome now would wait for its forward
         limit = row.job.config.max_tokens
         remaining = None if limit is None else limit - len(row.generated)
         depth = row.spec.plan(row.position, remaining)
-        if not depth:
-            return False
+        if not depth or row.spec.blind:
+            return depth
         try:
             token = int(row.pending.item())
             verified = None if token in row.stop_ids else row.spec.round(token, row.position, depth)
             if verified is None:
-                return False
+                return 0
             emit, keep = settle(verified.tokens, row.stop_ids, remaining)
             row.spec.commit(row.position, keep)
         except Exception as exc:
             self._solo.remove(row)
             self._fail(row, exc)
-            return True
+            return None
         tokens = [*verified.tokens, verified.following]
         for j in range(min(emit + 1, len(verified.tokens))):  # a stop id after the emitted ends it
             row.following = mx.array(tokens[j + 1])
             if not self._advance(row, tokens[j], fed=j < keep):
-                return True
-        return True
+                return None
+        return None
 
     def _decode_batch(self) -> None:
         batch = self._batch
@@ -910,6 +929,7 @@ class Engine:
             batch_size=row.batch_peak,
             draft_proposed=0 if row.spec is None else row.spec.proposed,
             draft_accepted=0 if row.spec is None else row.spec.accepted,
+            draft_probed=0 if row.spec is None else row.spec.probed,
         )
         row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))
         self._observe(row.job, stats)

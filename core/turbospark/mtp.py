@@ -138,19 +138,10 @@ class MtpDrafter:
         self.guesses_ahead = False  # its first step reads the confirmed token's id
 
     def propose(self, context: Sequence[int], depth: int) -> Draft:
-        track = self.track_of()
-        last = len(context) - 2  # the last fed token; context[-1] is confirmed, not fed
-        if last < 0 or track.hidden_end != last + 1:  # no hidden state there: nothing to draft
+        caught_up = self._catch_up(context[:-1], context[-1])
+        if caught_up is None:
             return Draft([])
-        if track.cache is not None and track.cache.position > last:
-            track.cut(last + 1)  # the entry at `last` read an older token: redo it
-        if track.cache is None or track.cache.position < track.hidden_start:
-            track.cache = self.head.new_cache(track.hidden_start)  # a gap: start after it
-        cache = track.cache
-        begin = cache.position
-        tokens = mx.array(context[begin + 1 : last + 2], dtype=mx.int32)  # (L,)
-        out = self.head.step(tokens, track.rows(begin, last + 1), cache)[-1:]  # (1, hidden)
-        track.release(last)  # keep h[last]: a cut may ask for its entry again
+        out, cache, last = caught_up
         drafted, probs = [], []
         for i in range(depth):
             token, q = self._pick(self.head.logits(out)[0])
@@ -164,9 +155,52 @@ class MtpDrafter:
         return Draft(tokens_out, None if probs[0] is None else mx.stack(probs))
 
     def propose_ahead(self, context: Sequence[int], depth: int) -> Draft:
-        """Nothing: the head's first step reads the unread token's id."""
+        """Nothing as ids: the head's first step reads the unread token's id
+        (:meth:`probe_after` drafts from it while it is still lazy)."""
         del context, depth
         return Draft([])
+
+    def probe_after(self, fed: Sequence[int], pending: mx.array) -> mx.array | None:
+        """One greedy draft ``(1,)``, still lazy, after every token of *fed* and
+        the unread *pending* (a sampler's lazy output): a blind probe verifies it
+        in the step that feeds *pending*, so the probe waits for nothing. Its
+        argmax only sets the depth (a probe never emits a draft), so it takes no
+        sampler key, at any temperature. None: no hidden state to draft from."""
+        caught_up = self._catch_up(fed, pending.reshape(1).astype(mx.int32))
+        if caught_up is None:
+            return None
+        out, _, _ = caught_up
+        # The head's entry at the last fed position read *pending*: it stays, and
+        # leaves with it (MtpTrack.cut) when *pending* turns out a stop.
+        return mx.argmax(self.head.logits(out)[0]).astype(mx.int32).reshape(1)
+
+    def _catch_up(
+        self, fed: Sequence[int], confirmed: int | mx.array
+    ) -> tuple[mx.array, KVComponent, int] | None:
+        """Entries up to the last of *fed* (the last one reading the *confirmed*
+        id: read, or lazy ``(1,)``): the head's output there ``(1, hidden)``, its
+        cache, and that position; None without a hidden state there."""
+        track = self.track_of()
+        last = len(fed) - 1  # the last fed token
+        if last < 0 or track.hidden_end != last + 1:  # no hidden state there: nothing to draft
+            return None
+        if track.cache is not None and track.cache.position > last:
+            track.cut(last + 1)  # the entry at `last` read an older token: redo it
+        if track.cache is None or track.cache.position < track.hidden_start:
+            track.cache = self.head.new_cache(track.hidden_start)  # a gap: start after it
+        cache = track.cache
+        begin = cache.position
+        # (L,): the token after each hidden state, the last one the confirmed id
+        following = fed[begin + 1 : last + 1]
+        if isinstance(confirmed, int):
+            tokens = mx.array([*following, confirmed], dtype=mx.int32)
+        elif following:
+            tokens = mx.concatenate([mx.array(following, dtype=mx.int32), confirmed])
+        else:
+            tokens = confirmed
+        out = self.head.step(tokens, track.rows(begin, last + 1), cache)[-1:]  # (1, hidden)
+        track.release(last)  # keep h[last]: a cut may ask for its entry again
+        return out, cache, last
 
     def _pick(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         """A lazy draft id and the distribution it came from (None: greedy)."""

@@ -23,22 +23,30 @@ A deterministic drafter's ``q`` is a point mass at its token.
 
 Adaptive depth (:class:`DepthControl`): drafting starts at depth 1; a round
 whose drafts all pass doubles the depth (up to ``max_depth``); a partial one
-drafts one past what passed; a round with nothing accepted halves it and
-pauses drafting for 1, 2, 4 ... 64 steps (plain pipelined decode) before the
-next probe, so a hopeless drafter costs a depth-1 probe every 64 tokens at
-most (a drafter without blind probes, below: 1, 4, 16 ... 256 steps). A drafter that
+drafts one past what passed; a round (or probe) with nothing accepted drops
+it to 1 and pauses drafting for 1, 2, 4, 8 ... steps (plain pipelined decode)
+before the next depth-1 probe, doubling without a bound until a draft passes,
+so a hopeless drafter is probed O(log N) times in N tokens (a drafter without
+blind probes, below, whose probes wait, and the MTP head, whose probes run
+the head: 1, 4, 16 ... steps). A drafter that
 proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
 
-Blind probes (:meth:`Speculation.probe`): until a drafter has been right, and
-again after every round with nothing accepted, the generation loop does not
+Blind probes (:meth:`Speculation.probe`): until a drafter has been right (an
+MTP head gets one real round first), and again after every round with nothing
+accepted, the generation loop does not
 run a round (which waits for the confirmed token, then for the verify pass)
 but a plain pipelined step whose forward also carries drafts after the
-still-lazy token (:meth:`Drafter.propose_ahead`). Only that token is kept; the
+still-lazy token (:meth:`Drafter.propose_ahead`; the MTP head drafts one from
+that token itself, still lazy, :meth:`MtpDrafter.probe_after
+<turbospark.mtp.MtpDrafter.probe_after>`). Only that token is kept; the
 next is sampled from the pass's first row, as a plain step would; the drafts'
 fate is read one step later, with the next token, and only sets the depth. So
 a hopeless drafter costs no waits, only the verify pass's extra kernels once
 per pause (the 5% target against ``off``), and a good one starts drafting one
-step late. The engine's solo rows run rounds only.
+step late. A probe always keeps exactly its unread token (or nothing, when that
+is a stop), so its pass leaves the recurrent state after that token current
+(:meth:`Runner.verify` with ``keep=1``) and the cut after it builds nothing.
+The engine's solo rows probe and draft the same way, one row at a time.
 
 Chained rounds (greedy; :meth:`Speculation.launch_after`): a round is queued
 (:meth:`Speculation.launch`: drafts, the verify pass and the target's choices
@@ -69,13 +77,15 @@ from turbospark.pool import Session
 from turbospark.runner import Runner, check_rollback
 from turbospark.sampling import Sampler
 
-MAX_PAUSE = 64  # plain steps between probes of a drafter that keeps failing
-# ... and between lookups of one that keeps proposing nothing: such a probe costs
-# only a sync (no verify), and prompt lookup finds matches in bursts.
+# The most plain steps between lookups of a drafter that keeps proposing nothing:
+# such a probe costs only a lookup (no verify), and prompt lookup finds matches in
+# bursts. Probes that verify something back off without a bound (DepthControl).
 MAX_IDLE_PAUSE = 8
-# A drafter whose probes wait (no blind probes: the MTP head reads the confirmed id)
-# backs off 4x per miss up to this: a waiting probe costs about a step and a half.
-MAX_WAITING_PAUSE = 256
+BLIND_BACKOFF = 2  # a missed blind probe's pause grows by this: it costs a few kernels
+# A drafter whose probes wait (no blind probes) backs off faster: a waiting probe
+# costs a lost overlap, about a step; so does an MTP head's blind probe, which runs
+# the head (catch-up and one step) besides the verify pass's extra kernels.
+WAITING_BACKOFF = 4
 
 
 # -- acceptance -------------------------------------------------------------------
@@ -139,6 +149,7 @@ class DepthControl:
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
     waits: bool = False  # its probes wait for the confirmed token (no blind probes)
+    growth: int = 0  # how much each miss lengthens the next pause (0: by waits)
     blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
     streak: int = 0  # rounds in a row whose drafts all passed (2 or more: chain them)
 
@@ -162,13 +173,13 @@ class DepthControl:
         elif accepted:
             self.depth = max(1, accepted + 1)
             self.backoff = 1
-        else:  # nothing proposed, or nothing passed: pause, longer each time
-            self.depth = max(1, self.depth // 2)
-            self.pause = self.backoff if proposed else min(self.backoff, MAX_IDLE_PAUSE)
-            if self.waits and proposed:
-                self.backoff = min(MAX_WAITING_PAUSE, 4 * self.backoff)
-            else:
-                self.backoff = min(MAX_PAUSE, 2 * self.backoff)
+        elif proposed:  # nothing passed: pause, longer each time, then probe at depth 1
+            self.depth = 1
+            self.pause = self.backoff
+            self.backoff *= self.growth or (WAITING_BACKOFF if self.waits else BLIND_BACKOFF)
+        else:  # nothing proposed: ask again soon (a lookup costs no verify)
+            self.pause = min(self.backoff, MAX_IDLE_PAUSE)
+            self.backoff = min(MAX_IDLE_PAUSE, 2 * self.backoff)
 
 
 # -- a request's drafting ----------------------------------------------------------
@@ -192,7 +203,7 @@ class Queued:
     token: int | None  # the confirmed token; None until read (a chained round's is lazy)
     drafts: list[int]
     choice: mx.array  # (k + 1,): the target's greedy token after each fed one
-    bonus: mx.array  # choice's last entry, its own array (a chained round feeds it unread)
+    bonus: mx.array  # choice's last entry, evaluated with it (a chained round feeds it unread)
     held: dict[str, object] | None = None  # its traces, once a round is queued behind it
 
     @property
@@ -219,17 +230,32 @@ class Speculation:
     accepted: int = 0
     rounds: int = 0
     probed: int = 0  # drafts blind probes verified (not emitted; see probe())
-    # A blind probe in flight: the target's choice after each of its drafts, and them.
-    _probe: tuple[mx.array, list[int]] | None = field(default=None, init=False)
+    # A blind probe in flight: the target's choice after each of its drafts, and them
+    # (an MTP probe's draft still lazy).
+    _probe: tuple[mx.array, list[int] | list[mx.array]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.control = DepthControl(self.drafter.max_depth, waits=not self.drafter.guesses_ahead)
+        blind = self.drafter.guesses_ahead or self._mtp is not None
+        # A checkpoint's MTP head was trained to be right: its first round is a real
+        # one (it waits); only after a miss does it earn rounds back through probes.
+        self.control = DepthControl(
+            self.drafter.max_depth,
+            waits=not blind,
+            blind=self._mtp is None,
+            growth=WAITING_BACKOFF if self._mtp is not None else 0,
+        )
+
+    @property
+    def _mtp(self) -> MtpDrafter | None:
+        """The MTP drafter, which probes blind from the unread id itself
+        (:meth:`MtpDrafter.probe_after`) though it cannot guess ahead as ids."""
+        return self.drafter if isinstance(self.drafter, MtpDrafter) else None
 
     @property
     def blind(self) -> bool:
         """Whether the next drafted step should be a blind :meth:`probe` (nothing
         accepted yet, or since the last miss) rather than a :meth:`round`."""
-        return self.control.blind and self.drafter.guesses_ahead
+        return self.control.blind and not self.control.waits
 
     @property
     def probing(self) -> bool:
@@ -247,8 +273,13 @@ class Speculation:
         sets the depth: a drafter that keeps failing costs the verify pass's
         extra kernels every probe, not a wait and a lost overlap. None: the
         drafter had nothing to propose (the caller takes a plain step)."""
-        drafts = self.drafter.propose_ahead([*self.prompt, *self.generated], depth).tokens
-        drafts = drafts[:depth]
+        fed = [*self.prompt, *self.generated]
+        drafts: list[int] | list[mx.array]
+        if self._mtp is not None:  # one lazy draft after the unread id: depth 1
+            lazy = self._mtp.probe_after(fed, pending)
+            drafts = [] if lazy is None else [lazy]
+        else:
+            drafts = self.drafter.propose_ahead(fed, depth).tokens[:depth]
         if not drafts:
             self.control.record(0, 0)
             return None
@@ -257,8 +288,9 @@ class Speculation:
             choice = mx.argmax(logits[: len(drafts)], axis=-1)  # (k,): the target after each
             return self.sampler(logits[0]), choice
 
+        # keep=1: only the unread token ever stays, so its state is made current now.
         following, choice = self.runner.verify(
-            self.session, [pending, *drafts], position, then=sample_and_choose
+            self.session, [pending, *drafts], position, then=sample_and_choose, keep=1
         )
         self._probe = (choice, drafts)
         self.probed += len(drafts)
@@ -271,6 +303,7 @@ class Speculation:
             return
         (choice, drafts), self._probe = self._probe, None
         target = choice.tolist()
+        drafts = [d if isinstance(d, int) else int(d.item()) for d in drafts]
         passed = 0
         while passed < len(drafts) and drafts[passed] == target[passed]:
             passed += 1
@@ -365,7 +398,9 @@ class Speculation:
     def _queue(self, token: int | mx.array, drafts: list[int], position: int) -> Queued:
         def choose(logits: mx.array) -> tuple[mx.array, mx.array]:
             choice = mx.argmax(logits, axis=-1)  # (k + 1,)
-            return choice, mx.argmax(logits[-1])
+            # Evaluated with the pass (a view: no kernel), so a chained round reads it
+            # without queueing anything behind the round it feeds.
+            return choice, choice[-1]
 
         choice, bonus = self.runner.verify(self.session, [token, *drafts], position, then=choose)
         first = token if isinstance(token, int) else None

@@ -12,7 +12,9 @@ tokens costs a few ``C x C`` and ``C x D`` matmuls and only the state carry
 between chunks is sequential. A draft's verify pass is one such chunk that
 also hands back its deltas, from which the state after any of its tokens is
 one matmul, built only when drafts were rejected (:func:`gated_delta_traced`,
-:func:`traced_layer`). Every form computes in float32.
+:func:`traced_layer`). A blind probe's pass, which always keeps exactly its
+first token, makes that token's state current directly (``keep``) and builds
+no trace. Every form computes in float32.
 
 Shapes follow mlx-lm's ``gated_delta.py`` so checkpoints and states line up:
 q/k ``(B, T, Hk, Dk)``, v ``(B, T, Hv, Dv)``, gates ``(B, T, Hv)``, state
@@ -38,7 +40,7 @@ from turbospark.layers.stacked import Stacked, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
-# A verify pass's trace (mix(traced=True)): conv input, deltas, keys, segment sums, log decay.
+# A verify pass's trace (mix(traced=True)): conv input, deltas, keys, decays, G_i.
 Trace = tuple[mx.array, mx.array, mx.array, mx.array, mx.array]
 IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stacked in this order
 
@@ -286,8 +288,9 @@ def gated_delta_traced(
     (:func:`_traced_sums`), the inverse is :func:`_doubling_inverse`-style
     products fused with their sums (``addmm``) on every device, and each read
     of the start state ``S0`` is one ``addmm``. The trace is ``(deltas, keys,
-    segment sums, log decay)``, ``(B, Hv, L, Dv)``, ``(B, Hv, L, Dk)``,
-    ``(B, Hv, L, L)``, ``(B, Hv, L)``, all float32: with ``G_n`` the decay over
+    decays G_i / G_j (0 above the diagonal), G_i)``, ``(B, Hv, L, Dv)``,
+    ``(B, Hv, L, Dk)``, ``(B, Hv, L, L)``, ``(B, Hv, L)``, all float32, the decays
+    exponentiated once for the pass and any state rebuilt: with ``G_n`` the decay over
     the first ``n`` tokens, ``S_n = G_n S0 + sum_{j<n} (G_n / G_j) u_j k_j^T``."""
     length = q.shape[1]
     q, k = _expand_heads(q, k, v.shape[2])
@@ -308,13 +311,15 @@ def gated_delta_traced(
         power = power @ power
         inverse = mx.addmm(inverse, inverse, power)
         span *= 2
+    growth = mx.exp(cum)  # (B, Hv, L): G_i
     u = inverse @ (vc * bc[..., None])  # (B, Hv, L, Dv)
-    w = inverse @ (k_beta * mx.exp(cum)[..., None])  # (B, Hv, L, Dk)
+    w = inverse @ (k_beta * growth[..., None])  # (B, Hv, L, Dk)
     s0_t = mx.swapaxes(state, -1, -2)  # (B, Hv, Dk, Dv)
     deltas = mx.addmm(u, w, s0_t, alpha=-1.0)  # (B, Hv, L, Dv): the delta-rule updates
     attn = (qc @ mx.swapaxes(kc, -1, -2)) * decay  # (B, Hv, L, L), causal incl. diagonal
-    y = mx.addmm((qc * mx.exp(cum)[..., None]) @ s0_t, attn, deltas)  # (B, Hv, L, Dv)
-    trace = (deltas, kc, seg, cum)
+    y = mx.addmm((qc * growth[..., None]) @ s0_t, attn, deltas)  # (B, Hv, L, Dv)
+    # The decays as computed above: a state after n tokens exponentiates nothing again.
+    trace = (deltas, kc, decay, growth)
     return mx.moveaxis(y, 1, 2).astype(v.dtype), traced_state(state, trace, length), trace
 
 
@@ -323,9 +328,10 @@ def traced_state(
 ) -> mx.array:
     """The recurrent state after the first *n* (1 or more) tokens of a traced
     pass that began at *start*; see :func:`gated_delta_traced`."""
-    deltas, keys, seg, cum = trace
-    to_n = keys[..., :n, :] * mx.exp(seg[..., n - 1, :n])[..., None]  # k_j * G_n / G_j
-    start = start * mx.exp(cum[..., n - 1])[..., None, None]
+    deltas, keys, decay, growth = trace
+    # row n - 1 up to column n - 1 is on or below the diagonal: G_n / G_j, unmasked
+    to_n = keys[..., :n, :] * decay[..., n - 1, :n][..., None]  # k_j * G_n / G_j
+    start = start * growth[..., n - 1][..., None, None]
     return mx.addmm(start, mx.swapaxes(deltas[..., :n, :], -1, -2), to_n)  # (B, Hv, Dv, Dk)
 
 
@@ -470,7 +476,13 @@ class GatedDeltaNet(nn.Module):
             d.value_head_dim,
             d.eps,
         )
-        if state.tracing:  # a verify pass: every token's state is kept
+        if state.tracing and state.keeping:  # a probe: the state after its first tokens
+            keep = state.keeping
+            compiled = runs_compiled(batch, length) and keep == 1
+            probe = mix_probe if compiled else partial(mix, traced=True, keep=keep)
+            out, new_tail, new_recurrent = probe(*args)
+            state.set_layer_traced(index, new_tail, new_recurrent, None)
+        elif state.tracing:  # a verify pass: every token's state is kept
             traced = mix_traced if runs_compiled(batch, length) else partial(mix, traced=True)
             out, new_tail, new_recurrent, trace = traced(*args)
             # The state after an earlier token is built only if asked (drafts rejected).
@@ -499,6 +511,7 @@ def mix(
     value_head_dim: int,
     eps: float,
     traced: bool = False,
+    keep: int = 0,
 ) -> tuple[mx.array, ...]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
     input projections (*in_proj_t*: the transpose of ``in_proj_qkv/z/a/b``'s
@@ -507,7 +520,10 @@ def mix(
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
     (a draft's verify pass), also the :data:`Trace` that
-    :func:`traced_layer` rebuilds the state after any of its tokens from.
+    :func:`traced_layer` rebuilds the state after any of its tokens from;
+    *keep* (with *traced*, a blind probe's pass, which keeps only its first
+    *keep* tokens whatever its drafts' fate): the tail and state after those
+    tokens instead, and no trace, so nothing is rebuilt afterwards.
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
     batch, length, _ = x.shape
@@ -518,6 +534,7 @@ def mix(
     projected, z, a, b = mx.split(
         x @ in_proj_t, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
     )
+    tail_before = tail
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
     mixed = nn.silu(mixed)
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
@@ -527,12 +544,15 @@ def mix(
     log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
     beta = mx.sigmoid(b)
     if traced:
+        start = recurrent
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
     else:
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
+    if traced and keep:
+        return out, *traced_layer(tail_before, start, (projected, *recurrence), keep)
     if traced:
         return out, tail, recurrent, (projected, *recurrence)
     return out, tail, recurrent
@@ -543,6 +563,9 @@ def mix(
 mix_step = mx.compile(mix)
 # A verify pass (a lone row, ``k + 1`` tokens): one WY chunk and its trace.
 mix_traced = mx.compile(partial(mix, traced=True))
+# A blind probe's pass (a lone row, the unread token and its drafts): the state
+# after that token, which is all a probe ever keeps.
+mix_probe = mx.compile(partial(mix, traced=True, keep=1))
 
 
 # -- the state ------------------------------------------------------------------
@@ -555,11 +578,18 @@ Rebuild = Callable[[int], tuple[mx.array, mx.array]]
 class TracedPass:
     """A traced forward (a verify pass): where it started, how many tokens it
     fed, and per layer the ``(tail, recurrent)`` before it and the
-    :data:`Rebuild` of its state after its first n tokens."""
+    :data:`Rebuild` of its state after its first n tokens (None in a probe's
+    pass, which left the state after its first *keep* tokens current)."""
 
     start: int
-    layers: list[tuple[tuple[mx.array | None, mx.array | None], Rebuild] | None]
+    layers: list[tuple[tuple[mx.array | None, mx.array | None], Rebuild | None] | None]
     length: int = 0
+    keep: int | None = None
+
+    @property
+    def current(self) -> int:
+        """How many of its tokens the state it left current has read."""
+        return self.length if self.keep is None else self.keep
 
 
 class GDNComponent:
@@ -583,6 +613,7 @@ class GDNComponent:
         self._states: list[mx.array | None] = [None] * num_layers
         self._position = 0
         self.tracing = False  # the next forward keeps every token's state (trace())
+        self.keeping: int | None = None  # ... or only its first tokens' (trace(keep))
         self._traced: TracedPass | None = None  # the last traced forward's
 
     def layer(self, index: int) -> tuple[mx.array | None, mx.array | None]:
@@ -593,10 +624,11 @@ class GDNComponent:
         self._states[index] = recurrent
 
     def set_layer_traced(
-        self, index: int, tail: mx.array, recurrent: mx.array, rebuild: Rebuild
+        self, index: int, tail: mx.array, recurrent: mx.array, rebuild: Rebuild | None
     ) -> None:
-        """A traced forward's layer *index*: its state after the last token, and
-        *rebuild* (n -> its state after the first n tokens, 1 or more)."""
+        """A traced forward's layer *index*: its state after the last token (after
+        the first ``keeping`` in a probe's pass), and *rebuild* (n -> its state
+        after the first n tokens, 1 or more; None in a probe's pass)."""
         assert self._traced is not None, "set_layer_traced outside a traced forward"
         self._traced.layers[index] = (self.layer(index), rebuild)
         self.set_layer(index, tail, recurrent)
@@ -606,14 +638,17 @@ class GDNComponent:
         self._position += n
         if self.tracing:
             assert self._traced is not None
-            self._traced.length, self.tracing = n, False
+            self._traced.length, self.tracing, self.keeping = n, False, None
 
     # -- speculative rollback (turbospark.speculative) -----------------------------
 
-    def trace(self) -> None:
-        """Keep the state after every token of the next forward (a verify pass)."""
-        self.tracing = True
-        self._traced = TracedPass(self._position, [None] * len(self._tails))
+    def trace(self, keep: int | None = None) -> None:
+        """Keep the state after every token of the next forward (a verify pass);
+        with *keep* (a blind probe's pass, which keeps only its first *keep*
+        tokens), leave the state after those current instead and trace nothing:
+        :meth:`keep_traced` then takes *keep* or 0 tokens, and builds nothing."""
+        self.tracing, self.keeping = True, keep
+        self._traced = TracedPass(self._position, [None] * len(self._tails), keep=keep)
 
     def held_trace(self) -> TracedPass | None:
         """The last traced forward, for a :meth:`keep_traced` after later
@@ -633,11 +668,18 @@ class GDNComponent:
         if traced is None or not 0 <= n <= traced.length:
             length = 0 if traced is None else traced.length
             raise refuse_rewind(self.name, length - n, length)
-        if not (current and n == traced.length):
+        if not (current and n == traced.current):
             for i, layer in enumerate(traced.layers):
                 assert layer is not None, f"layer {i} ran no traced forward"
                 before, rebuild = layer
-                self._tails[i], self._states[i] = before if n == 0 else rebuild(n)
+                if n == 0:
+                    self._tails[i], self._states[i] = before
+                elif rebuild is None:  # a probe's pass kept only its first tokens
+                    raise refuse_rewind(
+                        self.name, traced.length - n, traced.length - traced.current
+                    )
+                else:
+                    self._tails[i], self._states[i] = rebuild(n)
         self._position = traced.start + n
 
     @property
@@ -656,7 +698,7 @@ class GDNComponent:
         self._tails = [None] * len(self._tails)
         self._states = [None] * len(self._states)
         self._position = 0
-        self.tracing, self._traced = False, None
+        self.tracing, self.keeping, self._traced = False, None, None
 
     def rewind(self, n: int) -> None:
         if n != 0:
@@ -722,7 +764,7 @@ class GDNComponent:
         return one
 
     def restore(self, snapshot: Snapshot) -> None:
-        self.tracing, self._traced = False, None
+        self.tracing, self.keeping, self._traced = False, None, None
         self._tails = [snapshot.get(f"{i}.conv_tail") for i in range(len(self._tails))]
         self._states = [snapshot.get(f"{i}.recurrent") for i in range(len(self._states))]
         self._position = int(snapshot["position"].item())

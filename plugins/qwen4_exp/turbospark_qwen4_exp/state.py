@@ -335,8 +335,11 @@ class StreamTail:
         first = parts[0]
         return BatchStreamTail(first.name, first.initial, mx.stack([p.tail for p in parts]))
 
-    def trace(self) -> None:
-        """Keep the window of the next :meth:`push` (a speculative verify pass)."""
+    def trace(self, keep: int | None = None) -> None:
+        """Keep the window of the next :meth:`push` (a speculative verify pass).
+        *keep* (a probe's pass keeps only that many tokens) changes nothing here:
+        any tail is a slice of the window, which costs no kernel."""
+        del keep
         self._tracing, self._traced = True, None
 
     def held_trace(self) -> tuple[mx.array, int, int] | None:
