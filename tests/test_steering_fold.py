@@ -19,7 +19,7 @@ from test_steering import numpy_reference
 
 import turbospark.steering
 from turbospark import Runner, build_synthetic_install
-from turbospark.steering import Join, Parts, Steer, SteeringPolicy
+from turbospark.steering import Parts, Steer, SteeringPolicy, _LayerSteer, joiner
 from turbospark_gemma4.model import dense_tail_parts, dense_tail_step
 from turbospark_qwen_gdn.model import mlp_tail_parts, mlp_tail_step
 
@@ -75,9 +75,10 @@ def _policy(mode: str | None, scale: float = 1.5, seed: int = 3) -> SteeringPoli
     return SteeringPolicy.from_directions({1: v, 2: -v}, scale, mode, layers=(1, 2))
 
 
-def _two_calls(steer: Steer, layer: int, parts: Parts, args: tuple, scale: mx.array | None):
-    """The path the fold replaces: the tail compiled alone, then the joined steering."""
-    return steer.join(layer, *turbospark.steering._compiled(parts)(*args), scale)
+def _two_calls(entry: _LayerSteer, parts: Parts, args: tuple, scale: mx.array | None):
+    """The path the fold replaces (for one layer of a :class:`Steer`): the tail
+    compiled alone, then the steering's joined kernel."""
+    return entry.join(*turbospark.steering._compiled(parts)(*args), scale)
 
 
 @pytest.mark.parametrize("rows", [*[[m] for m in ROWS if m], list(ROWS)], ids=str)
@@ -89,12 +90,15 @@ def test_fold_equals_the_two_call_path_bit_for_bit(tail: str, rows: list[str | N
     steer = Steer.of([_policy(m, seed=i) for i, m in enumerate(rows)], mx.float32)
     assert steer is not None
     for layer in (1, 2, 3):
-        folded = Join(steer, layer).fold(parts, args, scale, compiled=True)
-        assert mx.array_equal(folded, _two_calls(steer, layer, parts, args, scale)), layer
-        plain = Join(steer, layer).fold(parts, args, scale, compiled=False)
+        folded = joiner(steer, layer).fold(parts, args, scale, compiled=True)
+        two = _two_calls(
+            steer.layers.get(layer, turbospark.steering._UNSTEERED), parts, args, scale
+        )
+        assert mx.array_equal(folded, two), layer
+        plain = joiner(steer, layer).fold(parts, args, scale, compiled=False)
         np.testing.assert_allclose(np.array(folded), np.array(plain), rtol=1e-5, atol=1e-5)
         # Any other hook: the tail compiled alone, the join, then the hook.
-        hook = Join(lambda i, h: steer(i, h), layer).fold(parts, args, scale, compiled=True)
+        hook = joiner(lambda i, h: steer(i, h), layer).fold(parts, args, scale, compiled=True)
         np.testing.assert_allclose(np.array(folded), np.array(hook), rtol=1e-5, atol=1e-5)
 
 
@@ -104,7 +108,7 @@ def test_fold_matches_numpy(tail: str, mode: str) -> None:
     parts, _, args, scale = _tail(tail, 2)
     policy = _policy(mode, scale=-0.7)
     steer = Steer.of([policy, policy], mx.float32)
-    folded = np.array(Join(steer, 1).fold(parts, args, scale, compiled=True))
+    folded = np.array(joiner(steer, 1).fold(parts, args, scale, compiled=True))
     joined = np.array(turbospark.steering._join(*parts(*args), scale))
     expected = numpy_reference(joined, policy.directions[1], -0.7, mode)
     np.testing.assert_allclose(folded, expected, rtol=1e-4, atol=1e-4)
@@ -116,7 +120,7 @@ def test_fold_at_scale_zero_equals_the_unsteered_tail(tail: str, mode: str) -> N
     """``add``/``renorm`` at s = 0 is exact identity: the family's own compiled tail."""
     parts, whole, args, scale = _tail(tail, 3)
     steer = Steer.of([_policy(mode, scale=0.0)] * 3, mx.float32)
-    folded = Join(steer, 1).fold(parts, args, scale, compiled=True)
+    folded = joiner(steer, 1).fold(parts, args, scale, compiled=True)
     # gemma4's tail takes the layer scalar before eps; qwen_gdn's joins unscaled.
     off = whole(*args) if scale is None else whole(*args[:-1], scale, args[-1])
     assert mx.array_equal(folded, off)
@@ -129,13 +133,13 @@ def test_batch_rows_fold_as_each_row_alone(tail: str) -> None:
     parts, _, args, scale = _tail(tail, len(ROWS))
     policies = [_policy(m, seed=i) for i, m in enumerate(ROWS)]
     batched = np.array(
-        Join(Steer.of(policies, mx.float32), 1).fold(parts, args, scale, compiled=True)
+        joiner(Steer.of(policies, mx.float32), 1).fold(parts, args, scale, compiled=True)
     )
     for i, policy in enumerate(policies):
         row = tuple(a[i : i + 1] if isinstance(a, mx.array) and a.ndim == 3 else a for a in args)
         alone = Steer.of([policy], mx.float32)
         hook = alone if alone is not None else (lambda layer, h: h)
-        expected = np.array(Join(hook, 1).fold(parts, row, scale, compiled=True))
+        expected = np.array(joiner(hook, 1).fold(parts, row, scale, compiled=True))
         np.testing.assert_allclose(batched[i : i + 1], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -178,16 +182,16 @@ def test_steered_decode_equals_the_two_call_path(
     """The whole model, prefill then decode steps: the same logits, bit for bit."""
     steering = _every_layer(install, mode, 0.7)
     folds = {"n": 0}
-    real = Steer.fold
+    real = _LayerSteer.fold
 
-    def counted(self: Steer, *args: Any) -> mx.array:
+    def counted(self: _LayerSteer, *args: Any) -> mx.array:
         folds["n"] += 1
         return real(self, *args)
 
-    monkeypatch.setattr(Steer, "fold", counted)
+    monkeypatch.setattr(_LayerSteer, "fold", counted)
     folded = _decode(install, steering)
     assert folds["n"] > 0  # the decode steps went through the fold
-    monkeypatch.setattr(Steer, "fold", _two_calls)
+    monkeypatch.setattr(_LayerSteer, "fold", _two_calls)
     two_calls = _decode(install, steering)
     for step, (a, b) in enumerate(zip(folded, two_calls, strict=True)):
         assert mx.array_equal(a, b), f"step {step} differs"

@@ -39,7 +39,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
@@ -67,19 +67,13 @@ class LayerHook(Protocol):
 Parts = Callable[..., tuple[mx.array, mx.array]]
 
 
-@dataclass(frozen=True, slots=True)
-class Join:
-    """Layer *layer*'s last residual join and *steer* after it, handed to a
-    family by :func:`joiner`: ``join(h, update, scale)`` is
-    ``steer(layer, (h + update) * scale)`` (no scale: ``h + update``)."""
-
-    steer: LayerHook
-    layer: int
+class Join(Protocol):
+    """Layer *i*'s last residual join and the steering after it, handed to a
+    family by :func:`joiner`."""
 
     def __call__(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
-        if isinstance(self.steer, Steer):
-            return self.steer.join(self.layer, h, update, scale)
-        return self.steer(self.layer, _join(h, update, scale))
+        """``steer(i, (h + update) * scale)`` (no scale: ``h + update``)."""
+        ...
 
     def fold(
         self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None, compiled: bool
@@ -90,11 +84,44 @@ class Join:
         function, so the steered layer costs one compiled call as the
         unsteered one does; any other hook gets *parts* compiled alone, then
         the join and the hook."""
+        ...
+
+
+class _HookJoin:
+    """:class:`Join` for any hook but a :class:`Steer` (a recorder): the
+    family's join, then the hook on its output."""
+
+    __slots__ = ("hook", "layer")
+
+    def __init__(self, hook: LayerHook, layer: int) -> None:
+        self.hook, self.layer = hook, layer
+
+    def __call__(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        return self.hook(self.layer, _join(h, update, scale))
+
+    def fold(
+        self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None, compiled: bool
+    ) -> mx.array:
+        return self(*(_compiled(parts) if compiled else parts)(*args), scale)
+
+
+class _SteerJoin:
+    """:class:`Join` for one layer of a :class:`Steer` (made once per layer)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _LayerSteer) -> None:
+        self.entry = entry
+
+    def __call__(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        return self.entry.join(h, update, scale)
+
+    def fold(
+        self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None, compiled: bool
+    ) -> mx.array:
         if not compiled:
-            return self(*parts(*args), scale)
-        if isinstance(self.steer, Steer):
-            return self.steer.fold(self.layer, parts, args, scale)
-        return self(*_compiled(parts)(*args), scale)
+            return self.entry.join(*parts(*args), scale)
+        return self.entry.fold(parts, args, scale)
 
 
 def joiner(steer: LayerHook | None, layer: int) -> Join | None:
@@ -109,7 +136,9 @@ def joiner(steer: LayerHook | None, layer: int) -> Join | None:
     and, in a compiled step, every mode inside the family's compiled tail;
     any other hook (a recorder) is called on the joined output, as if the
     family had called it."""
-    return None if steer is None else Join(steer, layer)
+    if steer is None:
+        return None
+    return steer.joiner(layer) if isinstance(steer, Steer) else _HookJoin(steer, layer)
 
 
 class SteeringPolicy(BaseModel):
@@ -326,6 +355,10 @@ class _LayerSteer:
     # (u, w, coef) for the one-launch CUDA kernel (one-token steps; None elsewhere).
     one_launch: tuple[mx.array, mx.array, mx.array] | None = None
 
+    # parts -> its compiled fold for this layer (a dict lookup per step, not
+    # functools.cache's hash of every flag).
+    folds: dict[Parts, Callable[..., mx.array]] = field(default_factory=dict, repr=False)
+
     def fold(self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None) -> mx.array:
         """``self.join(*parts(*args), scale)`` as one compiled call (the family's
         tail, its join and this steering traced together); on CUDA a layer
@@ -333,7 +366,10 @@ class _LayerSteer:
         if self.one_launch is not None:
             return self.join(*_compiled(parts)(*args), scale)
         flags, arrays = self.held
-        return _folded(parts, *flags, self.renorm)(args, scale, arrays)
+        run = self.folds.get(parts)
+        if run is None:
+            run = self.folds[parts] = _folded(parts, *flags, self.renorm)
+        return run(args, scale, arrays)
 
     def join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
         """``self((h + update) * scale)``; ``add`` in the join's one fused kernel,
@@ -492,6 +528,7 @@ class Steer:
 
     def __init__(self, layers: dict[int, _LayerSteer]) -> None:
         self.layers = layers
+        self.joins: dict[int, Join] = {}
 
     def __call__(self, layer: int, h: mx.array) -> mx.array:
         entry = self.layers.get(layer)
@@ -502,11 +539,12 @@ class Steer:
         entry = self.layers.get(layer)
         return _join(h, update, scale) if entry is None else entry.join(h, update, scale)
 
-    def fold(
-        self, layer: int, parts: Parts, args: tuple[Any, ...], scale: mx.array | None
-    ) -> mx.array:
-        """:meth:`join` on ``parts(*args)``, compiled as one call (see :meth:`Join.fold`)."""
-        return self.layers.get(layer, _UNSTEERED).fold(parts, args, scale)
+    def joiner(self, layer: int) -> Join:
+        """*layer*'s :class:`Join` (see :func:`joiner`), made once."""
+        join = self.joins.get(layer)
+        if join is None:
+            join = self.joins[layer] = _SteerJoin(self.layers.get(layer, _UNSTEERED))
+        return join
 
     @classmethod
     def of(cls, rows: Sequence[SteeringPolicy | None], dtype: mx.Dtype) -> Steer | None:
