@@ -21,8 +21,8 @@ One :class:`Steer` steers every row of a batch with that row's own setting
 (or none), and a lone session is a batch of one, so a row computes the same
 ops whether it runs alone or beside others.
 
-Cost. A decode step is bound by building and launching its kernels, so
-steering is built to add as few of either as it can: a family may hand a
+Cost. A decode step on a GPU is bound by building and launching its kernels,
+so steering is built to add as few of either as it can: a family may hand a
 layer's last residual join to :func:`joiner`, and in a compiled step
 (:func:`~turbospark.layers.fused.runs_compiled`) :meth:`Join.fold` traces the
 family's tail and the steering as one compiled function, so a steered layer
@@ -357,7 +357,9 @@ class _LayerSteer:
 
     # parts -> its compiled fold for this layer (a dict lookup per step, not
     # functools.cache's hash of every flag).
-    folds: dict[Parts, Callable[..., mx.array]] = field(default_factory=dict, repr=False)
+    folds: dict[Parts, Callable[..., mx.array]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def fold(self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None) -> mx.array:
         """``self.join(*parts(*args), scale)`` as one compiled call (the family's
