@@ -27,7 +27,7 @@ HIDDEN, INNER, PLE, EPS = 32, 48, 8, 1e-6
 ROWS = ("add", "ablate", None, "clamp", "renorm")
 
 
-def _gemma4_args(rng: np.random.Generator, batch: int, ple: bool) -> tuple[Any, ...]:
+def _gemma4_args(rng: np.random.Generator, batch: int, length: int, ple: bool) -> tuple[Any, ...]:
     """:func:`dense_tail_parts`'s arguments: residual, attention output, the
     per-layer input, the norms' and matmuls' weights (transposed)."""
 
@@ -36,18 +36,19 @@ def _gemma4_args(rng: np.random.Generator, batch: int, ple: bool) -> tuple[Any, 
 
     weights = (a(HIDDEN), a(HIDDEN), a(HIDDEN, 2 * INNER) * 0.2, a(INNER, HIDDEN) * 0.2, a(HIDDEN))
     block = (a(HIDDEN, PLE) * 0.2, a(PLE, HIDDEN) * 0.2, a(HIDDEN)) if ple else None
-    per_layer_input = a(batch, 1, PLE) if ple else None
-    return a(batch, 1, HIDDEN), a(batch, 1, HIDDEN), per_layer_input, weights, block, EPS
+    per_layer_input = a(batch, length, PLE) if ple else None
+    h, attn = a(batch, length, HIDDEN), a(batch, length, HIDDEN)
+    return h, attn, per_layer_input, weights, block, EPS
 
 
-def _qwen_args(rng: np.random.Generator, batch: int, ple: bool) -> tuple[Any, ...]:
+def _qwen_args(rng: np.random.Generator, batch: int, length: int) -> tuple[Any, ...]:
     """:func:`mlp_tail_parts`'s arguments: residual, mixer output, norm, MLP weights."""
 
     def a(*shape: int) -> mx.array:
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
     mlp = (a(HIDDEN, 2 * INNER) * 0.2, a(INNER, HIDDEN) * 0.2)
-    return a(batch, 1, HIDDEN), a(batch, 1, HIDDEN), a(HIDDEN), *mlp, EPS
+    return a(batch, length, HIDDEN), a(batch, length, HIDDEN), a(HIDDEN), *mlp, EPS
 
 
 class Tail(NamedTuple):
@@ -57,11 +58,13 @@ class Tail(NamedTuple):
     scale: mx.array | None  # the join's layer scalar (None: a plain add)
 
 
-def _tail(name: str, batch: int, seed: int = 0) -> Tail:
+def _tail(name: str, batch: int, length: int = 1, seed: int = 0) -> Tail:
+    """*name*'s tail over ``(batch, length)`` tokens: a decode step, or a lone
+    row's short verify pass (also compiled, ``runs_compiled``)."""
     rng = np.random.default_rng(seed)
     if name == "qwen_gdn":
-        return Tail(mlp_tail_parts, mlp_tail_step, _qwen_args(rng, batch, False), None)
-    args = _gemma4_args(rng, batch, ple=name == "gemma4-ple")
+        return Tail(mlp_tail_parts, mlp_tail_step, _qwen_args(rng, batch, length), None)
+    args = _gemma4_args(rng, batch, length, ple=name == "gemma4-ple")
     return Tail(dense_tail_parts, dense_tail_step, args, mx.array([0.8], dtype=mx.float32))
 
 
@@ -82,11 +85,14 @@ def _two_calls(entry: _LayerSteer, parts: Parts, args: tuple, scale: mx.array | 
 
 
 @pytest.mark.parametrize("rows", [*[[m] for m in ROWS if m], list(ROWS)], ids=str)
+@pytest.mark.parametrize("length", [1, 4])
 @pytest.mark.parametrize("tail", TAILS)
-def test_fold_equals_the_two_call_path_bit_for_bit(tail: str, rows: list[str | None]) -> None:
+def test_fold_equals_the_two_call_path_bit_for_bit(
+    tail: str, length: int, rows: list[str | None]
+) -> None:
     """Every mode alone and all of them (and an unsteered row) in one batch,
     on a covered layer and one (3) no row covers."""
-    parts, _, args, scale = _tail(tail, len(rows))
+    parts, _, args, scale = _tail(tail, len(rows), length)
     steer = Steer.of([_policy(m, seed=i) for i, m in enumerate(rows)], mx.float32)
     assert steer is not None
     for layer in (1, 2, 3):
