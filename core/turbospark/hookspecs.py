@@ -248,9 +248,14 @@ def turbospark_forward(
     When None, run no extra op. Optionally, where a layer ends with the join
     ``(h + update) * scale`` (or ``h + update``), hand it over instead: with
     ``join = turbospark.steering.joiner(steer, i)`` (None exactly when *steer*
-    is), return ``join(h, update, scale)`` (scale None for a plain add) in
-    place of both the join and ``steer(i, h)``; steering then costs no extra
-    kernel for ``add`` (the kit checks both forms agree).
+    is), return ``join.fold(parts, args, scale, compiled)`` in place of both
+    the join and ``steer(i, h)``, where ``parts(*args)`` is a module-level
+    function over arrays that returns ``(h, update)`` (scale None for a plain
+    add) and *compiled* says whether this step runs compiled
+    (:func:`turbospark.layers.fused.runs_compiled`); or, holding the halves
+    already, ``join(h, update, scale)``. Steering then costs no extra kernel
+    for ``add`` and, in a compiled step, no extra compiled call in any mode
+    (the kit checks both forms agree).
     """
 
 

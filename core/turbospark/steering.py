@@ -21,12 +21,15 @@ One :class:`Steer` steers every row of a batch with that row's own setting
 (or none), and a lone session is a batch of one, so a row computes the same
 ops whether it runs alone or beside others.
 
-Cost. A decode step is launch-bound on a GPU, so steering is built to add as
-few kernels as it can: a family may hand a layer's last residual join to
-:func:`joiner`, and ``add`` then runs inside that join's kernel (no extra
-launch); the other modes fuse the join with their own elementwise ops, and on
-MLX's CUDA backend a one-token step's ``ablate``/``clamp``/``renorm`` is one
-custom kernel (:mod:`turbospark.layers.steer_cuda`).
+Cost. A decode step on a GPU is bound by building and launching its kernels,
+so steering is built to add as few of either as it can: a family may hand a
+layer's last residual join to :func:`joiner`, and in a compiled step
+(:func:`~turbospark.layers.fused.runs_compiled`) :meth:`Join.fold` traces the
+family's tail and the steering as one compiled function, so a steered layer
+makes one compiled call, as an unsteered one does, and ``add`` runs inside the
+join's own kernel. On MLX's CUDA backend a one-token step's
+``ablate``/``clamp``/``renorm`` is one custom kernel that takes the join
+(:mod:`turbospark.layers.steer_cuda`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import mlx.core as mx
 import numpy as np
@@ -58,25 +62,83 @@ class LayerHook(Protocol):
     def __call__(self, layer: int, h: mx.array) -> mx.array: ...
 
 
-Join = Callable[[mx.array, mx.array, "mx.array | None"], mx.array]
+# A family's tail up to its layer's last join: ``parts(*args) -> (h, update)``,
+# a module-level function over arrays (it keys compiled functions).
+Parts = Callable[..., tuple[mx.array, mx.array]]
+
+
+class Join(Protocol):
+    """Layer *i*'s last residual join and the steering after it, handed to a
+    family by :func:`joiner`."""
+
+    def __call__(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        """``steer(i, (h + update) * scale)`` (no scale: ``h + update``)."""
+        ...
+
+    def fold(
+        self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None, compiled: bool
+    ) -> mx.array:
+        """``self(*parts(*args), scale)``. With *compiled* (a step the family
+        compiles, :func:`~turbospark.layers.fused.runs_compiled`), a
+        :class:`Steer` traces *parts* and its steering as one compiled
+        function, so the steered layer costs one compiled call as the
+        unsteered one does; any other hook gets *parts* compiled alone, then
+        the join and the hook."""
+        ...
+
+
+class _HookJoin:
+    """:class:`Join` for any hook but a :class:`Steer` (a recorder): the
+    family's join, then the hook on its output."""
+
+    __slots__ = ("hook", "layer")
+
+    def __init__(self, hook: LayerHook, layer: int) -> None:
+        self.hook, self.layer = hook, layer
+
+    def __call__(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        return self.hook(self.layer, _join(h, update, scale))
+
+    def fold(
+        self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None, compiled: bool
+    ) -> mx.array:
+        return self(*(_compiled(parts) if compiled else parts)(*args), scale)
+
+
+class _SteerJoin:
+    """:class:`Join` for one layer of a :class:`Steer` (made once per layer)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _LayerSteer) -> None:
+        self.entry = entry
+
+    def __call__(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
+        return self.entry.join(h, update, scale)
+
+    def fold(
+        self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None, compiled: bool
+    ) -> mx.array:
+        if not compiled:
+            return self.entry.join(*parts(*args), scale)
+        return self.entry.fold(parts, args, scale)
 
 
 def joiner(steer: LayerHook | None, layer: int) -> Join | None:
     """*layer*'s last residual join and its steering as one call; None when
     *steer* is None (the family runs its own join, nothing extra).
 
-    ``join(h, update, scale)`` is ``steer(layer, (h + update) * scale)`` (no
-    scale: ``h + update``). A family that ends its layer with that join hands
-    the two halves over instead of calling ``steer(layer, h)`` after it. A
-    :class:`Steer` then runs ``add`` inside the join's own kernel, so a
-    steered layer costs no extra launch; any other hook (a recorder) is
-    called on the joined output, as if the family had called it."""
+    A family that ends its layer with the join ``(h + update) * scale`` (or
+    ``h + update``) hands it over instead of calling ``steer(layer, h)``
+    after it: ``join.fold(parts, args, scale, compiled)`` from the function
+    that computes the two halves, or ``join(h, update, scale)`` from the
+    halves. A :class:`Steer` then runs ``add`` inside the join's own kernel
+    and, in a compiled step, every mode inside the family's compiled tail;
+    any other hook (a recorder) is called on the joined output, as if the
+    family had called it."""
     if steer is None:
         return None
-    join = getattr(steer, "join", None)
-    if join is None:
-        return lambda h, update, scale: steer(layer, _join(h, update, scale))
-    return functools.partial(join, layer)
+    return steer.joiner(layer) if isinstance(steer, Steer) else _HookJoin(steer, layer)
 
 
 class SteeringPolicy(BaseModel):
@@ -293,6 +355,24 @@ class _LayerSteer:
     # (u, w, coef) for the one-launch CUDA kernel (one-token steps; None elsewhere).
     one_launch: tuple[mx.array, mx.array, mx.array] | None = None
 
+    # parts -> its compiled fold for this layer (a dict lookup per step, not
+    # functools.cache's hash of every flag).
+    folds: dict[Parts, Callable[..., mx.array]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def fold(self, parts: Parts, args: tuple[Any, ...], scale: mx.array | None) -> mx.array:
+        """``self.join(*parts(*args), scale)`` as one compiled call (the family's
+        tail, its join and this steering traced together); on CUDA a layer
+        with the one-launch kernel keeps it (:meth:`join` takes the halves)."""
+        if self.one_launch is not None:
+            return self.join(*_compiled(parts)(*args), scale)
+        flags, arrays = self.held
+        run = self.folds.get(parts)
+        if run is None:
+            run = self.folds[parts] = _folded(parts, *flags, self.renorm)
+        return run(args, scale, arrays)
+
     def join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
         """``self((h + update) * scale)``; ``add`` in the join's one fused kernel,
         and on CUDA a one-token step of any mode in the one-launch kernel."""
@@ -309,20 +389,25 @@ class _LayerSteer:
             return h if self.w is None else h + self.w  # add: one op, nothing to fuse
         if self.one_launch is not None and h.shape[1] == 1:
             return steer_cuda.steer_rows(h, *self.one_launch)
-        flags, arrays = self._held()
+        flags, arrays = self.held
         return _kernel(*flags, self.renorm)(h, *arrays)
 
     def _steered_join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
-        flags, arrays = self._held()
+        flags, arrays = self.held
         if scale is None:
             return _kernel(*flags, self.renorm, "unscaled")(h, update, *arrays)
         return _kernel(*flags, self.renorm, "scaled")(h, update, scale, *arrays)
 
-    def _held(self) -> tuple[tuple[bool, ...], list[mx.array]]:
+    @cached_property
+    def held(self) -> tuple[tuple[bool, ...], list[mx.array]]:
         """Which of ``u, t, a, w, r`` this layer holds (the compiled function's
-        key) and those arrays, in that order (its arguments)."""
+        key) and those arrays, in that order (its arguments); once per layer."""
         every = (self.u, self.t, self.a, self.w, self.r)
         return tuple(a is not None for a in every), [a for a in every if a is not None]
+
+
+# A layer no row steers: its join alone (in a compiled step, traced with the tail).
+_UNSTEERED = _LayerSteer(u=None, a=None, t=None, w=None, r=None, renorm=False)
 
 
 def _one_element(scale: mx.array | None) -> bool:
@@ -352,6 +437,31 @@ def _join_add(h: mx.array, update: mx.array, scale: mx.array | None, w: mx.array
     return _join_scaled_add(h, update, scale, w)
 
 
+def steered(
+    h: mx.array, held: Sequence[bool], renorm: bool, arrays: Sequence[mx.array]
+) -> mx.array:
+    """The steering math on a layer's output ``h``, over arrays only, so it
+    traces into a compiled function: *held* says which of ``u, t, a, w, r``
+    (see :class:`_LayerSteer`) *arrays* holds, in that order."""
+    given = iter(arrays)
+    u, t, a, w, r = (next(given) if f else None for f in held)
+    out = h
+    if u is not None:
+        along = (h * u).sum(axis=-1, keepdims=True)  # (B, L, 1)
+        if t is not None:
+            along = along - t
+        if a is not None:
+            along = a * along
+        out = out - along * u
+    if w is not None:
+        out = out + w
+    if renorm:
+        ratio = (h * h).sum(axis=-1, keepdims=True) / (out * out).sum(axis=-1, keepdims=True)
+        kept = out * mx.sqrt(ratio)
+        out = kept if r is None else mx.where(r, kept, out)
+    return out
+
+
 @functools.cache
 def _kernel(
     projects: bool,
@@ -367,33 +477,48 @@ def _kernel(
     per combination of the arrays a :class:`_LayerSteer` holds. *joined*: the
     function takes the family's last join first (``h``, ``update`` and, when
     scaled, ``scale``), so the join fuses with the steering's first ops."""
+    held = (projects, clamps, scales, adds, masked)
 
     def apply(*arrays: mx.array) -> mx.array:
-        given = iter(arrays)
-        h = next(given)
-        if joined != "no":
-            update = next(given)
-            h = h + update if joined == "unscaled" else residual_scale(h, update, next(given))
-        u, t, a, w, r = (
-            next(given) if f else None for f in (projects, clamps, scales, adds, masked)
-        )
-        out = h
-        if u is not None:
-            along = (h * u).sum(axis=-1, keepdims=True)  # (B, L, 1)
-            if t is not None:
-                along = along - t
-            if a is not None:
-                along = a * along
-            out = out - along * u
-        if w is not None:
-            out = out + w
-        if renorm:
-            ratio = (h * h).sum(axis=-1, keepdims=True) / (out * out).sum(axis=-1, keepdims=True)
-            kept = out * mx.sqrt(ratio)
-            out = kept if r is None else mx.where(r, kept, out)
-        return out
+        if joined == "no":
+            return steered(arrays[0], held, renorm, arrays[1:])
+        if joined == "unscaled":
+            return steered(arrays[0] + arrays[1], held, renorm, arrays[2:])
+        return steered(residual_scale(*arrays[:3]), held, renorm, arrays[3:])
 
     return mx.compile(apply)
+
+
+@functools.cache
+def _folded(
+    parts: Parts,
+    projects: bool,
+    clamps: bool,
+    scales: bool,
+    adds: bool,
+    masked: bool,
+    renorm: bool,
+) -> Callable[..., mx.array]:
+    """A family's tail *parts*, its last join and one layer's steering as one
+    compiled function, ``(args, scale, arrays) -> out``: a steered layer's
+    step makes one compiled call where the tail, then :func:`_kernel`, made
+    two (each call costs host time to build, which bounds a GPU's decode).
+    One per tail and combination of held arrays, as :func:`_kernel`; all flags
+    False is the join alone (a layer the :class:`Steer` does not cover)."""
+    held = (projects, clamps, scales, adds, masked)
+
+    def apply(
+        args: tuple[Any, ...], scale: mx.array | None, arrays: Sequence[mx.array]
+    ) -> mx.array:
+        return steered(_join(*parts(*args), scale), held, renorm, arrays)
+
+    return mx.compile(apply)
+
+
+@functools.cache
+def _compiled(parts: Parts) -> Callable[..., tuple[mx.array, mx.array]]:
+    """*parts* compiled alone (its halves for a CUDA kernel or another hook)."""
+    return mx.compile(parts)
 
 
 class Steer:
@@ -405,6 +530,7 @@ class Steer:
 
     def __init__(self, layers: dict[int, _LayerSteer]) -> None:
         self.layers = layers
+        self.joins: dict[int, Join] = {}
 
     def __call__(self, layer: int, h: mx.array) -> mx.array:
         entry = self.layers.get(layer)
@@ -414,6 +540,13 @@ class Steer:
         """*layer*'s residual join and steering together (see :func:`joiner`)."""
         entry = self.layers.get(layer)
         return _join(h, update, scale) if entry is None else entry.join(h, update, scale)
+
+    def joiner(self, layer: int) -> Join:
+        """*layer*'s :class:`Join` (see :func:`joiner`), made once."""
+        join = self.joins.get(layer)
+        if join is None:
+            join = self.joins[layer] = _SteerJoin(self.layers.get(layer, _UNSTEERED))
+        return join
 
     @classmethod
     def of(cls, rows: Sequence[SteeringPolicy | None], dtype: mx.Dtype) -> Steer | None:

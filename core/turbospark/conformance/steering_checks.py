@@ -121,9 +121,10 @@ class SteeringChecks:
     @final
     def test_joined_steering_equals_the_plain_hook(self, kit: FamilyKit) -> None:
         """A family may hand its last residual join to the steering
-        (:func:`turbospark.steering.joiner`), so ``add`` costs no extra kernel:
-        for each mode, a chunk and one-token steps after it give the logits
-        that a plain ``steer(i, h)`` hook on each layer's output gives."""
+        (:func:`turbospark.steering.joiner`; in a compiled step, folded into
+        its compiled tail), so ``add`` costs no extra kernel: for each mode, a
+        chunk and one-token steps after it give the logits that a plain
+        ``steer(i, h)`` hook on each layer's output gives."""
         self.require_steering(kit)
         layers = range(1, kit.arch.num_hidden_layers)
         prompt = kit.tokens(123, 12)

@@ -552,10 +552,9 @@ class DecoderLayer(nn.Module):
             return tail(
                 h, attn, per_layer_input, weights, ple, self["layer_scalar"], self.eps
             ), attended
-        parts = (dense_tail_parts_step if compiled else dense_tail_parts)(
-            h, attn, per_layer_input, weights, ple, self.eps
-        )
-        return self._joined(parts, join), attended
+        # Steered: the steering traces into the compiled tail (one call, as unsteered).
+        args = (h, attn, per_layer_input, weights, ple, self.eps)
+        return join.fold(dense_tail_parts, args, self["layer_scalar"], compiled), attended
 
     def _ple_weights(self) -> PleWeights | None:
         """The per-layer input block's input gate and projection (transposed,
@@ -635,8 +634,6 @@ def dense_tail(
 # verify pass); other prefill lengths vary, so they run it uncompiled
 # (turbospark.layers.fused.runs_compiled).
 dense_tail_step = mx.compile(dense_tail)
-# The same up to the join, for a steered layer (the join and steering run as one).
-dense_tail_parts_step = mx.compile(dense_tail_parts)
 
 
 def _last_query(attended: Attended) -> Attended:

@@ -392,7 +392,8 @@ class DecoderLayer(nn.Module):
         compiled = runs_compiled(*x.shape[:2])
         if join is None:
             return (mlp_tail_step if compiled else mlp_tail)(*args)
-        return join(*(mlp_tail_parts_step if compiled else mlp_tail_parts)(*args), None)
+        # Steered: the steering traces into the compiled tail (one call, as unsteered).
+        return join.fold(mlp_tail_parts, args, None, compiled)
 
 
 def mlp_tail_parts(
@@ -430,8 +431,6 @@ def mlp_tail(
 # Traced once per batch size (decode rows) and per short lone-row length (a
 # verify pass); other prefill runs it uncompiled (runs_compiled).
 mlp_tail_step = mx.compile(mlp_tail)
-# The same up to the residual add, for a steered layer (the add and steering run as one).
-mlp_tail_parts_step = mx.compile(mlp_tail_parts)
 
 
 class TextStack(nn.Module):
