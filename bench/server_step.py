@@ -29,6 +29,10 @@ whether it prefilled. Reported:
   prefilled, decode-only steps of the full batch and of fewer rows, and
   (wall) between steps;
 - ``steps``, ``full_steps``, ``prefill_steps`` and each batch size's steps;
+- ``prefill_forwards`` / ``decode_forwards``: forwards built while timed, of
+  prompt tokens (a batched group's or one row's chunk) and of decode steps.
+  On a host-bound GPU a forward costs about a decode step whatever its
+  tokens, so these counts say what the prefill scheduling costs there;
 - aggregate completion tok/s and TTFT p50 of the clients.
 
 With ``profile``, :class:`bench.thread_profile.ThreadSampler` samples the
@@ -95,6 +99,9 @@ class StepLog:
     batch: list[int] = field(default_factory=list)
     prefilled: list[bool] = field(default_factory=list)
     recording: bool = False
+    # Forwards built while recording: prompt tokens (batched groups and one-row
+    # chunks) and decode steps (batched, or one row's lazy id).
+    forwards: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     # What the runner thread does now, for the sampler: "prefill" or "decode"
     # inside a recorded step, "between" outside one while recording.
     phase: str | None = None
@@ -134,6 +141,20 @@ def _instrument(engine: Any, log: StepLog) -> None:
         return busy
 
     engine.step = step
+    runner = engine.runner
+    batched, one_row = runner.forward_batch, runner.feed
+
+    def forward_batch(tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        if log.recording:
+            log.forwards["prefill" if tokens.shape[1] > 1 else "decode"] += 1
+        return batched(tokens, *args, **kwargs)
+
+    def feed(session: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        if log.recording:
+            log.forwards["prefill" if isinstance(tokens[0], int) else "decode"] += 1
+        return one_row(session, tokens, *args, **kwargs)
+
+    runner.forward_batch, runner.feed = forward_batch, feed
 
 
 def _plan(spec: dict[str, Any]) -> ConcurrencyPlan:
@@ -272,6 +293,8 @@ def measure_server(
         "decode_steps": decoding,
         "full_steps": len(full),
         "prefill_steps": sum(log.prefilled),
+        "prefill_forwards": log.forwards["prefill"],
+        "decode_forwards": log.forwards["decode"],
         "steps_per_batch": dict(sorted(per_batch.items())),
         "time": spent,
         "runner_cpu": host,
@@ -361,7 +384,8 @@ def summary(family: str, row: dict[str, Any]) -> str:
         f"runner CPU {row['runner_cpu_ms_per_step']:.2f}, other {row['other_cpu_ms_per_step']:.2f}; "
         f"prompt pool CPU {row['text_cpu_ms_per_request']:.2f} ms a request | "
         f"{row['completion_tok_s']:.0f} tok/s, TTFT p50 {1e3 * row['ttft_p50_s']:.0f} ms | "
-        f"steps {row['steps']} (full {row['full_steps']}, prefill {row['prefill_steps']})\n"
+        f"steps {row['steps']} (full {row['full_steps']}, prefill {row['prefill_steps']}; "
+        f"forwards: prefill {row.get('prefill_forwards', '?')}, decode {row.get('decode_forwards', '?')})\n"
         f"    time: "
         + ", ".join(f"{k} {v:.2f}" for k, v in row["time"].items())
         + f" of wall {row['wall_s']:.2f} s; runner CPU: "
