@@ -20,11 +20,9 @@ on the ``chat_{size}`` install (host CPU time against wall time per step,
 and the top functions: :mod:`bench.step_cost`).
 ``server_step`` serves the ``chat_{size}`` install in process to 16 chat
 clients and compares its decode step with the engine's step alone (thread
-CPU times, where the time between steps goes, a CPU-weighted stack sample of
-the runner thread and of the event loop: :mod:`bench.server_step`);
-``concurrency`` runs it too, after both servers, as a line of its own. It runs
-in a child process killed after ``GPU.server_step_time_limit_s``; its line then
-holds ``{"error": ...}`` and the run goes on.
+CPU times, where the time between steps goes, stack samples of the runner thread
+and of the event loop: :mod:`bench.server_step`); ``concurrency`` runs it
+too, after both servers, as a line of its own.
 ``--only tp`` needs two GPUs (``nvidia-h200-x2``): TP=2 against TP=1 on the
 ~8B shape through NCCL (``bench/tp.py``), whatever ``--size`` says.
 """
@@ -67,8 +65,9 @@ from turbospark.runner import Runner
 
 
 def server_step(path: Path) -> dict[str, object]:
-    """:func:`bench_server_step` at 16 clients, sampled, bounded in time: a
-    failure or a timeout is this piece's result, never the end of the run."""
+    """:func:`bench_server_step` at 16 clients, sampled, in a child process
+    killed after ``GPU.server_step_time_limit_s``: a failure or a timeout is
+    this piece's result (``{"error": ...}``), never the end of the run."""
     try:
         return bench_server_step(path, 16, GPU.server_step, profile=True,
                                  time_limit_s=GPU.server_step_time_limit_s)  # fmt: skip
