@@ -22,7 +22,7 @@ on the ``chat_{size}`` install (host CPU time against wall time per step,
 and the top functions: :mod:`bench.step_cost`).
 ``server_step`` serves the ``chat_{size}`` install in process to 16 chat
 clients and compares its decode step with the engine's step alone (thread
-CPU times, where the time between steps goes, cProfile of the runner thread
+CPU times, where the time between steps goes, stack samples of the runner thread
 and of the event loop: :mod:`bench.server_step`); ``concurrency`` runs it
 too, after both servers, as a line of its own.
 ``graph_size`` times both library loops under several sizes of MLX's CUDA
@@ -68,6 +68,17 @@ from bench.step_cost import measure as measure_step
 from bench.swap import bench_swap
 from bench.tp import bench_tp
 from turbospark.runner import Runner
+
+
+def server_step(path: Path) -> dict[str, object]:
+    """:func:`bench_server_step` at 16 clients, sampled, in a child process
+    killed after ``GPU.server_step_time_limit_s``: a failure or a timeout is
+    this piece's result (``{"error": ...}``), never the end of the run."""
+    try:
+        return bench_server_step(path, 16, GPU.server_step, profile=True,
+                                 time_limit_s=GPU.server_step_time_limit_s)  # fmt: skip
+    except (TimeoutError, RuntimeError) as exc:
+        return {"error": str(exc)}
 
 
 def main() -> None:
@@ -185,9 +196,9 @@ def main() -> None:
                     result = bench_concurrency(path, GPU.concurrency, args.out / "logs")
                     emit(family, piece, result, started)
                     started, piece = time.perf_counter(), "server_step"
-                    result = bench_server_step(path, 16, GPU.server_step, profile=True)
+                    result = server_step(path)
                 elif piece == "server_step":
-                    result = bench_server_step(path, 16, GPU.server_step, profile=True)
+                    result = server_step(path)
                 elif piece == "step_cost":
                     result = [measure_step(path, b, 100, 0.0, profile=True) for b in (8, 16)]
                 else:

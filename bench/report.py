@@ -28,7 +28,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         out["concurrency_clients"] = int(widest)
         out["concurrency_tok_s_ratio_vs_mlx_lm_server"] = level.get("tok_s_ratio")
         out["concurrency_ttft_p50_ratio_vs_mlx_lm_server"] = level.get("ttft_p50_ratio")
-    if step := result.get("server_step"):
+    if (step := result.get("server_step")) and "error" not in step:
         out["server_step_over_engine_step"] = step["server_over_engine"]
     if draft := result.get("draft"):
         from bench.draft import summary
@@ -121,7 +121,7 @@ def print_table(report: dict[str, Any]) -> None:
         if step := res.get("server_step"):
             from bench.server_step import summary as step_summary
 
-            print("server step: " + step_summary(family, step))
+            print("server step: " + (step.get("error") or step_summary(family, step)))
         if swap := res.get("swap"):
             print(
                 "swap: history  swap ms  (scoring ms/record)  reset ms  re-prefill ms  "

@@ -29,7 +29,24 @@ whether it prefilled. Reported:
   prefilled, decode-only steps of the full batch and of fewer rows, and
   (wall) between steps;
 - ``steps``, ``full_steps``, ``prefill_steps`` and each batch size's steps;
+- ``prefill_forwards`` / ``decode_forwards``: forwards built while timed, of
+  prompt tokens (a batched group's or one row's chunk) and of decode steps.
+  On a host-bound GPU a forward costs about a decode step whatever its
+  tokens, so these counts say what the prefill scheduling costs there;
 - aggregate completion tok/s and TTFT p50 of the clients.
+
+With ``profile``, :class:`bench.thread_profile.ThreadSampler` samples the
+runner thread (prefill steps, decode steps and between steps apart) and the
+event loop's thread, each sample charged with the thread's CPU time since the
+last (``top_{own,cumulative}_cpu_ms_{prefill,decode,between,loop}``). Two
+``cProfile`` profilers, one per thread, did this before; Python 3.12 allows
+one for the whole process, and the second one's ``enable()`` failed every
+engine step, which hung the H200 run (see :mod:`bench.thread_profile`).
+
+The measurement runs in a child process that is killed, with its clients,
+once ``time_limit_s`` has passed (:func:`bench_server_step` then raises
+:class:`TimeoutError`), so a GPU run can never hang on this piece; every
+wait inside it is bounded too.
 
 On the H200 the engine's step is host-bound (its CPU time is its wall time),
 so CPU time the event loop spends per step competes with it for the GIL.
@@ -41,17 +58,16 @@ Run: ``uv run python bench/server_step.py --family gemma4 --clients 16``.
 
 from __future__ import annotations
 
-import asyncio
-import cProfile
 import json
 import os
-import pstats
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,9 +79,13 @@ if __package__ in (None, ""):
 
 from bench.concurrency import ConcurrencyPlan, conversations, percentile, run_clients
 from bench.serving import MODEL
+from bench.thread_profile import ThreadSampler
 
 WARM_UP_TOKENS = 8
 CONTEXT_LENGTH = 8192
+TIME_LIMIT_S = 600.0  # the whole measurement, server start to the engine-alone steps
+TIMED_OUT = 124  # the child's exit status when it ran out of time (as timeout(1)'s)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -79,26 +99,21 @@ class StepLog:
     batch: list[int] = field(default_factory=list)
     prefilled: list[bool] = field(default_factory=list)
     recording: bool = False
-    # With --profile: cProfile over the steps that prefilled and over the others.
-    profiles: dict[str, cProfile.Profile] | None = None
+    # Forwards built while recording: prompt tokens (batched groups and one-row
+    # chunks) and decode steps (batched, or one row's lazy id).
+    forwards: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    # What the runner thread does now, for the sampler: "prefill" or "decode"
+    # inside a recorded step, "between" outside one while recording.
+    phase: str | None = None
+
+    def runner_phase(self) -> str | None:
+        return (self.phase or "between") if self.recording else None
 
 
 def _thread_cpu_s(tid: int) -> float:
     """User plus system CPU time of thread *tid* of this process (Linux /proc)."""
     fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
-    """Run *fn* on *loop*'s thread and wait for it (a profiler enables per thread)."""
-    done = threading.Event()
-
-    def call() -> None:
-        fn()
-        done.set()
-
-    loop.call_soon_threadsafe(call)
-    done.wait(timeout=30)
 
 
 def _instrument(engine: Any, log: StepLog) -> None:
@@ -110,16 +125,13 @@ def _instrument(engine: Any, log: StepLog) -> None:
         if not log.recording:
             return real_step()
         prefilling = bool(engine._prefilling) or bool(engine._queue)
-        profile = (
-            None if log.profiles is None else log.profiles["prefill" if prefilling else "decode"]
-        )
-        if profile is not None:
-            profile.enable()
+        log.phase = "prefill" if prefilling else "decode"
         began, cpu0 = time.perf_counter(), time.thread_time()
-        busy = real_step()
+        try:
+            busy = real_step()
+        finally:
+            log.phase = None
         ended = time.perf_counter()
-        if profile is not None:
-            profile.disable()
         if busy:
             log.began.append(began)
             log.ended.append(ended)
@@ -129,9 +141,37 @@ def _instrument(engine: Any, log: StepLog) -> None:
         return busy
 
     engine.step = step
+    runner = engine.runner
+    batched, one_row = runner.forward_batch, runner.feed
+
+    def forward_batch(tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        if log.recording:
+            log.forwards["prefill" if tokens.shape[1] > 1 else "decode"] += 1
+        return batched(tokens, *args, **kwargs)
+
+    def feed(session: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        if log.recording:
+            log.forwards["prefill" if isinstance(tokens[0], int) else "decode"] += 1
+        return one_row(session, tokens, *args, **kwargs)
+
+    runner.forward_batch, runner.feed = forward_batch, feed
 
 
-def drive(base: str, clients: int, plan: ConcurrencyPlan, seed: int, tokens: int) -> dict[str, Any]:
+def _plan(spec: dict[str, Any]) -> ConcurrencyPlan:
+    return ConcurrencyPlan(**{**spec, "clients": tuple(spec["clients"])})
+
+
+def _left(deadline: float) -> float:
+    """Seconds until *deadline* (``time.monotonic``); TimeoutError once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("bench/server_step.py ran out of its time limit")
+    return left
+
+
+def drive(
+    base: str, clients: int, plan: ConcurrencyPlan, seed: int, tokens: int, deadline: float
+) -> dict[str, Any]:
     """The clients, in a subprocess so that their Python never holds the server's GIL."""
     spec = {"base": base, "clients": clients, "plan": plan.__dict__, "seed": seed, "tokens": tokens}
     out = subprocess.run(
@@ -139,22 +179,24 @@ def drive(base: str, clients: int, plan: ConcurrencyPlan, seed: int, tokens: int
         check=True,
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
+        timeout=_left(deadline),
     )
     return json.loads(out.stdout)
 
 
 def _drive_main(spec: dict[str, Any]) -> None:
-    plan = ConcurrencyPlan(**{**spec["plan"], "clients": tuple(spec["plan"]["clients"])})
+    plan = _plan(spec["plan"])
     chats = conversations(spec["clients"], plan, spec["seed"])
     run = run_clients(spec["base"], chats, spec["tokens"], {"ignore_eos": True})
     json.dump(run, sys.stdout)
 
 
 def measure_server(
-    path: Path, clients: int, plan: ConcurrencyPlan, profile: bool = False
+    path: Path, clients: int, plan: ConcurrencyPlan, profile: bool, deadline: float
 ) -> dict[str, Any]:
-    """Serve *path* in this process and run *clients* chats against it, every step recorded."""
+    """Serve *path* in this process and run *clients* chats against it, every
+    step recorded; TimeoutError past *deadline* (``time.monotonic``)."""
     from turbospark.runner import Runner
     from turbospark.server.app import create_app
     from turbospark.server.background import ThreadedServer
@@ -184,35 +226,37 @@ def measure_server(
     _instrument(engine, log)
     with ThreadedServer(app) as server:
         base = server.base_url
-        deadline = time.monotonic() + 600
-        while httpx.get(f"{base}/health").json()["status"] != "ok":
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not finish warming up")
+        while httpx.get(f"{base}/health", timeout=_left(deadline)).json()["status"] != "ok":
+            _left(deadline)
             time.sleep(0.1)
-        runner_tid = engine.call(threading.get_native_id).result(timeout=60)
-        loop_tid = server._thread.native_id
-        assert loop_tid is not None
+        runner_ids = engine.call(lambda: (threading.get_native_id(), threading.get_ident()))
+        runner_tid, runner_ident = runner_ids.result(timeout=_left(deadline))
+        loop_tid, loop_ident = server._thread.native_id, server._thread.ident
+        assert loop_tid is not None and loop_ident is not None
         # As bench/concurrency.py: one burst of every client's first turn, short.
-        drive(base, clients, plan, plan.seed - 1, WARM_UP_TOKENS)
-        log.recording = True
+        drive(base, clients, plan, plan.seed - 1, WARM_UP_TOKENS, deadline)
+        sampler = None
         if profile:
-            # CPU time (thread_time), so waits do not count and load barely does.
-            log.profiles = {kind: cProfile.Profile(time.thread_time) for kind in ("prefill", "decode", "loop")}  # fmt: skip
-            # The event loop's thread (the bridge the warm-up burst made knows it).
-            _on_loop(app.state.service._loop_bridge.loop, log.profiles["loop"].enable)
+            sampler = ThreadSampler()
+            sampler.watch(runner_ident, log.runner_phase)
+            sampler.watch(loop_ident, lambda: "loop" if log.recording else None)
+            sampler.start()
+        log.recording = True
         # The prompt pool (chat template and tokenizer) holds the GIL while it renders.
         text = [t.native_id for t in threading.enumerate() if t.name.startswith("turbospark-text")]
         tids = {"runner": [runner_tid], "loop": [loop_tid], "text": [t for t in text if t]}
         cpu0 = {name: sum(_thread_cpu_s(t) for t in ids) for name, ids in tids.items()}
         process0 = time.process_time()
-        run = drive(base, clients, plan, plan.seed, plan.reply_tokens)
+        try:
+            run = drive(base, clients, plan, plan.seed, plan.reply_tokens, deadline)
+        finally:
+            log.recording = False
+            if sampler is not None:
+                sampler.stop()
         text = [t.native_id for t in threading.enumerate() if t.name.startswith("turbospark-text")]
         tids["text"] = [t for t in text if t]  # the pool starts its threads on demand
         cpu = {name: sum(_thread_cpu_s(t) for t in ids) - cpu0[name] for name, ids in tids.items()}
         process = time.process_time() - process0
-        if log.profiles is not None:
-            _on_loop(app.state.service._loop_bridge.loop, log.profiles["loop"].disable)
-        log.recording = False
     steps = len(log.began)
     full = [
         i
@@ -249,6 +293,8 @@ def measure_server(
         "decode_steps": decoding,
         "full_steps": len(full),
         "prefill_steps": sum(log.prefilled),
+        "prefill_forwards": log.forwards["prefill"],
+        "decode_forwards": log.forwards["decode"],
         "steps_per_batch": dict(sorted(per_batch.items())),
         "time": spent,
         "runner_cpu": host,
@@ -257,28 +303,76 @@ def measure_server(
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p95_s": percentile(ttfts, 95),
     }
-    for kind, profiler in (log.profiles or {}).items():
-        stats = pstats.Stats(profiler)
-        for name, col in (("cumulative", 3), ("own", 2)):
-            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][col])[:25]  # type: ignore[attr-defined]
-            out[f"top_{name}_cpu_ms_{kind}"] = [
-                (f"{Path(f[0]).name}:{f[1]}:{f[2]}", round(1e3 * r[col], 1), r[1]) for f, r in rows
-            ]
+    for kind, sampled in (sampler.profiles if sampler is not None else {}).items():
+        for name in ("cumulative", "own"):
+            out[f"top_{name}_cpu_ms_{kind}"] = sampled.top(name)
     return out
 
 
-def bench_server_step(
-    path: Path, clients: int, plan: ConcurrencyPlan, steps: int = 100, profile: bool = False
-) -> dict[str, Any]:
+def _measure(path: Path, clients: int, plan: ConcurrencyPlan, steps: int, profile: bool,
+             deadline: float) -> dict[str, Any]:  # fmt: skip
     """The server's step (:func:`measure_server`) and the engine's alone at B = *clients*."""
     from bench.step_cost import measure
 
-    served = measure_server(path, clients, plan, profile)
+    served = measure_server(path, clients, plan, profile, deadline)
+    _left(deadline)
     alone = measure(path, clients, steps, 0.0, False)
     served["engine_step_ms"] = alone["wall_ms_per_step"]
     served["engine_host_ms"] = alone["host_ms_per_step"]
     served["server_over_engine"] = served["server_step_ms"] / alone["wall_ms_per_step"]
     return served
+
+
+def bench_server_step(
+    path: Path,
+    clients: int,
+    plan: ConcurrencyPlan,
+    steps: int = 100,
+    profile: bool = False,
+    time_limit_s: float = TIME_LIMIT_S,
+) -> dict[str, Any]:
+    """:func:`_measure` in a child process, killed with its clients after
+    *time_limit_s* (then TimeoutError): whatever goes wrong in the server under
+    test (a step that fails forever, a lost reply), the caller gets control back."""
+    spec = {"path": str(path), "clients": clients, "plan": plan.__dict__, "steps": steps,
+            "profile": profile, "time_limit_s": time_limit_s}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="server-step-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "bench.server_step", "--measure", json.dumps(spec), "--result", str(result)]  # fmt: skip
+        # A session of its own: on timeout the whole group (the clients' subprocess too) is killed.
+        child = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+        try:
+            code = child.wait(timeout=time_limit_s + 30)  # the child bounds itself first
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            code = TIMED_OUT
+        if code == TIMED_OUT:
+            raise TimeoutError(
+                f"bench/server_step.py on {path.name} did not finish in {time_limit_s:.0f} s"
+            )
+        if not result.exists():
+            raise RuntimeError(f"bench/server_step.py on {path.name} failed (exit {code}); see its stderr")  # fmt: skip
+        out = json.loads(result.read_text())
+    out["steps_per_batch"] = {int(b): n for b, n in out["steps_per_batch"].items()}  # JSON's keys
+    return out
+
+
+def _measure_main(spec: dict[str, Any], result: Path) -> None:
+    """The child of :func:`bench_server_step`: measure, write the result, and
+    leave at once (a server thread that does not stop must not hold the exit)."""
+    deadline = time.monotonic() + spec["time_limit_s"]
+    code = 0
+    try:
+        out = _measure(Path(spec["path"]), spec["clients"], _plan(spec["plan"]), spec["steps"],
+                       spec["profile"], deadline)  # fmt: skip
+        result.write_text(json.dumps(out))
+    except BaseException as exc:
+        traceback.print_exc()
+        code = TIMED_OUT if isinstance(exc, (TimeoutError, subprocess.TimeoutExpired)) else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def summary(family: str, row: dict[str, Any]) -> str:
@@ -290,7 +384,8 @@ def summary(family: str, row: dict[str, Any]) -> str:
         f"runner CPU {row['runner_cpu_ms_per_step']:.2f}, other {row['other_cpu_ms_per_step']:.2f}; "
         f"prompt pool CPU {row['text_cpu_ms_per_request']:.2f} ms a request | "
         f"{row['completion_tok_s']:.0f} tok/s, TTFT p50 {1e3 * row['ttft_p50_s']:.0f} ms | "
-        f"steps {row['steps']} (full {row['full_steps']}, prefill {row['prefill_steps']})\n"
+        f"steps {row['steps']} (full {row['full_steps']}, prefill {row['prefill_steps']}; "
+        f"forwards: prefill {row.get('prefill_forwards', '?')}, decode {row.get('decode_forwards', '?')})\n"
         f"    time: "
         + ", ".join(f"{k} {v:.2f}" for k, v in row["time"].items())
         + f" of wall {row['wall_s']:.2f} s; runner CPU: "
@@ -310,12 +405,20 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--cache-dir", type=Path, default=None)
-    parser.add_argument("--profile", action="store_true", help="cProfile the runner thread")
+    parser.add_argument(
+        "--profile", action="store_true", help="sample the runner's and event loop's threads"
+    )
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds a family")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--drive", help=argparse.SUPPRESS)  # the clients' subprocess
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # bench_server_step's child
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.drive:
         _drive_main(json.loads(args.drive))
+        return
+    if args.measure:
+        _measure_main(json.loads(args.measure), args.result)
         return
     from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine
 
@@ -326,7 +429,9 @@ def main() -> None:
     report: dict[str, Any] = {"machine": machine(), "dtype": dtype, "size": args.size}
     for family in args.family or FAMILIES:
         path = install(family, args.size, dtype, args.cache_dir or DEFAULT_CACHE)
-        report[family] = bench_server_step(path, args.clients, plan, profile=args.profile)
+        report[family] = bench_server_step(
+            path, args.clients, plan, profile=args.profile, time_limit_s=args.time_limit
+        )
         if not args.json:
             print(summary(family, report[family]), flush=True)
             for key, rows in report[family].items():

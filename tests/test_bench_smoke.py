@@ -33,6 +33,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             session_disk,
             steering,
             swap,
+            thread_profile,
             workload,
         )
     finally:
@@ -55,6 +56,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "swap": swap,
         "session_disk": session_disk,
         "steering": steering,
+        "thread_profile": thread_profile,
         "workload": workload,
     }
 
@@ -182,9 +184,52 @@ def test_server_step(bench: dict) -> None:
     assert out["decode_steps"] >= 6 and out["steps_per_batch"].get(2, 0) >= 1
     assert out["loop_cpu_ms_per_step"] > 0 and out["runner_cpu_ms_per_step"] > 0
     assert out["engine_step_ms"] > 0 and out["server_over_engine"] > 0
+    assert out["prefill_forwards"] >= 2 and out["decode_forwards"] >= out["full_steps"]
     assert out["completion_tok_s"] > 0 and set(out["time"]) >= {"prefill_s", "decode_full_s"}
     assert out["top_own_cpu_ms_loop"] and out["top_cumulative_cpu_ms_decode"]
     assert bench["server_step"].summary("gemma4", out)
+
+
+def test_server_step_time_limit(bench: dict) -> None:
+    """Past its time limit the measurement's child process stops and the caller
+    gets TimeoutError, never a wait (the H200 run once hung here)."""
+    plan = bench["concurrency"].ConcurrencyPlan(clients=(2,), turns=1, reply_tokens=4)
+    with pytest.raises(TimeoutError, match="did not finish in 0 s"):
+        bench["server_step"].bench_server_step(bench["gemma4"], 2, plan, time_limit_s=0.01)
+
+
+def test_thread_sampler_keeps_threads_and_phases_apart(bench: dict) -> None:
+    """Each watched thread's CPU time goes to its own phase's profile, under the
+    function it was running; a thread whose phase is None is not counted.
+    A process-wide cProfile being on (one per process from Python 3.12) changes nothing."""
+    import cProfile
+    import threading
+    import time
+
+    def spin(until: float) -> None:
+        while time.monotonic() < until:
+            pass
+
+    phases = {"a": "spinning", "b": None}
+    until = time.monotonic() + 0.3
+    threads = {name: threading.Thread(target=spin, args=(until,)) for name in phases}
+    sampler = bench["thread_profile"].ThreadSampler(interval=0.002)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for name, thread in threads.items():
+            thread.start()
+            sampler.watch(thread.ident, lambda name=name: phases[name])
+        sampler.start()
+        for thread in threads.values():
+            thread.join()
+        sampler.stop()
+    finally:
+        profiler.disable()
+    assert set(sampler.profiles) == {"spinning"}
+    own = dict((name, ms) for name, ms, _ in sampler.profiles["spinning"].top("own"))
+    spun = [ms for name, ms in own.items() if name.endswith(":spin")]
+    assert spun and spun[0] > 0.5 * sum(own.values())
 
 
 def test_constrain(bench: dict) -> None:

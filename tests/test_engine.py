@@ -429,6 +429,44 @@ def test_a_prefill_group_takes_as_many_prompts_as_fit_in_the_budget(gemma4_insta
         assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
 
 
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_prompts_left_without_budget_wait_for_a_group_instead_of_going_alone(
+    family, request, monkeypatch
+):
+    """Four 6-token prompts, 14 prompt tokens a step: two go together, and the
+    other two wait for the next step's budget and go together too, rather
+    than one of them going alone in the 2 tokens left (two one-row forwards,
+    past the budget). Each still equals its request alone."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install)
+    engine = Engine(runner, codec, max_batch=4, prefill_budget=14)
+    real_batch, real_feed = runner.forward_batch, runner.feed
+    prefills: list[tuple[int, int]] = []
+
+    def spy_batch(tokens, positions, state, steer=None):
+        if tokens.shape[1] > 1:
+            prefills.append(tuple(tokens.shape))
+        return real_batch(tokens, positions, state, steer)
+
+    def spy_feed(session, tokens, start, logits=False, then=None):
+        if isinstance(tokens[0], int):  # a prompt's tokens (a decode step feeds a lazy id)
+            prefills.append((1, len(tokens)))
+        return real_feed(session, tokens, start, logits, then)
+
+    monkeypatch.setattr(runner, "forward_batch", spy_batch)
+    monkeypatch.setattr(runner, "feed", spy_feed)
+    config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
+    jobs = [
+        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(4)
+    ]
+    run_all(engine, [(0, job) for job in jobs])
+    assert prefills == [(2, 6), (2, 6)]
+    for job in jobs:
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
+    assert_sessions_sound(runner)
+
+
 def _mixed_jobs() -> list[Job]:
     """Rows of every sampling kind a batch draws differently: plain greedy,
     greedy and seeded rows that keep logprobs (drawn with the plain ones, their

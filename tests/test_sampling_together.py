@@ -28,3 +28,16 @@ def test_sample_together_equals_each_sampler_alone(rows, logits_seed):
         logits = mx.random.normal((len(rows), VOCAB), key=mx.random.key(logits_seed + step))
         batched = sample_together(together, logits).tolist()
         assert batched == [sampler(logits[i]).item() for i, sampler in enumerate(alone)]
+
+
+def test_an_unseeded_sampler_takes_its_seed_from_the_host() -> None:
+    """A request without a seed gets a fresh one without an MLX draw: reading one
+    (``.item()``) would wait for every decode step queued before the request
+    was admitted. MLX's global key is left as it was, and two samplers differ."""
+    mx.random.seed(3)
+    expected = mx.random.uniform().item()
+    mx.random.seed(3)
+    samplers = [Sampler(SamplingParams(temperature=1.0)) for _ in range(2)]
+    assert mx.random.uniform().item() == expected
+    draws = [s(mx.zeros((VOCAB,))).item() for s in samplers for _ in range(4)]
+    assert draws[:4] != draws[4:]

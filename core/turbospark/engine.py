@@ -340,7 +340,8 @@ class Engine:
         self._prefilling: list[_Row] = []
         self._solo: list[_Row] = []
         self._batch = _Batch(runner)
-        self._filling = _Batch(runner)  # prompts prefilled together (Engine._prefill_together)
+        self._groups: list[_Batch] = []  # prompts prefilled together (Engine._prefill_together)
+        self._regrouped: list[_Row] = []  # this step's rows of a failed group: they go alone
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.warming = False
         # Requests that discarded a parked session with content (at admission or
@@ -475,7 +476,7 @@ class Engine:
         forks = [fork for row in self._prefilling for fork in row.job.forks]  # not rows yet
         rows = self._prefilling + self._solo + self._batch.rows
         self._prefilling, self._solo, self._batch = [], [], _Batch(self.runner)
-        self._filling = _Batch(self.runner)
+        self._groups = []
         for row in rows:
             row.session.clear()  # its state may be half-written: never resume it
             self._fail(row, exc)
@@ -564,48 +565,98 @@ class Engine:
         return Sampler(job.config, job.processors, job.top_logprobs)
 
     def _prefill(self) -> None:
-        """Prompts, up to the budget: several together in one batched forward
-        when the family batches, the rest one chunk at a time."""
+        """Prompts, up to the budget: several together in batched forwards when
+        the family batches (:meth:`_prefill_together`); a prompt with no other
+        to go with, or whose session must first rewind, one chunk at a time
+        (:meth:`_prefill_alone`). Prompts that could go together but found no
+        budget left wait for the next step rather than go alone: alone, each
+        costs two forwards (all but its last token, then the last for its
+        logits), and on a host-bound device a forward costs about what a
+        decode step does, whatever its tokens."""
         for row in list(self._prefilling):
             if all(j.cancelled.is_set() for j in (row.job, *row.job.forks)):
-                if row in self._filling.rows:
+                group = self._group_of(row)
+                if group is not None:
                     row.leaves_at = row.next_prefill
-                    self._filling.leave({row: 0})
+                    group.leave({row: 0})
+                    if not group.rows:
+                        self._groups.remove(group)
                 self._prefilling.remove(row)
                 self._finish(row, "stop")
                 for fork in row.job.forks:
                     fork.emit(Chunk(text="", finish_reason="stop"))
         budget = self.prefill_budget
+        waiting = list(self._prefilling)
         if self.runner.batchable:
+            self._regrouped = []
             budget = self._prefill_together(budget)
-        for row in list(self._prefilling):
+            waiting = self._ungrouped()
+            if sum(1 for row in waiting if self._ready(row)) >= 2:
+                waiting = [r for r in waiting if not self._ready(r) or r in self._regrouped]
+        for row in waiting:
             if budget is not None and budget <= 0:
                 break
-            if row not in self._filling.rows:
-                budget = self._prefill_alone(row, budget)
+            budget = self._prefill_alone(row, budget)
+
+    @staticmethod
+    def _ready(row: _Row) -> bool:
+        """Whether the row's session holds exactly the prompt fed so far (one
+        that must rewind first goes alone: the one-row forward rewinds)."""
+        return row.session.position == row.next_prefill
+
+    def _group_of(self, row: _Row) -> _Batch | None:
+        return next((group for group in self._groups if row in group.rows), None)
+
+    def _ungrouped(self) -> list[_Row]:
+        grouped = {row for group in self._groups for row in group.rows}
+        return [row for row in self._prefilling if row not in grouped]
 
     def _prefill_together(self, budget: int | None) -> int | None:
-        """One batched forward of the same number of prompt tokens for every row
-        of the prefill group (the shortest remainder, within the chunk size and
-        the budget, at least one token a row), as mlx-lm's ``BatchGenerator``
-        prefills several prompts at once. Returns the budget left.
+        """One batched forward for each prefill group (oldest first), then for
+        each new group the budget left can take. Returns the budget left.
 
-        The group forms when two or more prompts wait and none is in a group
-        (as many as fit in the budget: :meth:`_group_within`): their sessions
-        are merged once and stay merged until each prompt ends,
-        when its row samples its first id from the forward's last-token logits,
-        is copied out, and decodes from the next step. Prompts arriving
-        meanwhile go on alone. Equal lengths mean no padding between a row's
-        state and its new tokens, so every batchable component (a recurrent
-        one included) takes them as is; prompts of different lengths end over
-        a few steps. If the forward fails, the group is undone from the
-        references held before it and its rows go on alone."""
-        group = self._filling
-        if not group.rows:
-            ready = [row for row in self._prefilling if row.session.position == row.next_prefill]
-            if len(ready) < 2:
+        A group forms from two or more waiting prompts (the first that fit in
+        the budget: :meth:`_group_within`), as mlx-lm's ``BatchGenerator``
+        prefills several prompts at once; their sessions are merged once and
+        stay merged until each prompt ends. A new group forms only where the
+        budget left lets its shortest prompt end in its first forward (or the
+        step has spent nothing yet), so a sliver of budget never starts one.
+        See :meth:`_feed_group` for each forward."""
+        for group in list(self._groups):
+            if budget is not None and budget <= 0:
                 return budget
-            group.join(self._group_within(ready, budget))
+            budget = self._feed_group(group, budget)
+        while (budget is None or budget > 0) and not self._regrouped:
+            ready = [row for row in self._ungrouped() if self._ready(row)]
+            if len(ready) < 2:
+                break
+            rows = self._group_within(ready, budget)
+            need = min(self._need(row) for row in rows)
+            if budget is not None and budget != self.prefill_budget and need * len(rows) > budget:
+                break
+            group = _Batch(self.runner)
+            group.join(rows)
+            self._groups.append(group)
+            budget = self._feed_group(group, budget)
+        return budget
+
+    @staticmethod
+    def _need(row: _Row) -> int:
+        """Prompt tokens the row's next forward can take: its remainder, within a chunk."""
+        return min(len(row.job.ids) - row.next_prefill, row.job.config.chunk_size)
+
+    def _feed_group(self, group: _Batch, budget: int | None) -> int | None:
+        """One batched forward of the same number of prompt tokens for every row
+        of *group* (the shortest remainder, within the chunk size and the
+        budget, at least one token a row); returns the budget left.
+
+        A row whose prompt ends samples its first id from the forward's
+        last-token logits, is copied out, and decodes from the next step.
+        Equal lengths mean no padding between a row's state and its new tokens,
+        so every batchable component (a recurrent one included) takes them as
+        is; prompts of different lengths end over a few steps. If the forward
+        fails, the group is undone from the references held before it and its
+        rows go on alone."""
         rows = list(group.rows)
         length = min(len(row.job.ids) - row.next_prefill for row in rows)
         length = min(length, *(row.job.config.chunk_size for row in rows))
@@ -622,6 +673,8 @@ class Engine:
             for row in rows:
                 row.leaves_at = row.next_prefill
             group.leave({row: 0 for row in rows})
+            self._groups.remove(group)
+            self._regrouped.extend(rows)
             return budget
         done: dict[_Row, int] = {}
         for i, row in enumerate(rows):
@@ -631,6 +684,8 @@ class Engine:
                 row.leaves_at = row.next_prefill
                 done[row] = i
         group.leave({row: 0 for row in done})
+        if not group.rows:
+            self._groups.remove(group)
         for row, i in done.items():
             self.runner.checkpoint(row.session)
             self._prefilled(row, logits[i])
@@ -649,7 +704,7 @@ class Engine:
         group: list[_Row] = []
         shortest = None
         for row in ready:
-            need = min(len(row.job.ids) - row.next_prefill, row.job.config.chunk_size)
+            need = Engine._need(row)
             widest = need if shortest is None else min(shortest, need)
             if len(group) >= 2 and (len(group) + 1) * widest > budget:
                 break

@@ -9,6 +9,7 @@ whatever else the process draws.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,9 +77,10 @@ class Sampler:
         self.params = params
         self.processors = list(processors)
         self.top_logprobs = top_logprobs
-        seed = (
-            params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1).item())
-        )
+        # A fresh seed comes from the host, not from MLX's global key: reading an
+        # MLX draw (``.item()``) waits for every step queued before it, so each
+        # request admitted while others decode would drain the pipeline.
+        seed = params.seed if params.seed is not None else secrets.randbelow(2**31 - 1)
         self._key = mx.random.key(seed)
         self._fed: mx.array | None = None
         self._accepted = 0  # samples fed back so far: the index of the next one
