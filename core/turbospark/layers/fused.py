@@ -57,5 +57,7 @@ def residual_scale(h: mx.array, update: mx.array, scale: mx.array) -> mx.array:
 
 @partial(mx.compile, shapeless=True)
 def softcap(logits: mx.array, cap: float) -> mx.array:
-    """``tanh(logits / cap) * cap`` (Gemma's final logit softcap)."""
-    return mx.tanh(logits / cap) * cap
+    """``tanh(logits / cap) * cap`` (Gemma's final logit softcap) in the
+    logits' dtype, returned as float32 (what the runner reads), so the cast is
+    part of the same kernel, not one more."""
+    return (mx.tanh(logits / cap) * cap).astype(mx.float32)

@@ -94,7 +94,14 @@ def causal_conv_with_tail(
     new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
     if x.shape[1] > 1:
         new_tail = mx.contiguous(new_tail)
-    return mx.conv1d(padded, weight, groups=channels), new_tail
+        return mx.conv1d(padded, weight, groups=channels), new_tail
+    # One token: the K taps summed in float32 (as the conv accumulates), elementwise
+    # over views, so a compiled step fuses them with what follows (no conv kernel).
+    out = sum(
+        padded[:, j : j + 1].astype(mx.float32) * weight[:, j, 0].astype(mx.float32)
+        for j in range(kernel)
+    )
+    return out.astype(x.dtype), new_tail
 
 
 # -- the recurrence -------------------------------------------------------------
@@ -132,6 +139,57 @@ def gated_delta_sequential(
         )
         ys.append(y)
     return mx.stack(ys, axis=1).astype(v.dtype), state
+
+
+def gated_delta_decode(
+    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """The step for one token (decode) in three kernels once compiled: the
+    same recurrence as :func:`gated_delta_step`, rearranged.
+
+    ``(g S) k = g (S k)``, so what the state predicts for ``k`` is one matmul
+    of the old state; the decay and the delta-rule update are then one
+    elementwise pass that writes the new state, and the readout ``S' q`` a
+    second matmul. The step's form (decay, two products each a multiply and a
+    reduction over ``Dk``) materialises the decayed state and each product:
+    six kernels and four casts. Grouped heads are read in place: value heads
+    ``j*r .. j*r + r - 1`` share key head ``j``, so the state viewed
+    ``(B, Hk, r * Dv, Dk)`` multiplies the unrepeated keys and queries.
+
+    q/k ``(B, 1, Hk, Dk)``, v ``(B, 1, Hv, Dv)``, log_g/beta by key head and
+    group, ``(B, Hk, r, 1, 1)`` (:func:`group_gates`: their elementwise chains
+    then fuse into the update), state ``(B, Hv, Dv, Dk)`` float32; returns y
+    ``(B, 1, Hv, Dv)`` in v's dtype and the new state."""
+    batch, _, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[2:]
+    group = value_heads // key_heads
+    # (B, 1, Hk, Dk) -> (B, Hk, Dk, 1): the column each group's rows multiply.
+    # Cast, then reshape: a compiled step fuses no elementwise op across a reshape.
+    k = k.astype(mx.float32).reshape(batch, key_heads, key_dim, 1)
+    q = q.astype(mx.float32).reshape(batch, key_heads, key_dim, 1)
+    rows = (batch, key_heads, group * value_dim, key_dim)  # the state, by key head
+    predicted = state.reshape(rows) @ k  # (B, Hk, r * Dv, 1): S k
+    g = mx.exp(log_g)
+    grouped = (batch, key_heads, group, value_dim, 1)
+    delta = (v.reshape(grouped).astype(mx.float32) - g * predicted.reshape(grouped)) * beta.astype(
+        mx.float32
+    )
+    # (B, Hk, r, Dv, Dk): decay, plus the delta along k (k broadcast over the group)
+    state = g * state.reshape(*grouped[:4], key_dim) + delta * k.reshape(
+        batch, key_heads, 1, 1, key_dim
+    )
+    y = state.reshape(rows) @ q  # (B, Hk, r * Dv, 1)
+    return (
+        y.reshape(batch, 1, value_heads, value_dim).astype(v.dtype),
+        state.reshape(batch, value_heads, value_dim, key_dim),
+    )
+
+
+def group_gates(gate: mx.array, key_heads: int) -> mx.array:
+    """``(B, 1, Hv)`` -> ``(B, Hk, r, 1, 1)``: one token's per-value-head gate
+    (or its input), by key head and group, as :func:`gated_delta_decode` reads it."""
+    batch, _, value_heads = gate.shape
+    return gate.reshape(batch, key_heads, value_heads // key_heads, 1, 1)
 
 
 def _segment_sums(log_g: mx.array) -> mx.array:
@@ -349,7 +407,9 @@ def gated_delta(
 ) -> tuple[mx.array, mx.array]:
     """The step for a single token, the chunked form for anything longer."""
     if q.shape[1] == 1:
-        return gated_delta_sequential(q, k, v, log_g, beta, state)
+        key_heads = q.shape[2]
+        gates = group_gates(log_g, key_heads), group_gates(beta, key_heads)
+        return gated_delta_decode(q, k, v, *gates, state)
     return gated_delta_chunked(q, k, v, log_g, beta, state)
 
 
@@ -524,11 +584,17 @@ def mix(
     # (B, L, 2 * key_dim) -> q's heads then k's, normalised in one kernel
     q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim))
     v = v.reshape(batch, length, value_heads, value_head_dim)
-    log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
-    beta = mx.sigmoid(b)
     if traced:
+        log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
+    elif length == 1:
+        # The gates' inputs grouped first (views), so their chains fuse into the update.
+        a, b = group_gates(a, key_heads), group_gates(b, key_heads)
+        per_head = (key_heads, value_heads // key_heads, 1, 1)
+        log_g = log_decay(A_log.reshape(per_head), a, dt_bias.reshape(per_head))
+        out, recurrent = gated_delta_decode(q, k, v, log_g, mx.sigmoid(b), recurrent)
     else:
+        log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)

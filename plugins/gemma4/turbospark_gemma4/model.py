@@ -22,6 +22,7 @@ then an array of ``B`` positions; see :mod:`turbospark.batch`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -639,6 +640,13 @@ dense_tail_step = mx.compile(dense_tail)
 dense_tail_parts_step = mx.compile(dense_tail_parts)
 
 
+@partial(mx.compile, shapeless=True)
+def ple_mix(proj: mx.array, table: mx.array, table_scale: float) -> mx.array:
+    """``(proj + table * table_scale) * 2**-0.5``: the per-layer inputs'
+    last mix, one kernel (three uncompiled)."""
+    return (proj + table * table_scale) * 2.0**-0.5
+
+
 def _last_query(attended: Attended) -> Attended:
     """The attended keys/values with the mask of the last query row only."""
     keys, values, mask = attended
@@ -677,14 +685,20 @@ class Gemma4TextModel(nn.Module):
     def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
         """``(B, L, layers, ple_dim)``: a per-layer token embedding mixed with a
         projection of the (scaled) input embedding."""
-        n, shape = self.arch.num_hidden_layers, tokens.shape
-        # Ids past the PLE table (multimodal placeholders) read row 0, as in HF.
-        ids = mx.where(tokens < self.arch.vocab_size_per_layer_input, tokens, 0)
-        table = self.embed_tokens_per_layer(ids) * self.ple_dim**0.5
+        arch, n, shape = self.arch, self.arch.num_hidden_layers, tokens.shape
+        ids = tokens
+        if arch.vocab_size > arch.vocab_size_per_layer_input:
+            # Ids past the PLE table (multimodal placeholders) read row 0, as in HF;
+            # when the table covers the vocabulary no id is past it.
+            ids = mx.where(tokens < arch.vocab_size_per_layer_input, tokens, 0)
+        table = self["embed_tokens_per_layer"]["weight"][ids]
         table = table.reshape(*shape, n, self.ple_dim)  # (B, L, n*P) -> (B, L, n, P)
-        proj = self.per_layer_model_projection(h) * self.arch.hidden_size**-0.5
-        proj = self.per_layer_projection_norm(proj.reshape(*shape, n, self.ple_dim))
-        return (proj + table) * 2.0**-0.5
+        proj = project(self["per_layer_model_projection"], h).reshape(*shape, n, self.ple_dim)
+        # The projection's scale hidden**-0.5 goes into the norm's eps instead
+        # (RMSNorm(c x, eps) = RMSNorm(x, eps / c**2)): one kernel fewer.
+        norm = self["per_layer_projection_norm"]
+        proj = mx.fast.rms_norm(proj, norm["weight"], norm.eps * arch.hidden_size)
+        return ple_mix(proj, table, self.ple_dim**0.5)
 
     def __call__(
         self,
