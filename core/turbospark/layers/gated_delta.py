@@ -62,16 +62,26 @@ def normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array,
     return normalize_qk_heads(mx.concatenate([q, k], axis=2), eps)
 
 
-def normalize_qk_heads(qk: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
+def normalize_qk_heads(
+    qk: mx.array, eps: float = 1e-6, as_keys: bool = False
+) -> tuple[mx.array, mx.array]:
     """:func:`normalize_qk` of q and k stacked along the heads, ``(B, L, 2 * Hk,
     Dk)`` with q's heads first (as the conv output holds them): one norm kernel
     for both, each row normalised alone as before.
 
     The reference adds ``eps`` to ``sum(x^2)``; ``rms_norm`` adds its eps to
     ``mean(x^2)``, hence the eps is divided by ``Dk``.
+
+    *as_keys* (one token, :func:`mix`): q scaled as k is, by ``Dk**-0.5`` (not
+    ``Dk**-1``), both cast to float32 in the same kernel, where the two scales
+    take a kernel each; the readout ``S q`` is then ``Dk**0.5`` times too
+    large, and its only reader, the gated RMSNorm, absorbs that in its eps.
     """
     inv_scale = qk.shape[-1] ** -0.5
-    q, k = mx.split(mx.fast.rms_norm(qk, None, eps * inv_scale**2), 2, axis=2)
+    normed = mx.fast.rms_norm(qk, None, eps * inv_scale**2)
+    if as_keys:
+        return mx.split((inv_scale * normed).astype(mx.float32), 2, axis=2)
+    q, k = mx.split(normed, 2, axis=2)
     return (inv_scale**2) * q, inv_scale * k
 
 
@@ -582,8 +592,12 @@ def mix(
     mixed = nn.silu(mixed)
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
     # (B, L, 2 * key_dim) -> q's heads then k's, normalised in one kernel
-    q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim))
+    qk = qk.reshape(batch, length, 2 * key_heads, key_head_dim)
     v = v.reshape(batch, length, value_heads, value_head_dim)
+    if length == 1 and not traced:
+        q, k = normalize_qk_heads(qk, as_keys=True)
+    else:
+        q, k = normalize_qk_heads(qk)
     if traced:
         log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
@@ -597,6 +611,8 @@ def mix(
         log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
+    if length == 1 and not traced:
+        eps = eps * key_head_dim  # RMSNorm(c y, eps) = RMSNorm(y, eps / c**2), c = Dk**-0.5
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
     if traced:
