@@ -60,12 +60,16 @@ def _stand_in(op: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def install_stand_ins() -> None:
-    """Replace the norms and RoPE (process-wide). Attention stays: MLX's CUDA
+    """Replace the norms and RoPE (process-wide), and have our step take the
+    forms it takes on a GPU. Attention stays: MLX's CUDA
     backend has no kernel for these decode shapes (head dims 256 and 512,
     grouped heads) and runs the same fallback the CPU builds (scale,
     matmul, softmax, matmul), which is what made the count match the H200's."""
     for name in ("rms_norm", "layer_norm", "rope"):
         setattr(mx.fast, name, _stand_in(getattr(mx.fast, name)))
+    from turbospark.layers import fused
+
+    fused.BUILD_FOR_GPU = True  # the step's GPU forms (turbospark.layers.fused.builds_for_gpu)
 
 
 def count(path: Path, census: bool = False) -> dict[str, Any]:

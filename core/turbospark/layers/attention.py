@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from turbospark.layers import fused
 from turbospark.state import LayerKV
 
 
@@ -39,8 +40,7 @@ def shared_attention(
 
 # Apple GPUs have a fused one-token attention kernel for every head dim the
 # families use; MLX's CUDA backend (0.32) runs their decode shapes through the
-# op's fallback (calibrated against the H200's kernel counts: bench/gpu_kernels.py),
-# and the CPU always does.
+# op's fallback (calibrated against the H200's kernel counts: bench/gpu_kernels.py).
 _FUSED_DECODE = mx.metal.is_available()
 
 
@@ -48,16 +48,12 @@ def attend(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``, except for one unmasked query
-    per row where no fused kernel runs it (the CPU, CUDA): there
+    per row on a GPU without a fused kernel for it (CUDA): there
     :func:`decode_attention`, the fallback's own ops less what they spend on
-    nothing."""
-    if queries.shape[2] == 1 and mask is None and not (_FUSED_DECODE and _on_gpu()):
+    nothing. The CPU keeps the op (its fallback), which costs it no more."""
+    if queries.shape[2] == 1 and mask is None and fused.builds_for_gpu() and not _FUSED_DECODE:
         return decode_attention(queries, keys, values, scale)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-
-def _on_gpu() -> bool:
-    return mx.default_device() == mx.gpu
 
 
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:

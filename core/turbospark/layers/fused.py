@@ -18,6 +18,19 @@ import mlx.nn as nn
 
 STEP_TOKENS = 8  # a lone row's forwards up to this long take the compiled step functions
 
+# None: the decode step takes its GPU forms on a GPU (builds_for_gpu); True makes
+# the CPU build them too, which is how bench/gpu_kernels.py counts a GPU's kernels.
+BUILD_FOR_GPU: bool | None = None
+
+
+def builds_for_gpu() -> bool:
+    """Whether the decode step takes the forms that cost a GPU fewer kernels
+    (one-query attention by matmuls, the gated-delta step's products as
+    matmuls). On the CPU kernels are cheap and each small BLAS call costs more
+    than the reductions it replaces (OpenBLAS wakes its threads for it), so
+    there the step keeps the reference forms. Read when a step is traced."""
+    return mx.default_device() == mx.gpu if BUILD_FOR_GPU is None else BUILD_FOR_GPU
+
 
 def runs_compiled(batch: int, length: int) -> bool:
     """Whether a forward over ``(batch, length)`` tokens takes the families'

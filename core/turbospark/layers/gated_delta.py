@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from turbospark.layers import fused
 from turbospark.layers.fused import runs_compiled
 from turbospark.layers.stacked import Stacked, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
@@ -152,7 +153,13 @@ def gated_delta_sequential(
 
 
 def gated_delta_decode(
-    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    by_matmul: bool | None = None,
 ) -> tuple[mx.array, mx.array]:
     """The step for one token (decode) in three kernels once compiled: the
     same recurrence as :func:`gated_delta_step`, rearranged.
@@ -166,6 +173,10 @@ def gated_delta_decode(
     ``j*r .. j*r + r - 1`` share key head ``j``, so the state viewed
     ``(B, Hk, r * Dv, Dk)`` multiplies the unrepeated keys and queries.
 
+    *by_matmul* (None: :func:`~turbospark.layers.fused.builds_for_gpu`):
+    the two products as matmuls, else as a multiply and a sum each (on the
+    CPU a small BLAS call costs more than both).
+
     q/k ``(B, 1, Hk, Dk)``, v ``(B, 1, Hv, Dv)``, log_g/beta by key head and
     group, ``(B, Hk, r, 1, 1)`` (:func:`group_gates`: their elementwise chains
     then fuse into the update), state ``(B, Hv, Dv, Dk)`` float32; returns y
@@ -178,7 +189,13 @@ def gated_delta_decode(
     k = k.astype(mx.float32).reshape(batch, key_heads, key_dim, 1)
     q = q.astype(mx.float32).reshape(batch, key_heads, key_dim, 1)
     rows = (batch, key_heads, group * value_dim, key_dim)  # the state, by key head
-    predicted = state.reshape(rows) @ k  # (B, Hk, r * Dv, 1): S k
+    if by_matmul is None:
+        by_matmul = fused.builds_for_gpu()
+
+    def times(s: mx.array, x: mx.array) -> mx.array:  # (B, Hk, r * Dv, 1)
+        return s @ x if by_matmul else (s * x.swapaxes(-1, -2)).sum(axis=-1, keepdims=True)
+
+    predicted = times(state.reshape(rows), k)  # S k
     g = mx.exp(log_g)
     grouped = (batch, key_heads, group, value_dim, 1)
     delta = (v.reshape(grouped).astype(mx.float32) - g * predicted.reshape(grouped)) * beta.astype(
@@ -188,7 +205,7 @@ def gated_delta_decode(
     state = g * state.reshape(*grouped[:4], key_dim) + delta * k.reshape(
         batch, key_heads, 1, 1, key_dim
     )
-    y = state.reshape(rows) @ q  # (B, Hk, r * Dv, 1)
+    y = times(state.reshape(rows), q)  # (B, Hk, r * Dv, 1)
     return (
         y.reshape(batch, 1, value_heads, value_dim).astype(v.dtype),
         state.reshape(batch, value_heads, value_dim, key_dim),

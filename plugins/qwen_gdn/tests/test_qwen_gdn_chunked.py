@@ -14,10 +14,11 @@ import pytest
 
 from turbospark.layers.gated_delta import (
     causal_conv_with_tail,
-    gated_delta,
     gated_delta_chunked,
+    gated_delta_decode,
     gated_delta_sequential,
     gated_delta_traced,
+    group_gates,
     log_decay,
     normalize_qk,
     traced_layer,
@@ -56,16 +57,21 @@ def test_chunked_equals_sequential(length: int, chunk_size: int) -> None:
     np.testing.assert_allclose(np.array(s_chunk), np.array(s_seq), atol=ATOL)
 
 
+@pytest.mark.parametrize("by_matmul", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_decode_step_equals_sequential(compiled: bool) -> None:
-    """The one-token form (three kernels once compiled) fed token by token, two
-    rows at once, equals the reference recurrence on each row."""
+def test_decode_step_equals_sequential(compiled: bool, by_matmul: bool) -> None:
+    """The one-token form (its GPU products by matmul, and the CPU's by
+    reductions) fed token by token, two rows at once, equals the reference
+    recurrence on each row."""
     rows = [_inputs(9, seed=seed) for seed in (3, 4)]
-    q, k, v, log_g, beta, state = (
-        mx.concatenate(parts, axis=0) for parts in zip(*rows, strict=True)
-    )
+    q, k, v, log_g, beta, state = (mx.concatenate(p, axis=0) for p in zip(*rows, strict=True))
     y_seq, s_seq = gated_delta_sequential(q, k, v, log_g, beta, state)
-    step = mx.compile(gated_delta) if compiled else gated_delta
+
+    def decode(q, k, v, log_g, beta, state):  # type: ignore[no-untyped-def]
+        gates = group_gates(log_g, HK), group_gates(beta, HK)
+        return gated_delta_decode(q, k, v, *gates, state, by_matmul=by_matmul)
+
+    step = mx.compile(decode) if compiled else decode
     ys = []
     for t in range(9):
         y, state = step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
