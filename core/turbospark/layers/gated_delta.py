@@ -105,9 +105,10 @@ def causal_conv_with_tail(
     new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
     if x.shape[1] > 1:
         new_tail = mx.contiguous(new_tail)
+    if x.shape[1] > 1 or not fused.builds_for_gpu():
         return mx.conv1d(padded, weight, groups=channels), new_tail
-    # One token: the K taps summed in float32 (as the conv accumulates), elementwise
-    # over views, so a compiled step fuses them with what follows (no conv kernel).
+    # One token on a GPU: the K taps summed in float32 (as the conv accumulates),
+    # elementwise over views, so a compiled step fuses them with what follows.
     out = sum(
         padded[:, j : j + 1].astype(mx.float32) * weight[:, j, 0].astype(mx.float32)
         for j in range(kernel)
@@ -173,9 +174,11 @@ def gated_delta_decode(
     ``j*r .. j*r + r - 1`` share key head ``j``, so the state viewed
     ``(B, Hk, r * Dv, Dk)`` multiplies the unrepeated keys and queries.
 
-    *by_matmul* (None: :func:`~turbospark.layers.fused.builds_for_gpu`):
-    the two products as matmuls, else as a multiply and a sum each (on the
-    CPU a small BLAS call costs more than both).
+    :func:`mix` takes it for one token where
+    :func:`~turbospark.layers.fused.builds_for_gpu` (the CPU keeps
+    :func:`gated_delta_sequential`: there a small BLAS call or a broadcast
+    pass costs more than the kernels saved). *by_matmul* (None: the same
+    test): the two products as matmuls, else a multiply and a sum each.
 
     q/k ``(B, 1, Hk, Dk)``, v ``(B, 1, Hv, Dv)``, log_g/beta by key head and
     group, ``(B, Hk, r, 1, 1)`` (:func:`group_gates`: their elementwise chains
@@ -434,9 +437,7 @@ def gated_delta(
 ) -> tuple[mx.array, mx.array]:
     """The step for a single token, the chunked form for anything longer."""
     if q.shape[1] == 1:
-        key_heads = q.shape[2]
-        gates = group_gates(log_g, key_heads), group_gates(beta, key_heads)
-        return gated_delta_decode(q, k, v, *gates, state)
+        return gated_delta_sequential(q, k, v, log_g, beta, state)
     return gated_delta_chunked(q, k, v, log_g, beta, state)
 
 
@@ -611,14 +612,14 @@ def mix(
     # (B, L, 2 * key_dim) -> q's heads then k's, normalised in one kernel
     qk = qk.reshape(batch, length, 2 * key_heads, key_head_dim)
     v = v.reshape(batch, length, value_heads, value_head_dim)
-    if length == 1 and not traced:
-        q, k = normalize_qk_heads(qk, as_keys=True)
-    else:
-        q, k = normalize_qk_heads(qk)
+    # One token on a GPU (fused.builds_for_gpu): the forms with fewer kernels
+    # (gated_delta_decode's docstring); the CPU keeps the reference's, cheaper there.
+    gpu_step = length == 1 and not traced and fused.builds_for_gpu()
+    q, k = normalize_qk_heads(qk, as_keys=gpu_step)
     if traced:
         log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
-    elif length == 1:
+    elif gpu_step:
         # The gates' inputs grouped first (views), so their chains fuse into the update.
         a, b = group_gates(a, key_heads), group_gates(b, key_heads)
         per_head = (key_heads, value_heads // key_heads, 1, 1)
@@ -628,7 +629,7 @@ def mix(
         log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
-    if length == 1 and not traced:
+    if gpu_step:  # q was scaled as keys are: the readout is Dk**0.5 too large
         eps = eps * key_head_dim  # RMSNorm(c y, eps) = RMSNorm(y, eps / c**2), c = Dk**-0.5
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
