@@ -15,8 +15,8 @@ meaningless; nothing but the count is read.
 expanded as the CPU expands it (a scale, two matmuls and a softmax: three
 kernels more per attention layer than one fused op would be), so MLX's CUDA
 backend runs these decode shapes through the same fallback. Calibration,
-``host`` size in bfloat16 (the ``large`` sizes' layer layout): gemma4 410
-ours / 501 mlx-lm, qwen_gdn 435 / 496, each equal to the H200's count.
+``host`` and ``large`` sizes in bfloat16, main's code at ``6a3013f``: gemma4
+410 ours / 501 mlx-lm, qwen_gdn 435 / 496, each equal to the H200's count.
 
 The replacement is process-wide and must precede every trace, so
 :func:`gpu_kernels` runs the count in a fresh interpreter
