@@ -12,6 +12,8 @@ graph it builds, and the host time spent building it.
   GPU it is a proxy for the kernel launches per step. On the CPU,
   ``mx.fast.rms_norm``/``rope``/attention have no fused kernel and expand into
   their element ops, so the CPU count is higher than the GPU's for both engines.
+  ``gpu_kernels`` is the count the GPU sees, taken on the CPU with one-kernel
+  stand-ins for those ops (:mod:`bench.gpu_kernels`; on a GPU, ``kernels``).
 - **Host time per step.** Wall time to build one step's graph (the Python and
   graph work, nothing evaluated), the per-token cost a launch-bound device waits
   for, and the same as the thread's CPU time (``host_cpu_us_per_step``: what
@@ -47,6 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from bench.gpu_kernels import gpu_kernels
 from turbospark.generate import GenerationConfig, stream_generate
 from turbospark.runner import Runner
 from turbospark.text import load_text
@@ -91,17 +94,26 @@ def weights_read_per_token(model: nn.Module, tied_head: nn.Module | None) -> int
     return total
 
 
-def graph_primitives(outputs: list[mx.array]) -> dict[str, int]:
-    """Primitives in the unevaluated graph behind *outputs*: all, and kernels."""
+def graph_primitives(outputs: list[mx.array], census: bool = False) -> dict[str, Any]:
+    """Primitives in the unevaluated graph behind *outputs*: all, and kernels;
+    with *census*, the kernels by primitive type too (most first; compiled
+    kernels as ``Compiled``)."""
     with tempfile.TemporaryDirectory() as tmp:
         dot = Path(tmp) / "step.dot"
         mx.export_to_dot(str(dot), *outputs)
         labels = Counter(re.findall(r'label ="([^"]+)"', dot.read_text()))
-    return {
+    counts: dict[str, Any] = {
         "primitives": sum(labels.values()),
         "kernels": sum(n for name, n in labels.items() if name not in VIEWS),
         "compiled_kernels": sum(n for name, n in labels.items() if name.startswith("Compiled")),
     }
+    if census:
+        kinds: Counter[str] = Counter()
+        for name, n in labels.items():
+            if name not in VIEWS:
+                kinds["Compiled" if name.startswith("Compiled") else name] += n
+        counts["census"] = dict(kinds.most_common())
+    return counts
 
 
 Step = Callable[[int], list[mx.array]]
@@ -188,6 +200,12 @@ def decode_cost(
         result["ours_uncompiled"] = _measure(_ours_step(runner, prompt), steps)
     result["mlx_lm"] = _measure(_theirs_step(model, prompt, vocab), steps)
     runner.reset()
+    if mx.default_device() == mx.gpu:
+        gpu = {name: {"kernels": r["kernels"]} for name, r in result.items()}
+    else:  # a fresh process, the fused ops' stand-ins installed before any trace
+        gpu = gpu_kernels(runner.path)
+    for name, counts in gpu.items():
+        result[name]["gpu_kernels"] = counts["kernels"]
     return result
 
 

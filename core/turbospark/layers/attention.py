@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from turbospark.layers import fused
 from turbospark.state import LayerKV
 
 
@@ -26,8 +27,7 @@ def cached_attention(
     """
     keys, values, key_start = kv.update_and_fetch(keys, values)
     mask = kv.mask(queries.shape[2], key_start, keys.shape[2])
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-    return out, (keys, values, mask)
+    return attend(queries, keys, values, scale, mask), (keys, values, mask)
 
 
 def shared_attention(
@@ -35,7 +35,42 @@ def shared_attention(
 ) -> mx.array:
     """Attend over another layer's ``(keys, values, mask)`` (KV-shared layers)."""
     keys, values, mask = shared
+    return attend(queries, keys, values, scale, mask)
+
+
+# Apple GPUs have a fused one-token attention kernel for every head dim the
+# families use; MLX's CUDA backend (0.32) runs their decode shapes through the
+# op's fallback (calibrated against the H200's kernel counts: bench/gpu_kernels.py).
+_FUSED_DECODE = mx.metal.is_available()
+
+
+def attend(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
+) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention``, except for one unmasked query
+    per row on a GPU without a fused kernel for it (CUDA): there
+    :func:`decode_attention`, the fallback's own ops less what they spend on
+    nothing. The CPU keeps the op (its fallback), which costs it no more."""
+    if queries.shape[2] == 1 and mask is None and fused.builds_for_gpu() and not _FUSED_DECODE:
+        return decode_attention(queries, keys, values, scale)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """One query per row, ``(B, heads, 1, D)`` over ``(B, kv_heads, T, D)``:
+    MLX's attention fallback (scale the queries, scores, a precise softmax,
+    the weighted values) with each key/value head's queries as the rows of
+    one matmul, and no scaling kernel at scale 1.0 (Gemma 4's), where the
+    fallback multiplies by 1 on every layer."""
+    batch, heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    if scale != 1.0:
+        queries = queries * scale
+    # (B, heads, 1, D) -> (B, kv_heads, heads per kv head, D): the same memory
+    queries = queries.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = queries @ keys.swapaxes(-1, -2)  # (B, kv_heads, group, T)
+    out = mx.softmax(scores, axis=-1, precise=True) @ values  # (B, kv_heads, group, Dv)
+    return out.reshape(batch, heads, 1, -1)
 
 
 # Every graph node costs host time to build and schedule, a view too. For one

@@ -18,6 +18,19 @@ import mlx.nn as nn
 
 STEP_TOKENS = 8  # a lone row's forwards up to this long take the compiled step functions
 
+# None: the decode step takes its GPU forms on a GPU (builds_for_gpu); True makes
+# the CPU build them too, which is how bench/gpu_kernels.py counts a GPU's kernels.
+BUILD_FOR_GPU: bool | None = None
+
+
+def builds_for_gpu() -> bool:
+    """Whether the decode step takes the forms that cost a GPU fewer kernels
+    (one-query attention by matmuls, the gated-delta step's products as
+    matmuls). On the CPU kernels are cheap and each small BLAS call costs more
+    than the reductions it replaces (OpenBLAS wakes its threads for it), so
+    there the step keeps the reference forms. Read when a step is traced."""
+    return mx.default_device() == mx.gpu if BUILD_FOR_GPU is None else BUILD_FOR_GPU
+
 
 def runs_compiled(batch: int, length: int) -> bool:
     """Whether a forward over ``(batch, length)`` tokens takes the families'
@@ -57,5 +70,7 @@ def residual_scale(h: mx.array, update: mx.array, scale: mx.array) -> mx.array:
 
 @partial(mx.compile, shapeless=True)
 def softcap(logits: mx.array, cap: float) -> mx.array:
-    """``tanh(logits / cap) * cap`` (Gemma's final logit softcap)."""
-    return mx.tanh(logits / cap) * cap
+    """``tanh(logits / cap) * cap`` (Gemma's final logit softcap) in the
+    logits' dtype, returned as float32 (what the runner reads), so the cast is
+    part of the same kernel, not one more."""
+    return (mx.tanh(logits / cap) * cap).astype(mx.float32)

@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from turbospark.layers import fused
 from turbospark.layers.fused import runs_compiled
 from turbospark.layers.stacked import Stacked, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
@@ -64,16 +65,26 @@ def normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array,
     return normalize_qk_heads(mx.concatenate([q, k], axis=2), eps)
 
 
-def normalize_qk_heads(qk: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
+def normalize_qk_heads(
+    qk: mx.array, eps: float = 1e-6, as_keys: bool = False
+) -> tuple[mx.array, mx.array]:
     """:func:`normalize_qk` of q and k stacked along the heads, ``(B, L, 2 * Hk,
     Dk)`` with q's heads first (as the conv output holds them): one norm kernel
     for both, each row normalised alone as before.
 
     The reference adds ``eps`` to ``sum(x^2)``; ``rms_norm`` adds its eps to
     ``mean(x^2)``, hence the eps is divided by ``Dk``.
+
+    *as_keys* (one token, :func:`mix`): q scaled as k is, by ``Dk**-0.5`` (not
+    ``Dk**-1``), both cast to float32 in the same kernel, where the two scales
+    take a kernel each; the readout ``S q`` is then ``Dk**0.5`` times too
+    large, and its only reader, the gated RMSNorm, absorbs that in its eps.
     """
     inv_scale = qk.shape[-1] ** -0.5
-    q, k = mx.split(mx.fast.rms_norm(qk, None, eps * inv_scale**2), 2, axis=2)
+    normed = mx.fast.rms_norm(qk, None, eps * inv_scale**2)
+    if as_keys:
+        return mx.split((inv_scale * normed).astype(mx.float32), 2, axis=2)
+    q, k = mx.split(normed, 2, axis=2)
     return (inv_scale**2) * q, inv_scale * k
 
 
@@ -96,7 +107,15 @@ def causal_conv_with_tail(
     new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
     if x.shape[1] > 1:
         new_tail = mx.contiguous(new_tail)
-    return mx.conv1d(padded, weight, groups=channels), new_tail
+    if x.shape[1] > 1 or not fused.builds_for_gpu():
+        return mx.conv1d(padded, weight, groups=channels), new_tail
+    # One token on a GPU: the K taps summed in float32 (as the conv accumulates),
+    # elementwise over views, so a compiled step fuses them with what follows.
+    out = sum(
+        padded[:, j : j + 1].astype(mx.float32) * weight[:, j, 0].astype(mx.float32)
+        for j in range(kernel)
+    )
+    return out.astype(x.dtype), new_tail
 
 
 # -- the recurrence -------------------------------------------------------------
@@ -134,6 +153,75 @@ def gated_delta_sequential(
         )
         ys.append(y)
     return mx.stack(ys, axis=1).astype(v.dtype), state
+
+
+def gated_delta_decode(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    by_matmul: bool | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The step for one token (decode) in three kernels once compiled: the
+    same recurrence as :func:`gated_delta_step`, rearranged.
+
+    ``(g S) k = g (S k)``, so what the state predicts for ``k`` is one matmul
+    of the old state; the decay and the delta-rule update are then one
+    elementwise pass that writes the new state, and the readout ``S' q`` a
+    second matmul. The step's form (decay, two products each a multiply and a
+    reduction over ``Dk``) materialises the decayed state and each product:
+    six kernels and four casts. Grouped heads are read in place: value heads
+    ``j*r .. j*r + r - 1`` share key head ``j``, so the state viewed
+    ``(B, Hk, r * Dv, Dk)`` multiplies the unrepeated keys and queries.
+
+    :func:`mix` takes it for one token where
+    :func:`~turbospark.layers.fused.builds_for_gpu` (the CPU keeps
+    :func:`gated_delta_sequential`: there a small BLAS call or a broadcast
+    pass costs more than the kernels saved). *by_matmul* (None: the same
+    test): the two products as matmuls, else a multiply and a sum each.
+
+    q/k ``(B, 1, Hk, Dk)``, v ``(B, 1, Hv, Dv)``, log_g/beta by key head and
+    group, ``(B, Hk, r, 1, 1)`` (:func:`group_gates`: their elementwise chains
+    then fuse into the update), state ``(B, Hv, Dv, Dk)`` float32; returns y
+    ``(B, 1, Hv, Dv)`` in v's dtype and the new state."""
+    batch, _, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[2:]
+    group = value_heads // key_heads
+    # (B, 1, Hk, Dk) -> (B, Hk, Dk, 1): the column each group's rows multiply.
+    # Cast, then reshape: a compiled step fuses no elementwise op across a reshape.
+    k = k.astype(mx.float32).reshape(batch, key_heads, key_dim, 1)
+    q = q.astype(mx.float32).reshape(batch, key_heads, key_dim, 1)
+    rows = (batch, key_heads, group * value_dim, key_dim)  # the state, by key head
+    if by_matmul is None:
+        by_matmul = fused.builds_for_gpu()
+
+    def times(s: mx.array, x: mx.array) -> mx.array:  # (B, Hk, r * Dv, 1)
+        return s @ x if by_matmul else (s * x.swapaxes(-1, -2)).sum(axis=-1, keepdims=True)
+
+    predicted = times(state.reshape(rows), k)  # S k
+    g = mx.exp(log_g)
+    grouped = (batch, key_heads, group, value_dim, 1)
+    delta = (v.reshape(grouped).astype(mx.float32) - g * predicted.reshape(grouped)) * beta.astype(
+        mx.float32
+    )
+    # (B, Hk, r, Dv, Dk): decay, plus the delta along k (k broadcast over the group)
+    state = g * state.reshape(*grouped[:4], key_dim) + delta * k.reshape(
+        batch, key_heads, 1, 1, key_dim
+    )
+    y = times(state.reshape(rows), q)  # (B, Hk, r * Dv, 1)
+    return (
+        y.reshape(batch, 1, value_heads, value_dim).astype(v.dtype),
+        state.reshape(batch, value_heads, value_dim, key_dim),
+    )
+
+
+def group_gates(gate: mx.array, key_heads: int) -> mx.array:
+    """``(B, 1, Hv)`` -> ``(B, Hk, r, 1, 1)``: one token's per-value-head gate
+    (or its input), by key head and group, as :func:`gated_delta_decode` reads it."""
+    batch, _, value_heads = gate.shape
+    return gate.reshape(batch, key_heads, value_heads // key_heads, 1, 1)
 
 
 def _segment_sums(log_g: mx.array) -> mx.array:
@@ -539,16 +627,28 @@ def mix(
     mixed = nn.silu(mixed)
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
     # (B, L, 2 * key_dim) -> q's heads then k's, normalised in one kernel
-    q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim))
+    qk = qk.reshape(batch, length, 2 * key_heads, key_head_dim)
     v = v.reshape(batch, length, value_heads, value_head_dim)
-    log_g = log_decay(A_log, a, dt_bias)  # (B, L, Hv)
-    beta = mx.sigmoid(b)
+    # One token on a GPU (fused.builds_for_gpu): the forms with fewer kernels
+    # (gated_delta_decode's docstring); the CPU keeps the reference's, cheaper there.
+    gpu_step = length == 1 and not traced and fused.builds_for_gpu()
+    q, k = normalize_qk_heads(qk, as_keys=gpu_step)
     if traced:
         start = recurrent
+        log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
+    elif gpu_step:
+        # The gates' inputs grouped first (views), so their chains fuse into the update.
+        a, b = group_gates(a, key_heads), group_gates(b, key_heads)
+        per_head = (key_heads, value_heads // key_heads, 1, 1)
+        log_g = log_decay(A_log.reshape(per_head), a, dt_bias.reshape(per_head))
+        out, recurrent = gated_delta_decode(q, k, v, log_g, mx.sigmoid(b), recurrent)
     else:
+        log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
+    if gpu_step:  # q was scaled as keys are: the readout is Dk**0.5 too large
+        eps = eps * key_head_dim  # RMSNorm(c y, eps) = RMSNorm(y, eps / c**2), c = Dk**-0.5
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
     if traced and keep:

@@ -20,7 +20,7 @@ def logits_for(
         return None
     rows = hidden[-1:] if want == "last" else hidden
     out = head(rows).astype(mx.float32)  # (rows, vocab)
-    return out[0] if want == "last" else out
+    return out.squeeze(0) if want == "last" else out  # a view (out[0] is a gather kernel)
 
 
 def batch_logits_for(

@@ -22,6 +22,7 @@ then an array of ``B`` positions; see :mod:`turbospark.batch`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -323,10 +324,34 @@ class Attention(nn.Module):
         matmul over the stacked weights, or the modules one by one when sharded."""
         if not self.owns_kv:  # a KV-shared layer: queries only
             return project(self["q_proj"], x), None, None
-        names = ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
+        names = self._names
         stack = stacked(self, names)
         outs = [project(self[name], x) for name in names] if stack is None else stack(x)
         return outs[0], outs[1], outs[2] if len(outs) == 3 else None
+
+    @property
+    def _names(self) -> tuple[str, ...]:
+        """The projections of a K/V-owning layer, in their stacked order."""
+        return ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
+
+    def _joint_norm(self) -> mx.array:
+        """``(heads + kv_heads, 1, D)``: q_norm's weight for each query head,
+        then k_norm's for each key head, as :func:`joint_inputs` scales them
+        (evaluated once, kept in ``__dict__``, rebuilt when a weight was replaced)."""
+        q_w, k_w = self["q_norm"]["weight"], self["k_norm"]["weight"]
+        held = self.__dict__.get("_joint")
+        if held is not None and held[0] is q_w and held[1] is k_w:
+            return held[2]
+        shape = (self.head_dim,)
+        joint = mx.concatenate(
+            [
+                mx.broadcast_to(q_w, (self.n_heads, *shape)),
+                mx.broadcast_to(k_w, (self.n_kv_heads, *shape)),
+            ]
+        )[:, None, :]  # (heads + kv_heads, 1, D)
+        mx.eval(joint)
+        self.__dict__["_joint"] = (q_w, k_w, joint)
+        return joint
 
     def __call__(
         self,
@@ -339,13 +364,20 @@ class Attention(nn.Module):
         is the RoPE offset: a Python int, or (compiled steps) a device array,
         so that one trace serves every position."""
         batch, length, _ = x.shape
-        q, k, v = self._project(x)
-        norms = (self["q_norm"]["weight"], self["k_norm"]["weight"] if self.owns_kv else None)
-        inputs = attention_inputs_step if runs_compiled(batch, length) else attention_inputs
-        queries, keys, values = inputs(
-            q, k, v, norms, start, self["_freqs"], self.n_heads, self.n_kv_heads, self.head_dim,
-            self.eps,
-        )  # fmt: skip
+        stack = stacked(self, self._names) if self.owns_kv and length == 1 else None
+        if stack is not None:  # one token: q, k and v normed together
+            queries, keys, values = joint_inputs_step(
+                x @ stack.weight_t, self._joint_norm(), start, self["_freqs"], self.n_heads,
+                self.n_kv_heads, self.eps,
+            )  # fmt: skip
+        else:
+            q, k, v = self._project(x)
+            norms = (self["q_norm"]["weight"], self["k_norm"]["weight"] if self.owns_kv else None)
+            inputs = attention_inputs_step if runs_compiled(batch, length) else attention_inputs
+            queries, keys, values = inputs(
+                q, k, v, norms, start, self["_freqs"], self.n_heads, self.n_kv_heads,
+                self.head_dim, self.eps,
+            )  # fmt: skip
         if self.owns_kv:
             out, attended = cached_attention(queries, keys, values, kv, scale=1.0)
         else:
@@ -383,6 +415,36 @@ def attention_inputs(
 # Traced once per batch size and short lone-row length, with the RoPE offset a
 # device array (runs_compiled); prefill runs it uncompiled.
 attention_inputs_step = mx.compile(attention_inputs)
+
+
+def joint_inputs(
+    qkv: mx.array,
+    joint_norm: mx.array,
+    start: mx.array,
+    freqs: mx.array,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """:func:`attention_inputs` for one token of a K/V-owning layer, from the
+    stacked projection ``(B, 1, (heads + kv_heads [+ kv_heads]) * D)``, in three
+    kernels where it takes five: every head normed at once without a scale
+    (what values get), the query and key heads then scaled by their norm's
+    weight (*joint_norm*, :meth:`Attention._joint_norm`) in one multiply, and
+    rotated in one RoPE. ``RMSNorm(x) * w`` is ``nn.RMSNorm``'s math, rounded
+    once more in between. With ``attention_k_eq_v`` (no value heads) the
+    values are the keys' heads before their scale and RoPE, as there."""
+    batch = qkv.shape[0]
+    dim = joint_norm.shape[-1]
+    normed = mx.fast.rms_norm(qkv.reshape(batch, -1, 1, dim), None, eps)  # (B, n, 1, D)
+    joint = heads + kv_heads
+    rotated = apply_rope(normed[:, :joint] * joint_norm, start, dim, freqs)
+    values = normed[:, joint:] if normed.shape[1] > joint else normed[:, heads:]
+    return rotated[:, :heads], rotated[:, heads:], values
+
+
+# One token a row: traced once per batch size.
+joint_inputs_step = mx.compile(joint_inputs)
 
 
 class Router(nn.Module):
@@ -636,6 +698,13 @@ def dense_tail(
 dense_tail_step = mx.compile(dense_tail)
 
 
+@partial(mx.compile, shapeless=True)
+def ple_mix(proj: mx.array, table: mx.array, table_scale: float) -> mx.array:
+    """``(proj + table * table_scale) * 2**-0.5``: the per-layer inputs'
+    last mix, one kernel (three uncompiled)."""
+    return (proj + table * table_scale) * 2.0**-0.5
+
+
 def _last_query(attended: Attended) -> Attended:
     """The attended keys/values with the mask of the last query row only."""
     keys, values, mask = attended
@@ -674,14 +743,20 @@ class Gemma4TextModel(nn.Module):
     def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
         """``(B, L, layers, ple_dim)``: a per-layer token embedding mixed with a
         projection of the (scaled) input embedding."""
-        n, shape = self.arch.num_hidden_layers, tokens.shape
-        # Ids past the PLE table (multimodal placeholders) read row 0, as in HF.
-        ids = mx.where(tokens < self.arch.vocab_size_per_layer_input, tokens, 0)
-        table = self.embed_tokens_per_layer(ids) * self.ple_dim**0.5
+        arch, n, shape = self.arch, self.arch.num_hidden_layers, tokens.shape
+        ids = tokens
+        if arch.vocab_size > arch.vocab_size_per_layer_input:
+            # Ids past the PLE table (multimodal placeholders) read row 0, as in HF;
+            # when the table covers the vocabulary no id is past it.
+            ids = mx.where(tokens < arch.vocab_size_per_layer_input, tokens, 0)
+        table = self["embed_tokens_per_layer"]["weight"][ids]
         table = table.reshape(*shape, n, self.ple_dim)  # (B, L, n*P) -> (B, L, n, P)
-        proj = self.per_layer_model_projection(h) * self.arch.hidden_size**-0.5
-        proj = self.per_layer_projection_norm(proj.reshape(*shape, n, self.ple_dim))
-        return (proj + table) * 2.0**-0.5
+        proj = project(self["per_layer_model_projection"], h).reshape(*shape, n, self.ple_dim)
+        # The projection's scale hidden**-0.5 goes into the norm's eps instead
+        # (RMSNorm(c x, eps) = RMSNorm(x, eps / c**2)): one kernel fewer.
+        norm = self["per_layer_projection_norm"]
+        proj = mx.fast.rms_norm(proj, norm["weight"], norm.eps * arch.hidden_size)
+        return ple_mix(proj, table, self.ple_dim**0.5)
 
     def __call__(
         self,

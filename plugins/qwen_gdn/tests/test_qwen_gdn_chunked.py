@@ -12,12 +12,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from turbospark.layers import fused
 from turbospark.layers.gated_delta import (
     causal_conv_with_tail,
     gated_delta_chunked,
+    gated_delta_decode,
     gated_delta_sequential,
     gated_delta_traced,
+    group_gates,
     log_decay,
+    mix,
     normalize_qk,
     traced_layer,
     traced_state,
@@ -53,6 +57,31 @@ def test_chunked_equals_sequential(length: int, chunk_size: int) -> None:
     assert s_chunk.dtype == mx.float32
     np.testing.assert_allclose(np.array(y_chunk), np.array(y_seq), atol=ATOL)
     np.testing.assert_allclose(np.array(s_chunk), np.array(s_seq), atol=ATOL)
+
+
+@pytest.mark.parametrize("by_matmul", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_decode_step_equals_sequential(compiled: bool, by_matmul: bool) -> None:
+    """The one-token form (its GPU products by matmul, and the CPU's by
+    reductions) fed token by token, two rows at once, equals the reference
+    recurrence on each row."""
+    rows = [_inputs(9, seed=seed) for seed in (3, 4)]
+    q, k, v, log_g, beta, state = (mx.concatenate(p, axis=0) for p in zip(*rows, strict=True))
+    y_seq, s_seq = gated_delta_sequential(q, k, v, log_g, beta, state)
+
+    def decode(q, k, v, log_g, beta, state):  # type: ignore[no-untyped-def]
+        gates = group_gates(log_g, HK), group_gates(beta, HK)
+        return gated_delta_decode(q, k, v, *gates, state, by_matmul=by_matmul)
+
+    step = mx.compile(decode) if compiled else decode
+    ys = []
+    for t in range(9):
+        y, state = step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
+                        log_g[:, t : t + 1], beta[:, t : t + 1], state)  # fmt: skip
+        ys.append(y)
+    assert state.dtype == mx.float32 and state.shape == (2, HV, DV, DK)
+    np.testing.assert_allclose(np.array(mx.concatenate(ys, axis=1)), np.array(y_seq), atol=ATOL)
+    np.testing.assert_allclose(np.array(state), np.array(s_seq), atol=ATOL)
 
 
 def test_state_carries_across_calls() -> None:
@@ -140,3 +169,37 @@ def test_traced_layer_rebuilds_the_conv_tail() -> None:
         _, expected = causal_conv_with_tail(projected[:, :n], tail, weight)
         got, _ = traced_layer(tail, state, (projected, *recurrence), n)
         np.testing.assert_array_equal(np.array(got), np.array(expected))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_token_gpu_forms_equal_the_cpu_forms(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mix`` for one token takes fewer-kernel forms on a GPU (the conv as
+    fused taps, q scaled as k with the gated norm's eps absorbing it, the
+    rearranged step); forced on here, they give the CPU forms' output and
+    state, two rows and four tokens in a row."""
+    rng = np.random.default_rng(7)
+
+    def normal(*shape: int, scale: float = 1.0) -> mx.array:
+        return mx.array((scale * rng.normal(size=shape)).astype(np.float32))
+
+    hidden, kernel = 32, 4
+    conv_dim = 2 * HK * DK + HV * DV
+    weights = (normal(hidden, conv_dim + HV * DV + 2 * HV, scale=0.2), normal(conv_dim, kernel, 1),
+               mx.log(mx.array([0.01, 0.5, 4.0, 16.0])), normal(HV), 1.0 + normal(DV, scale=0.1))  # fmt: skip
+    xs = [normal(2, 1, hidden) for _ in range(4)]
+    start = (normal(2, kernel - 1, conv_dim), 0.1 * normal(2, HV, DV, DK))
+    runs = []
+    for gpu in (False, True):
+        monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
+        step = mx.compile(mix) if compiled else mix  # a fresh trace for each form
+        tail, recurrent, outs = *start, []
+        in_t, conv, a_log, dt_bias, norm = weights
+        for x in xs:
+            out, tail, recurrent = step(x, in_t, tail, recurrent, conv, a_log, dt_bias, norm,
+                                        HK, HV, DK, DV, 1e-6)  # fmt: skip
+            outs.append(out)
+        runs.append((mx.concatenate(outs, axis=1), tail, recurrent))
+    for cpu, gpu in zip(*runs, strict=True):
+        np.testing.assert_allclose(np.array(gpu), np.array(cpu), atol=ATOL)

@@ -65,9 +65,10 @@ def turbospark_new_state(arch: ArchConfig, model: nn.Module, context_length: int
 def turbospark_forward_hidden(
     model: nn.Module, tokens: mx.array, start: int, state: State
 ) -> mx.array:
-    return model(tokens[None], start, state)[0]  # (L, hidden)
+    return model(tokens[None], start, state).squeeze(0)  # (L, hidden)
 
 
+# Rows by squeeze(0), a view: x[0] is a gather, one kernel more per step.
 @hookimpl
 def turbospark_forward(
     model: nn.Module,
@@ -78,7 +79,7 @@ def turbospark_forward(
     logits: LogitsWanted,
     steer: LayerHook | None,
 ) -> mx.array | None:
-    hidden = model(tokens[None], start, state, vision, steer)[0]  # (L, hidden)
+    hidden = model(tokens[None], start, state, vision, steer).squeeze(0)  # (L, hidden)
     return logits_for(hidden, model.head, logits)
 
 
@@ -92,7 +93,9 @@ def turbospark_forward_with_hidden(
     logits: LogitsWanted,
     steer: LayerHook | None,
 ) -> tuple[mx.array | None, mx.array]:
-    hidden = model(tokens[None], start, state, vision, steer)[0]  # (L, hidden), final-normed
+    hidden = model(tokens[None], start, state, vision, steer).squeeze(
+        0
+    )  # (L, hidden), final-normed
     return logits_for(hidden, model.head, logits), hidden
 
 

@@ -1,0 +1,143 @@
+"""Kernels one decode step launches on a GPU, counted on the CPU.
+
+On a GPU, ``mx.fast.rms_norm``, ``rope`` and ``layer_norm`` are one
+primitive (one kernel) each; on the CPU they have no fused kernel and expand,
+when the graph is built, into their fallback's element ops, so the CPU's
+``kernels`` (:func:`bench.decode_cost.graph_primitives`) runs about 3.5x the
+GPU's. Here each is replaced, before anything is traced or compiled, by a
+one-primitive stand-in of the same output shape that ``mx.compile`` does not
+fuse (a ``cumsum``: one Scan), and the step's graph is counted as before:
+MLX's graph of the GPU step, built on the CPU. The values it computes are
+meaningless; nothing but the count is read.
+
+``mx.fast.scaled_dot_product_attention`` is left as it is: the H200's counts
+(MLX 0.32, ``bench/gpu.py --only forward``) match only with attention
+expanded as the CPU expands it (a scale, two matmuls and a softmax: three
+kernels more per attention layer than one fused op would be), so MLX's CUDA
+backend runs these decode shapes through the same fallback. Calibration,
+``host`` and ``large`` sizes in bfloat16, main's code at ``6a3013f``: gemma4
+410 ours / 501 mlx-lm, qwen_gdn 435 / 496, each equal to the H200's count.
+
+The replacement is process-wide and must precede every trace, so
+:func:`gpu_kernels` runs the count in a fresh interpreter
+(``python -m bench.gpu_kernels --path INSTALL``), and :mod:`bench.decode_cost`
+calls it for its ``gpu_kernels`` field (on a GPU that field is ``kernels``
+itself).
+
+Run: ``uv run python bench/gpu_kernels.py [--family F ...] [--size host] [--dtype bfloat16] [--census] [--json]``.
+``--census`` adds the step's non-view primitives by type: what to cut next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stand_in(op: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """A one-kernel replacement for an ``mx.fast`` op that maps ``x`` to an
+    array of its shape (a norm, RoPE): one Scan over ``x``. The op's other
+    arrays are weights, frequency tables or the RoPE offset (leaves or a
+    trace's inputs), so leaving them out of the graph drops no kernel."""
+
+    def one_scan(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        return mx.cumsum(x, axis=-1)
+
+    one_scan.__doc__ = f"Stand-in for ``mx.fast.{op.__name__}`` (one kernel)."
+    return one_scan
+
+
+def install_stand_ins() -> None:
+    """Replace the norms and RoPE (process-wide), and have our step take the
+    forms it takes on a GPU. Attention stays: MLX's CUDA
+    backend has no kernel for these decode shapes (head dims 256 and 512,
+    grouped heads) and runs the same fallback the CPU builds (scale,
+    matmul, softmax, matmul), which is what made the count match the H200's."""
+    for name in ("rms_norm", "layer_norm", "rope"):
+        setattr(mx.fast, name, _stand_in(getattr(mx.fast, name)))
+    from turbospark.layers import fused
+
+    fused.BUILD_FOR_GPU = True  # the step's GPU forms (turbospark.layers.fused.builds_for_gpu)
+
+
+def count(path: Path, census: bool = False) -> dict[str, Any]:
+    """In this process (stand-ins installed first): the GPU-equivalent kernels
+    of one decode step on *path*, ours compiled and uncompiled, and mlx-lm's."""
+    install_stand_ins()
+    from mlx_lm.utils import load_model
+
+    from bench.decode_cost import _ours_step, _theirs_step, compile_off, graph_primitives
+    from turbospark.runner import Runner
+
+    prompt = list(range(6, 38))  # 32 tokens: a decode step's graph is the same after any prompt
+    runner = Runner.open(path, context_length=256)
+    model, _ = load_model(path)
+    steps = {"ours": _ours_step(runner, prompt)}
+    steps["mlx_lm"] = _theirs_step(model, prompt, runner.vocab_size)
+    out: dict[str, Any] = {}
+    for name, step in steps.items():
+        for warm in range(2):
+            mx.eval(step(warm))
+        out[name] = graph_primitives(step(2), census=census)
+    with compile_off():
+        step = _ours_step(runner, prompt)
+        mx.eval(step(0))
+        out["ours_uncompiled"] = graph_primitives(step(1), census=census)
+    return out
+
+
+def gpu_kernels(path: Path, census: bool = False) -> dict[str, Any]:
+    """:func:`count` in a fresh interpreter (the stand-ins must precede every trace)."""
+    command = [sys.executable, "-m", "bench.gpu_kernels", "--path", str(path), "--json"]
+    done = subprocess.run(
+        command + (["--census"] if census else []),
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def main() -> None:
+    from bench.common import DEFAULT_CACHE, install
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", type=Path, help="an install (default: --family at --size)")
+    parser.add_argument("--family", action="append", choices=["gemma4", "qwen_gdn"])
+    parser.add_argument("--size", default="host", help="bench.common size (default: host)")
+    parser.add_argument("--dtype", default="bfloat16", help="the install's dtype (the GPU's)")
+    parser.add_argument("--census", action="store_true", help="primitives by type too")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    mx.set_default_device(mx.cpu)
+    if args.path is not None:
+        result: dict[str, Any] = count(args.path, args.census)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+        return
+    results = {}
+    for family in args.family or ["gemma4", "qwen_gdn"]:
+        path = install(family, args.size, args.dtype, DEFAULT_CACHE)
+        results[family] = gpu_kernels(path, args.census)
+    if args.json:
+        print(json.dumps(results))
+        return
+    for family, result in results.items():
+        row = ", ".join(f"{name} {r['kernels']}" for name, r in result.items())
+        print(f"{family} {args.size} {args.dtype}: GPU-equivalent kernels per decode step: {row}")
+        if args.census:
+            for name, r in result.items():
+                print(f"  {name}: {r['census']}")
+
+
+if __name__ == "__main__":
+    main()
