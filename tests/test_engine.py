@@ -404,21 +404,35 @@ def test_a_batched_forward_failing_midway_leaves_every_session_intact(
     assert_sessions_sound(runner)
 
 
+def spy_prefills(runner, monkeypatch) -> list[tuple[int, int]]:
+    """The ``(rows, tokens)`` of every prompt forward *runner* runs from now on:
+    batched groups (``forward_batch`` over more than one token) and lone rows
+    (``feed`` of a prompt's ids; a decode step feeds a lazy id)."""
+    real_batch, real_feed = runner.forward_batch, runner.feed
+    prefills: list[tuple[int, int]] = []
+
+    def spy_batch(tokens, positions, state, steer=None):
+        if tokens.shape[1] > 1:
+            prefills.append(tuple(tokens.shape))
+        return real_batch(tokens, positions, state, steer)
+
+    def spy_feed(session, tokens, start, logits=False, then=None):
+        if isinstance(tokens[0], int):
+            prefills.append((1, len(tokens)))
+        return real_feed(session, tokens, start, logits, then)
+
+    monkeypatch.setattr(runner, "forward_batch", spy_batch)
+    monkeypatch.setattr(runner, "feed", spy_feed)
+    return prefills
+
+
 def test_a_prefill_group_takes_as_many_prompts_as_fit_in_the_budget(gemma4_install, monkeypatch):
     """Four 6-token prompts, 12 prompt tokens a step: two prompts end in one
     forward, then the next two; not four that each get 3 tokens a step."""
     codec = load_text(gemma4_install)
     runner = open_runner(gemma4_install)
     engine = Engine(runner, codec, max_batch=4, prefill_budget=12)
-    real = runner.forward_batch
-    prefills: list[tuple[int, int]] = []
-
-    def spy(tokens, positions, state, steer=None):
-        if tokens.shape[1] > 1:
-            prefills.append(tuple(tokens.shape))
-        return real(tokens, positions, state, steer)
-
-    monkeypatch.setattr(runner, "forward_batch", spy)
+    prefills = spy_prefills(runner, monkeypatch)
     config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
     jobs = [
         Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(4)
@@ -441,21 +455,7 @@ def test_prompts_left_without_budget_wait_for_a_group_instead_of_going_alone(
     codec = load_text(install)
     runner = open_runner(install)
     engine = Engine(runner, codec, max_batch=4, prefill_budget=14)
-    real_batch, real_feed = runner.forward_batch, runner.feed
-    prefills: list[tuple[int, int]] = []
-
-    def spy_batch(tokens, positions, state, steer=None):
-        if tokens.shape[1] > 1:
-            prefills.append(tuple(tokens.shape))
-        return real_batch(tokens, positions, state, steer)
-
-    def spy_feed(session, tokens, start, logits=False, then=None):
-        if isinstance(tokens[0], int):  # a prompt's tokens (a decode step feeds a lazy id)
-            prefills.append((1, len(tokens)))
-        return real_feed(session, tokens, start, logits, then)
-
-    monkeypatch.setattr(runner, "forward_batch", spy_batch)
-    monkeypatch.setattr(runner, "feed", spy_feed)
+    prefills = spy_prefills(runner, monkeypatch)
     config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
     jobs = [
         Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(4)
