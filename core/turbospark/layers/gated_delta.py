@@ -713,7 +713,6 @@ class GDNComponent:
         self._states: list[mx.array | None] = [None] * num_layers
         self._position = 0
         self.tracing = False  # the next forward keeps every token's state (trace())
-        self.keeping: int | None = None  # ... or only its first tokens' (trace(keep))
         self._traced: TracedPass | None = None  # the last traced forward's
 
     def layer(self, index: int) -> tuple[mx.array | None, mx.array | None]:
@@ -738,7 +737,7 @@ class GDNComponent:
         self._position += n
         if self.tracing:
             assert self._traced is not None
-            self._traced.length, self.tracing, self.keeping = n, False, None
+            self._traced.length, self.tracing = n, False
 
     # -- speculative rollback (turbospark.speculative) -----------------------------
 
@@ -747,8 +746,14 @@ class GDNComponent:
         with *keep* (a blind probe's pass, which keeps only its first *keep*
         tokens), leave the state after those current instead and trace nothing:
         :meth:`keep_traced` then takes *keep* or 0 tokens, and builds nothing."""
-        self.tracing, self.keeping = True, keep
+        self.tracing = True
         self._traced = TracedPass(self._position, [None] * len(self._tails), keep=keep)
+
+    @property
+    def keeping(self) -> int | None:
+        """While the next forward is traced: how many of its first tokens a
+        probe's pass keeps (``trace(keep)``); None for a full verify pass."""
+        return self._traced.keep if self.tracing and self._traced is not None else None
 
     def held_trace(self) -> TracedPass | None:
         """The last traced forward, for a :meth:`keep_traced` after later
@@ -798,7 +803,7 @@ class GDNComponent:
         self._tails = [None] * len(self._tails)
         self._states = [None] * len(self._states)
         self._position = 0
-        self.tracing, self.keeping, self._traced = False, None, None
+        self.tracing, self._traced = False, None
 
     def rewind(self, n: int) -> None:
         if n != 0:
@@ -864,7 +869,7 @@ class GDNComponent:
         return one
 
     def restore(self, snapshot: Snapshot) -> None:
-        self.tracing, self.keeping, self._traced = False, None, None
+        self.tracing, self._traced = False, None
         self._tails = [snapshot.get(f"{i}.conv_tail") for i in range(len(self._tails))]
         self._states = [snapshot.get(f"{i}.recurrent") for i in range(len(self._states))]
         self._position = int(snapshot["position"].item())
