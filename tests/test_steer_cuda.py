@@ -84,5 +84,5 @@ def test_the_join_inside_the_launch_equals_the_join_then_the_launch(
     )
     scale = mx.array([0.37], dtype=dtype) if scaled else None
     joined = h + update if scale is None else (h + update) * scale
-    assert mx.array_equal(steer.join(1, h, update, scale), layer(joined))
-    assert mx.array_equal(steer.join(1, h, update, scale)[-1], joined[-1])
+    assert mx.array_equal(steer.joiner(1)(h, update, scale), layer(joined))
+    assert mx.array_equal(steer.joiner(1)(h, update, scale)[-1], joined[-1])

@@ -536,11 +536,6 @@ class Steer:
         entry = self.layers.get(layer)
         return h if entry is None else entry(h)
 
-    def join(self, layer: int, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
-        """*layer*'s residual join and steering together (see :func:`joiner`)."""
-        entry = self.layers.get(layer)
-        return _join(h, update, scale) if entry is None else entry.join(h, update, scale)
-
     def joiner(self, layer: int) -> Join:
         """*layer*'s :class:`Join` (see :func:`joiner`), made once."""
         join = self.joins.get(layer)
