@@ -75,9 +75,8 @@ def turbospark_forward(
     steer: LayerHook | None,
 ) -> mx.array | None:
     # Only "all" reads every row; otherwise the KV-shared tail runs for the last one.
-    hidden = model(tokens[None], start, state, vision, logits != "all", steer).squeeze(
-        0
-    )  # (L, hidden)
+    # (L, hidden)
+    hidden = model(tokens[None], start, state, vision, logits != "all", steer).squeeze(0)
     return logits_for(hidden, model.head, logits)
 
 

@@ -93,9 +93,8 @@ def turbospark_forward_with_hidden(
     logits: LogitsWanted,
     steer: LayerHook | None,
 ) -> tuple[mx.array | None, mx.array]:
-    hidden = model(tokens[None], start, state, vision, steer).squeeze(
-        0
-    )  # (L, hidden), final-normed
+    # (L, hidden), final-normed
+    hidden = model(tokens[None], start, state, vision, steer).squeeze(0)
     return logits_for(hidden, model.head, logits), hidden
 
 
