@@ -118,6 +118,27 @@ def test_conv_tail_continues_the_sequence() -> None:
     np.testing.assert_array_equal(np.array(whole_tail), np.array(x[:, -3:]))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("length", [1, 3, 64])
+def test_conv_taps_equal_mlx_conv1d(length: int, dtype: mx.Dtype) -> None:
+    """The conv as its taps (what every backend runs) gives ``mx.conv1d``'s
+    values over the same padded input: bit for bit in float32, and within one
+    bfloat16 rounding (both accumulate in float32) in bfloat16."""
+    rng = np.random.default_rng(length)
+    x = mx.array(rng.normal(size=(2, length, 40)).astype(np.float32)).astype(dtype)
+    tail = mx.array(rng.normal(size=(2, 3, 40)).astype(np.float32)).astype(dtype)
+    weight = mx.array(rng.normal(size=(40, 4, 1)).astype(np.float32)).astype(dtype)
+    out, _ = causal_conv_with_tail(x, tail, weight)
+    reference = mx.conv1d(mx.concatenate([tail, x], axis=1), weight, groups=40)
+    assert out.dtype == reference.dtype == dtype
+    if dtype == mx.float32:
+        np.testing.assert_array_equal(np.array(out), np.array(reference))
+    else:
+        np.testing.assert_allclose(
+            np.array(out.astype(mx.float32)), np.array(reference.astype(mx.float32)), rtol=1e-2
+        )
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_the_gpu_inverse_equals_lapacks(chunk_size: int) -> None:
     """The doubling inverse (used on GPUs) against LAPACK's, on the chunk
