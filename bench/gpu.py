@@ -4,8 +4,8 @@ A device lease is short and a killed process prints nothing, so unlike
 ``run.py`` this driver writes one JSON line per finished piece::
 
     python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving
-|concurrency|server_step|step_cost|constrain|draft|draft_round|experts|steering|tp
-|batch_decode|graph_size] [--profile]
+|concurrency|server_step|step_cost|prefill_cost|constrain|draft|draft_round|experts
+|steering|tp|batch_decode|graph_size] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family), and so does
 ``batch_decode``: qwen4_exp's batched decode against its row-by-row decode
@@ -19,7 +19,10 @@ roofline each reaches and each step's graph size and host time
 decode loop into ``OUT_DIR``, one text file per family.
 ``step_cost`` times the engine's batched decode step alone at B = 8 and 16
 on the ``chat_{size}`` install (host CPU time against wall time per step,
-and the top functions: :mod:`bench.step_cost`).
+and the top functions: :mod:`bench.step_cost`). ``prefill_cost`` times one
+batched prefill forward the first time its shape runs and again, then the
+engine's phases synchronised, on the ``chat_{size}`` install
+(:mod:`bench.prefill_cost`).
 ``server_step`` serves the ``chat_{size}`` install in process to 16 chat
 clients and compares its decode step with the engine's step alone (thread
 CPU times, where the time between steps goes, stack samples of the runner thread
@@ -60,6 +63,7 @@ from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.graph_size import bench_graph_size
 from bench.interleaved import bench_interleaved
+from bench.prefill_cost import bench_prefill_cost
 from bench.run import GPU
 from bench.server_step import bench_server_step
 from bench.serving import bench_servers
@@ -104,6 +108,7 @@ def main() -> None:
             "tp",
             "batch_decode",
             "graph_size",
+            "prefill_cost",
         ],
     )
     parser.add_argument("--draft-depths", type=int, nargs="+", help="default 1-6")
@@ -199,6 +204,8 @@ def main() -> None:
                     result = server_step(path)
                 elif piece == "server_step":
                     result = server_step(path)
+                elif piece == "prefill_cost":
+                    result = bench_prefill_cost(path)
                 elif piece == "step_cost":
                     result = [measure_step(path, b, 100, 0.0, profile=True) for b in (8, 16)]
                 else:

@@ -28,6 +28,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             forward,
             host_cost,
             interleaved,
+            prefill_cost,
             report,
             server_step,
             session_disk,
@@ -51,6 +52,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "forward": forward,
         "host_cost": host_cost,
         "interleaved": interleaved,
+        "prefill_cost": prefill_cost,
         "report": report,
         "server_step": server_step,
         "swap": swap,
@@ -190,6 +192,23 @@ def test_server_step(bench: dict) -> None:
     assert out["completion_tok_s"] > 0 and set(out["time"]) >= {"prefill_s", "decode_full_s"}
     assert out["top_own_cpu_ms_loop"] and out["top_cumulative_cpu_ms_decode"]
     assert bench["server_step"].summary("gemma4", out)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_prefill_cost(bench: dict, family: str) -> None:
+    """Each shape timed twice; the engine's phases timed, then its methods restored."""
+    from turbospark.engine import _Batch
+
+    module = bench["prefill_cost"]
+    rows = module.shapes(bench[family], cases=[(2, 5, 3), (1, 4, 0)])
+    assert [(r["rows"], r["tokens"], r["held"]) for r in rows] == [(2, 5, 3), (1, 4, 0)]
+    assert all(r["first_ms"] > 0 and r["again_ms"] > 0 for r in rows)
+    feed = _Batch.feed
+    out = module.phases(bench[family], clients=2, turns=1, tokens=(6, 5, 3))
+    assert _Batch.feed is feed
+    assert out["turns"][0]["steps"] >= 3
+    assert out["phases"]["group forward"]["calls"] >= 1
+    assert out["phases"]["batched decode step"]["calls"] >= 1
 
 
 def test_server_step_time_limit(bench: dict) -> None:
