@@ -376,6 +376,19 @@ def test_a_probe_keeping_nothing_or_more_than_it_feeds_is_refused_before_any_sta
     np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
 
 
+def test_a_verify_pass_with_an_unread_draft_is_refused_before_any_state_changes(
+    qwen_gdn_install,
+):
+    """Only the confirmed token may still be computing when a pass is queued;
+    an unread draft after it is refused by name, and the session is untouched."""
+    runner = open_runner(qwen_gdn_install)
+    runner.prefill_chunk(PROMPT, 0)
+    with pytest.raises(InvalidInput, match="only the first token fed may be a lazy"):
+        runner.verify(None, [mx.array(7), mx.array([5])], len(PROMPT))
+    assert runner.position == len(PROMPT)
+    assert not runner.sessions()[0].state["gdn"].tracing
+
+
 def test_a_hopeless_drafter_costs_lookups_only_end_to_end(qwen_gdn_install, monkeypatch):
     """Through the generation loop: greedy output equals off's token for token,
     every decode forward feeds one token (no verify pass at all), and the
@@ -632,8 +645,10 @@ def test_the_server_reports_drafts_and_takes_a_per_request_opt_out(gemma4_instal
         plain = api.completions.create(**ask, extra_body={"ignore_eos": True, "draft": "off"})
         assert drafted.choices[0].text == plain.choices[0].text
         assert plain.usage.turbospark["draft_proposed"] == 0
+        assert plain.usage.turbospark["draft_probed"] == 0
         usage = drafted.usage.turbospark
         assert usage["draft_proposed"] >= usage["draft_accepted"] >= 0
+        assert usage["draft_probed"] > 0  # a drafter starts with a shadow probe
         with pytest.raises(openai.BadRequestError, match="draft"):
             api.completions.create(**ask, extra_body={"draft": "maybe"})
 

@@ -305,7 +305,7 @@ class Speculation:
             return
         # The context a round after *token* drafts from (the caller may have
         # appended *token* to its generated list already).
-        context = [*[*self.prompt, *self.generated][:position], token]
+        context = [*self.prompt, *self.generated[: position - len(self.prompt)], token]
         guess = self.drafter.propose(context, 1).tokens
         if not guess:
             self.control.record(0, 0)
