@@ -494,6 +494,19 @@ def test_a_hopeless_lookup_drafter_is_probed_every_few_steps():
     assert {b - a for a, b in itertools.pairwise(at[4:])} == {MAX_IDLE_PAUSE + 1}
 
 
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=60))
+def test_a_lookup_drafters_pause_never_outgrows_the_cap(outcomes):
+    """Whatever rounds and probes a lookup drafter has seen (proposed, accepted),
+    its next pause is at most MAX_IDLE_PAUSE plain steps: the bound on how late
+    it resumes once right."""
+    control = DepthControl(max_depth=4)
+    for proposed, accepted in outcomes:
+        control.record(proposed, min(accepted, proposed))
+        assert control.pause <= MAX_IDLE_PAUSE and control.backoff <= MAX_IDLE_PAUSE
+        assert 1 <= control.depth <= 4
+
+
 def test_a_hopeless_mtp_head_is_probed_a_logarithmic_number_of_times():
     """The MTP head's probes run the head, so their pauses grow 4x without a
     bound: over N tokens a head that is never right is probed O(log N) times."""
