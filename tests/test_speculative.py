@@ -436,6 +436,22 @@ def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
     return float((((counts - expected) ** 2)[seen] / expected[seen]).sum())
 
 
+def test_a_sampled_shadow_hit_is_as_likely_as_a_depth_one_rounds_acceptance():
+    """With sampling, a point-mass draft passes a depth-1 round with probability
+    p(draft), and the plain step's sampled token equals it with the same
+    probability: a shadow probe's hit rate estimates the round's acceptance
+    without bias (here both within 4 standard errors of p(draft))."""
+    logits = mx.array([[2.0, 1.2, 0.5, -1.0, 0.1], [0.0] * 5])  # (k + 1, vocab), k = 1
+    params = SamplingParams(temperature=0.8, seed=3)
+    p = float(mx.softmax(Sampler(params).warp(logits[0]))[1])  # the draft's target prob
+    trials = 3000
+    sampler = Sampler(params)
+    accepted = sum(accept_sampled(logits, Draft([1]), sampler)[0] for _ in range(trials))
+    hits = sum(int(sampler(logits[0]).item()) == 1 for _ in range(trials))
+    bound = 4 * np.sqrt(p * (1 - p) / trials)
+    assert abs(accepted / trials - p) < bound and abs(hits / trials - p) < bound
+
+
 @pytest.mark.parametrize("drafted_probs", [False, True])
 def test_sampled_speculation_matches_the_target_distribution(qwen_gdn_install, drafted_probs):
     """The first token after the confirmed one, over many seeded rounds: with an
