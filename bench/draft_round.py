@@ -12,11 +12,20 @@ Each run is one greedy request (``ignore_eos``) decoding *tokens* tokens; the
 numbers are per generated token, from the first token yielded to the last
 (prefill and the first step left out). Drafted runs use the oracle
 (:class:`turbospark.draft.ReplayDrafter`) at 100% on a reference recorded
-from the drafted path itself (see ``bench/draft.py``). The phase split wraps
-the methods a round calls (the drafter's proposal, the verify forward's build
-and queueing, the read of the target's choices, the cut back or commit, and
-the rest of the loop: settling, detokenising, emitting), and takes the
-calling thread's time in each.
+from the drafted path itself (see ``bench/draft.py``), and at 0%. The phase
+split wraps the methods a round calls (the drafter's proposal, the verify
+forward's build and queueing, the read of the target's choices, the cut back
+or commit), the shadow probes' (:meth:`Speculation.probe` and
+:meth:`Speculation.observe`: the guess and its comparison, the lookup inside
+counted under ``propose``), and the rest of the loop (detokenising,
+emitting), and takes the calling thread's own time in each (a call inside
+another phase's is taken out of that one's).
+
+``kernels``: a plain step's graph and a verify pass's of ``depth + 1``
+tokens (a shadow probe adds none to its step: its guess is a host lookup).
+``lookup_us``: the host time of one depth-1 lookup a probe makes, prompt
+lookup (:class:`turbospark.draft.NgramDrafter`) over a context as long as
+the run's and the oracle's, to set against a step's host time.
 
     uv run python bench/draft_round.py [--family qwen_gdn] [--depth 4] [--tokens 96] [--reps 5]
         [--size tiny] [--dtype float32]
@@ -48,7 +57,7 @@ from bench.decode_cost import graph_primitives
 from bench.draft import fixed_point_reference
 from turbospark import runner as runner_module
 from turbospark import speculative
-from turbospark.draft import ReplayDrafter
+from turbospark.draft import NgramDrafter, ReplayDrafter
 from turbospark.generate import GenerationConfig, stream_generate
 from turbospark.runner import Runner
 from turbospark.text import load_text
@@ -60,13 +69,17 @@ PHASES: dict[str, list[tuple[Any, str]]] = {
     "verify_build": [(runner_module.Runner, "verify")],
     "read_accept": [(speculative, "accept_greedy"), (speculative.Speculation, "resolve")],
     "rollback_commit": [(speculative.Speculation, "commit"), (speculative.Speculation, "cut")],
+    "probe": [(speculative.Speculation, "probe"), (speculative.Speculation, "observe")],
 }
 
 
 @contextmanager
 def phase_timers(host: dict[str, float]) -> Iterator[None]:
-    """Wrap every method in :data:`PHASES` so its thread time adds to *host*."""
+    """Wrap every method in :data:`PHASES` so its thread time adds to *host*; a
+    timed call inside another counts in its own phase only."""
     saved = []
+    inner = [0.0]  # per open timed call: the time its timed callees took
+
     for phase, targets in PHASES.items():
         for owner, name in targets:
             original = getattr(owner, name, None)
@@ -75,10 +88,13 @@ def phase_timers(host: dict[str, float]) -> Iterator[None]:
 
             def timed(*args: Any, _f: Callable = original, _p: str = phase, **kw: Any) -> Any:
                 started = time.thread_time()
+                inner.append(0.0)
                 try:
                     return _f(*args, **kw)
                 finally:
-                    host[_p] += time.thread_time() - started
+                    took = time.thread_time() - started
+                    host[_p] += took - inner.pop()
+                    inner[-1] += took
 
             saved.append((owner, name, original))
             setattr(owner, name, timed)
@@ -118,38 +134,48 @@ def timed_run(
 
 
 def kernels(runner: Runner, prompt: list[int], depth: int) -> dict[str, int]:
-    """Kernels in one plain step's graph, in one verify pass of ``depth + 1``
-    tokens, and in a depth-1 blind probe's pass cut to its first token: as it
-    runs (``keep=1``, the state after that token made by the pass) and as a
-    verify pass traced whole and then cut (``probe_traced_cut``, what a probe
-    cost before ``keep``; the pass's own last state, evaluated and dropped, not
-    counted). The state writes included; exact, load-independent."""
+    """Kernels in one plain step's graph and in one verify pass of ``depth + 1``
+    tokens, the state writes included; exact, load-independent."""
     counts = {}
-    cases = (
-        ("step", 1, None, None),
-        ("verify", depth + 1, None, None),
-        ("probe", 2, 1, 1),
-        ("probe_traced_cut", 2, None, 1),
-    )
-    for name, fed, keep, cut in cases:
+    for name, fed in (("step", 1), ("verify", depth + 1)):
         runner.reset()
         runner.prefill_chunk(prompt, 0, logits=False)
         live = runner.sessions()[0]
         mx.eval([a for c in live.state.values() for a in c.arrays()])
         if fed > 1:
             for component in runner.traced_components:
-                live.state[component].trace(keep)  # as Runner.verify does
+                live.state[component].trace(None)  # as Runner.verify does
         logits = runner._hook.turbospark_forward(
             model=runner.model, tokens=mx.array(prompt[:fed], mx.int32), start=len(prompt),
             state=live.state, vision=None, logits="all" if fed > 1 else "last", steer=None,
         )  # fmt: skip
-        if cut is not None:
-            for component in runner.traced_components:
-                live.state[component].keep_traced(cut)  # as Runner.accept does
         arrays = [logits, *(a for c in live.state.values() for a in c.arrays())]
         counts[name] = graph_primitives(arrays)["kernels"]
     runner.reset()
     return counts
+
+
+def lookup_us(context_tokens: int, vocab: int, calls: int = 2000) -> dict[str, float]:
+    """Host µs of one depth-1 lookup as a shadow probe makes it, on a context of
+    *context_tokens* random ids (growing by one per call, as a reply's does):
+    prompt lookup (its index kept up to date, as a request's is) and the oracle."""
+    ids = random_tokens(context_tokens + calls, vocab, seed=5)
+    out = {}
+    for name, drafter in (
+        ("ngram", NgramDrafter(max_draft=4, min_match=1)),
+        ("replay", ReplayDrafter(ids, vocab, 4, accuracy=0.0)),
+    ):
+        drafter.propose(ids[:context_tokens], 1)  # index the prompt, as prefill's first round
+        started = time.thread_time()
+        for end in range(context_tokens + 1, context_tokens + calls + 1):
+            drafter.propose(ids[:end], 1)
+        out[name] = (time.thread_time() - started) / calls * 1e6
+    # Of which: the context copy (prompt + reply) a probe makes, as Speculation.observe does.
+    started = time.thread_time()
+    for end in range(context_tokens + 1, context_tokens + calls + 1):
+        [*ids[:end]]
+    out["of_which_context_copy"] = (time.thread_time() - started) / calls * 1e6
+    return out
 
 
 def profile(
@@ -187,6 +213,7 @@ def profile(
         "reps": reps,
     }
     out["kernels"] = kernels(runner, prompt, depth)
+    out["lookup_us"] = lookup_us(PROMPT_TOKENS + tokens, runner.vocab_size)
     for name, runs in rows.items():
         runs = runs[1:]
         phases = {p for r in runs for p in r["host_us_by_phase"]}

@@ -162,17 +162,31 @@ def test_greedy_output_with_mtp_equals_off(mtp_install, depth):
     assert track.nbytes > 0 and session.nbytes == state_bytes + track.nbytes
 
 
-def test_after_a_miss_mtp_probes_blind_and_rarely_and_output_equals_off(mtp_install):
+def test_after_a_miss_mtp_probes_in_the_shadow_and_rarely_and_output_equals_off(
+    mtp_install, monkeypatch
+):
     """The head's first round misses (random weights); from then on it drafts from
-    the still-lazy id inside plain steps (MtpDrafter.probe_after), depth 1, with
-    pauses that grow 4x (a probe runs the head): three probes in 48 tokens, the reply and the session
-    are off's, and neither the head's K/V nor its hidden states run past the session."""
+    the still-lazy id beside plain steps (MtpDrafter.probe_after) and its guess is
+    compared with the step's token (a shadow probe: every forward after that round
+    feeds one token), depth 1, with pauses that grow 4x (a probe runs the head):
+    three probes in 48 tokens, the reply and the session are off's, and neither
+    the head's K/V nor its hidden states run past the session."""
     config = CONFIG.model_copy(update={"max_tokens": 48})
     off = off_completion(mtp_install, config)
     runner = open_runner(mtp_install, draft=DraftPolicies.mtp(4))
+    lengths: list[int] = []
+    feed = Runner._feed
+
+    def counting_feed(self, tokens, start, *args, **kwargs):
+        if start >= len(PROMPT):
+            lengths.append(len(tokens))
+        return feed(self, tokens, start, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "_feed", counting_feed)
     done = generate(runner, load_text(mtp_install), PROMPT, config)
     assert done.tokens == off.tokens
     assert done.stats.draft_accepted == 0 and done.stats.draft_proposed == 1  # the first round
+    assert lengths[0] == 2 and set(lengths[1:]) == {1}  # that round's pass, then plain steps
     assert done.stats.draft_probed == 3  # pauses of 1, 4, 16 after the first round
     session = runner.sessions()[0]
     assert session.record.tokens == [*PROMPT, *off.tokens[:-1]]
@@ -182,9 +196,10 @@ def test_after_a_miss_mtp_probes_blind_and_rarely_and_output_equals_off(mtp_inst
 
 @pytest.mark.parametrize("stop_at", [2, 3, 7, 8])
 def test_an_mtp_probe_whose_unread_id_is_a_stop_leaves_nothing_fed(mtp_install, stop_at):
-    """A blind MTP probe drafts from the unread id and feeds it; when that id is a
-    stop (the probes feed ids 2 and 8 here; 3 and 7 are plain steps), the reply ends
-    where off's does and neither the session nor the head's K/V keeps it."""
+    """A shadow MTP probe drafts from the unread id beside the step that feeds it;
+    when that id is a stop (the probes draft from ids 2 and 8 here; 3 and 7 are
+    plain steps), the reply ends where off's does and neither the session nor the
+    head's K/V keeps it."""
     off = off_completion(mtp_install)
     config = CONFIG.model_copy(update={"stop_token_ids": [off.tokens[stop_at]]})
     plain = off_completion(mtp_install, config)
@@ -205,7 +220,7 @@ class _MtpThenOracle:
 
     def __init__(self, mtp: MtpDrafter, reference: list[int]) -> None:
         self.mtp, self.reference, self.max_depth = mtp, reference, 4
-        self.guesses_ahead = False  # every round asks the MTP drafter: no blind probes
+        self.guesses_ahead = False  # every round and probe asks the MTP drafter
 
     def propose_ahead(self, context, depth):
         return Draft([])

@@ -4,6 +4,7 @@ unbiased, adaptive depth, and the engine's solo rows drafting."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.sampling import Sampler, SamplingParams
 from turbospark.speculative import (
+    MAX_IDLE_PAUSE,
+    MTP_BACKOFF,
     DepthControl,
     Speculation,
     accept_sampled,
@@ -145,11 +148,30 @@ def test_stops_and_limits_inside_a_drafted_round_end_where_off_does(install):
         assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
 
 
-def test_blind_probes_of_a_hopeless_drafter_end_where_off_does(install):
-    """A drafter that is never right only ever gets blind probes (a plain step's
-    forward that also verifies drafts after the unread id): nothing is proposed
-    for output, the reply and the session's record equal off's, and a probe whose
-    unread id is a stop (the first, here, and a later one) leaves nothing fed."""
+def _decode_forwards(monkeypatch: pytest.MonkeyPatch, after: int) -> list[int]:
+    """The number of tokens of every forward fed at or past *after* (the decode
+    steps once the prompt is in), through the one feeding path every forward
+    takes (a plain step, a verify pass)."""
+    lengths: list[int] = []
+    feed = Runner._feed
+
+    def counting_feed(self, tokens, start, *args, **kwargs):
+        if start >= after:
+            lengths.append(len(tokens))
+        return feed(self, tokens, start, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "_feed", counting_feed)
+    return lengths
+
+
+def test_shadow_probes_of_a_hopeless_drafter_verify_nothing_and_end_where_off_does(
+    install, monkeypatch
+):
+    """A drafter that is never right only ever gets shadow probes (its guess
+    compared with a plain step's token): no forward feeds more than one token,
+    nothing is proposed for output, the reply and the session's record equal
+    off's, also when the reply ends at a stop id (the first, here, and a later
+    one)."""
     off = off_completion(install, PROMPT)
     for config in (
         CONFIG,
@@ -159,17 +181,70 @@ def test_blind_probes_of_a_hopeless_drafter_end_where_off_does(install):
         plain = off_completion(install, PROMPT, config)
         runner = open_runner(install)
         drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy=0.0)
+        forwards = _decode_forwards(monkeypatch, after=len(PROMPT))
         drafted = generate(runner, load_text(install), PROMPT, config, drafter=drafter)
+        monkeypatch.undo()
         assert (drafted.tokens, drafted.finish_reason) == (plain.tokens, plain.finish_reason)
-        assert drafted.stats.draft_proposed == 0 and drafted.stats.draft_probed > 0
+        assert drafted.stats.draft_proposed == 0
+        assert drafted.stats.draft_probed > 0 or not drafted.tokens  # a stop at once: none
+        assert forwards and set(forwards) == {1}
         fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
         assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
 
 
-def test_a_sampled_reply_with_blind_probes_equals_off_by_seed(qwen_gdn_install):
-    """At temperature > 0 a blind probe's emitted token is drawn from its first
-    row with the step's own key, as a plain step draws it: a drafter that is
-    never right leaves the seeded sampled reply exactly what off gives."""
+class _RightFrom:
+    """Proposes the recorded greedy reply, wrong for every token before reply
+    index *right_from* and right from there on."""
+
+    def __init__(self, prompt: list[int], reply: list[int], vocab: int, right_from: int) -> None:
+        self.reference, self.vocab, self.cut = [*prompt, *reply], vocab, len(prompt) + right_from
+        self.max_depth, self.guesses_ahead = 4, False
+        self.asked: list[int] = []  # the position of the first token of every proposal
+
+    def propose(self, context, depth):
+        start = len(context)
+        self.asked.append(start)
+        truth = self.reference[start : start + depth]
+        return Draft(
+            [t if i >= self.cut else (t + 1) % self.vocab for i, t in enumerate(truth, start)]
+        )
+
+    def propose_ahead(self, context, depth):
+        return Draft([])
+
+
+@pytest.mark.parametrize("right_from", [0, 5, 40, 90])
+def test_a_drafter_that_turns_right_after_a_hopeless_stretch_drafts_again_soon(
+    qwen_gdn_install, monkeypatch, right_from
+):
+    """However long the hopeless stretch, shadow probes pause at most
+    MAX_IDLE_PAUSE steps, so the first verify pass comes within MAX_IDLE_PAUSE
+    + 2 tokens of the drafter turning right (the probe's guess is read one step
+    after it is made, the round follows); none comes before; greedy output
+    equals off's."""
+    config = CONFIG.model_copy(update={"max_tokens": 128})
+    off = off_completion(qwen_gdn_install, PROMPT, config)
+    runner = Runner.open(qwen_gdn_install, context_length=PROMPT_ROOM + 128, dtype="float32")
+    drafter = _RightFrom(PROMPT, off.tokens, runner.vocab_size, right_from)
+    verified: list[int] = []
+    verify = Runner.verify
+
+    def spying_verify(self, session, tokens, start, *args, **kwargs):
+        verified.append(start - len(PROMPT))  # the reply index of the token it confirms
+        return verify(self, session, tokens, start, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "verify", spying_verify)
+    done = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+    assert done.tokens == off.tokens
+    assert verified and right_from < verified[0] <= right_from + MAX_IDLE_PAUSE + 2
+    assert done.stats.draft_accepted > 0
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+def test_a_sampled_reply_with_shadow_probes_equals_off_by_seed(qwen_gdn_install):
+    """At temperature > 0 a shadow probe's step samples with its own key, as a
+    plain step does (the probe draws nothing): a drafter that is never right
+    leaves the seeded sampled reply exactly what off gives."""
     config = CONFIG.model_copy(update={"temperature": 0.8, "top_k": 8, "seed": 3})
     off = off_completion(qwen_gdn_install, PROMPT, config)
     runner = open_runner(qwen_gdn_install)
@@ -301,21 +376,38 @@ def test_a_probe_keeping_nothing_or_more_than_it_feeds_is_refused_before_any_sta
     np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
 
 
-def test_a_hopeless_drafter_is_probed_a_logarithmic_number_of_times_end_to_end(qwen_gdn_install):
-    """Through the generation loop: greedy output equals off's token for token, and
-    the number of (depth-1) probes over N tokens grows like log2 N, not N."""
+def test_a_verify_pass_with_an_unread_draft_is_refused_before_any_state_changes(
+    qwen_gdn_install,
+):
+    """Only the confirmed token may still be computing when a pass is queued;
+    an unread draft after it is refused by name, and the session is untouched."""
+    runner = open_runner(qwen_gdn_install)
+    runner.prefill_chunk(PROMPT, 0)
+    with pytest.raises(InvalidInput, match="only the first token fed may be a lazy"):
+        runner.verify(None, [mx.array(7), mx.array([5])], len(PROMPT))
+    assert runner.position == len(PROMPT)
+    assert not runner.sessions()[0].state["gdn"].tracing
+
+
+def test_a_hopeless_drafter_costs_lookups_only_end_to_end(qwen_gdn_install, monkeypatch):
+    """Through the generation loop: greedy output equals off's token for token,
+    every decode forward feeds one token (no verify pass at all), and the
+    (depth-1) shadow probes come after pauses of 1, 2, 4, 8, 8 ... steps."""
     probed = {}
     for tokens in (16, 128):
         config = CONFIG.model_copy(update={"max_tokens": tokens})
         off = off_completion(qwen_gdn_install, PROMPT, config)
         runner = Runner.open(qwen_gdn_install, context_length=PROMPT_ROOM + tokens, dtype="float32")
         drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy=0.0)
+        forwards = _decode_forwards(monkeypatch, after=len(PROMPT))
         done = generate(runner, load_text(qwen_gdn_install), PROMPT, config, drafter=drafter)
+        monkeypatch.undo()
         assert done.tokens == off.tokens
         assert done.stats.draft_proposed == 0
+        assert set(forwards) == {1} and len(forwards) == tokens - 1  # the last is never fed
         probed[tokens] = done.stats.draft_probed
-    # pauses 1, 2, 4, ... from when a probe is read: probes feed ids 0, 3, 7, 13, ... (7 < 128)
-    assert probed == {16: 4, 128: 7}
+    # probes guess after reply tokens 0, 3, 7, 13, 23, 33 ... 123 (each read a step later)
+    assert probed == {16: 4, 128: 15}
 
 
 def test_a_drafted_reply_resumes_from_its_prompt_checkpoint_next_turn(qwen_gdn_install):
@@ -342,6 +434,22 @@ def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
     seen = expected > 0
     assert counts[~seen].sum() == 0, "a token the target cannot sample was emitted"
     return float((((counts - expected) ** 2)[seen] / expected[seen]).sum())
+
+
+def test_a_sampled_shadow_hit_is_as_likely_as_a_depth_one_rounds_acceptance():
+    """With sampling, a point-mass draft passes a depth-1 round with probability
+    p(draft), and the plain step's sampled token equals it with the same
+    probability: a shadow probe's hit rate estimates the round's acceptance
+    without bias (here both within 4 standard errors of p(draft))."""
+    logits = mx.array([[2.0, 1.2, 0.5, -1.0, 0.1], [0.0] * 5])  # (k + 1, vocab), k = 1
+    params = SamplingParams(temperature=0.8, seed=3)
+    p = float(mx.softmax(Sampler(params).warp(logits[0]))[1])  # the draft's target prob
+    trials = 3000
+    sampler = Sampler(params)
+    accepted = sum(accept_sampled(logits, Draft([1]), sampler)[0] for _ in range(trials))
+    hits = sum(int(sampler(logits[0]).item()) == 1 for _ in range(trials))
+    bound = 4 * np.sqrt(p * (1 - p) / trials)
+    assert abs(accepted / trials - p) < bound and abs(hits / trials - p) < bound
 
 
 @pytest.mark.parametrize("drafted_probs", [False, True])
@@ -393,17 +501,37 @@ def _probes(control: DepthControl, steps: int, passed: int = 0) -> list[tuple[in
     return probes
 
 
-@pytest.mark.parametrize("waits", [False, True])
-def test_a_hopeless_drafter_is_probed_a_logarithmic_number_of_times(waits):
-    """Every probe is depth 1, and pauses grow without a bound: over N tokens a
-    drafter that is never right is probed O(log N) times, however long the reply."""
+def test_a_hopeless_lookup_drafter_is_probed_every_few_steps():
+    """A lookup drafter's probes are shadow probes (no device work), so their
+    pauses stop growing at MAX_IDLE_PAUSE: a drafter that turns right is found
+    within a bounded number of steps, however long it was hopeless."""
+    at = [step for step, _ in _probes(DepthControl(max_depth=4), 200)]
+    assert at[:7] == [0, 2, 5, 10, 19, 28, 37]
+    assert {b - a for a, b in itertools.pairwise(at[4:])} == {MAX_IDLE_PAUSE + 1}
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=60))
+def test_a_lookup_drafters_pause_never_outgrows_the_cap(outcomes):
+    """Whatever rounds and probes a lookup drafter has seen (proposed, accepted),
+    its next pause is at most MAX_IDLE_PAUSE plain steps: the bound on how late
+    it resumes once right."""
+    control = DepthControl(max_depth=4)
+    for proposed, accepted in outcomes:
+        control.record(proposed, min(accepted, proposed))
+        assert control.pause <= MAX_IDLE_PAUSE and control.backoff <= MAX_IDLE_PAUSE
+        assert 1 <= control.depth <= 4
+
+
+def test_a_hopeless_mtp_head_is_probed_a_logarithmic_number_of_times():
+    """The MTP head's probes run the head, so their pauses grow 4x without a
+    bound: over N tokens a head that is never right is probed O(log N) times."""
     for steps in (100, 1_000, 100_000):
-        probes = _probes(DepthControl(max_depth=4, waits=waits), steps)
+        probes = _probes(DepthControl(max_depth=4, growth=MTP_BACKOFF, cap=None), steps)
         assert {depth for _, depth in probes} == {1}
-        base = 4 if waits else 2
-        assert len(probes) <= np.log(steps) / np.log(base) + 2
-    at = [step for step, _ in _probes(DepthControl(max_depth=4, waits=waits), 200)]
-    assert at[:5] == ([0, 2, 7, 24, 89] if waits else [0, 2, 5, 10, 19])
+        assert len(probes) <= np.log(steps) / np.log(MTP_BACKOFF) + 2
+    at = [step for step, _ in _probes(DepthControl(max_depth=4, growth=MTP_BACKOFF, cap=None), 200)]
+    assert at[:5] == [0, 2, 7, 24, 89]
 
 
 def test_a_drafter_that_misses_after_passing_probes_again_at_depth_one():
@@ -461,14 +589,18 @@ def test_an_engine_row_decoding_alone_drafts_and_equals_off(install):
     assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
 
 
-def _engine_reply(path: Path, config: GenerationConfig, reply: list[int]) -> tuple[Runner, list]:
-    """An engine row decoding alone with a drafter that is never right about *reply*."""
-    runner = open_runner(path)
+def _engine_reply(
+    path: Path, config: GenerationConfig, reply: list[int], drafter: Any = None
+) -> tuple[Runner, list]:
+    """An engine row decoding alone with *drafter* (default: one that is never
+    right about *reply*)."""
+    runner = Runner.open(path, context_length=PROMPT_ROOM + 128, dtype="float32")
     engine = Engine(runner, load_text(path))
     emit = Collector()
-    drafter = ReplayDrafter([*PROMPT, *reply], runner.vocab_size, 4, accuracy=0.0)
+    if drafter is None:
+        drafter = ReplayDrafter([*PROMPT, *reply], runner.vocab_size, 4, accuracy=0.0)
     engine.submit(Job(ids=list(PROMPT), config=config, emit=emit, drafter=drafter))
-    for _ in range(200):
+    for _ in range(400):
         if emit.chunks and emit.chunks[-1].finish_reason is not None:
             break
         engine.step()
@@ -476,26 +608,50 @@ def _engine_reply(path: Path, config: GenerationConfig, reply: list[int]) -> tup
 
 
 @pytest.mark.parametrize("stop_at", [None, 0, 3, 4, 7])
-def test_an_engine_row_probes_a_hopeless_drafter_blind_and_ends_where_off_does(
-    qwen_gdn_install, stop_at
+def test_an_engine_row_shadow_probes_a_hopeless_drafter_and_ends_where_off_does(
+    qwen_gdn_install, monkeypatch, stop_at
 ):
-    """An engine row decoding alone probes blind, as the generation loop does
-    (probes feed ids 0, 3, 7 and 13 of this reply): nothing is proposed for
-    output, the probes are few, and a probe whose unread id is a stop leaves
-    nothing fed."""
+    """An engine row decoding alone probes in the shadow, as the generation loop
+    does (guesses after ids 0, 3, 7 and 13 of this reply): nothing is proposed
+    for output, no forward feeds more than one token, and a reply that ends at
+    a stop id leaves nothing after it fed."""
     off = off_completion(qwen_gdn_install, PROMPT)
     stop = [] if stop_at is None else [off.tokens[stop_at]]
     config = CONFIG.model_copy(update={"stop_token_ids": stop})
     plain = off_completion(qwen_gdn_install, PROMPT, config)
+    forwards = _decode_forwards(monkeypatch, after=len(PROMPT))
     runner, chunks = _engine_reply(qwen_gdn_install, config, off.tokens)
     assert [c.token for c in chunks if c.token is not None] == plain.tokens
     assert chunks[-1].finish_reason == plain.finish_reason
     stats = chunks[-1].stats
     assert stats.draft_proposed == 0
+    assert set(forwards) <= {1}
     if stop_at is None:
         assert stats.draft_probed == 4  # 24 tokens
     fed = plain.tokens if plain.finish_reason == "stop" else plain.tokens[:-1]
     assert runner.sessions()[0].record.tokens == [*PROMPT, *fed]
+
+
+def test_an_engine_row_whose_drafter_turns_right_drafts_again_soon(qwen_gdn_install, monkeypatch):
+    """The engine's solo row resumes drafting as the generation loop does: the
+    first verify pass within MAX_IDLE_PAUSE + 2 tokens of the drafter turning
+    right, the reply equal to off's."""
+    config = CONFIG.model_copy(update={"max_tokens": 96})
+    off = off_completion(qwen_gdn_install, PROMPT, config)
+    vocab = open_runner(qwen_gdn_install).vocab_size
+    drafter = _RightFrom(PROMPT, off.tokens, vocab, right_from=50)
+    verified: list[int] = []
+    verify = Runner.verify
+
+    def spying_verify(self, session, tokens, start, *args, **kwargs):
+        verified.append(start - len(PROMPT))
+        return verify(self, session, tokens, start, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "verify", spying_verify)
+    _, chunks = _engine_reply(qwen_gdn_install, config, off.tokens, drafter)
+    assert [c.token for c in chunks if c.token is not None] == off.tokens
+    assert verified and 50 < verified[0] <= 50 + MAX_IDLE_PAUSE + 2
+    assert chunks[-1].stats.draft_accepted > 0
 
 
 # -- the server and the CLI ---------------------------------------------------------------
@@ -518,8 +674,10 @@ def test_the_server_reports_drafts_and_takes_a_per_request_opt_out(gemma4_instal
         plain = api.completions.create(**ask, extra_body={"ignore_eos": True, "draft": "off"})
         assert drafted.choices[0].text == plain.choices[0].text
         assert plain.usage.turbospark["draft_proposed"] == 0
+        assert plain.usage.turbospark["draft_probed"] == 0
         usage = drafted.usage.turbospark
         assert usage["draft_proposed"] >= usage["draft_accepted"] >= 0
+        assert usage["draft_probed"] > 0  # a drafter starts with a shadow probe
         with pytest.raises(openai.BadRequestError, match="draft"):
             api.completions.create(**ask, extra_body={"draft": "maybe"})
 

@@ -45,7 +45,7 @@ class Drafter(Protocol):
 
     @property
     def guesses_ahead(self) -> bool:
-        """Whether :meth:`propose_ahead` can propose at all (blind probes need it)."""
+        """Whether :meth:`propose_ahead` can propose at all (chained rounds need it)."""
 
     def propose(self, context: Sequence[int], depth: int) -> Draft:
         """Up to *depth* tokens to follow *context* (empty: nothing worth verifying).
@@ -53,9 +53,10 @@ class Drafter(Protocol):
 
     def propose_ahead(self, context: Sequence[int], depth: int) -> Draft:
         """Up to *depth* tokens to follow *context* and then one token not read
-        yet (the target's next, still being computed): a blind probe verifies
-        them without waiting for that token (:mod:`turbospark.speculative`).
-        Empty when the drafter cannot guess without it."""
+        yet (the target's next, still being computed): a chained round verifies
+        them behind the round that computes that token, without waiting for it
+        (:mod:`turbospark.speculative`). Empty when the drafter cannot guess
+        without it."""
 
 
 class NgramDrafter:

@@ -792,20 +792,17 @@ class Engine:
 
     def _decode_solo(self, row: _Row) -> None:
         """One token for one row through the one-row forward (stream_generate's
-        step), or a drafted round of several when the row drafts; a blind probe
-        is such a step whose forward also verifies drafts (stream_generate's)."""
+        step), or a drafted round of several when the row drafts; a shadow probe
+        is such a step beside which the drafter guesses the token it computes
+        (stream_generate's)."""
         depth = 0 if row.spec is None else self._decode_drafted(row)
         if depth is None:
             return
         fed = not row.final
-        probed = False
         try:
-            if fed and depth:
-                following = row.spec.probe(row.pending, row.position, depth)
-                probed = following is not None
-                if probed:
-                    row.following = following
-            if fed and not probed:
+            if fed:
+                if depth:  # compared with row.following once read
+                    row.spec.probe(row.pending, row.position)
                 sample = partial(row.sampler, fed=row.pending)
                 if row.sampler.reads_on_host:
                     # Queue the forward first so it runs while the host waits.
@@ -814,32 +811,28 @@ class Engine:
                 else:  # the forward and its sample queued together (stream_generate's order)
                     row.following = self.runner.feed(row.session, [row.pending], row.position, logits=True, then=sample)  # fmt: skip
             token = int(row.pending.item())
-            if row.spec is not None and not probed:
-                row.spec.settle_probe()  # the last step's probe: computed with this id
-            if probed:  # keep the id (a stop: nothing), never the probe's drafts
-                row.spec.commit(row.position, 0 if token in row.stop_ids else 1)
+            if row.spec is not None:  # settle the probe that guessed this id; guess after it
+                row.spec.observe(token, row.position, ends=token in row.stop_ids or not fed)
         except Exception as exc:
             self._solo.remove(row)
             self._fail(row, exc)
             return
-        if token in row.stop_ids and probed:
-            row.spec.drop_probe()
-        elif token in row.stop_ids and fed:
+        if token in row.stop_ids and fed:
             self.runner.take_back_session(row.session)
         self._advance(row, token, fed)
 
     def _decode_drafted(self, row: _Row) -> int | None:
         """A speculative round (stream_generate's, see turbospark.speculative):
-        None when it ran; otherwise the row takes a plain step, which is a blind
-        probe of the depth returned when that is not 0 (paused, no draft, or the
-        last probe's outcome not read yet)."""
+        None when it ran; otherwise the row takes a plain step, with a shadow
+        probe beside it when the depth returned is not 0 (0: paused, no draft,
+        or the last probe's guess not compared yet)."""
         assert row.spec is not None
         if row.spec.probing:
-            return 0  # reading the probe's outcome now would wait for its forward
+            return 0  # comparing the probe's guess now would wait for the step
         limit = row.job.config.max_tokens
         remaining = None if limit is None else limit - len(row.generated)
         depth = row.spec.plan(row.position, remaining)
-        if not depth or row.spec.blind:
+        if not depth or row.spec.shadow:
             return depth
         try:
             token = int(row.pending.item())

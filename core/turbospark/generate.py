@@ -24,10 +24,10 @@ prompt rewinds nothing it does not have to.
 With a draft policy (or a *drafter*), a step may instead verify drafts in one
 forward and emit several tokens (:mod:`turbospark.speculative`); a round is
 committed before any of its tokens is yielded. Until a drafter has been right
-(and again after it missed), a step is a blind probe instead: the same
-pipelined step with drafts verified after the still-lazy id, which keeps only
-that id and learns from the drafts' fate one step later, so a drafter that is
-never right costs no waits.
+(and again after it missed), a drafted step is a shadow probe instead: the same
+pipelined plain step, beside which the drafter guesses the token it computes;
+the guess is compared with that token when it is read, one step later, so a
+drafter that is never right costs no waits and no device work.
 
 A consumer may stop iterating :func:`stream_generate` at any time (a client
 that hung up): every yield happens after a finished ``produce`` call, so the
@@ -106,7 +106,7 @@ class GenerationStats(BaseModel):
     batch_size: int = 1  # the most requests this one decoded beside, itself included
     draft_proposed: int = 0  # speculative tokens verified (turbospark.speculative)
     draft_accepted: int = 0  # of which the target agreed with
-    draft_probed: int = 0  # drafts blind probes verified to set the depth (never emitted)
+    draft_probed: int = 0  # shadow probes: guesses compared with plain steps' tokens
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -244,7 +244,8 @@ def stream_generate(
     while limit is None or len(generated) < limit:
         remaining = None if limit is None else limit - len(generated)
         depth = 0 if spec is None or spec.probing else spec.plan(position, remaining)
-        if inflight is not None or (depth and not spec.blind):
+        probe = bool(depth) and spec.shadow  # a plain step, the drafter's guess beside it
+        if inflight is not None or (depth and not probe):
             # A drafted round: emit what the target confirmed, then go on from its next
             # token. Greedy rounds are queued (launch) and, while they pass whole, the
             # next is queued behind each before it is read (launch_after).
@@ -300,29 +301,20 @@ def stream_generate(
                 pending = mx.array(verified.following)
                 continue
         more = (limit is None or len(generated) + 1 < limit) and position < runner.context_length
-        probed = False
         if more:
             # Build the next forward and its sample from the still-lazy id and
-            # queue both, before this token is read and detokenised. A blind
-            # probe is such a forward with drafts after the id (plan() leaves
-            # room for them).
-            following = spec.probe(pending, position, depth) if depth else None
-            probed = following is not None
-            if not probed:
-                following = runner.produce(pending, position, then=sampler)
+            # queue both, before this token is read and detokenised.
+            if probe:
+                spec.probe(pending, position)  # compared with `following` once read
+            following = runner.produce(pending, position, then=sampler)
         tok = int(pending.item())
-        if spec is not None and not probed:
-            spec.settle_probe()  # the last step's probe: computed with this id
+        if spec is not None:  # settle the probe that guessed this id; guess after it
+            spec.observe(tok, position, ends=tok in stop_ids or not more)
         if tok in stop_ids:
-            if probed:
-                spec.commit(position, 0)  # the stop id and the drafts leave
-                spec.drop_probe()
-            elif more:
+            if more:
                 runner.take_back()  # the stop id was fed speculatively
             finish = "stop"
             break
-        if probed:
-            spec.commit(position, 1)  # keep the id, drop the probe's drafts
         generated.append(tok)
         if more:
             position += 1

@@ -162,10 +162,11 @@ class MtpDrafter:
 
     def probe_after(self, fed: Sequence[int], pending: mx.array) -> mx.array | None:
         """One greedy draft ``(1,)``, still lazy, after every token of *fed* and
-        the unread *pending* (a sampler's lazy output): a blind probe verifies it
-        in the step that feeds *pending*, so the probe waits for nothing. Its
-        argmax only sets the depth (a probe never emits a draft), so it takes no
-        sampler key, at any temperature. None: no hidden state to draft from."""
+        the unread *pending* (a sampler's lazy output): a shadow probe queues it
+        with the plain step that feeds *pending* and compares it with the token
+        that step computes (no verify kernels, and no wait). Its argmax only
+        sets the depth (a probe never emits a draft), so it takes no sampler
+        key, at any temperature. None: no hidden state to draft from."""
         caught_up = self._catch_up(fed, pending.reshape(1).astype(mx.int32))
         if caught_up is None:
             return None

@@ -367,25 +367,14 @@ class Runner:
         The first token may be a lazy id (:meth:`produce`, :meth:`verify`): it is
         read after the forward is queued."""
         live = session or self._live
-        lazy = tokens[0] if tokens and isinstance(tokens[0], mx.array) else None
-        known = tokens if lazy is None else tokens[1:]
-        # A blind MTP probe's draft is lazy too ((1,), drafted from the unread id).
-        unread = [t for t in known if isinstance(t, mx.array)]
-        placeholder = [0 if isinstance(t, mx.array) else t for t in known]
-        ids = self._validate_write(placeholder if lazy is None else [0, *placeholder], start, live)
+        lazy, known = _split_lazy(tokens)
+        ids = self._validate_write(known if lazy is None else [0, *known], start, live)
         if lazy is None:
             fed = mx.array(ids, dtype=mx.int32)
         elif not known:
             fed = self.clip_ids(lazy.reshape(1))
-        elif not unread:  # a blind verify pass: the unread id, then drafts
+        else:  # a chained round's verify pass: the unread bonus, then drafts
             fed = mx.concatenate([self.clip_ids(lazy.reshape(1)), mx.array(ids[1:], mx.int32)])
-        else:  # ... whose drafts are unread ids too
-            fed = self.clip_ids(
-                mx.concatenate(
-                    [lazy.reshape(1)]
-                    + [t.reshape(1) if isinstance(t, mx.array) else mx.array([t]) for t in known]
-                ).astype(mx.int32)
-            )
         if start < live.position:
             self._rewind(live, live.position - start)
         # The components that cannot rewind, by reference: a failed forward puts them back.
@@ -412,8 +401,7 @@ class Runner:
             if lazy is not None:
                 # The id itself, queued by the step before: a node made from it
                 # (a reshape) would queue behind this step and wait for its end.
-                read = [int(t.item()) if isinstance(t, mx.array) else t for t in known]
-                ids = self._validate_write([lazy.item(), *read], start, live)  # waits
+                ids = self._validate_write([lazy.item(), *known], start, live)  # waits
         except Exception:
             self._recover(live, before)
             raise
@@ -457,22 +445,22 @@ class Runner:
         forward; float32 logits ``(L, vocab)``, row ``j`` for the token after
         ``tokens[j]``. Traceable components can give their state after any token, so
         :meth:`accept` cuts back to any prefix without a second forward. *keep*
-        (a blind probe, which keeps its first *keep* tokens or none, whatever
-        the drafts' fate): components may leave the state after those current
+        (a pass that keeps its first *keep* tokens or none, whatever the
+        drafts' fate): components may leave the state after those current
         and trace nothing, so that :meth:`accept` builds nothing.
 
-        The confirmed token may be a still-lazy id (a blind probe,
-        :meth:`Speculation.probe <turbospark.speculative.Speculation.probe>`):
-        the pass is queued before it is read, as :meth:`produce` does; *then*
-        maps the logits to what is returned (arrays) and is queued with them."""
+        The confirmed token may be a still-lazy id (a chained round's bonus,
+        :meth:`Speculation.launch_after
+        <turbospark.speculative.Speculation.launch_after>`): the pass is queued
+        before it is read, as :meth:`produce` does; *then* maps the logits to
+        what is returned (arrays) and is queued with them."""
         if keep is not None and not 1 <= keep <= len(tokens):
             raise InvalidInput(
                 f"verify(keep={keep}) with {len(tokens)} token(s): keep is how many of them "
                 f"a probe keeps, 1 to {len(tokens)} (None: any prefix, decided after)"
             )
         live = session or self._live
-        lazy = bool(tokens) and isinstance(tokens[0], mx.array)
-        known = [t for t in (tokens[1:] if lazy else tokens) if not isinstance(t, mx.array)]
+        _, known = _split_lazy(tokens)
         if known:
             self.check_ids(known)  # before any component traces
         for name in self.traced_components:
@@ -992,3 +980,16 @@ def _check_pool_capability(spec: FamilySpec, swappable: list[str], slots: int) -
             f"swappable, but {', '.join(missing)} cannot be parked (see {spec.state_source}); "
             "run with --session-slots 1"
         )
+
+
+def _split_lazy(tokens: Sequence[int | mx.array]) -> tuple[mx.array | None, list[int]]:
+    """``(lazy first id or None, the read ids after it)``; a lazy id anywhere
+    but first is refused before anything is fed (only the confirmed token can
+    still be computing when a forward is queued)."""
+    lazy = tokens[0] if tokens and isinstance(tokens[0], mx.array) else None
+    known = list(tokens if lazy is None else tokens[1:])
+    if any(isinstance(t, mx.array) for t in known):
+        raise InvalidInput(
+            "only the first token fed may be a lazy (unread) id; read the others first"
+        )
+    return lazy, known  # type: ignore[return-value]

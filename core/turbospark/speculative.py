@@ -24,29 +24,36 @@ A deterministic drafter's ``q`` is a point mass at its token.
 Adaptive depth (:class:`DepthControl`): drafting starts at depth 1; a round
 whose drafts all pass doubles the depth (up to ``max_depth``); a partial one
 drafts one past what passed; a round (or probe) with nothing accepted drops
-it to 1 and pauses drafting for 1, 2, 4, 8 ... steps (plain pipelined decode)
-before the next depth-1 probe, doubling without a bound until a draft passes,
-so a hopeless drafter is probed O(log N) times in N tokens (a drafter without
-blind probes, below, whose probes wait, and the MTP head, whose probes run
-the head: 1, 4, 16 ... steps). A drafter that
-proposes nothing pauses at most 8 steps: its probe is a lookup, no verify.
+it to 1 and pauses drafting for 1, 2, 4, 8 steps (plain pipelined decode)
+before the next depth-1 probe, and 8 from then on until a draft passes (the
+MTP head, whose probes run the head: 1, 4, 16 ... steps, without a bound). A
+drafter that proposes nothing pauses at most 8 steps too.
 
-Blind probes (:meth:`Speculation.probe`): until a drafter has been right (an
+Shadow probes (:meth:`Speculation.probe`): until a drafter has been right (an
 MTP head gets one real round first), and again after every round with nothing
-accepted, the generation loop does not
-run a round (which waits for the confirmed token, then for the verify pass)
-but a plain pipelined step whose forward also carries drafts after the
-still-lazy token (:meth:`Drafter.propose_ahead`; the MTP head drafts one from
-that token itself, still lazy, :meth:`MtpDrafter.probe_after
-<turbospark.mtp.MtpDrafter.probe_after>`). Only that token is kept; the
-next is sampled from the pass's first row, as a plain step would; the drafts'
-fate is read one step later, with the next token, and only sets the depth. So
-a hopeless drafter costs no waits, only the verify pass's extra kernels once
-per pause (the 5% target against ``off``), and a good one starts drafting one
-step late. A probe always keeps exactly its unread token (or nothing, when that
-is a stop), so its pass leaves the recurrent state after that token current
-(:meth:`Runner.verify` with ``keep=1``) and the cut after it builds nothing.
-The engine's solo rows probe and draft the same way, one row at a time.
+accepted, a drafted step is not a round (which waits for the confirmed token,
+then for the verify pass) but a plain pipelined step beside which the drafter
+guesses the token that step computes: a lookup drafter (prompt lookup, the
+benchmark's oracles) looks it up once the fed id is read, from the same context
+a round after that id would (:meth:`Drafter.propose` at depth 1); the MTP
+head drafts it from the still-lazy id, queued with the step
+(:meth:`MtpDrafter.probe_after <turbospark.mtp.MtpDrafter.probe_after>`). The
+guess is compared with that token when the loop reads it anyway
+(:meth:`Speculation.observe`), and only sets the depth: a hit resumes real
+rounds from the step after the one that reads it, a miss pauses. A probe
+verifies nothing, so no device work at all for a lookup (the head's own
+forward for MTP), no wait, and no state to cut; a drafter that is never right
+costs a lookup every few steps (a few µs, against a step's milliseconds:
+``bench/draft_round.py``). Lookups could run every step for that price; the
+pauses stay because every hit starts a real round, and a drafter that is
+right only now and then pays for those in verify passes. What a probe measures is what a real depth-1 round there
+would have accepted: at temperature 0 the draft passes exactly when it equals
+the target's argmax, which is the token the plain step emits; with sampling, a
+point-mass draft ``x`` passes a round with probability ``min(1, p(x) / 1) =
+p(x)``, and the plain step's token equals ``x`` with probability ``p(x)``, so a
+hit is an unbiased sample of the round's acceptance (the MTP head's probe
+guesses its argmax, so it estimates a greedy head's acceptance). The engine's
+solo rows probe and draft the same way, one row at a time.
 
 Chained rounds (greedy; :meth:`Speculation.launch_after`): a round is queued
 (:meth:`Speculation.launch`: drafts, the verify pass and the target's choices
@@ -77,15 +84,14 @@ from turbospark.pool import Session
 from turbospark.runner import Runner, check_rollback
 from turbospark.sampling import Sampler
 
-# The most plain steps between lookups of a drafter that keeps proposing nothing:
-# such a probe costs only a lookup (no verify), and prompt lookup finds matches in
-# bursts. Probes that verify something back off without a bound (DepthControl).
+# The longest pause between probes of a drafter that only looks its guesses up (or
+# keeps proposing nothing): such a probe costs a lookup, no device work (a shadow
+# probe), and prompt lookup finds matches in bursts, so a drafter that turns right
+# after a hopeless stretch is drafting again within MAX_IDLE_PAUSE + 2 steps.
 MAX_IDLE_PAUSE = 8
-BLIND_BACKOFF = 2  # a missed blind probe's pause grows by this: it costs a few kernels
-# A drafter whose probes wait (no blind probes) backs off faster: a waiting probe
-# costs a lost overlap, about a step; so does an MTP head's blind probe, which runs
-# the head (catch-up and one step) besides the verify pass's extra kernels.
-WAITING_BACKOFF = 4
+# An MTP head's probe runs the head (its catch-up and one step), so its pauses grow
+# by this after each miss, without a bound.
+MTP_BACKOFF = 4
 
 
 # -- acceptance -------------------------------------------------------------------
@@ -148,9 +154,9 @@ class DepthControl:
     depth: int = 1  # start shallow: a drafter earns depth by being right
     pause: int = 0  # plain steps left before the next probe
     backoff: int = 1  # the next pause's length
-    waits: bool = False  # its probes wait for the confirmed token (no blind probes)
-    growth: int = 0  # how much each miss lengthens the next pause (0: by waits)
-    blind: bool = True  # nothing accepted yet (or since the last miss): probe blind
+    growth: int = 2  # how much each miss lengthens the next pause
+    cap: int | None = MAX_IDLE_PAUSE  # the longest pause after a miss (None: no bound)
+    shadow: bool = True  # nothing accepted yet (or since the last miss): probe, not a round
     streak: int = 0  # rounds in a row whose drafts all passed (2 or more: chain them)
 
     def after_whole(self) -> int:
@@ -165,7 +171,7 @@ class DepthControl:
         return self.depth
 
     def record(self, proposed: int, accepted: int) -> None:
-        self.blind = accepted == 0
+        self.shadow = accepted == 0
         self.streak = self.streak + 1 if proposed and accepted == proposed else 0
         if proposed and accepted == proposed:
             self.depth = min(self.max_depth, 2 * self.depth)
@@ -176,7 +182,9 @@ class DepthControl:
         elif proposed:  # nothing passed: pause, longer each time, then probe at depth 1
             self.depth = 1
             self.pause = self.backoff
-            self.backoff *= self.growth or (WAITING_BACKOFF if self.waits else BLIND_BACKOFF)
+            self.backoff *= self.growth
+            if self.cap is not None:
+                self.backoff = min(self.cap, self.backoff)
         else:  # nothing proposed: ask again soon (a lookup costs no verify)
             self.pause = min(self.backoff, MAX_IDLE_PAUSE)
             self.backoff = min(MAX_IDLE_PAUSE, 2 * self.backoff)
@@ -229,89 +237,84 @@ class Speculation:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
-    probed: int = 0  # drafts blind probes verified (not emitted; see probe())
-    # A blind probe in flight: the target's choice after each of its drafts, and them
-    # (an MTP probe's draft still lazy).
-    _probe: tuple[mx.array, list[int] | list[mx.array]] | None = field(default=None, init=False)
+    probed: int = 0  # shadow probes: guesses compared with a plain step's token (see probe())
+    # A shadow probe's guess (an MTP head's still lazy) for the token at this position,
+    # compared when the loop reads that token (observe()).
+    _guess: tuple[int, int | mx.array] | None = field(default=None, init=False)
+    _lookup_at: int | None = field(default=None, init=False)  # a lookup to make once read
 
     def __post_init__(self) -> None:
-        blind = self.drafter.guesses_ahead or self._mtp is not None
         # A checkpoint's MTP head was trained to be right: its first round is a real
         # one (it waits); only after a miss does it earn rounds back through probes.
+        mtp = self._mtp is not None
         self.control = DepthControl(
             self.drafter.max_depth,
-            waits=not blind,
-            blind=self._mtp is None,
-            growth=WAITING_BACKOFF if self._mtp is not None else 0,
+            shadow=not mtp,
+            growth=MTP_BACKOFF if mtp else 2,
+            cap=None if mtp else MAX_IDLE_PAUSE,
         )
 
     @property
     def _mtp(self) -> MtpDrafter | None:
-        """The MTP drafter, which probes blind from the unread id itself
-        (:meth:`MtpDrafter.probe_after`) though it cannot guess ahead as ids."""
+        """The MTP drafter, whose probe drafts from the unread id on the device
+        (:meth:`MtpDrafter.probe_after`) rather than looking a guess up."""
         return self.drafter if isinstance(self.drafter, MtpDrafter) else None
 
     @property
-    def blind(self) -> bool:
-        """Whether the next drafted step should be a blind :meth:`probe` (nothing
+    def shadow(self) -> bool:
+        """Whether the next drafted step should be a shadow :meth:`probe` (nothing
         accepted yet, or since the last miss) rather than a :meth:`round`."""
-        return self.control.blind and not self.control.waits
+        return self.control.shadow
 
     @property
     def probing(self) -> bool:
-        """A probe's outcome is not read yet: the step after it is plain (reading
-        it earlier would wait for the probe's forward)."""
-        return self._probe is not None
+        """A probe's guess is not compared yet: the step after it is plain (reading
+        its token earlier would wait for the step that computes it)."""
+        return self._guess is not None or self._lookup_at is not None
 
-    def probe(self, pending: mx.array, position: int, depth: int) -> mx.array | None:
-        """A blind round, which costs no wait: verify drafts after the still-lazy
-        *pending* token (:meth:`Drafter.propose_ahead`), queued as a plain step
-        is, before *pending* is read. Only *pending* is kept (:meth:`cut` with 1
-        once it is read and not a stop); the next token is sampled from the
-        pass's first row, as a plain step samples it, and returned (lazy). The
-        drafts' fate is read with that token (:meth:`settle_probe`) and only
-        sets the depth: a drafter that keeps failing costs the verify pass's
-        extra kernels every probe, not a wait and a lost overlap. None: the
-        drafter had nothing to propose (the caller takes a plain step)."""
-        fed = [*self.prompt, *self.generated]
-        drafts: list[int] | list[mx.array]
-        if self._mtp is not None:  # one lazy draft after the unread id: depth 1
-            lazy = self._mtp.probe_after(fed, pending)
-            drafts = [] if lazy is None else [lazy]
-        else:
-            drafts = self.drafter.propose_ahead(fed, depth).tokens[:depth]
-        if not drafts:
-            self.control.record(0, 0)
-            return None
-
-        def sample_and_choose(logits: mx.array) -> tuple[mx.array, mx.array]:
-            choice = mx.argmax(logits[: len(drafts)], axis=-1)  # (k,): the target after each
-            return self.sampler(logits[0]), choice
-
-        # keep=1: only the unread token ever stays, so its state is made current now.
-        following, choice = self.runner.verify(
-            self.session, [pending, *drafts], position, then=sample_and_choose, keep=1
-        )
-        self._probe = (choice, drafts)
-        self.probed += len(drafts)
-        return following
-
-    def settle_probe(self) -> None:
-        """Read the last probe's outcome (computed with the token it sampled, which
-        the caller has read) and set the depth from it."""
-        if self._probe is None:
+    def probe(self, pending: mx.array, position: int) -> None:
+        """A shadow probe beside the plain step that feeds the still-lazy *pending*
+        at *position* (the caller queues that step, and calls :meth:`observe` with
+        each token it reads): the drafter's guess for the token that step
+        computes, at ``position + 1``, is compared with it once read, as a
+        depth-1 round there would have been decided (see the module docstring).
+        Nothing is verified, fed or cut. A lookup drafter guesses once
+        *pending* is read (:meth:`observe`: the same context a round would
+        draft from); the MTP head drafts from *pending* itself, queued now
+        with the step, so reading its guess waits for nothing."""
+        if self._mtp is None:
+            self._lookup_at = position + 1
             return
-        (choice, drafts), self._probe = self._probe, None
-        target = choice.tolist()
-        drafts = [d if isinstance(d, int) else int(d.item()) for d in drafts]
-        passed = 0
-        while passed < len(drafts) and drafts[passed] == target[passed]:
-            passed += 1
-        self.control.record(len(drafts), passed)
+        lazy = self._mtp.probe_after([*self.prompt, *self.generated], pending)
+        if lazy is None:
+            self.control.record(0, 0)
+            return
+        mx.async_eval(lazy)
+        self._guess = (position + 1, lazy)
+        self.probed += 1
 
-    def drop_probe(self) -> None:
-        """Forget a probe whose confirmed token turned out a stop (it is undone)."""
-        self._probe = None
+    def observe(self, token: int, position: int, ends: bool = False) -> None:
+        """The loop read *token*, fed (or to be fed) at *position*: settle the
+        probe that guessed it (a hit resumes rounds, a miss pauses), and make a
+        lookup probe's guess for the token after it, unless the reply *ends*
+        with *token* (a stop id, or its last token)."""
+        if self._guess is not None and self._guess[0] <= position:
+            (at, guess), self._guess = self._guess, None
+            if at == position:  # (an older one: the row decoded in a batch since)
+                hit = (guess if isinstance(guess, int) else int(guess.item())) == token
+                self.control.record(1, int(hit))
+        lookup, self._lookup_at = self._lookup_at, None
+        if lookup != position + 1 or ends:
+            return
+        # The context a round after *token* drafts from (the caller may have
+        # appended *token* to its generated list already).
+        context = [*self.prompt, *self.generated[: position - len(self.prompt)], token]
+        guess = self.drafter.propose(context, 1).tokens
+        if not guess:
+            self.control.record(0, 0)
+            return
+        self._guess = (position + 1, guess[0])
+        self.probed += 1
 
     def plan(self, position: int, remaining: int | None) -> int:
         """How many drafts the step at *position* may verify (0: a plain step).
@@ -427,7 +430,7 @@ class Speculation:
         self.runner.accept(self.session, queued.position, keep, queued.held)
 
     def commit(self, position: int, keep: int) -> None:
-        """Keep the first *keep* tokens the round (or probe) fed at *position*; the
+        """Keep the first *keep* tokens the round fed at *position*; the
         rest leave."""
         self.runner.accept(self.session, position, keep)
 

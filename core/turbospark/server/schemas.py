@@ -378,6 +378,7 @@ class TurbosparkUsage(BaseModel):
     prefilled_tokens: int = 0
     draft_proposed: int = 0  # speculative tokens verified (--draft)
     draft_accepted: int = 0  # of which the model agreed with
+    draft_probed: int = 0  # shadow probes: guesses compared with plain steps' tokens
 
 
 class Usage(BaseModel):
@@ -401,6 +402,7 @@ class Usage(BaseModel):
         usage.turbospark.prefilled_tokens = sum(s.prompt_tokens - s.reused_tokens for s in stats)
         usage.turbospark.draft_proposed = sum(s.draft_proposed for s in stats)
         usage.turbospark.draft_accepted = sum(s.draft_accepted for s in stats)
+        usage.turbospark.draft_probed = sum(s.draft_probed for s in stats)
         return usage
 
     @classmethod
@@ -424,6 +426,7 @@ class Usage(BaseModel):
                 prefilled_tokens=stats.prompt_tokens - stats.reused_tokens,
                 draft_proposed=stats.draft_proposed,
                 draft_accepted=stats.draft_accepted,
+                draft_probed=stats.draft_probed,
             ),
         )
 
