@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--graph-sizes", nargs="+", default=["default", "60", "200", "off"],
                         help="graph_size's settings (kernels a graph, default, off)")  # fmt: skip
     parser.add_argument("--graph-rounds", type=int, default=2, help="graph_size's rounds")
+    parser.add_argument("--no-mtp", action="store_true",
+                        help="draft without its MTP rows (a second install and its compiles)")  # fmt: skip
     parser.add_argument("--size", default="large")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench-cache"))
@@ -167,7 +169,7 @@ def main() -> None:
                 # accepts every draft even where a verify pass rounds unlike a step.
                 path = install(family, args.size, "bfloat16", args.cache_dir)
                 mtp = (install(family, args.size, "bfloat16", args.cache_dir, mtp=True)
-                       if family in MTP_FAMILIES else None)  # fmt: skip
+                       if family in MTP_FAMILIES and not args.no_mtp else None)  # fmt: skip
                 result = bench_draft(path, args.draft_depths or GPU.draft_depths,
                                      args.draft_accuracies or GPU.draft_accuracies,
                                      GPU.draft_tokens, args.reps, mtp)  # fmt: skip
