@@ -7,7 +7,10 @@ which mask the window implies, so every family gets the same, tested masking.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
+import numpy as np
 
 from turbospark.layers import fused
 from turbospark.state import LayerKV
@@ -47,12 +50,20 @@ _FUSED_DECODE = mx.metal.is_available()
 def attend(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
 ) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention``, except for one unmasked query
-    per row on a GPU without a fused kernel for it (CUDA): there
-    :func:`decode_attention`, the fallback's own ops less what they spend on
-    nothing. The CPU keeps the op (its fallback), which costs it no more."""
-    if queries.shape[2] == 1 and mask is None and fused.builds_for_gpu() and not _FUSED_DECODE:
-        return decode_attention(queries, keys, values, scale)
+    """``mx.fast.scaled_dot_product_attention``, except on a GPU without a
+    fused kernel for these shapes (CUDA): one unmasked query per row takes
+    :func:`decode_attention`, and a lone row's few masked queries (a draft's
+    verify pass) :func:`few_query_attention`, the fallback's own ops less what
+    they spend on nothing. The CPU keeps the op (its fallback), which costs it
+    no more."""
+    batch, _, length, _ = queries.shape
+    if fused.builds_for_gpu() and not _FUSED_DECODE:
+        if length == 1 and mask is None:
+            return decode_attention(queries, keys, values, scale)
+        if fused.runs_compiled(batch, length) and mask is not None:
+            if isinstance(mask, str):  # "causal": the last L positions against every key
+                mask = causal_tail(length, keys.shape[2])
+            return few_query_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -71,6 +82,38 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     scores = queries @ keys.swapaxes(-1, -2)  # (B, kv_heads, group, T)
     out = mx.softmax(scores, axis=-1, precise=True) @ values  # (B, kv_heads, group, Dv)
     return out.reshape(batch, heads, 1, -1)
+
+
+@lru_cache(maxsize=4)
+def causal_tail(queries: int, keys: int) -> mx.array:
+    """The ``"causal"`` mask of the last *queries* positions over *keys* keys,
+    ``(queries, keys)`` bool: query ``i`` sees keys ``0 .. keys - queries + i``.
+    Built on the host, so it costs no kernel; a pass's layers share it."""
+    visible = np.arange(keys)[None] <= np.arange(keys - queries, keys)[:, None]
+    return mx.array(visible)
+
+
+def few_query_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+) -> mx.array:
+    """A few queries per row, ``(B, heads, L, D)`` over ``(B, kv_heads, T, D)``
+    with a bool *mask* ``(L, T)`` (a verify pass): :func:`decode_attention`'s
+    matmuls with each key/value head's queries (all L of each) as the rows,
+    and the mask applied once to the scores, where the fallback expands a
+    ``"causal"`` mask into four kernels a layer."""
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    if scale != 1.0:
+        queries = queries * scale
+    # (B, heads, L, D) -> (B, kv_heads, group * L, D): the same memory
+    queries = queries.reshape(batch, kv_heads, group * length, dim)
+    scores = queries @ keys.swapaxes(-1, -2)  # (B, kv_heads, group * L, T)
+    scores = scores.reshape(batch, kv_heads, group, length, -1)
+    scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(batch, kv_heads, group * length, -1)
+    out = weights @ values  # (B, kv_heads, group * L, Dv)
+    return out.reshape(batch, heads, length, -1)
 
 
 # Every graph node costs host time to build and schedule, a view too. For one
