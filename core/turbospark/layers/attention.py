@@ -61,8 +61,6 @@ def attend(
         if length == 1 and mask is None:
             return decode_attention(queries, keys, values, scale)
         if fused.runs_compiled(batch, length) and mask is not None:
-            if isinstance(mask, str):  # "causal": the last L positions against every key
-                mask = causal_tail(length, keys.shape[2])
             return few_query_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
@@ -84,35 +82,46 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     return out.reshape(batch, heads, 1, -1)
 
 
-@lru_cache(maxsize=4)
-def causal_tail(queries: int, keys: int) -> mx.array:
-    """The ``"causal"`` mask of the last *queries* positions over *keys* keys,
-    ``(queries, keys)`` bool: query ``i`` sees keys ``0 .. keys - queries + i``.
-    Built on the host, so it costs no kernel; a pass's layers share it."""
+@lru_cache(maxsize=8)
+def causal_bias(queries: int, keys: int, group: int, dtype: mx.Dtype) -> mx.array:
+    """The ``"causal"`` mask of the last *queries* positions over *keys*
+    keys as an additive ``(group * queries, keys)`` bias (0 where query ``i``
+    sees key ``j <= keys - queries + i``, ``-inf`` past it), its rows repeated
+    for each of a key/value head's *group* query heads. Built on the host in
+    *dtype*, so it costs no kernel; a pass's layers share it."""
     visible = np.arange(keys)[None] <= np.arange(keys - queries, keys)[:, None]
-    return mx.array(visible)
+    bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
+    return mx.array(np.tile(bias, (group, 1)), dtype=dtype)
 
 
 def few_query_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | str,
 ) -> mx.array:
-    """A few queries per row, ``(B, heads, L, D)`` over ``(B, kv_heads, T, D)``
-    with a bool *mask* ``(L, T)`` (a verify pass): :func:`decode_attention`'s
-    matmuls with each key/value head's queries (all L of each) as the rows,
-    and the mask applied once to the scores, where the fallback expands a
-    ``"causal"`` mask into four kernels a layer."""
+    """A few queries per row, ``(B, heads, L, D)`` over ``(B, kv_heads, T,
+    D)`` (a verify pass): :func:`decode_attention`'s matmuls, each key/value
+    head's queries (all L of each) the rows of one. ``"causal"``: the scores'
+    matmul also scales them and adds the mask (:func:`causal_bias`, one
+    ``addmm``), three kernels a layer where the fallback takes eight; a bool
+    *mask* ``(L, T)`` (a sliding window's) is selected as the fallback does."""
     batch, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    if scale != 1.0:
-        queries = queries * scale
     # (B, heads, L, D) -> (B, kv_heads, group * L, D): the same memory
-    queries = queries.reshape(batch, kv_heads, group * length, dim)
-    scores = queries @ keys.swapaxes(-1, -2)  # (B, kv_heads, group * L, T)
-    scores = scores.reshape(batch, kv_heads, group, length, -1)
-    scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-    weights = mx.softmax(scores, axis=-1, precise=True).reshape(batch, kv_heads, group * length, -1)
-    out = weights @ values  # (B, kv_heads, group * L, Dv)
+    rows = queries.reshape(batch, kv_heads, group * length, dim)
+    keys_t = keys.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        bias = causal_bias(length, keys.shape[2], group, queries.dtype)
+        scores = mx.addmm(bias, rows, keys_t, alpha=scale)  # (B, kv_heads, group * L, T)
+    else:
+        scores = (rows * scale if scale != 1.0 else rows) @ keys_t
+        scores = scores.reshape(batch, kv_heads, group, length, -1)
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        scores = scores.reshape(batch, kv_heads, group * length, -1)
+    out = mx.softmax(scores, axis=-1, precise=True) @ values  # (B, kv_heads, group * L, Dv)
     return out.reshape(batch, heads, length, -1)
 
 

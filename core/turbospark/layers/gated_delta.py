@@ -707,9 +707,7 @@ def mix_unrolled(
     conv_dim = 2 * key_dim + value_dim
     group = value_heads // key_heads
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
-    projected, z, a, b = mx.split(
-        x @ in_proj_t, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
-    )
+    projected, z, ab = mx.split(x @ in_proj_t, [conv_dim, conv_dim + value_dim], axis=-1)
     padded = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
     # The K taps summed in float32 (as the conv accumulates), elementwise over views.
     mixed = sum(
@@ -720,12 +718,13 @@ def mix_unrolled(
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
     # (B, L, 2 * key_dim) -> q's heads then k's; each (B, L, Hk, Dk) float32
     q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim), as_keys=True)
-    # Gates by token, key head and group: (B, L, Hv) -> (B, L, Hk, r, 1, 1), float32
-    per_token, per_head = (batch, length, key_heads, group, 1, 1), (key_heads, group, 1, 1)
-    decay = mx.exp(
-        log_decay(A_log.reshape(per_head), a.reshape(per_token), dt_bias.reshape(per_head))
-    )
-    beta = mx.sigmoid(b.reshape(per_token)).astype(mx.float32)
+    # Both gates in one kernel, float32, by token, gate, key head and group:
+    # a | b (B, L, 2 * Hv) -> (B, L, 2, Hk, r, 1, 1); [:, :, 0] decays, [:, :, 1] betas
+    ab = ab.reshape(batch, length, 2, key_heads, group, 1, 1)
+    per_head = (key_heads, group, 1, 1)
+    decay = mx.exp(log_decay(A_log.reshape(per_head), ab, dt_bias.reshape(per_head)))
+    first = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
+    gates = mx.where(first, decay, mx.sigmoid(ab).astype(mx.float32))
     rows = (batch, key_heads, group * value_head_dim, key_head_dim)  # the state, by key head
     grouped = (batch, key_heads, group, value_head_dim, 1)
     v = v.reshape(batch, length, *grouped[1:])  # (B, L, Hk, r, Dv, 1)
@@ -735,8 +734,8 @@ def mix_unrolled(
     predicted = state.reshape(rows) @ k[:, 0].reshape(batch, key_heads, key_head_dim, 1)
     states, ys = [], []
     for t in range(length):
-        g = decay[:, t]  # (B, Hk, r, 1, 1)
-        delta = (v[:, t].astype(mx.float32) - g * predicted.reshape(grouped)) * beta[:, t]
+        g, beta = gates[:, t, 0], gates[:, t, 1]  # (B, Hk, r, 1, 1) each
+        delta = (v[:, t].astype(mx.float32) - g * predicted.reshape(grouped)) * beta
         # (B, Hk, r, Dv, Dk): decay, plus the delta along k_t (broadcast over the group)
         state = g * state.reshape(*grouped[:4], key_head_dim) + delta * k[:, t].reshape(
             batch, key_heads, 1, 1, key_head_dim
