@@ -570,8 +570,8 @@ class GatedDeltaNet(nn.Module):
             # A GPU's short traced pass: every token's state computed by stepping.
             out, padded, *states = mix_unrolled_step(*args)
             keep = state.keeping  # a probe's: only the state after its first tokens
-            rebuild = None if keep else partial(unrolled_layer, padded, states)
-            state.set_layer_traced(index, *unrolled_layer(padded, states, keep or length), rebuild)
+            layer = partial(unrolled_layer, padded, states, recurrent.shape)
+            state.set_layer_traced(index, *layer(keep or length), None if keep else layer)
         elif state.tracing and state.keeping:  # a probe: the state after its first tokens
             keep = state.keeping
             compiled = runs_compiled(batch, length) and keep == 1
@@ -688,8 +688,9 @@ def mix_unrolled(
     On a launch-bound GPU the WY chunk (:func:`gated_delta_traced`) costs
     :func:`mix` 35 kernels a layer for 2 tokens and 40 for 5 (13 for a
     decode step), and its trace a matmul per layer more when drafts are
-    rejected; this form costs 17 and 23 (``bench/gpu_kernels.py``), and
-    nothing on a rejection. Stepping costs two kernels a token: the update
+    rejected; this form costs 16 and 22 (``bench/gpu_kernels.py``), and
+    nothing on a rejection, and builds no slower (65 µs a call for 5
+    tokens against the chunk's 68, on the CPU at ``host`` widths). Stepping costs two kernels a token: the update
     that writes ``S_t`` (:func:`gated_delta_decode`'s), and one matmul that
     reads ``S_t`` for both the readout ``S_t q_t`` and what it predicts for
     the next key, ``S_t k_{t+1}`` (``q_t`` beside ``k_{t+1}``: one stack for
@@ -700,7 +701,8 @@ def mix_unrolled(
 
     Returns the ``(B, L, value_dim)`` output, the conv's padded input ``(B,
     K - 1 + L, C)`` (the tail after ``n`` tokens is its rows ``n .. n + K -
-    2``, :func:`unrolled_layer`), then the state after each token."""
+    2``), then the state after each token, ``(B, 1, Hk, r * Dv, Dk)``
+    (:func:`unrolled_layer` takes them as a layer's state)."""
     batch, length, _ = x.shape
     key_dim = key_heads * key_head_dim
     value_dim = value_heads * value_head_dim
@@ -718,48 +720,57 @@ def mix_unrolled(
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
     # (B, L, 2 * key_dim) -> q's heads then k's; each (B, L, Hk, Dk) float32
     q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim), as_keys=True)
-    # Both gates in one kernel, float32, by token, gate, key head and group:
-    # a | b (B, L, 2 * Hv) -> (B, L, 2, Hk, r, 1, 1); [:, :, 0] decays, [:, :, 1] betas
+    # Every per-token operand is a slice with its token axis kept (size 1), and
+    # the state is by key head, (B, 1, Hk, r * Dv, Dk), so no token reshapes
+    # anything: every node costs host time to build. (mx.split into the tokens
+    # would be one node, but costs more to build than the slices it replaces.)
+    rows = group * value_head_dim
+    # Both gates in one kernel, float32, already repeated over Dv (so they
+    # broadcast over the state's rows): a | b (B, L, 2 * Hv) -> (B, 2L, Hk, r * Dv, 1),
+    # position 2t token t's decay, 2t + 1 its beta.
     ab = ab.reshape(batch, length, 2, key_heads, group, 1, 1)
     per_head = (key_heads, group, 1, 1)
     decay = mx.exp(log_decay(A_log.reshape(per_head), ab, dt_bias.reshape(per_head)))
     first = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
     gates = mx.where(first, decay, mx.sigmoid(ab).astype(mx.float32))
-    rows = (batch, key_heads, group * value_head_dim, key_head_dim)  # the state, by key head
-    grouped = (batch, key_heads, group, value_head_dim, 1)
-    v = v.reshape(batch, length, *grouped[1:])  # (B, L, Hk, r, Dv, 1)
+    gates = mx.broadcast_to(gates, (*gates.shape[:-2], value_head_dim, 1)) + 0.0
+    gates = gates.reshape(batch, 2 * length, key_heads, rows, 1)
+    v = v.reshape(batch, length, key_heads, rows, 1)
+    k_rows = k.reshape(batch, length, key_heads, 1, key_head_dim)
     if length > 1:  # (B, L - 1, Hk, Dk, 2): q_t beside k_{t+1}, what S_t multiplies
         columns = mx.stack([q[:, :-1], k[:, 1:]], axis=-1)
-    state = recurrent
-    predicted = state.reshape(rows) @ k[:, 0].reshape(batch, key_heads, key_head_dim, 1)
+    state = recurrent.reshape(batch, 1, key_heads, rows, key_head_dim)
+    predicted = state @ k[:, :1].reshape(batch, 1, key_heads, key_head_dim, 1)
     states, ys = [], []
     for t in range(length):
-        g, beta = gates[:, t, 0], gates[:, t, 1]  # (B, Hk, r, 1, 1) each
-        delta = (v[:, t].astype(mx.float32) - g * predicted.reshape(grouped)) * beta
-        # (B, Hk, r, Dv, Dk): decay, plus the delta along k_t (broadcast over the group)
-        state = g * state.reshape(*grouped[:4], key_head_dim) + delta * k[:, t].reshape(
-            batch, key_heads, 1, 1, key_head_dim
-        )
-        states.append(state.reshape(batch, value_heads, value_head_dim, key_head_dim))
+        g, beta = gates[:, 2 * t : 2 * t + 1], gates[:, 2 * t + 1 : 2 * t + 2]
+        delta = (v[:, t : t + 1].astype(mx.float32) - g * predicted) * beta
+        # decay, plus the delta along k_t: (B, 1, Hk, r * Dv, Dk)
+        state = g * state + delta * k_rows[:, t : t + 1]
+        states.append(state)
         if t + 1 < length:
-            both = state.reshape(rows) @ columns[:, t]  # (B, Hk, r * Dv, 2)
+            both = state @ columns[:, t : t + 1]  # (B, 1, Hk, r * Dv, 2)
             y, predicted = both[..., :1], both[..., 1:]
         else:
-            y = state.reshape(rows) @ q[:, t].reshape(batch, key_heads, key_head_dim, 1)
-        ys.append(y.reshape(batch, 1, value_heads, value_head_dim))
-    out = mx.concatenate(ys, axis=1).astype(x.dtype)  # (B, L, Hv, Dv)
+            y = state @ q[:, -1:].reshape(batch, 1, key_heads, key_head_dim, 1)
+        ys.append(y)
+    # (B, L, Hk, r * Dv, 1) -> (B, L, Hv, Dv)
+    out = mx.concatenate(ys, axis=1).reshape(batch, length, value_heads, value_head_dim)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     # q was scaled as keys are: the readout is Dk**0.5 too large (see normalize_qk_heads)
-    out = gated_rms_norm(out, z, norm_weight, eps * key_head_dim)
+    out = gated_rms_norm(out.astype(x.dtype), z, norm_weight, eps * key_head_dim)
     return out.reshape(batch, length, value_dim), padded, *states
 
 
-def unrolled_layer(padded: mx.array, states: list[mx.array], n: int) -> tuple[mx.array, mx.array]:
+def unrolled_layer(
+    padded: mx.array, states: list[mx.array], shape: tuple[int, ...], n: int
+) -> tuple[mx.array, mx.array]:
     """A layer's ``(conv tail, state)`` after the first *n* (1 or more) tokens
     of a :func:`mix_unrolled` pass: views of what the pass computed (the tail
-    keeps the pass's few padded rows alive, as a decode step's does)."""
+    keeps the pass's few padded rows alive, as a decode step's does; the
+    state ``(B, 1, Hk, r * Dv, Dk)`` back to the layer's *shape*, ``(B, Hv, Dv, Dk)``)."""
     width = padded.shape[1] - len(states)  # K - 1
-    return padded[:, n : n + width], states[n - 1]
+    return padded[:, n : n + width], states[n - 1].reshape(shape)
 
 
 # One token per row: no Python loop and no CPU-stream inverse, so the whole of

@@ -235,6 +235,6 @@ def test_short_traced_pass_gpu_forms_equal_the_cpu_forms(length: int, compiled: 
     np.testing.assert_allclose(np.array(out_gpu), np.array(out_cpu), atol=ATOL)
     for n in range(1, length + 1):
         cpu = traced_layer(tail, recurrent, trace, n)
-        gpu = unrolled_layer(padded, states, n)
+        gpu = unrolled_layer(padded, states, recurrent.shape, n)
         np.testing.assert_array_equal(np.array(gpu[0]), np.array(cpu[0]))
         np.testing.assert_allclose(np.array(gpu[1]), np.array(cpu[1]), atol=ATOL)
