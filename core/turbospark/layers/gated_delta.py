@@ -686,18 +686,19 @@ def mix_unrolled(
     one compiled function (:data:`mix_unrolled_step`).
 
     On a launch-bound GPU the WY chunk (:func:`gated_delta_traced`) costs
-    :func:`mix` 35 kernels a layer for 2 tokens and 40 for 5 (13 for a
-    decode step), and its trace a matmul per layer more when drafts are
-    rejected; this form costs 16 and 22 (``bench/gpu_kernels.py``), and
-    nothing on a rejection, and builds no slower (65 µs a call for 5
-    tokens against the chunk's 68, on the CPU at ``host`` widths). Stepping costs two kernels a token: the update
-    that writes ``S_t`` (:func:`gated_delta_decode`'s), and one matmul that
-    reads ``S_t`` for both the readout ``S_t q_t`` and what it predicts for
-    the next key, ``S_t k_{t+1}`` (``q_t`` beside ``k_{t+1}``: one stack for
-    the pass). Every ``S_t`` is materialised anyway, so the state after any
-    token is already there for a rollback, with nothing to rebuild. The conv
-    is its taps summed elementwise (no ``conv1d``, no tail copy), q is scaled
-    as k with the gated norm's eps absorbing it, as in the one-token step.
+    :func:`mix` 35 kernels a layer for 2 tokens and 40 for 5 (13 for a decode
+    step), and its trace a matmul a layer more when drafts are rejected; this
+    form costs 16 and 22 (``bench/gpu_kernels.py``) and nothing on a
+    rejection, and the host builds it no slower (``bench/draft_round.py``'s
+    ``verify_build``, GPU forms forced). Stepping costs two kernels a token:
+    the update that writes ``S_t`` (:func:`gated_delta_decode`'s), and one
+    matmul that reads ``S_t`` for both the readout ``S_t q_t`` and what it
+    predicts for the next key, ``S_t k_{t+1}`` (``q_t`` beside ``k_{t+1}``:
+    one stack for the pass). Every ``S_t`` is materialised anyway, so the
+    state after any token is already there for a rollback, with nothing to
+    rebuild. The conv is its taps summed elementwise (no ``conv1d``, no tail
+    copy), both gates are one kernel, and q is scaled as k with the gated
+    norm's eps absorbing it, as in the one-token step.
 
     Returns the ``(B, L, value_dim)`` output, the conv's padded input ``(B,
     K - 1 + L, C)`` (the tail after ``n`` tokens is its rows ``n .. n + K -
