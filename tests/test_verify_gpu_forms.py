@@ -5,7 +5,8 @@ On a GPU a lone row's short traced pass takes forms with fewer kernels
 stepped token by token, every token's state kept; few-query attention by
 matmuls with a host-built causal mask). ``fused.BUILD_FOR_GPU = True`` makes
 the CPU build them, so each test runs the same pass both ways: the logits, the
-state a cut back to every prefix leaves, and the step after it. Float32 on CPU.
+state a cut back to every prefix leaves, and the step after it; and a batch's
+decode, which must keep its own forms. Float32 on CPU.
 """
 
 from __future__ import annotations
@@ -87,3 +88,38 @@ def test_greedy_drafting_in_gpu_forms_equals_off(
     assert drafted.tokens == off.tokens
     assert drafted.stats.draft_proposed + drafted.stats.draft_probed > 0
     assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])  # qwen4_exp: one session slot
+def test_batched_decode_in_gpu_forms_equals_the_cpu_forms(
+    family: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows at different positions decoding together (one masked query a row)
+    keep the batched forms: only a lone row's few queries take the verify
+    pass's attention."""
+    install = request.getfixturevalue(f"{family}_install")
+    prompts = [list(range(3 + r, 20 + 3 * r)) for r in range(3)]
+    runs = []
+    for gpu in (False, True):
+        monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
+        runner = Runner.open(install, context_length=256, dtype="float32", session_slots=4)
+        sessions = []
+        for prompt in prompts:
+            session = runner.checkout()
+            runner.feed(session, prompt, 0)
+            sessions.append(session)
+        state = runner.merge_states(sessions)
+        positions = [len(p) for p in prompts]
+        tokens = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
+        steps = []
+        for _ in range(4):
+            for component in state.values():
+                component.prepare(1)
+            logits = runner.forward_batch(tokens, positions, state)
+            steps.append(logits)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
+            positions = [p + 1 for p in positions]
+            mx.eval(logits, tokens)
+        runs.append(steps)
+    for step, (cpu, gpu) in enumerate(zip(*runs, strict=True)):
+        _close(gpu, cpu, f"batched step {step}")

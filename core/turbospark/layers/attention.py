@@ -60,7 +60,8 @@ def attend(
     if fused.builds_for_gpu() and not _FUSED_DECODE:
         if length == 1 and mask is None:
             return decode_attention(queries, keys, values, scale)
-        if fused.runs_compiled(batch, length) and mask is not None:
+        if length > 1 and fused.runs_compiled(batch, length) and mask is not None:
+            # A lone row's few queries (one row: the mask is (L, T) or "causal").
             return few_query_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
