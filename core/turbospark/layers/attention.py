@@ -84,15 +84,18 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
 
 
 @lru_cache(maxsize=8)
-def causal_bias(queries: int, keys: int, group: int, dtype: mx.Dtype) -> mx.array:
-    """The ``"causal"`` mask of the last *queries* positions over *keys*
-    keys as an additive ``(group * queries, keys)`` bias (0 where query ``i``
-    sees key ``j <= keys - queries + i``, ``-inf`` past it), its rows repeated
-    for each of a key/value head's *group* query heads. Built on the host in
-    *dtype*, so it costs no kernel; a pass's layers share it."""
+def causal_bias(shape: tuple[int, int, int, int], queries: int, dtype: mx.Dtype) -> mx.array:
+    """The ``"causal"`` mask of the last *queries* positions over the keys as
+    an additive bias of the scores' *shape*, ``(B, kv_heads, group * queries,
+    T)`` (0 where query ``i`` sees key ``j <= T - queries + i``, ``-inf`` past
+    it; each key/value head's query heads one after another). Built on the
+    host in *dtype*, so it costs no kernel, a pass's layers share it, and it
+    is whole (no broadcast for ``addmm``'s backends to handle)."""
+    keys = shape[-1]
     visible = np.arange(keys)[None] <= np.arange(keys - queries, keys)[:, None]
-    bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
-    return mx.array(np.tile(bias, (group, 1)), dtype=dtype)
+    bias = np.where(visible, 0.0, -np.inf).astype(np.float32)  # (queries, T)
+    rows = np.tile(bias, (shape[2] // queries, 1))  # (group * queries, T)
+    return mx.array(np.ascontiguousarray(np.broadcast_to(rows, shape)), dtype=dtype)
 
 
 def few_query_attention(
@@ -106,7 +109,8 @@ def few_query_attention(
     D)`` (a verify pass): :func:`decode_attention`'s matmuls, each key/value
     head's queries (all L of each) the rows of one. ``"causal"``: the scores'
     matmul also scales them and adds the mask (:func:`causal_bias`, one
-    ``addmm``), three kernels a layer where the fallback takes eight; a bool
+    ``addmm`` to ``(B, kv_heads, group * L, T)``), three kernels a layer
+    where the fallback takes eight; a bool
     *mask* ``(L, T)`` (a sliding window's) is selected as the fallback does."""
     batch, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
@@ -115,8 +119,8 @@ def few_query_attention(
     rows = queries.reshape(batch, kv_heads, group * length, dim)
     keys_t = keys.swapaxes(-1, -2)
     if isinstance(mask, str):
-        bias = causal_bias(length, keys.shape[2], group, queries.dtype)
-        scores = mx.addmm(bias, rows, keys_t, alpha=scale)  # (B, kv_heads, group * L, T)
+        shape = (batch, kv_heads, group * length, keys.shape[2])
+        scores = mx.addmm(causal_bias(shape, length, queries.dtype), rows, keys_t, alpha=scale)
     else:
         scores = (rows * scale if scale != 1.0 else rows) @ keys_t
         scores = scores.reshape(batch, kv_heads, group, length, -1)
