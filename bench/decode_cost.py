@@ -204,8 +204,8 @@ def decode_cost(
         gpu = {name: {"kernels": r["kernels"]} for name, r in result.items()}
     else:  # a fresh process, the fused ops' stand-ins installed before any trace
         gpu = gpu_kernels(runner.path)
-    for name, counts in gpu.items():
-        result[name]["gpu_kernels"] = counts["kernels"]
+    for name in result:  # the step's engines (gpu_kernels also counts verify passes)
+        result[name]["gpu_kernels"] = gpu[name]["kernels"]
     return result
 
 

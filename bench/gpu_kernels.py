@@ -72,9 +72,42 @@ def install_stand_ins() -> None:
     fused.BUILD_FOR_GPU = True  # the step's GPU forms (turbospark.layers.fused.builds_for_gpu)
 
 
-def count(path: Path, census: bool = False) -> dict[str, Any]:
+def traced_pass(
+    runner: Any, prompt: list[int], fed: int, keep: int | None, census: bool = False
+) -> dict[str, Any]:
+    """The graph of one lone row's traced pass of *fed* tokens after *prompt*,
+    as :meth:`Runner.verify <turbospark.runner.Runner.verify>` runs it (its
+    traced components told first, *keep* as a probe gives it), with every
+    state array it leaves current: a draft's verify pass (``keep`` None, its
+    per-position states left unbuilt until a rejection asks) or a blind
+    probe's (``keep=1``). The second of two identical passes is counted, so
+    compiled functions are traced already (what ``bench/draft_round.py``'s
+    ``kernels`` counts on a GPU)."""
+    from bench.decode_cost import graph_primitives
+
+    for _ in range(2):
+        runner.reset()
+        runner.prefill_chunk(prompt, 0, logits=False)
+        live = runner.sessions()[0]
+        mx.eval([a for c in live.state.values() for a in c.arrays()])
+        for component in runner.traced_components:
+            live.state[component].trace(keep)
+        logits = runner._hook.turbospark_forward(
+            model=runner.model, tokens=mx.array(prompt[:fed], mx.int32), start=len(prompt),
+            state=live.state, vision=None, logits="all", steer=None,
+        )  # fmt: skip
+        arrays = [logits, *(a for c in live.state.values() for a in c.arrays())]
+        counted = graph_primitives(arrays, census=census)
+        mx.eval(arrays)
+    runner.reset()
+    return counted
+
+
+def count(path: Path, census: bool = False, depth: int = 4) -> dict[str, Any]:
     """In this process (stand-ins installed first): the GPU-equivalent kernels
-    of one decode step on *path*, ours compiled and uncompiled, and mlx-lm's."""
+    of one decode step on *path*, ours compiled and uncompiled, and mlx-lm's;
+    and ours for a verify pass of ``depth + 1`` tokens and a blind probe's
+    two-token pass (:func:`traced_pass`)."""
     install_stand_ins()
     from mlx_lm.utils import load_model
 
@@ -95,12 +128,15 @@ def count(path: Path, census: bool = False) -> dict[str, Any]:
         step = _ours_step(runner, prompt)
         mx.eval(step(0))
         out["ours_uncompiled"] = graph_primitives(step(1), census=census)
+    out["verify"] = traced_pass(runner, prompt, depth + 1, None, census)
+    out["probe"] = traced_pass(runner, prompt, 2, 1, census)
     return out
 
 
-def gpu_kernels(path: Path, census: bool = False) -> dict[str, Any]:
+def gpu_kernels(path: Path, census: bool = False, depth: int = 4) -> dict[str, Any]:
     """:func:`count` in a fresh interpreter (the stand-ins must precede every trace)."""
     command = [sys.executable, "-m", "bench.gpu_kernels", "--path", str(path), "--json"]
+    command += ["--depth", str(depth)]
     done = subprocess.run(
         command + (["--census"] if census else []),
         cwd=ROOT, capture_output=True, text=True, check=True,
@@ -117,23 +153,24 @@ def main() -> None:
     parser.add_argument("--size", default="host", help="bench.common size (default: host)")
     parser.add_argument("--dtype", default="bfloat16", help="the install's dtype (the GPU's)")
     parser.add_argument("--census", action="store_true", help="primitives by type too")
+    parser.add_argument("--depth", type=int, default=4, help="drafts in the verify pass (4)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     if args.path is not None:
-        result: dict[str, Any] = count(args.path, args.census)
+        result: dict[str, Any] = count(args.path, args.census, args.depth)
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return
     results = {}
     for family in args.family or ["gemma4", "qwen_gdn"]:
         path = install(family, args.size, args.dtype, DEFAULT_CACHE)
-        results[family] = gpu_kernels(path, args.census)
+        results[family] = gpu_kernels(path, args.census, args.depth)
     if args.json:
         print(json.dumps(results))
         return
     for family, result in results.items():
         row = ", ".join(f"{name} {r['kernels']}" for name, r in result.items())
-        print(f"{family} {args.size} {args.dtype}: GPU-equivalent kernels per decode step: {row}")
+        print(f"{family} {args.size} {args.dtype}: GPU-equivalent kernels per pass: {row}")
         if args.census:
             for name, r in result.items():
                 print(f"  {name}: {r['census']}")

@@ -1,6 +1,6 @@
 """Speculative decoding: drafts never change greedy output, and rollback leaves no trace.
 
-Two checks, for every family whose components can all drop a rejected draft
+The checks, for every family whose components can all drop a rejected draft
 (rewind, or trace the verify pass; a family that cannot is skipped naming the
 components, and the runner refuses draft policies for it the same way):
 
@@ -10,7 +10,10 @@ components, and the runner refuses draft policies for it the same way):
   the session holding exactly what decoding without drafts leaves;
 - **rollback leaves no trace**: a verify pass's logits equal fresh runs of
   each prefix, and after keeping any prefix of it the next step's logits
-  equal a fresh run of the kept history;
+  equal a fresh run of the kept history; and the same with the forms a GPU
+  builds (``turbospark.layers.fused.BUILD_FOR_GPU`` forced on: a short
+  verify pass takes fewer-kernel forms there, e.g. the gated DeltaNet stepped
+  token by token and few-query attention by matmuls);
 - **MTP drafts change nothing** (a family with an MTP head, on an install that
   carries one: the class's ``synthetic_dims`` asks the family's synthetic
   build for it): ``turbospark_forward_with_hidden``'s logits are
@@ -29,6 +32,7 @@ from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit
 from turbospark.draft import Drafter, NgramDrafter, ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
+from turbospark.layers import fused
 from turbospark.policies import DraftPolicies
 from turbospark.runner import has_mtp_hooks
 from turbospark.text import load_text
@@ -80,34 +84,17 @@ class DraftChecks:
     @final
     def test_a_rejected_draft_leaves_no_trace(self, kit: FamilyKit) -> None:
         require_rollback(kit)
-        prompt = kit.tokens(72, 12)
-        fed = kit.tokens(73, 5)  # a confirmed token and four drafts
-        after = kit.tokens(74, 1)
-        for keep in (1, 2, 5):
-            runner = kit.open(1)
-            runner.prefill_chunk(prompt, 0)
-            rows = runner.verify(None, fed, len(prompt))
-            for j in range(len(fed)):
-                gap = kit.logits_gap(rows[j], kit.fresh_logits([*prompt, *fed[: j + 1]]))
-                if gap is not None:
-                    fail(
-                        f"row {j} of a verify pass differs from a fresh run of the same "
-                        f"tokens by {gap:.3g}"
-                    )
-            runner.accept(None, len(prompt), keep)
-            history = [*prompt, *fed[:keep]]
-            if runner.position != len(history):
-                fail(
-                    f"keeping {keep} of {len(fed)} verified tokens left position {runner.position}"
-                )
-            nxt = runner.produce(after[0], len(history))
-            gap = kit.logits_gap(nxt, kit.fresh_logits([*history, *after]))
-            if gap is not None:
-                fail(
-                    f"after verifying {len(fed)} tokens and keeping {keep}, the next step's "
-                    f"logits differ from a fresh run of the kept history by {gap:.3g}: "
-                    "a rejected token left a trace in the state"
-                )
+        rollback_leaves_no_trace(kit)
+
+    @final
+    def test_a_rejected_draft_leaves_no_trace_in_gpu_forms(self, kit: FamilyKit) -> None:
+        require_rollback(kit)
+        built = fused.BUILD_FOR_GPU
+        fused.BUILD_FOR_GPU = True
+        try:
+            rollback_leaves_no_trace(kit, " (GPU forms)")
+        finally:
+            fused.BUILD_FOR_GPU = built
 
     @final
     def test_mtp_drafts_change_nothing(self, kit: FamilyKit) -> None:
@@ -148,3 +135,37 @@ class DraftChecks:
                 fail(f"DraftPolicies.mtp({depth}) proposed no draft in {len(off)} tokens")
             if runner.sessions()[0].record.tokens != [*prompt, *off[:-1]]:
                 fail(f"with DraftPolicies.mtp({depth}), a rejected or unemitted token stayed fed")
+
+
+def rollback_leaves_no_trace(kit: FamilyKit, forms: str = "") -> None:
+    """Verify a confirmed token and four drafts, check every row against a
+    fresh run, keep 1, 2 or all 5, and check the next step against a fresh
+    run of the kept history; *forms* names the forms in a failure."""
+    prompt = kit.tokens(72, 12)
+    fed = kit.tokens(73, 5)  # a confirmed token and four drafts
+    after = kit.tokens(74, 1)
+    for keep in (1, 2, 5):
+        runner = kit.open(1)
+        runner.prefill_chunk(prompt, 0)
+        rows = runner.verify(None, fed, len(prompt))
+        for j in range(len(fed)):
+            gap = kit.logits_gap(rows[j], kit.fresh_logits([*prompt, *fed[: j + 1]]))
+            if gap is not None:
+                fail(
+                    f"row {j} of a verify pass{forms} differs from a fresh run of the same "
+                    f"tokens by {gap:.3g}"
+                )
+        runner.accept(None, len(prompt), keep)
+        history = [*prompt, *fed[:keep]]
+        if runner.position != len(history):
+            fail(
+                f"keeping {keep} of {len(fed)} verified tokens{forms} left position {runner.position}"
+            )
+        nxt = runner.produce(after[0], len(history))
+        gap = kit.logits_gap(nxt, kit.fresh_logits([*history, *after]))
+        if gap is not None:
+            fail(
+                f"after verifying {len(fed)} tokens{forms} and keeping {keep}, the next step's "
+                f"logits differ from a fresh run of the kept history by {gap:.3g}: "
+                "a rejected token left a trace in the state"
+            )

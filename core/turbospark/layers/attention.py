@@ -7,7 +7,10 @@ which mask the window implies, so every family gets the same, tested masking.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
+import numpy as np
 
 from turbospark.layers import fused
 from turbospark.state import LayerKV
@@ -47,12 +50,19 @@ _FUSED_DECODE = mx.metal.is_available()
 def attend(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
 ) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention``, except for one unmasked query
-    per row on a GPU without a fused kernel for it (CUDA): there
-    :func:`decode_attention`, the fallback's own ops less what they spend on
-    nothing. The CPU keeps the op (its fallback), which costs it no more."""
-    if queries.shape[2] == 1 and mask is None and fused.builds_for_gpu() and not _FUSED_DECODE:
-        return decode_attention(queries, keys, values, scale)
+    """``mx.fast.scaled_dot_product_attention``, except on a GPU without a
+    fused kernel for these shapes (CUDA): one unmasked query per row takes
+    :func:`decode_attention`, and a lone row's few masked queries (a draft's
+    verify pass) :func:`few_query_attention`, the fallback's own ops less what
+    they spend on nothing. The CPU keeps the op (its fallback), which costs it
+    no more."""
+    batch, _, length, _ = queries.shape
+    if fused.builds_for_gpu() and not _FUSED_DECODE:
+        if length == 1 and mask is None:
+            return decode_attention(queries, keys, values, scale)
+        if length > 1 and fused.runs_compiled(batch, length) and mask is not None:
+            # A lone row's few queries (one row: the mask is (L, T) or "causal").
+            return few_query_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -71,6 +81,53 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     scores = queries @ keys.swapaxes(-1, -2)  # (B, kv_heads, group, T)
     out = mx.softmax(scores, axis=-1, precise=True) @ values  # (B, kv_heads, group, Dv)
     return out.reshape(batch, heads, 1, -1)
+
+
+@lru_cache(maxsize=8)
+def causal_bias(shape: tuple[int, int, int, int], queries: int, dtype: mx.Dtype) -> mx.array:
+    """The ``"causal"`` mask of the last *queries* positions over the keys as
+    an additive bias of the scores' *shape*, ``(B, kv_heads, group * queries,
+    T)`` (0 where query ``i`` sees key ``j <= T - queries + i``, ``-inf`` past
+    it; each key/value head's query heads one after another). Built on the
+    host in *dtype*, so it costs no kernel, a pass's layers share it, and it
+    is whole (no broadcast for ``addmm``'s backends to handle)."""
+    keys = shape[-1]
+    visible = np.arange(keys)[None] <= np.arange(keys - queries, keys)[:, None]
+    bias = np.where(visible, 0.0, -np.inf).astype(np.float32)  # (queries, T)
+    rows = np.tile(bias, (shape[2] // queries, 1))  # (group * queries, T)
+    return mx.array(np.ascontiguousarray(np.broadcast_to(rows, shape)), dtype=dtype)
+
+
+def few_query_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | str,
+) -> mx.array:
+    """A few queries per row, ``(B, heads, L, D)`` over ``(B, kv_heads, T,
+    D)`` (a verify pass): :func:`decode_attention`'s matmuls, each key/value
+    head's queries (all L of each) the rows of one. ``"causal"``: the scores'
+    matmul also scales them and adds the mask (:func:`causal_bias`, one
+    ``addmm`` to ``(B, kv_heads, group * L, T)``), three kernels a layer
+    where the fallback takes eight; a bool
+    *mask* ``(L, T)`` (a sliding window's) is selected as the fallback does."""
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    # (B, heads, L, D) -> (B, kv_heads, group * L, D): the same memory
+    rows = queries.reshape(batch, kv_heads, group * length, dim)
+    keys_t = keys.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        shape = (batch, kv_heads, group * length, keys.shape[2])
+        scores = mx.addmm(causal_bias(shape, length, queries.dtype), rows, keys_t, alpha=scale)
+    else:
+        scores = (rows * scale if scale != 1.0 else rows) @ keys_t
+        scores = scores.reshape(batch, kv_heads, group, length, -1)
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        scores = scores.reshape(batch, kv_heads, group * length, -1)
+    out = mx.softmax(scores, axis=-1, precise=True) @ values  # (B, kv_heads, group * L, Dv)
+    return out.reshape(batch, heads, length, -1)
 
 
 # Every graph node costs host time to build and schedule, a view too. For one

@@ -12,7 +12,9 @@ tokens costs a few ``C x C`` and ``C x D`` matmuls and only the state carry
 between chunks is sequential. A draft's verify pass is one such chunk that
 also hands back its deltas, from which the state after any of its tokens is
 one matmul, built only when drafts were rejected (:func:`gated_delta_traced`,
-:func:`traced_layer`). A blind probe's pass, which always keeps exactly its
+:func:`traced_layer`); on a GPU, where kernels cost more than arithmetic, a
+short pass steps token by token instead and keeps every token's state
+(:func:`mix_unrolled`). A blind probe's pass, which always keeps exactly its
 first token, makes that token's state current directly (``keep``) and builds
 no trace. Every form computes in float32.
 
@@ -578,7 +580,13 @@ class GatedDeltaNet(nn.Module):
             d.value_head_dim,
             d.eps,
         )
-        if state.tracing and state.keeping:  # a probe: the state after its first tokens
+        if state.tracing and fused.builds_for_gpu() and runs_compiled(batch, length):
+            # A GPU's short traced pass: every token's state computed by stepping.
+            out, padded, *states = mix_unrolled_step(*args)
+            keep = state.keeping  # a probe's: only the state after its first tokens
+            layer = partial(unrolled_layer, padded, states, recurrent.shape)
+            state.set_layer_traced(index, *layer(keep or length), None if keep else layer)
+        elif state.tracing and state.keeping:  # a probe: the state after its first tokens
             keep = state.keeping
             compiled = runs_compiled(batch, length) and keep == 1
             probe = mix_probe if compiled else partial(mix, traced=True, keep=keep)
@@ -672,9 +680,116 @@ def mix(
     return out, tail, recurrent
 
 
+def mix_unrolled(
+    x: mx.array,
+    in_proj_t: mx.array,
+    tail: mx.array,
+    recurrent: mx.array,
+    conv_weight: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_weight: mx.array,
+    key_heads: int,
+    value_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+    eps: float,
+) -> tuple[mx.array, ...]:
+    """A short traced pass of a lone row on a GPU (a draft's verify pass, a
+    blind probe's): :func:`mix`'s one-token GPU forms, token after token, in
+    one compiled function (:data:`mix_unrolled_step`).
+
+    On a launch-bound GPU the WY chunk (:func:`gated_delta_traced`) costs
+    :func:`mix` 35 kernels a layer for 2 tokens and 40 for 5 (13 for a decode
+    step), and its trace a matmul a layer more when drafts are rejected; this
+    form costs 16 and 22 (``bench/gpu_kernels.py``) and nothing on a
+    rejection, and the host builds it no slower (``bench/draft_round.py``'s
+    ``verify_build``, GPU forms forced). Stepping costs two kernels a token:
+    the update that writes ``S_t`` (:func:`gated_delta_decode`'s), and one
+    matmul that reads ``S_t`` for both the readout ``S_t q_t`` and what it
+    predicts for the next key, ``S_t k_{t+1}`` (``q_t`` beside ``k_{t+1}``:
+    one stack for the pass). Every ``S_t`` is materialised anyway, so the
+    state after any token is already there for a rollback, with nothing to
+    rebuild. The conv is :func:`conv_taps` over views (no tail copy), both
+    gates are one kernel, and q is scaled as k with the gated norm's eps
+    absorbing it, as in the one-token step.
+
+    Returns the ``(B, L, value_dim)`` output, the conv's padded input ``(B,
+    K - 1 + L, C)`` (the tail after ``n`` tokens is its rows ``n .. n + K -
+    2``), then the state after each token, ``(B, 1, Hk, r * Dv, Dk)``
+    (:func:`unrolled_layer` takes them as a layer's state)."""
+    batch, length, _ = x.shape
+    key_dim = key_heads * key_head_dim
+    value_dim = value_heads * value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    group = value_heads // key_heads
+    # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
+    projected, z, ab = mx.split(x @ in_proj_t, [conv_dim, conv_dim + value_dim], axis=-1)
+    padded = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
+    taps = conv_weight.shape[1]
+    views = [padded[:, j : j + length] for j in range(taps)]
+    mixed = nn.silu(conv_taps(*views, *(conv_weight[:, j, 0] for j in range(taps))))
+    qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
+    # (B, L, 2 * key_dim) -> q's heads then k's; each (B, L, Hk, Dk) float32
+    q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim), as_keys=True)
+    # Every per-token operand is a slice with its token axis kept (size 1), and
+    # the state is by key head, (B, 1, Hk, r * Dv, Dk), so no token reshapes
+    # anything: every node costs host time to build. (mx.split into the tokens
+    # would be one node, but costs more to build than the slices it replaces.)
+    rows = group * value_head_dim
+    # Both gates in one kernel, float32, already repeated over Dv (so they
+    # broadcast over the state's rows): a | b (B, L, 2 * Hv) -> (B, 2L, Hk, r * Dv, 1),
+    # position 2t token t's decay, 2t + 1 its beta.
+    ab = ab.reshape(batch, length, 2, key_heads, group, 1, 1)
+    per_head = (key_heads, group, 1, 1)
+    decay = mx.exp(log_decay(A_log.reshape(per_head), ab, dt_bias.reshape(per_head)))
+    first = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
+    gates = mx.where(first, decay, mx.sigmoid(ab).astype(mx.float32))
+    gates = mx.broadcast_to(gates, (*gates.shape[:-2], value_head_dim, 1)) + 0.0
+    gates = gates.reshape(batch, 2 * length, key_heads, rows, 1)
+    v = v.reshape(batch, length, key_heads, rows, 1)
+    k_rows = k.reshape(batch, length, key_heads, 1, key_head_dim)
+    if length > 1:  # (B, L - 1, Hk, Dk, 2): q_t beside k_{t+1}, what S_t multiplies
+        columns = mx.stack([q[:, :-1], k[:, 1:]], axis=-1)
+    state = recurrent.reshape(batch, 1, key_heads, rows, key_head_dim)
+    predicted = state @ k[:, :1].reshape(batch, 1, key_heads, key_head_dim, 1)
+    states, ys = [], []
+    for t in range(length):
+        g, beta = gates[:, 2 * t : 2 * t + 1], gates[:, 2 * t + 1 : 2 * t + 2]
+        delta = (v[:, t : t + 1].astype(mx.float32) - g * predicted) * beta
+        # decay, plus the delta along k_t: (B, 1, Hk, r * Dv, Dk)
+        state = g * state + delta * k_rows[:, t : t + 1]
+        states.append(state)
+        if t + 1 < length:
+            both = state @ columns[:, t : t + 1]  # (B, 1, Hk, r * Dv, 2)
+            y, predicted = both[..., :1], both[..., 1:]
+        else:
+            y = state @ q[:, -1:].reshape(batch, 1, key_heads, key_head_dim, 1)
+        ys.append(y)
+    # (B, L, Hk, r * Dv, 1) -> (B, L, Hv, Dv)
+    out = mx.concatenate(ys, axis=1).reshape(batch, length, value_heads, value_head_dim)
+    z = z.reshape(batch, length, value_heads, value_head_dim)
+    # q was scaled as keys are: the readout is Dk**0.5 too large (see normalize_qk_heads)
+    out = gated_rms_norm(out.astype(x.dtype), z, norm_weight, eps * key_head_dim)
+    return out.reshape(batch, length, value_dim), padded, *states
+
+
+def unrolled_layer(
+    padded: mx.array, states: list[mx.array], shape: tuple[int, ...], n: int
+) -> tuple[mx.array, mx.array]:
+    """A layer's ``(conv tail, state)`` after the first *n* (1 or more) tokens
+    of a :func:`mix_unrolled` pass: views of what the pass computed (the tail
+    keeps the pass's few padded rows alive, as a decode step's does; the
+    state ``(B, 1, Hk, r * Dv, Dk)`` back to the layer's *shape*, ``(B, Hv, Dv, Dk)``)."""
+    width = padded.shape[1] - len(states)  # K - 1
+    return padded[:, n : n + width], states[n - 1].reshape(shape)
+
+
 # One token per row: no Python loop and no CPU-stream inverse, so the whole of
 # :func:`mix` compiles; MLX traces it once per batch size and dtype.
 mix_step = mx.compile(mix)
+# A short traced pass of a lone row on a GPU, token by token (fused.builds_for_gpu).
+mix_unrolled_step = mx.compile(mix_unrolled)
 # A verify pass (a lone row, ``k + 1`` tokens): one WY chunk and its trace.
 mix_traced = mx.compile(partial(mix, traced=True))
 # A blind probe's pass (a lone row, the unread token and its drafts): the state

@@ -364,8 +364,9 @@ class Attention(nn.Module):
         is the RoPE offset: a Python int, or (compiled steps) a device array,
         so that one trace serves every position."""
         batch, length, _ = x.shape
-        stack = stacked(self, self._names) if self.owns_kv and length == 1 else None
-        if stack is not None:  # one token: q, k and v normed together
+        joint = self.owns_kv and runs_compiled(batch, length)
+        stack = stacked(self, self._names) if joint else None
+        if stack is not None:  # a step or a verify pass: q, k and v normed together
             queries, keys, values = joint_inputs_step(
                 x @ stack.weight_t, self._joint_norm(), start, self["_freqs"], self.n_heads,
                 self.n_kv_heads, self.eps,
@@ -426,24 +427,24 @@ def joint_inputs(
     kv_heads: int,
     eps: float,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """:func:`attention_inputs` for one token of a K/V-owning layer, from the
-    stacked projection ``(B, 1, (heads + kv_heads [+ kv_heads]) * D)``, in three
+    """:func:`attention_inputs` for a K/V-owning layer's compiled forwards (a
+    decode step, a lone row's verify pass: ``runs_compiled``), from the
+    stacked projection ``(B, L, (heads + kv_heads [+ kv_heads]) * D)``, in three
     kernels where it takes five: every head normed at once without a scale
     (what values get), the query and key heads then scaled by their norm's
     weight (*joint_norm*, :meth:`Attention._joint_norm`) in one multiply, and
     rotated in one RoPE. ``RMSNorm(x) * w`` is ``nn.RMSNorm``'s math, rounded
     once more in between. With ``attention_k_eq_v`` (no value heads) the
     values are the keys' heads before their scale and RoPE, as there."""
-    batch = qkv.shape[0]
     dim = joint_norm.shape[-1]
-    normed = mx.fast.rms_norm(qkv.reshape(batch, -1, 1, dim), None, eps)  # (B, n, 1, D)
+    normed = normed_heads(qkv, qkv.shape[-1] // dim, None, eps)  # (B, n, L, D)
     joint = heads + kv_heads
     rotated = apply_rope(normed[:, :joint] * joint_norm, start, dim, freqs)
     values = normed[:, joint:] if normed.shape[1] > joint else normed[:, heads:]
     return rotated[:, :heads], rotated[:, heads:], values
 
 
-# One token a row: traced once per batch size.
+# Traced once per batch size (one token a row) and short lone-row length.
 joint_inputs_step = mx.compile(joint_inputs)
 
 

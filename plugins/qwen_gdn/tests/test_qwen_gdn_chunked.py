@@ -22,9 +22,11 @@ from turbospark.layers.gated_delta import (
     group_gates,
     log_decay,
     mix,
+    mix_unrolled,
     normalize_qk,
     traced_layer,
     traced_state,
+    unrolled_layer,
 )
 
 HK, HV, DK, DV = 2, 4, 16, 24
@@ -224,3 +226,36 @@ def test_one_token_gpu_forms_equal_the_cpu_forms(
         runs.append((mx.concatenate(outs, axis=1), tail, recurrent))
     for cpu, gpu in zip(*runs, strict=True):
         np.testing.assert_allclose(np.array(gpu), np.array(cpu), atol=ATOL)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("length", [1, 2, 5, 8])
+def test_short_traced_pass_gpu_forms_equal_the_cpu_forms(length: int, compiled: bool) -> None:
+    """A GPU's short traced pass (``mix_unrolled``: the one-token forms
+    stepped token by token) gives the CPU's (one WY chunk and its trace): the
+    output, and after every one of its tokens the conv tail and the state a
+    rollback takes."""
+    rng = np.random.default_rng(length)
+
+    def normal(*shape: int, scale: float = 1.0) -> mx.array:
+        return mx.array((scale * rng.normal(size=shape)).astype(np.float32))
+
+    hidden, kernel = 32, 4
+    conv_dim = 2 * HK * DK + HV * DV
+    in_t, conv = normal(hidden, conv_dim + HV * DV + 2 * HV, scale=0.2), normal(conv_dim, kernel, 1)
+    rest = (mx.log(mx.array([0.01, 0.5, 4.0, 16.0])), normal(HV), 1.0 + normal(DV, scale=0.1))
+    x, tail, recurrent = (
+        normal(1, length, hidden),
+        normal(1, kernel - 1, conv_dim),
+        0.1 * normal(1, HV, DV, DK),
+    )
+    args = (x, in_t, tail, recurrent, conv, *rest, HK, HV, DK, DV, 1e-6)
+    out_cpu, _, _, trace = mix(*args, traced=True)
+    unrolled = mx.compile(mix_unrolled) if compiled else mix_unrolled
+    out_gpu, padded, *states = unrolled(*args)
+    np.testing.assert_allclose(np.array(out_gpu), np.array(out_cpu), atol=ATOL)
+    for n in range(1, length + 1):
+        cpu = traced_layer(tail, recurrent, trace, n)
+        gpu = unrolled_layer(padded, states, recurrent.shape, n)
+        np.testing.assert_array_equal(np.array(gpu[0]), np.array(cpu[0]))
+        np.testing.assert_allclose(np.array(gpu[1]), np.array(cpu[1]), atol=ATOL)

@@ -1,0 +1,125 @@
+"""A verify pass in its GPU forms equals the CPU's, and drafting with them equals ``off``.
+
+On a GPU a lone row's short traced pass takes forms with fewer kernels
+(:func:`turbospark.layers.gated_delta.mix_unrolled`: the gated-DeltaNet
+stepped token by token, every token's state kept; few-query attention by
+matmuls with a host-built causal mask). ``fused.BUILD_FOR_GPU = True`` makes
+the CPU build them, so each test runs the same pass both ways: the logits, the
+state a cut back to every prefix leaves, and the step after it; and a batch's
+decode, which must keep its own forms. Float32 on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark.draft import ReplayDrafter
+from turbospark.generate import GenerationConfig, generate
+from turbospark.layers import fused
+from turbospark.runner import Runner
+from turbospark.text import load_text
+
+FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
+PROMPT = [*range(3, 30), *range(3, 15)]
+TOKENS = [7, 5, 9, 17, 33]  # a confirmed token and four drafts
+ATOL = 1e-5
+
+
+@pytest.fixture(params=FAMILIES)
+def install(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"{request.param}_install")
+
+
+def _open(path: Path) -> Runner:
+    return Runner.open(path, context_length=256, dtype="float32")
+
+
+def _close(a: mx.array, b: mx.array, what: str) -> None:
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=ATOL, rtol=ATOL, err_msg=what)
+
+
+# (probe, keep): a verify pass cut anywhere; a blind probe's keeps its first token or none.
+CUTS = [(False, 0), (False, 1), (False, 3), (False, 5), (True, 0), (True, 1)]
+
+
+@pytest.mark.parametrize(("probe", "keep"), CUTS)
+def test_a_verify_pass_in_gpu_forms_equals_the_cpu_forms(
+    install: Path, probe: bool, keep: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logits of the pass, every component's arrays after the cut to *keep*
+    tokens, and the next step's logits; *probe*: a blind probe's pass (two
+    tokens, ``keep=1``)."""
+    tokens = TOKENS[:2] if probe else TOKENS
+    runs = []
+    for gpu in (False, True):
+        monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
+        runner = _open(install)
+        runner.prefill_chunk(PROMPT, 0)
+        logits = runner.verify(None, tokens, len(PROMPT), keep=1 if probe else None)
+        runner.accept(None, len(PROMPT), keep)
+        after = runner.produce(40, runner.position)
+        state = runner.sessions()[0].state
+        runs.append((logits, after, {n: c.arrays() for n, c in state.items()}))
+    (cpu_logits, cpu_after, cpu_state), (gpu_logits, gpu_after, gpu_state) = runs
+    _close(gpu_logits, cpu_logits, "verify logits")
+    _close(gpu_after, cpu_after, "the step after the cut")
+    for name, arrays in cpu_state.items():
+        assert len(gpu_state[name]) == len(arrays)
+        for i, (a, b) in enumerate(zip(gpu_state[name], arrays, strict=True)):
+            _close(a, b, f"{name} array {i}")
+
+
+@pytest.mark.parametrize("accuracy", [1.0, 0.5, 0.0])
+def test_greedy_drafting_in_gpu_forms_equals_off(
+    install: Path, accuracy: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the GPU forms forced, temperature-0 output with any drafter is
+    ``off``'s token for token, and the session holds no rejected token."""
+    monkeypatch.setattr(fused, "BUILD_FOR_GPU", True)
+    config = GenerationConfig(max_tokens=24, stop_token_ids=[])
+    off = generate(_open(install), load_text(install), PROMPT, config)
+    runner = _open(install)
+    drafter = ReplayDrafter([*PROMPT, *off.tokens], runner.vocab_size, 4, accuracy, seed=3)
+    drafted = generate(runner, load_text(install), PROMPT, config, drafter=drafter)
+    assert drafted.tokens == off.tokens
+    assert drafted.stats.draft_proposed + drafted.stats.draft_probed > 0
+    assert runner.sessions()[0].record.tokens == [*PROMPT, *off.tokens[:-1]]
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])  # qwen4_exp: one session slot
+def test_batched_decode_in_gpu_forms_equals_the_cpu_forms(
+    family: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows at different positions decoding together (one masked query a row)
+    keep the batched forms: only a lone row's few queries take the verify
+    pass's attention."""
+    install = request.getfixturevalue(f"{family}_install")
+    prompts = [list(range(3 + r, 20 + 3 * r)) for r in range(3)]
+    runs = []
+    for gpu in (False, True):
+        monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
+        runner = Runner.open(install, context_length=256, dtype="float32", session_slots=4)
+        sessions = []
+        for prompt in prompts:
+            session = runner.checkout()
+            runner.feed(session, prompt, 0)
+            sessions.append(session)
+        state = runner.merge_states(sessions)
+        positions = [len(p) for p in prompts]
+        tokens = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
+        steps = []
+        for _ in range(4):
+            for component in state.values():
+                component.prepare(1)
+            logits = runner.forward_batch(tokens, positions, state)
+            steps.append(logits)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
+            positions = [p + 1 for p in positions]
+            mx.eval(logits, tokens)
+        runs.append(steps)
+    for step, (cpu, gpu) in enumerate(zip(*runs, strict=True)):
+        _close(gpu, cpu, f"batched step {step}")
