@@ -144,7 +144,7 @@ def kernels(runner: Runner, prompt: list[int], depth: int) -> dict[str, int]:
         mx.eval([a for c in live.state.values() for a in c.arrays()])
         if fed > 1:
             for component in runner.traced_components:
-                live.state[component].trace(None)  # as Runner.verify does
+                live.state[component].trace()  # as Runner.verify does
         logits = runner._hook.turbospark_forward(
             model=runner.model, tokens=mx.array(prompt[:fed], mx.int32), start=len(prompt),
             state=live.state, vision=None, logits="all" if fed > 1 else "last", steer=None,

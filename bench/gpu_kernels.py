@@ -72,15 +72,12 @@ def install_stand_ins() -> None:
     fused.BUILD_FOR_GPU = True  # the step's GPU forms (turbospark.layers.fused.builds_for_gpu)
 
 
-def traced_pass(
-    runner: Any, prompt: list[int], fed: int, keep: int | None, census: bool = False
-) -> dict[str, Any]:
-    """The graph of one lone row's traced pass of *fed* tokens after *prompt*,
-    as :meth:`Runner.verify <turbospark.runner.Runner.verify>` runs it (its
-    traced components told first, *keep* as a probe gives it), with every
-    state array it leaves current: a draft's verify pass (``keep`` None, its
-    per-position states left unbuilt until a rejection asks) or a blind
-    probe's (``keep=1``). The second of two identical passes is counted, so
+def traced_pass(runner: Any, prompt: list[int], fed: int, census: bool = False) -> dict[str, Any]:
+    """The graph of one lone row's traced pass of *fed* tokens after *prompt*
+    (a draft's verify pass), as :meth:`Runner.verify
+    <turbospark.runner.Runner.verify>` runs it (its traced components told
+    first), with every state array it leaves current (per-position states
+    not asked for yet stay unbuilt). The second of two identical passes is counted, so
     compiled functions are traced already (what ``bench/draft_round.py``'s
     ``kernels`` counts on a GPU)."""
     from bench.decode_cost import graph_primitives
@@ -91,7 +88,7 @@ def traced_pass(
         live = runner.sessions()[0]
         mx.eval([a for c in live.state.values() for a in c.arrays()])
         for component in runner.traced_components:
-            live.state[component].trace(keep)
+            live.state[component].trace()
         logits = runner._hook.turbospark_forward(
             model=runner.model, tokens=mx.array(prompt[:fed], mx.int32), start=len(prompt),
             state=live.state, vision=None, logits="all", steer=None,
@@ -106,8 +103,7 @@ def traced_pass(
 def count(path: Path, census: bool = False, depth: int = 4) -> dict[str, Any]:
     """In this process (stand-ins installed first): the GPU-equivalent kernels
     of one decode step on *path*, ours compiled and uncompiled, and mlx-lm's;
-    and ours for a verify pass of ``depth + 1`` tokens and a blind probe's
-    two-token pass (:func:`traced_pass`)."""
+    and ours for a verify pass of ``depth + 1`` tokens (:func:`traced_pass`)."""
     install_stand_ins()
     from mlx_lm.utils import load_model
 
@@ -128,8 +124,7 @@ def count(path: Path, census: bool = False, depth: int = 4) -> dict[str, Any]:
         step = _ours_step(runner, prompt)
         mx.eval(step(0))
         out["ours_uncompiled"] = graph_primitives(step(1), census=census)
-    out["verify"] = traced_pass(runner, prompt, depth + 1, None, census)
-    out["probe"] = traced_pass(runner, prompt, 2, 1, census)
+    out["verify"] = traced_pass(runner, prompt, depth + 1, census)
     return out
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from turbospark.draft import Draft, NgramDrafter, ReplayDrafter
 from turbospark.engine import Engine, Job
-from turbospark.errors import InvalidInput, RewindError
+from turbospark.errors import InvalidInput
 from turbospark.generate import GenerationConfig, generate, stream_generate
 from turbospark.hookspecs import FamilySpec, hookimpl
 from turbospark.plugins import FamilyRegistry
@@ -331,49 +331,6 @@ def test_after_a_rollback_the_next_logits_equal_a_fresh_run(install, keep):
     expected = fresh.produce(40, fresh.position)
     np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
     assert spec.sessions()[0].record.tokens == fresh.sessions()[0].record.tokens
-
-
-@pytest.mark.parametrize("keep", [0, 1])
-def test_a_probe_pass_keeping_its_first_token_equals_a_traced_pass_cut_there(install, keep):
-    """A probe's pass (``keep=1``: the state after its first token made current,
-    nothing traced) cut to that token (or to nothing) leaves what a full traced
-    pass cut there leaves: the next step's logits agree; and it refuses a cut
-    anywhere else by name, since it traced nothing."""
-    drafts = [5, 9]
-    runs = []
-    for probe in (None, 1):
-        runner = open_runner(install)
-        runner.prefill_chunk(PROMPT, 0)
-        logits = runner.verify(None, [7, *drafts], len(PROMPT), keep=probe)
-        runner.accept(None, len(PROMPT), keep)
-        runs.append((logits, runner.produce(40, runner.position), runner.sessions()[0]))
-    (full, after_full, session_full), (probed, after_probe, session_probe) = runs
-    np.testing.assert_allclose(np.array(probed), np.array(full), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.array(after_probe), np.array(after_full), atol=1e-5, rtol=1e-5)
-    assert session_probe.record.tokens == session_full.record.tokens
-    if "gdn" in session_probe.state:
-        runner = open_runner(install)
-        runner.prefill_chunk(PROMPT, 0)
-        runner.verify(None, [7, *drafts], len(PROMPT), keep=1)
-        with pytest.raises(RewindError, match="'gdn'"):
-            runner.accept(None, len(PROMPT), 2)
-
-
-@pytest.mark.parametrize("keep", [0, 4, -1])
-def test_a_probe_keeping_nothing_or_more_than_it_feeds_is_refused_before_any_state_changes(
-    qwen_gdn_install, keep
-):
-    runner = open_runner(qwen_gdn_install)
-    runner.prefill_chunk(PROMPT, 0)
-    with pytest.raises(InvalidInput, match=f"keep={keep}"):
-        runner.verify(None, [7, 5, 9], len(PROMPT), keep=keep)
-    assert runner.position == len(PROMPT)
-    assert not runner.sessions()[0].state["gdn"].tracing
-    after = runner.produce(7, len(PROMPT))
-    fresh = open_runner(qwen_gdn_install)
-    fresh.prefill_chunk(PROMPT, 0)
-    expected = fresh.produce(7, len(PROMPT))
-    np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
 
 
 def test_a_verify_pass_with_an_unread_draft_is_refused_before_any_state_changes(

@@ -42,24 +42,19 @@ def _close(a: mx.array, b: mx.array, what: str) -> None:
     np.testing.assert_allclose(np.array(a), np.array(b), atol=ATOL, rtol=ATOL, err_msg=what)
 
 
-# (probe, keep): a verify pass cut anywhere; a blind probe's keeps its first token or none.
-CUTS = [(False, 0), (False, 1), (False, 3), (False, 5), (True, 0), (True, 1)]
-
-
-@pytest.mark.parametrize(("probe", "keep"), CUTS)
+@pytest.mark.parametrize(("length", "keep"), [(5, 0), (5, 1), (5, 3), (5, 5), (2, 1)])
 def test_a_verify_pass_in_gpu_forms_equals_the_cpu_forms(
-    install: Path, probe: bool, keep: int, monkeypatch: pytest.MonkeyPatch
+    install: Path, length: int, keep: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Logits of the pass, every component's arrays after the cut to *keep*
-    tokens, and the next step's logits; *probe*: a blind probe's pass (two
-    tokens, ``keep=1``)."""
-    tokens = TOKENS[:2] if probe else TOKENS
+    """Logits of a pass of *length* tokens, every component's arrays after the
+    cut to *keep* tokens, and the next step's logits."""
+    tokens = TOKENS[:length]
     runs = []
     for gpu in (False, True):
         monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
         runner = _open(install)
         runner.prefill_chunk(PROMPT, 0)
-        logits = runner.verify(None, tokens, len(PROMPT), keep=1 if probe else None)
+        logits = runner.verify(None, tokens, len(PROMPT))
         runner.accept(None, len(PROMPT), keep)
         after = runner.produce(40, runner.position)
         state = runner.sessions()[0].state

@@ -87,7 +87,7 @@ class ComponentSpec(BaseModel):
     traceable: bool = Field(
         default=False,
         description="keeps its state after every token of a verify forward (the component "
-        "class has trace(keep=None), held_trace() and keep_traced(n, held=None); see "
+        "class has trace(), held_trace() and keep_traced(n, held=None); see "
         "turbospark.speculative), so a non-rewindable component can drop rejected draft "
         "tokens without a second forward, even after a later verify forward",
     )

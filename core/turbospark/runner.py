@@ -439,32 +439,23 @@ class Runner:
         tokens: Sequence[int | mx.array],
         start: int,
         then: Callable[[mx.array], Any] | None = None,
-        keep: int | None = None,
     ) -> Any:
         """Feed *tokens* (a confirmed token, then drafts) at ``start..`` in one
         forward; float32 logits ``(L, vocab)``, row ``j`` for the token after
         ``tokens[j]``. Traceable components can give their state after any token, so
-        :meth:`accept` cuts back to any prefix without a second forward. *keep*
-        (a pass that keeps its first *keep* tokens or none, whatever the
-        drafts' fate): components may leave the state after those current
-        and trace nothing, so that :meth:`accept` builds nothing.
+        :meth:`accept` cuts back to any prefix without a second forward.
 
         The confirmed token may be a still-lazy id (a chained round's bonus,
         :meth:`Speculation.launch_after
         <turbospark.speculative.Speculation.launch_after>`): the pass is queued
         before it is read, as :meth:`produce` does; *then* maps the logits to
         what is returned (arrays) and is queued with them."""
-        if keep is not None and not 1 <= keep <= len(tokens):
-            raise InvalidInput(
-                f"verify(keep={keep}) with {len(tokens)} token(s): keep is how many of them "
-                f"a probe keeps, 1 to {len(tokens)} (None: any prefix, decided after)"
-            )
         live = session or self._live
         _, known = _split_lazy(tokens)
         if known:
             self.check_ids(known)  # before any component traces
         for name in self.traced_components:
-            live.state[name].trace(keep)  # type: ignore[attr-defined]
+            live.state[name].trace()  # type: ignore[attr-defined]
         return self._feed(list(tokens), start, "all", session, then)
 
     def accept(

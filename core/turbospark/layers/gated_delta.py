@@ -14,9 +14,7 @@ also hands back its deltas, from which the state after any of its tokens is
 one matmul, built only when drafts were rejected (:func:`gated_delta_traced`,
 :func:`traced_layer`); on a GPU, where kernels cost more than arithmetic, a
 short pass steps token by token instead and keeps every token's state
-(:func:`mix_unrolled`). A blind probe's pass, which always keeps exactly its
-first token, makes that token's state current directly (``keep``) and builds
-no trace. Every form computes in float32.
+(:func:`mix_unrolled`). Every form computes in float32.
 
 Shapes follow mlx-lm's ``gated_delta.py`` so checkpoints and states line up:
 q/k ``(B, T, Hk, Dk)``, v ``(B, T, Hv, Dv)``, gates ``(B, T, Hv)``, state
@@ -583,15 +581,8 @@ class GatedDeltaNet(nn.Module):
         if state.tracing and fused.builds_for_gpu() and runs_compiled(batch, length):
             # A GPU's short traced pass: every token's state computed by stepping.
             out, padded, *states = mix_unrolled_step(*args)
-            keep = state.keeping  # a probe's: only the state after its first tokens
             layer = partial(unrolled_layer, padded, states, recurrent.shape)
-            state.set_layer_traced(index, *layer(keep or length), None if keep else layer)
-        elif state.tracing and state.keeping:  # a probe: the state after its first tokens
-            keep = state.keeping
-            compiled = runs_compiled(batch, length) and keep == 1
-            probe = mix_probe if compiled else partial(mix, traced=True, keep=keep)
-            out, new_tail, new_recurrent = probe(*args)
-            state.set_layer_traced(index, new_tail, new_recurrent, None)
+            state.set_layer_traced(index, *layer(length), layer)
         elif state.tracing:  # a verify pass: every token's state is kept
             traced = mix_traced if runs_compiled(batch, length) else partial(mix, traced=True)
             out, new_tail, new_recurrent, trace = traced(*args)
@@ -621,7 +612,6 @@ def mix(
     value_head_dim: int,
     eps: float,
     traced: bool = False,
-    keep: int = 0,
 ) -> tuple[mx.array, ...]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
     input projections (*in_proj_t*: the transpose of ``in_proj_qkv/z/a/b``'s
@@ -630,10 +620,7 @@ def mix(
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
     (a draft's verify pass), also the :data:`Trace` that
-    :func:`traced_layer` rebuilds the state after any of its tokens from;
-    *keep* (with *traced*, a blind probe's pass, which keeps only its first
-    *keep* tokens whatever its drafts' fate): the tail and state after those
-    tokens instead, and no trace, so nothing is rebuilt afterwards.
+    :func:`traced_layer` rebuilds the state after any of its tokens from.
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
     batch, length, _ = x.shape
@@ -644,7 +631,6 @@ def mix(
     projected, z, a, b = mx.split(
         x @ in_proj_t, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
     )
-    tail_before = tail
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
     mixed = nn.silu(mixed)
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
@@ -656,7 +642,6 @@ def mix(
     gpu_step = length == 1 and not traced and fused.builds_for_gpu()
     q, k = normalize_qk_heads(qk, as_keys=gpu_step)
     if traced:
-        start = recurrent
         log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
     elif gpu_step:
@@ -673,8 +658,6 @@ def mix(
         eps = eps * key_head_dim  # RMSNorm(c y, eps) = RMSNorm(y, eps / c**2), c = Dk**-0.5
     out = gated_rms_norm(out, z, norm_weight, eps)  # (B, L, Hv, Dv)
     out = out.reshape(batch, length, value_heads * value_head_dim)
-    if traced and keep:
-        return out, *traced_layer(tail_before, start, (projected, *recurrence), keep)
     if traced:
         return out, tail, recurrent, (projected, *recurrence)
     return out, tail, recurrent
@@ -695,8 +678,8 @@ def mix_unrolled(
     value_head_dim: int,
     eps: float,
 ) -> tuple[mx.array, ...]:
-    """A short traced pass of a lone row on a GPU (a draft's verify pass, a
-    blind probe's): :func:`mix`'s one-token GPU forms, token after token, in
+    """A short traced pass of a lone row on a GPU (a draft's verify pass):
+    :func:`mix`'s one-token GPU forms, token after token, in
     one compiled function (:data:`mix_unrolled_step`).
 
     On a launch-bound GPU the WY chunk (:func:`gated_delta_traced`) costs
@@ -792,9 +775,6 @@ mix_step = mx.compile(mix)
 mix_unrolled_step = mx.compile(mix_unrolled)
 # A verify pass (a lone row, ``k + 1`` tokens): one WY chunk and its trace.
 mix_traced = mx.compile(partial(mix, traced=True))
-# A blind probe's pass (a lone row, the unread token and its drafts): the state
-# after that token, which is all a probe ever keeps.
-mix_probe = mx.compile(partial(mix, traced=True, keep=1))
 
 
 # -- the state ------------------------------------------------------------------
@@ -807,18 +787,11 @@ Rebuild = Callable[[int], tuple[mx.array, mx.array]]
 class TracedPass:
     """A traced forward (a verify pass): where it started, how many tokens it
     fed, and per layer the ``(tail, recurrent)`` before it and the
-    :data:`Rebuild` of its state after its first n tokens (None in a probe's
-    pass, which left the state after its first *keep* tokens current)."""
+    :data:`Rebuild` of its state after its first n tokens."""
 
     start: int
-    layers: list[tuple[tuple[mx.array | None, mx.array | None], Rebuild | None] | None]
+    layers: list[tuple[tuple[mx.array | None, mx.array | None], Rebuild] | None]
     length: int = 0
-    keep: int | None = None
-
-    @property
-    def current(self) -> int:
-        """How many of its tokens the state it left current has read."""
-        return self.length if self.keep is None else self.keep
 
 
 class GDNComponent:
@@ -852,11 +825,10 @@ class GDNComponent:
         self._states[index] = recurrent
 
     def set_layer_traced(
-        self, index: int, tail: mx.array, recurrent: mx.array, rebuild: Rebuild | None
+        self, index: int, tail: mx.array, recurrent: mx.array, rebuild: Rebuild
     ) -> None:
-        """A traced forward's layer *index*: its state after the last token (after
-        the first ``keeping`` in a probe's pass), and *rebuild* (n -> its state
-        after the first n tokens, 1 or more; None in a probe's pass)."""
+        """A traced forward's layer *index*: its state after the last token, and
+        *rebuild* (n -> its state after the first n tokens, 1 or more)."""
         assert self._traced is not None, "set_layer_traced outside a traced forward"
         self._traced.layers[index] = (self.layer(index), rebuild)
         self.set_layer(index, tail, recurrent)
@@ -870,19 +842,10 @@ class GDNComponent:
 
     # -- speculative rollback (turbospark.speculative) -----------------------------
 
-    def trace(self, keep: int | None = None) -> None:
-        """Keep the state after every token of the next forward (a verify pass);
-        with *keep* (a blind probe's pass, which keeps only its first *keep*
-        tokens), leave the state after those current instead and trace nothing:
-        :meth:`keep_traced` then takes *keep* or 0 tokens, and builds nothing."""
+    def trace(self) -> None:
+        """Keep the state after every token of the next forward (a verify pass)."""
         self.tracing = True
-        self._traced = TracedPass(self._position, [None] * len(self._tails), keep=keep)
-
-    @property
-    def keeping(self) -> int | None:
-        """While the next forward is traced: how many of its first tokens a
-        probe's pass keeps (``trace(keep)``); None for a full verify pass."""
-        return self._traced.keep if self.tracing and self._traced is not None else None
+        self._traced = TracedPass(self._position, [None] * len(self._tails))
 
     def held_trace(self) -> TracedPass | None:
         """The last traced forward, for a :meth:`keep_traced` after later
@@ -902,16 +865,12 @@ class GDNComponent:
         if traced is None or not 0 <= n <= traced.length:
             length = 0 if traced is None else traced.length
             raise refuse_rewind(self.name, length - n, length)
-        if not (current and n == traced.current):
+        if not (current and n == traced.length):
             for i, layer in enumerate(traced.layers):
                 assert layer is not None, f"layer {i} ran no traced forward"
                 before, rebuild = layer
                 if n == 0:
                     self._tails[i], self._states[i] = before
-                elif rebuild is None:  # a probe's pass kept only its first tokens
-                    raise refuse_rewind(
-                        self.name, traced.length - n, traced.length - traced.current
-                    )
                 else:
                     self._tails[i], self._states[i] = rebuild(n)
         self._position = traced.start + n

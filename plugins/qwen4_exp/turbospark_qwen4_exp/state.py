@@ -335,11 +335,9 @@ class StreamTail:
         first = parts[0]
         return BatchStreamTail(first.name, first.initial, mx.stack([p.tail for p in parts]))
 
-    def trace(self, keep: int | None = None) -> None:
-        """Keep the window of the next :meth:`push` (a speculative verify pass).
-        *keep* (a probe's pass keeps only that many tokens) changes nothing here:
-        any tail is a slice of the window, which costs no kernel."""
-        del keep
+    def trace(self) -> None:
+        """Keep the window of the next :meth:`push` (a speculative verify pass):
+        any tail after it is a slice of the window, which costs no kernel."""
         self._tracing, self._traced = True, None
 
     def held_trace(self) -> tuple[mx.array, int, int] | None:
