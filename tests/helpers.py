@@ -1,5 +1,5 @@
 """Small drivers shared by the runner-level tests: the `feed` shapes of the seed
-scenarios (`tests/test_seed_scenarios.py`)."""
+scenarios (`tests/test_seed_scenarios.py`), and a batched greedy decode."""
 
 from __future__ import annotations
 
@@ -47,3 +47,27 @@ def open_runner(path, session_slots: int) -> Runner:
     runner = Runner.open(path, context_length=4096, session_slots=session_slots)
     runner.set_prefix_reuse(True)
     return runner
+
+
+def batched_greedy(runner: Runner, prompts: Sequence[Sequence[int]], steps: int) -> list[mx.array]:
+    """Each prompt prefilled into its own session, the sessions merged, then
+    *steps* batched greedy decode steps (each row fed its own argmax, the
+    prompt's last token first): every step's ``(B, vocab)`` logits."""
+    sessions = []
+    for prompt in prompts:
+        session = runner.checkout()
+        runner.feed(session, list(prompt), 0)
+        sessions.append(session)
+    state = runner.merge_states(sessions)
+    positions = [len(p) for p in prompts]
+    tokens = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
+    out = []
+    for _ in range(steps):
+        for component in state.values():
+            component.prepare(1)
+        logits = runner.forward_batch(tokens, positions, state)
+        out.append(logits)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
+        positions = [p + 1 for p in positions]
+        mx.eval(logits, tokens)
+    return out

@@ -21,6 +21,7 @@ from typing import TypeVar
 import mlx.core as mx
 import pytest
 
+from helpers import batched_greedy
 from turbospark import build_synthetic_install
 from turbospark.generate import GenerationConfig, generate
 from turbospark.layers.fused import STEP_TOKENS
@@ -127,24 +128,7 @@ def test_batched_decode_same_tokens_compiled_or_not(family_install: Path, rows: 
 
     def run() -> list[mx.array]:
         runner = Runner.open(family_install, context_length=CONTEXT, session_slots=rows + 1)
-        sessions = []
-        for prompt in prompts:
-            session = runner.checkout()
-            runner.feed(session, prompt, 0)
-            sessions.append(session)
-        state = runner.merge_states(sessions)
-        positions = [len(p) for p in prompts]
-        tokens = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
-        out = []
-        for _ in range(12):
-            for component in state.values():
-                component.prepare(1)
-            logits = runner.forward_batch(tokens, positions, state)
-            out.append(logits)
-            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
-            positions = [p + 1 for p in positions]
-            mx.eval(logits, tokens)
-        return out
+        return batched_greedy(runner, prompts, 12)
 
     compiled, plain = both_ways(run)
     for step, (a, b) in enumerate(zip(compiled, plain, strict=True)):

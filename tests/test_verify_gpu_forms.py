@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from helpers import batched_greedy
 from turbospark.draft import ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
 from turbospark.layers import fused
@@ -98,23 +99,6 @@ def test_batched_decode_in_gpu_forms_equals_the_cpu_forms(
     for gpu in (False, True):
         monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
         runner = Runner.open(install, context_length=256, dtype="float32", session_slots=4)
-        sessions = []
-        for prompt in prompts:
-            session = runner.checkout()
-            runner.feed(session, prompt, 0)
-            sessions.append(session)
-        state = runner.merge_states(sessions)
-        positions = [len(p) for p in prompts]
-        tokens = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
-        steps = []
-        for _ in range(4):
-            for component in state.values():
-                component.prepare(1)
-            logits = runner.forward_batch(tokens, positions, state)
-            steps.append(logits)
-            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
-            positions = [p + 1 for p in positions]
-            mx.eval(logits, tokens)
-        runs.append(steps)
+        runs.append(batched_greedy(runner, prompts, 4))
     for step, (cpu, gpu) in enumerate(zip(*runs, strict=True)):
         _close(gpu, cpu, f"batched step {step}")
