@@ -50,13 +50,30 @@ IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stack
 
 
 @partial(mx.compile, shapeless=True)
-def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
-    """``log g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (``(B, T, Hv)``).
+def log_decay(rate: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    """``log g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (``(B, T, Hv)``),
+    with ``rate = -exp(A_log)`` in float32 (:func:`decay_rate`, computed once).
 
     The chunked form needs the log (decays multiply, so their logs add); the
     step takes ``exp`` of the same value, which is what mlx-lm's ``compute_g`` is.
     """
-    return -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
+    return rate * nn.softplus(a + dt_bias)
+
+
+def decay_rate(mixer: nn.Module) -> mx.array:
+    """*mixer*'s ``-exp(A_log)`` in float32, evaluated once and kept in its
+    ``__dict__`` (no parameter), rebuilt when ``A_log`` was replaced (a load,
+    a shard). It is a constant: computed in the step, it is a kernel of its
+    own there (its input a reshaped leaf, which a compiled step does not fuse
+    across), one a GDN layer and token."""
+    a_log = mixer["A_log"]
+    held = mixer.__dict__.get("_decay_rate")
+    if held is not None and held[0] is a_log:
+        return held[1]
+    rate = -mx.exp(a_log.astype(mx.float32))
+    mx.eval(rate)
+    mixer.__dict__["_decay_rate"] = (a_log, rate)
+    return rate
 
 
 def normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
@@ -569,7 +586,7 @@ class GatedDeltaNet(nn.Module):
             tail,
             recurrent,
             self["conv1d"]["weight"],
-            self["A_log"],
+            decay_rate(self),
             self["dt_bias"],
             self["norm"]["weight"],
             d.num_key_heads,
@@ -603,7 +620,7 @@ def mix(
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
-    A_log: mx.array,
+    rate: mx.array,
     dt_bias: mx.array,
     norm_weight: mx.array,
     key_heads: int,
@@ -642,16 +659,16 @@ def mix(
     gpu_step = length == 1 and not traced and fused.builds_for_gpu()
     q, k = normalize_qk_heads(qk, as_keys=gpu_step)
     if traced:
-        log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
+        log_g, beta = log_decay(rate, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
     elif gpu_step:
         # The gates' inputs grouped first (views), so their chains fuse into the update.
         a, b = group_gates(a, key_heads), group_gates(b, key_heads)
         per_head = (key_heads, value_heads // key_heads, 1, 1)
-        log_g = log_decay(A_log.reshape(per_head), a, dt_bias.reshape(per_head))
+        log_g = log_decay(rate.reshape(per_head), a, dt_bias.reshape(per_head))
         out, recurrent = gated_delta_decode(q, k, v, log_g, mx.sigmoid(b), recurrent)
     else:
-        log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
+        log_g, beta = log_decay(rate, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     if gpu_step:  # q was scaled as keys are: the readout is Dk**0.5 too large
@@ -669,7 +686,7 @@ def mix_unrolled(
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
-    A_log: mx.array,
+    rate: mx.array,
     dt_bias: mx.array,
     norm_weight: mx.array,
     key_heads: int,
@@ -725,7 +742,7 @@ def mix_unrolled(
     # position 2t token t's decay, 2t + 1 its beta.
     ab = ab.reshape(batch, length, 2, key_heads, group, 1, 1)
     per_head = (key_heads, group, 1, 1)
-    decay = mx.exp(log_decay(A_log.reshape(per_head), ab, dt_bias.reshape(per_head)))
+    decay = mx.exp(log_decay(rate.reshape(per_head), ab, dt_bias.reshape(per_head)))
     first = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
     gates = mx.where(first, decay, mx.sigmoid(ab).astype(mx.float32))
     gates = mx.broadcast_to(gates, (*gates.shape[:-2], value_head_dim, 1)) + 0.0

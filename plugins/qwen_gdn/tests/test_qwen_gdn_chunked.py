@@ -9,12 +9,14 @@ agree to float32 precision at every length around the chunk boundaries.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from turbospark.layers import fused
 from turbospark.layers.gated_delta import (
     causal_conv_with_tail,
+    decay_rate,
     gated_delta_chunked,
     gated_delta_decode,
     gated_delta_sequential,
@@ -43,7 +45,7 @@ def _inputs(length: int, seed: int) -> tuple[mx.array, ...]:
     v = normal(1, length, HV, DV)
     # exp(A_log) from 0.01 (slow decay) to 16 (fast): both must survive the chunking.
     a_log = mx.log(mx.array([0.01, 0.5, 4.0, 16.0]))
-    log_g = log_decay(a_log, normal(1, length, HV), normal(HV))
+    log_g = log_decay(-mx.exp(a_log), normal(1, length, HV), normal(HV))
     beta = mx.sigmoid(normal(1, length, HV))
     state = 0.1 * normal(1, HV, DV, DK)
     return q, k, v, log_g, beta, state
@@ -210,7 +212,7 @@ def test_one_token_gpu_forms_equal_the_cpu_forms(
     hidden, kernel = 32, 4
     conv_dim = 2 * HK * DK + HV * DV
     weights = (normal(hidden, conv_dim + HV * DV + 2 * HV, scale=0.2), normal(conv_dim, kernel, 1),
-               mx.log(mx.array([0.01, 0.5, 4.0, 16.0])), normal(HV), 1.0 + normal(DV, scale=0.1))  # fmt: skip
+               -mx.array([0.01, 0.5, 4.0, 16.0]), normal(HV), 1.0 + normal(DV, scale=0.1))  # fmt: skip
     xs = [normal(2, 1, hidden) for _ in range(4)]
     start = (normal(2, kernel - 1, conv_dim), 0.1 * normal(2, HV, DV, DK))
     runs = []
@@ -218,9 +220,9 @@ def test_one_token_gpu_forms_equal_the_cpu_forms(
         monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
         step = mx.compile(mix) if compiled else mix  # a fresh trace for each form
         tail, recurrent, outs = *start, []
-        in_t, conv, a_log, dt_bias, norm = weights
+        in_t, conv, rate, dt_bias, norm = weights  # rate: -exp(A_log)
         for x in xs:
-            out, tail, recurrent = step(x, in_t, tail, recurrent, conv, a_log, dt_bias, norm,
+            out, tail, recurrent = step(x, in_t, tail, recurrent, conv, rate, dt_bias, norm,
                                         HK, HV, DK, DV, 1e-6)  # fmt: skip
             outs.append(out)
         runs.append((mx.concatenate(outs, axis=1), tail, recurrent))
@@ -243,7 +245,11 @@ def test_short_traced_pass_gpu_forms_equal_the_cpu_forms(length: int, compiled: 
     hidden, kernel = 32, 4
     conv_dim = 2 * HK * DK + HV * DV
     in_t, conv = normal(hidden, conv_dim + HV * DV + 2 * HV, scale=0.2), normal(conv_dim, kernel, 1)
-    rest = (mx.log(mx.array([0.01, 0.5, 4.0, 16.0])), normal(HV), 1.0 + normal(DV, scale=0.1))
+    rest = (
+        -mx.array([0.01, 0.5, 4.0, 16.0]),
+        normal(HV),
+        1.0 + normal(DV, scale=0.1),
+    )  # -exp(A_log)
     x, tail, recurrent = (
         normal(1, length, hidden),
         normal(1, kernel - 1, conv_dim),
@@ -259,3 +265,16 @@ def test_short_traced_pass_gpu_forms_equal_the_cpu_forms(length: int, compiled: 
         gpu = unrolled_layer(padded, states, recurrent.shape, n)
         np.testing.assert_array_equal(np.array(gpu[0]), np.array(cpu[0]))
         np.testing.assert_allclose(np.array(gpu[1]), np.array(cpu[1]), atol=ATOL)
+
+
+def test_decay_rate_is_kept_until_a_log_is_replaced() -> None:
+    """``-exp(A_log)`` is computed once, is no parameter, and follows a new ``A_log``
+    (a load or a shard replaces the array)."""
+    mixer = nn.Module()
+    mixer.A_log = mx.array([0.0, 1.0])
+    first = decay_rate(mixer)
+    assert decay_rate(mixer) is first
+    np.testing.assert_allclose(np.array(first), -np.exp([0.0, 1.0]), rtol=1e-6)
+    assert set(mixer.parameters()) == {"A_log"}
+    mixer.A_log = mx.array([2.0, 3.0])
+    np.testing.assert_allclose(np.array(decay_rate(mixer)), -np.exp([2.0, 3.0]), rtol=1e-6)
