@@ -37,7 +37,7 @@ import numpy as np
 
 from turbospark.layers import fused
 from turbospark.layers.fused import runs_compiled
-from turbospark.layers.stacked import Stacked, project, stacked
+from turbospark.layers.stacked import Stacked, derived, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
@@ -61,19 +61,11 @@ def log_decay(rate: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
 
 
 def decay_rate(mixer: nn.Module) -> mx.array:
-    """*mixer*'s ``-exp(A_log)`` in float32, evaluated once and kept in its
-    ``__dict__`` (no parameter), rebuilt when ``A_log`` was replaced (a load,
-    a shard). It is a constant: computed in the step, it is a kernel of its
-    own there (its input a reshaped leaf, which a compiled step does not fuse
-    across), one a GDN layer and token."""
-    a_log = mixer["A_log"]
-    held = mixer.__dict__.get("_decay_rate")
-    if held is not None and held[0] is a_log:
-        return held[1]
-    rate = -mx.exp(a_log.astype(mx.float32))
-    mx.eval(rate)
-    mixer.__dict__["_decay_rate"] = (a_log, rate)
-    return rate
+    """*mixer*'s ``-exp(A_log)`` in float32, computed once per ``A_log``
+    (:func:`~turbospark.layers.stacked.derived`). It is a constant: computed
+    in the step, it is a kernel of its own there (its input a reshaped leaf,
+    which a compiled step does not fuse across), one a GDN layer and token."""
+    return derived(mixer, "_decay_rate", mixer["A_log"], lambda a: -mx.exp(a.astype(mx.float32)))
 
 
 def normalize_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:

@@ -20,7 +20,7 @@ the modules one by one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import is_
 
 import mlx.core as mx
@@ -89,18 +89,24 @@ def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
     return stack
 
 
-def transposed(linear: nn.Module) -> mx.array:
-    """*linear*'s ``weight.T`` as an evaluated view (no node in any graph),
-    kept in the module's ``__dict__`` (no parameter) and rebuilt when the
-    weight was replaced."""
-    weight = linear["weight"]
-    held = linear.__dict__.get("_transposed")
-    if held is not None and held[0] is weight:
+def derived(
+    owner: nn.Module, name: str, source: mx.array, build: Callable[[mx.array], mx.array]
+) -> mx.array:
+    """``build(source)`` for one of *owner*'s parameters, evaluated once (no node
+    in any graph), kept in the module's ``__dict__`` under *name* (no
+    parameter) and rebuilt when *source* was replaced (a load, a shard)."""
+    held = owner.__dict__.get(name)
+    if held is not None and held[0] is source:
         return held[1]
-    weight_t = weight.T
-    mx.eval(weight_t)
-    linear.__dict__["_transposed"] = (weight, weight_t)
-    return weight_t
+    value = build(source)
+    mx.eval(value)
+    owner.__dict__[name] = (source, value)
+    return value
+
+
+def transposed(linear: nn.Module) -> mx.array:
+    """*linear*'s ``weight.T`` as an evaluated view (:func:`derived`)."""
+    return derived(linear, "_transposed", linear["weight"], lambda weight: weight.T)
 
 
 def project(linear: nn.Module, x: mx.array) -> mx.array:
