@@ -109,6 +109,15 @@ def conv_taps(*views_then_taps: mx.array) -> mx.array:
     return out.astype(views[0].dtype)
 
 
+def padded_conv(padded: mx.array, weight: mx.array) -> mx.array:
+    """The conv over *padded* ``(B, K - 1 + L, C)`` (a tail, then ``L`` new
+    rows): ``(B, L, C)``, :func:`conv_taps` over its ``K`` shifted views."""
+    kernel = weight.shape[1]
+    length = padded.shape[1] - (kernel - 1)
+    views = [padded[:, j : j + length] for j in range(kernel)]
+    return conv_taps(*views, *(weight[:, j, 0] for j in range(kernel)))
+
+
 def causal_conv_with_tail(
     x: mx.array, tail: mx.array | None, weight: mx.array
 ) -> tuple[mx.array, mx.array]:
@@ -134,11 +143,9 @@ def causal_conv_with_tail(
         tail = mx.zeros((x.shape[0], kernel - 1, channels), dtype=x.dtype)
     padded = mx.concatenate([tail, x], axis=1)  # (1, K - 1 + L, C)
     new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
-    length = x.shape[1]
-    if length > 1:
+    if x.shape[1] > 1:
         new_tail = mx.contiguous(new_tail)
-    views = [padded[:, j : j + length] for j in range(kernel)]
-    return conv_taps(*views, *(weight[:, j, 0] for j in range(kernel))), new_tail
+    return padded_conv(padded, weight), new_tail
 
 
 # -- the recurrence -------------------------------------------------------------
@@ -702,7 +709,7 @@ def mix_unrolled(
     predicts for the next key, ``S_t k_{t+1}`` (``q_t`` beside ``k_{t+1}``:
     one stack for the pass). Every ``S_t`` is materialised anyway, so the
     state after any token is already there for a rollback, with nothing to
-    rebuild. The conv is :func:`conv_taps` over views (no tail copy), both
+    rebuild. The conv is :func:`padded_conv` (no tail copy), both
     gates are one kernel, and q is scaled as k with the gated norm's eps
     absorbing it, as in the one-token step.
 
@@ -718,9 +725,7 @@ def mix_unrolled(
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
     projected, z, ab = mx.split(x @ in_proj_t, [conv_dim, conv_dim + value_dim], axis=-1)
     padded = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
-    taps = conv_weight.shape[1]
-    views = [padded[:, j : j + length] for j in range(taps)]
-    mixed = nn.silu(conv_taps(*views, *(conv_weight[:, j, 0] for j in range(taps))))
+    mixed = nn.silu(padded_conv(padded, conv_weight))
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
     # (B, L, 2 * key_dim) -> q's heads then k's; each (B, L, Hk, Dk) float32
     q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim), as_keys=True)
@@ -878,10 +883,7 @@ class GDNComponent:
             for i, layer in enumerate(traced.layers):
                 assert layer is not None, f"layer {i} ran no traced forward"
                 before, rebuild = layer
-                if n == 0:
-                    self._tails[i], self._states[i] = before
-                else:
-                    self._tails[i], self._states[i] = rebuild(n)
+                self._tails[i], self._states[i] = before if n == 0 else rebuild(n)
         self._position = traced.start + n
 
     @property
