@@ -370,7 +370,7 @@ class _LayerSteer:
         flags, arrays = self.held
         run = self.folds.get(parts)
         if run is None:
-            run = self.folds[parts] = _folded(parts, *flags, self.renorm)
+            run = self.folds[parts] = _folded(parts, flags, self.renorm)
         return run(args, scale, arrays)
 
     def join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
@@ -390,13 +390,13 @@ class _LayerSteer:
         if self.one_launch is not None and h.shape[1] == 1:
             return steer_cuda.steer_rows(h, *self.one_launch)
         flags, arrays = self.held
-        return _kernel(*flags, self.renorm)(h, *arrays)
+        return _kernel(flags, self.renorm)(h, *arrays)
 
     def _steered_join(self, h: mx.array, update: mx.array, scale: mx.array | None) -> mx.array:
         flags, arrays = self.held
         if scale is None:
-            return _kernel(*flags, self.renorm, "unscaled")(h, update, *arrays)
-        return _kernel(*flags, self.renorm, "scaled")(h, update, scale, *arrays)
+            return _kernel(flags, self.renorm, "unscaled")(h, update, *arrays)
+        return _kernel(flags, self.renorm, "scaled")(h, update, scale, *arrays)
 
     @cached_property
     def held(self) -> tuple[tuple[bool, ...], list[mx.array]]:
@@ -464,20 +464,14 @@ def steered(
 
 @functools.cache
 def _kernel(
-    projects: bool,
-    clamps: bool,
-    scales: bool,
-    adds: bool,
-    masked: bool,
-    renorm: bool,
-    joined: Literal["no", "unscaled", "scaled"] = "no",
+    held: tuple[bool, ...], renorm: bool, joined: Literal["no", "unscaled", "scaled"] = "no"
 ) -> Callable[..., mx.array]:
     """One layer's steering as a single compiled function (its elementwise ops
     fused, so ``ablate``/``clamp``/``renorm`` cost about what ``add`` does); one
-    per combination of the arrays a :class:`_LayerSteer` holds. *joined*: the
+    per combination of the arrays a :class:`_LayerSteer` holds (*held*: which
+    of ``u, t, a, w, r``, :attr:`_LayerSteer.held`). *joined*: the
     function takes the family's last join first (``h``, ``update`` and, when
     scaled, ``scale``), so the join fuses with the steering's first ops."""
-    held = (projects, clamps, scales, adds, masked)
 
     def apply(*arrays: mx.array) -> mx.array:
         if joined == "no":
@@ -490,22 +484,13 @@ def _kernel(
 
 
 @functools.cache
-def _folded(
-    parts: Parts,
-    projects: bool,
-    clamps: bool,
-    scales: bool,
-    adds: bool,
-    masked: bool,
-    renorm: bool,
-) -> Callable[..., mx.array]:
+def _folded(parts: Parts, held: tuple[bool, ...], renorm: bool) -> Callable[..., mx.array]:
     """A family's tail *parts*, its last join and one layer's steering as one
     compiled function, ``(args, scale, arrays) -> out``: a steered layer's
     step makes one compiled call where the tail, then :func:`_kernel`, made
     two (each call costs host time to build, which bounds a GPU's decode).
-    One per tail and combination of held arrays, as :func:`_kernel`; all flags
+    One per tail and combination of held arrays, as :func:`_kernel`; *held* all
     False is the join alone (a layer the :class:`Steer` does not cover)."""
-    held = (projects, clamps, scales, adds, masked)
 
     def apply(
         args: tuple[Any, ...], scale: mx.array | None, arrays: Sequence[mx.array]
