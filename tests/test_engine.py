@@ -426,35 +426,21 @@ def spy_prefills(runner, monkeypatch) -> list[tuple[int, int]]:
     return prefills
 
 
-def test_a_prefill_group_takes_as_many_prompts_as_fit_in_the_budget(gemma4_install, monkeypatch):
-    """Four 6-token prompts, 12 prompt tokens a step: two prompts end in one
-    forward, then the next two; not four that each get 3 tokens a step."""
-    codec = load_text(gemma4_install)
-    runner = open_runner(gemma4_install)
-    engine = Engine(runner, codec, max_batch=4, prefill_budget=12)
-    prefills = spy_prefills(runner, monkeypatch)
-    config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
-    jobs = [
-        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(4)
-    ]
-    run_all(engine, [(0, job) for job in jobs])
-    assert prefills == [(2, 6), (2, 6)]
-    for job in jobs:
-        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
-
-
+@pytest.mark.parametrize("budget", [12, 14])
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
 def test_prompts_left_without_budget_wait_for_a_group_instead_of_going_alone(
-    family, request, monkeypatch
+    family, budget, request, monkeypatch
 ):
-    """Four 6-token prompts, 14 prompt tokens a step: two go together, and the
-    other two wait for the next step's budget and go together too, rather
-    than one of them going alone in the 2 tokens left (two one-row forwards,
-    past the budget). Each still equals its request alone."""
+    """Four 6-token prompts, *budget* prompt tokens a step. 12: two prompts end
+    in one forward, then the next two, not four that each get 3 tokens a step
+    (a group takes as many as fit in the budget). 14: the same, and the two
+    left wait for the next step's budget and go together too, rather than one
+    of them going alone in the 2 tokens left (two one-row forwards, past the
+    budget). Each still equals its request alone."""
     install = request.getfixturevalue(f"{family}_install")
     codec = load_text(install)
     runner = open_runner(install)
-    engine = Engine(runner, codec, max_batch=4, prefill_budget=14)
+    engine = Engine(runner, codec, max_batch=4, prefill_budget=budget)
     prefills = spy_prefills(runner, monkeypatch)
     config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
     jobs = [
