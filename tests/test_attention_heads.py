@@ -1,14 +1,22 @@
 """The head-layout helpers of :mod:`turbospark.layers.attention`: one token
 takes a single reshape where a prompt takes a reshape and a transpose, and
-both give exactly the reference layout (float32 on CPU); one query's
-attention without the fused op gives the fused op's output."""
+both give exactly the reference layout (float32 on CPU); attention without
+the fused op (one query, or several under every mask the KV layers build)
+gives the fused op's output."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from turbospark.layers.attention import decode_attention, heads_first, merge_heads, normed_heads
+from turbospark.layers import fused
+from turbospark.layers.attention import (
+    decode_attention,
+    heads_first,
+    matmul_attention,
+    merge_heads,
+    normed_heads,
+)
 
 BATCH, HEADS, DIM = 3, 4, 8
 
@@ -43,5 +51,37 @@ def test_decode_attention_is_the_fused_op(scale: float, kv_heads: int) -> None:
     keys, values = buffer[:, :, 3:29, :DIM], buffer[:, :, 3:29, DIM:]
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
     got = decode_attention(q, keys, values, scale)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-6).item()
+
+
+def _mask(kind: str, rows: int, length: int, keys: int) -> mx.array | str:
+    """The masks the KV layers hand attention for *length* queries over *keys*."""
+    if kind == "causal":
+        return "causal"
+    q_pos = mx.arange(keys - length, keys)[:, None]
+    visible = q_pos >= mx.arange(keys)[None]
+    if kind == "window":  # LayerKV's sliding window, (L, T)
+        return visible & (q_pos - mx.arange(keys)[None] < 6)
+    left = mx.array([0, 4, 9][:rows])[:, None, None, None]  # BatchLayerKV's padding, (B, 1, L, T)
+    return visible[None, None] & (mx.arange(keys)[None, None, None] >= left)
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", "batch"])
+@pytest.mark.parametrize(("rows", "length"), [(1, 3), (1, 12), (3, 5), (3, 1 + fused.STEP_TOKENS)])
+@pytest.mark.parametrize(("scale", "kv_heads"), [(1.0, 1), (0.3, 2), (0.125, 4)])
+def test_matmul_attention_is_the_fused_op(
+    mask: str, rows: int, length: int, scale: float, kv_heads: int
+) -> None:
+    """Several queries a row (a verify pass, a prefill chunk, a batched
+    prefill group), each mask a KV layer builds, keys read from a larger
+    buffer: the fused op's result to float32 rounding."""
+    keys_in = 30
+    q = mx.random.normal((rows, HEADS, length, DIM), key=mx.random.key(5))
+    buffer = mx.random.normal((rows, kv_heads, 40, 2 * DIM), key=mx.random.key(6))
+    keys, values = buffer[:, :, 2 : 2 + keys_in, :DIM], buffer[:, :, 2 : 2 + keys_in, DIM:]
+    m = _mask(mask, rows, length, keys_in)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=m)
+    got = matmul_attention(q, keys, values, scale, m)
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-6).item()

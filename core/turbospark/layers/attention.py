@@ -51,18 +51,24 @@ def attend(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``, except on a GPU without a
-    fused kernel for these shapes (CUDA): one unmasked query per row takes
-    :func:`decode_attention`, and a lone row's few masked queries (a draft's
-    verify pass) :func:`few_query_attention`, the fallback's own ops less what
-    they spend on nothing. The CPU keeps the op (its fallback), which costs it
-    no more."""
-    batch, _, length, _ = queries.shape
+    fused decode kernel (CUDA): one unmasked query per row takes
+    :func:`decode_attention`, and several queries per row (a prefill chunk, a
+    batched prefill group, a draft's verify pass) :func:`matmul_attention`.
+
+    MLX's CUDA op sends several queries to cuDNN's fused attention, which
+    builds a cuDNN graph the first time it meets each shape of queries, keys
+    and mask: tens of milliseconds, where the forward it serves takes about
+    ten. A server's prefill shapes rarely repeat (every chunk's key count
+    grows; every group's rows and lengths differ), so it paid that build on
+    almost every prefill (bench/prefill_cost.py, bench/README's "#10"). The
+    matmul form costs the same for a shape met before and one not. The CPU
+    keeps the op (its fallback), which costs it no more."""
+    length = queries.shape[2]
     if fused.builds_for_gpu() and not _FUSED_DECODE:
         if length == 1 and mask is None:
             return decode_attention(queries, keys, values, scale)
-        if length > 1 and fused.runs_compiled(batch, length) and mask is not None:
-            # A lone row's few queries (one row: the mask is (L, T) or "causal").
-            return few_query_attention(queries, keys, values, scale, mask)
+        if length > 1 and mask is not None:
+            return matmul_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -98,30 +104,43 @@ def causal_bias(shape: tuple[int, int, int, int], queries: int, dtype: mx.Dtype)
     return mx.array(np.ascontiguousarray(np.broadcast_to(rows, shape)), dtype=dtype)
 
 
-def few_query_attention(
+def causal_visible(queries: int, keys: int) -> mx.array:
+    """The ``"causal"`` mask as booleans ``(queries, keys)`` (bottom-right
+    aligned: query ``i`` sees key ``j <= keys - queries + i``), on the device."""
+    return mx.arange(keys)[None] <= mx.arange(keys - queries, keys)[:, None]
+
+
+def matmul_attention(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
     scale: float,
     mask: mx.array | str,
 ) -> mx.array:
-    """A few queries per row, ``(B, heads, L, D)`` over ``(B, kv_heads, T,
-    D)`` (a verify pass): :func:`decode_attention`'s matmuls, each key/value
-    head's queries (all L of each) the rows of one. ``"causal"``: the scores'
-    matmul also scales them and adds the mask (:func:`causal_bias`, one
-    ``addmm`` to ``(B, kv_heads, group * L, T)``), three kernels a layer
-    where the fallback takes eight; a bool
-    *mask* ``(L, T)`` (a sliding window's) is selected as the fallback does."""
+    """Several queries per row, ``(B, heads, L, D)`` over ``(B, kv_heads, T,
+    D)``: :func:`decode_attention`'s matmuls, each key/value head's queries
+    (all L of each) the rows of one. A lone row's few ``"causal"`` queries (a
+    verify pass, :func:`~turbospark.layers.fused.runs_compiled`) scale the
+    scores and add the mask in their matmul (:func:`causal_bias`, one
+    ``addmm`` to ``(B, kv_heads, group * L, T)``), three kernels a layer where
+    the fallback takes eight. Any other mask (a prefill chunk's ``"causal"``, a
+    window's ``(L, T)``, a batch's ``(B, 1, L, T)``) is selected as MLX's
+    fallback selects it, so the form holds for every prompt length: no bias
+    the size of the scores is built on the host."""
     batch, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    # (B, heads, L, D) -> (B, kv_heads, group * L, D): the same memory
+    # (B, heads, L, D) -> (B, kv_heads, group * L, D): the same memory at L = 1
     rows = queries.reshape(batch, kv_heads, group * length, dim)
     keys_t = keys.swapaxes(-1, -2)
-    if isinstance(mask, str):
+    if isinstance(mask, str) and fused.runs_compiled(batch, length):
         shape = (batch, kv_heads, group * length, keys.shape[2])
         scores = mx.addmm(causal_bias(shape, length, queries.dtype), rows, keys_t, alpha=scale)
     else:
+        if isinstance(mask, str):
+            mask = causal_visible(length, keys.shape[2])
+        elif mask.ndim == 4:  # (B, 1, L, T) -> (B, 1, 1, L, T): one for every group
+            mask = mask[:, :, None]
         scores = (rows * scale if scale != 1.0 else rows) @ keys_t
         scores = scores.reshape(batch, kv_heads, group, length, -1)
         scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
