@@ -11,7 +11,8 @@ one forward) rounds differently from a one-token step, random weights'
 near-tied logits flip, and a drafted run then leaves the reply recorded
 without drafts, after which every replayed draft is wrong. Replaying the
 drafted run's own output until it reproduces itself gives a reply the 100%
-oracle really gets all of (``acceptance`` 1.0); ``output_equals_off`` still
+oracle really gets all of (``acceptance`` 1.0; where it does not settle,
+``reference_settled`` is false and ``acceptance`` says how near 1 it came); ``output_equals_off`` still
 says whether that reply is ``off``'s (it is in float32). Depth is the drafter's most tokens per round. Also
 ``ngram`` (prompt lookup) on a copy-heavy prompt: a long text, then the start
 of an edited copy of it.
@@ -101,7 +102,7 @@ def bench_draft(
     off_reply = generate(runner, codec, prompt, config).tokens  # also the warm-up
     curve = []
     for depth in depths:
-        reference, rounds = fixed_point_reference(runner, codec, prompt, config, depth)
+        reference, rounds, settled = fixed_point_reference(runner, codec, prompt, config, depth)
         for accuracy in accuracies:
             point = paired(
                 prompt,
@@ -109,6 +110,7 @@ def bench_draft(
                 off_reply,
             )
             point["reference_rounds"] = rounds
+            point["reference_settled"] = settled
             point["reference_equals_off"] = reference[len(prompt) :] == off_reply
             curve.append({"depth": depth, "accuracy": accuracy, **point})
 
@@ -131,25 +133,26 @@ def fixed_point_reference(
     config: GenerationConfig,
     depth: int,
     limit: int = FIXED_POINT_ROUNDS,
-) -> tuple[list[int], int]:
-    """``(prompt + reply, recordings)``: a greedy reply that the drafted path at
-    *depth*, replaying it, reproduces token for token, so its 100% oracle
-    accepts every draft. Starts from ``off``'s reply and replays the drafted
-    run's own output until it stops changing (each pass agrees with the last
-    one for longer: the drafted path is deterministic, and it only leaves the
-    replayed reply where a draft was wrong). Refuses to measure (ValueError)
-    when *limit* recordings do not settle."""
+) -> tuple[list[int], int, bool]:
+    """``(prompt + reply, recordings, settled)``: a greedy reply that the
+    drafted path at *depth*, replaying it, reproduces token for token, so its
+    100% oracle accepts every draft. Starts from ``off``'s reply and replays
+    the drafted run's own output until it stops changing (each pass agrees
+    with the last one for longer: the drafted path is deterministic, and it
+    only leaves the replayed reply where a draft was wrong). Each recording
+    settles the reply only up to its next near-tie that a verify pass rounds
+    unlike a step, so where those are dense (gemma4 in bf16 on the H200)
+    *limit* recordings may not reach the end: then the last recording is
+    returned with *settled* False, and its oracle's measured acceptance (just
+    under 1) is what a row reports."""
     reply = generate(runner, codec, prompt, config).tokens
     for recording in range(1, limit + 1):
         drafter = ReplayDrafter([*prompt, *reply], runner.vocab_size, depth)
         again = generate(runner, codec, prompt, config, drafter=drafter).tokens
         if again == reply:
-            return [*prompt, *reply], recording
+            return [*prompt, *reply], recording, True
         reply = again
-    raise ValueError(
-        f"the drafted path at depth {depth} did not reproduce its own greedy reply after "
-        f"{limit} recordings; the 100% oracle would not be 100%"
-    )
+    return [*prompt, *reply], limit, False
 
 
 def bench_mtp(path: Path, depths: Sequence[int], tokens: int, reps: int) -> list[dict[str, Any]]:

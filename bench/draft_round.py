@@ -196,7 +196,7 @@ def profile(
     codec = load_text(path)
     config = GenerationConfig(max_tokens=tokens, stop_token_ids=[])
     prompt = random_tokens(PROMPT_TOKENS, runner.vocab_size, seed=11)
-    reference, _ = fixed_point_reference(runner, codec, prompt, config, depth)
+    reference, _, settled = fixed_point_reference(runner, codec, prompt, config, depth)
     rows: dict[str, list[dict[str, Any]]] = {"off": []}
     for rep in range(reps + 1):  # the first round warms up (compiled steps, buffers)
         rows["off"].append(timed_run(runner, codec, prompt, config, None))
@@ -211,6 +211,7 @@ def profile(
         "depth": depth,
         "tokens": tokens,
         "reps": reps,
+        "reference_settled": settled,
     }
     out["kernels"] = kernels(runner, prompt, depth)
     out["lookup_us"] = lookup_us(PROMPT_TOKENS + tokens, runner.vocab_size)

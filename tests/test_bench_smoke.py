@@ -303,11 +303,11 @@ def test_draft_reference_is_a_fixed_point_in_bf16(bench: dict, family: str, tmp_
     runner, codec = Runner.open(path, context_length=96), load_text(path)
     config = GenerationConfig(max_tokens=48, stop_token_ids=[])
     prompt = bench["common"].random_tokens(16, runner.vocab_size, seed=3)
-    reference, recordings = draft.fixed_point_reference(runner, codec, prompt, config, 4)
+    reference, recordings, settled = draft.fixed_point_reference(runner, codec, prompt, config, 4)
     done = generate(
         runner, codec, prompt, config, drafter=ReplayDrafter(reference, runner.vocab_size, 4)
     )
-    assert recordings >= 1 and done.tokens == reference[len(prompt) :]
+    assert settled and recordings >= 1 and done.tokens == reference[len(prompt) :]
     assert done.stats.draft_proposed > 0
     assert done.stats.draft_accepted == done.stats.draft_proposed
 
