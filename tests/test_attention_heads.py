@@ -85,3 +85,22 @@ def test_matmul_attention_is_the_fused_op(
     got = matmul_attention(q, keys, values, scale, m)
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-6).item()
+
+
+def test_scores_past_the_bound_take_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA's forms, several queries take matmul_attention up to
+    MATMUL_SCORES scores and the op past it (a long chunk over a long context)."""
+    from turbospark.layers import attention
+
+    calls: list[str] = []
+    monkeypatch.setattr(fused, "BUILD_FOR_GPU", True)
+    monkeypatch.setattr(attention, "_FUSED_DECODE", False)
+    monkeypatch.setattr(attention, "matmul_attention", lambda *a: calls.append("matmul"))
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **k: calls.append("op"))
+    q = mx.zeros((1, HEADS, 5, DIM))
+    kv = mx.zeros((1, 2, 30, DIM))
+    monkeypatch.setattr(attention, "MATMUL_SCORES", HEADS * 5 * 30)
+    attention.attend(q, kv, kv, 1.0, "causal")
+    monkeypatch.setattr(attention, "MATMUL_SCORES", HEADS * 5 * 30 - 1)
+    attention.attend(q, kv, kv, 1.0, "causal")
+    assert calls == ["matmul", "op"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +21,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     sys.path.insert(0, str(ROOT))
     try:
         from bench import (
+            attention_cost,
             batch_decode,
             common,
             concurrency,
@@ -44,6 +46,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "gemma4": common.install("gemma4", "tiny", "float32", cache),
         "qwen_gdn": common.install("qwen_gdn", "tiny", "float32", cache),
         "qwen4_exp": common.install("qwen4_exp", "tiny", "float32", cache),
+        "attention_cost": attention_cost,
         "batch_decode": batch_decode,
         "common": common,
         "concurrency": concurrency,
@@ -209,6 +212,19 @@ def test_prefill_cost(bench: dict, family: str) -> None:
     assert out["turns"][0]["steps"] >= 3
     assert out["phases"]["group forward"]["calls"] >= 1
     assert out["phases"]["batched decode step"]["calls"] >= 1
+
+
+def test_attention_cost(bench: dict) -> None:
+    """Both forms timed on each case; forwards with the op put matmul_attention back."""
+    from turbospark.layers import attention
+
+    module = bench["attention_cost"]
+    rows = module.ops([(1, 4, 2, 8, 5, 9), (2, 4, 1, 8, 3, 7)], mx.float32, times=2)
+    assert [len(r["op"]) + len(r["matmul"]) for r in rows] == [4, 4]
+    real = attention.matmul_attention
+    out = module.forwards(bench["gemma4"], "op", cases=[(2, 5, 3)])
+    assert attention.matmul_attention is real
+    assert out[0]["first_ms"] > 0 and out[0]["again_ms"] > 0
 
 
 def test_server_step_time_limit(bench: dict) -> None:

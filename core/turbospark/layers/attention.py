@@ -45,6 +45,11 @@ def shared_attention(
 # families use; MLX's CUDA backend (0.32) runs their decode shapes through the
 # op's fallback (calibrated against the H200's kernel counts: bench/gpu_kernels.py).
 _FUSED_DECODE = mx.metal.is_available()
+# Most scores (rows x heads x queries x keys) several queries take by matmuls on
+# CUDA: 64 Mi, 128 MiB in bf16. A chat group (3 rows x 8 heads x 145 queries
+# over 370 keys) holds 1.2 Mi; one row's 512-token chunk over 4k keys with 16
+# heads, 32 Mi; a 2k-token chunk over 32k keys with 32 heads, 2 Gi (the op).
+MATMUL_SCORES = 1 << 26
 
 
 def attend(
@@ -61,13 +66,20 @@ def attend(
     ten. A server's prefill shapes rarely repeat (every chunk's key count
     grows; every group's rows and lengths differ), so it paid that build on
     almost every prefill (bench/prefill_cost.py, bench/README's "#10"). The
-    matmul form costs the same for a shape met before and one not. The CPU
-    keeps the op (its fallback), which costs it no more."""
-    length = queries.shape[2]
+    matmul form costs the same for a shape met before and one not. It holds
+    the scores whole, so past :data:`MATMUL_SCORES` of them (a long prompt's
+    chunk over a long context) the op's fused kernel, whose build the chunk's
+    own work then dwarfs, keeps them off the device's memory. The CPU keeps
+    the op (its fallback), which costs it no more."""
+    batch, heads, length, _ = queries.shape
     if fused.builds_for_gpu() and not _FUSED_DECODE:
         if length == 1 and mask is None:
             return decode_attention(queries, keys, values, scale)
-        if length > 1 and mask is not None:
+        if (
+            length > 1
+            and mask is not None
+            and batch * heads * length * keys.shape[2] <= MATMUL_SCORES
+        ):
             return matmul_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
