@@ -131,3 +131,23 @@ def test_reloaded_weights_are_used_after_decoding(family: str, tmp_path: Path) -
     assert mx.allclose(
         reused.produce(5, len(prompt)), fresh.produce(5, len(prompt)), atol=1e-5
     ).item()
+
+
+@pytest.mark.parametrize("kind", ["plain", "bias", "sharded"])
+def test_project_with_a_residual_adds_it(kind: str, tmp_path: Path) -> None:
+    """``residual + linear(x)``; a plain layer's add is its GEMM's (one AddMM
+    node, no Add), a biased or sharded one's comes after the module's output."""
+
+    class Doubled(nn.Linear):  # a sharded layer's own __call__
+        def __call__(self, x: mx.array) -> mx.array:
+            return 2 * super().__call__(x)
+
+    layer = Doubled(24, 8) if kind == "sharded" else nn.Linear(24, 8, bias=kind == "bias")
+    x = mx.random.normal((2, 3, 24), key=mx.random.key(2))
+    residual = mx.random.normal((2, 3, 8), key=mx.random.key(3))
+    mx.eval(x, residual, layer.parameters())
+    got = project(layer, x, residual)
+    if kind == "plain":  # (the graph, before it is evaluated)
+        labels = _graph_labels(got, tmp_path)
+        assert "AddMM" in labels and "Add" not in labels
+    assert mx.allclose(got, residual + layer(x), atol=1e-6).item()

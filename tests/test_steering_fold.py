@@ -42,13 +42,13 @@ def _gemma4_args(rng: np.random.Generator, batch: int, length: int, ple: bool) -
 
 
 def _qwen_args(rng: np.random.Generator, batch: int, length: int) -> tuple[Any, ...]:
-    """:func:`mlp_tail_parts`'s arguments: residual, mixer output, norm, MLP weights."""
+    """:func:`mlp_tail_parts`'s arguments: the residual stream, norm, MLP weights."""
 
     def a(*shape: int) -> mx.array:
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
     mlp = (a(HIDDEN, 2 * INNER) * 0.2, a(INNER, HIDDEN) * 0.2)
-    return a(batch, length, HIDDEN), a(batch, length, HIDDEN), a(HIDDEN), *mlp, EPS
+    return a(batch, length, HIDDEN), a(HIDDEN), *mlp, EPS
 
 
 class Tail(NamedTuple):
@@ -123,13 +123,18 @@ def test_fold_matches_numpy(tail: str, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["add", "renorm"])
 @pytest.mark.parametrize("tail", TAILS)
 def test_fold_at_scale_zero_equals_the_unsteered_tail(tail: str, mode: str) -> None:
-    """``add``/``renorm`` at s = 0 is exact identity: the family's own compiled tail."""
+    """``add``/``renorm`` at s = 0 is identity: the family's own compiled tail
+    (bit for bit where the tail is its parts' sum, gemma4's; qwen_gdn's tail
+    makes its residual add inside the down projection's GEMM, an ``addmm``
+    that rounds once where parts then a join round twice)."""
     parts, whole, args, scale = _tail(tail, 3)
     steer = Steer.of([_policy(mode, scale=0.0)] * 3, mx.float32)
     folded = joiner(steer, 1).fold(parts, args, scale, compiled=True)
     # gemma4's tail takes the layer scalar before eps; qwen_gdn's joins unscaled.
     off = whole(*args) if scale is None else whole(*args[:-1], scale, args[-1])
-    assert mx.array_equal(folded, off)
+    if tail.startswith("gemma4"):
+        assert mx.array_equal(folded, off)
+    np.testing.assert_allclose(np.array(folded), np.array(off), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tail", TAILS)

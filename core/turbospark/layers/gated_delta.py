@@ -564,8 +564,12 @@ class GatedDeltaNet(nn.Module):
             raise TypeError("a gated-DeltaNet's input projections must be plain nn.Linear layers")
         return stack
 
-    def __call__(self, x: mx.array, state: GDNComponent, index: int) -> mx.array:
+    def __call__(
+        self, x: mx.array, state: GDNComponent, index: int, residual: mx.array | None = None
+    ) -> mx.array:
         """``x`` ``(B, L, hidden)``; reads and replaces layer ``index`` of ``state``.
+        With *residual*, returns ``residual`` plus the output, the add made by
+        ``out_proj``'s GEMM (:func:`~turbospark.layers.stacked.project`).
 
         Everything is :func:`mix`, compiled for decode (``L = 1``)."""
         d = self.dims
@@ -610,7 +614,7 @@ class GatedDeltaNet(nn.Module):
             out, tail, recurrent = (mix_step if length == 1 else mix)(*args)
             state.set_layer(index, tail, recurrent)
         # The module, not its weight: a sharded out_proj sums the ranks' parts.
-        return project(self["out_proj"], out)
+        return project(self["out_proj"], out, residual)
 
 
 def mix(

@@ -109,10 +109,17 @@ def transposed(linear: nn.Module) -> mx.array:
     return derived(linear, "_transposed", linear["weight"], lambda weight: weight.T)
 
 
-def project(linear: nn.Module, x: mx.array) -> mx.array:
-    """``linear(x)``: for a plain ``nn.Linear`` its own ops over
-    :func:`transposed` (one node fewer); any other module (sharded) is called."""
+def project(linear: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    """``linear(x)``, plus *residual* when given: for a plain ``nn.Linear`` its
+    own ops over :func:`transposed` (one node fewer), the residual added by
+    the GEMM itself (``addmm``: one kernel on a GPU where a matmul and an add
+    were two); any other module (sharded: it sums the ranks' parts) is called,
+    and the residual added after it."""
     if type(linear) is not nn.Linear:
-        return linear(x)
+        out = linear(x)
+        return out if residual is None else residual + out
     weight_t = transposed(linear)
-    return x @ weight_t if "bias" not in linear else mx.addmm(linear["bias"], x, weight_t)
+    if "bias" in linear:
+        out = mx.addmm(linear["bias"], x, weight_t)
+        return out if residual is None else residual + out
+    return x @ weight_t if residual is None else mx.addmm(residual, x, weight_t)

@@ -281,7 +281,9 @@ class GatedAttention(nn.Module):
         rope: QwenRope,
         offset: int | mx.array,
         positions: mx.array | None,
+        residual: mx.array | None = None,
     ) -> mx.array:
+        """The attention output, plus *residual* when given (added by ``o_proj``'s GEMM)."""
         batch, length, _ = x.shape
         qkv = stacked(self, ("q_proj", "k_proj", "v_proj"))  # one matmul (unless sharded)
         if qkv is None:
@@ -305,7 +307,7 @@ class GatedAttention(nn.Module):
         out, _ = cached_attention(queries, keys, values, kv, self.scale)
         # Gated in the heads layout: the gate is a strided half of q's heads, read
         # in place by the fused kernel, where flattening it first would copy it.
-        return project(self["o_proj"], merge_heads(sigmoid_gate(out, gate)))
+        return project(self["o_proj"], merge_heads(sigmoid_gate(out, gate)), residual)
 
 
 def attention_inputs(
@@ -376,19 +378,21 @@ class DecoderLayer(nn.Module):
         # is a Python call, and this runs for every layer and step.
         norm = self["input_layernorm"]
         normed = mx.fast.rms_norm(x, norm["weight"], norm.eps)
+        # The residual stream after the mixer, added by its output projection's GEMM.
         if self.is_linear:
-            mixed = self["linear_attn"](normed, gdn, self.slot)
+            h = self["linear_attn"](normed, gdn, self.slot, residual=x)
         else:
-            mixed = self["self_attn"](normed, kv[self.slot], rope, offset, positions)
+            h = self["self_attn"](normed, kv[self.slot], rope, offset, positions, residual=x)
         mlp = self["mlp"]
         gate_up = stacked(mlp, ("gate_proj", "up_proj"))
         down = mlp["down_proj"]
         if gate_up is None or not isinstance(down, nn.Linear):
-            h = x + mixed  # sharded: the modules sum the ranks' parts
-            update = mlp(self.post_attention_layernorm(h))
+            update = mlp(
+                self.post_attention_layernorm(h)
+            )  # sharded: the modules sum the ranks' parts
             return h + update if join is None else join(h, update, None)
         norm = self["post_attention_layernorm"]
-        args = (x, mixed, norm["weight"], gate_up.weight_t, transposed(down), norm.eps)
+        args = (h, norm["weight"], gate_up.weight_t, transposed(down), norm.eps)
         compiled = runs_compiled(*x.shape[:2])
         if join is None:
             return (mlp_tail_step if compiled else mlp_tail)(*args)
@@ -396,36 +400,33 @@ class DecoderLayer(nn.Module):
         return join.fold(mlp_tail_parts, args, None, compiled)
 
 
-def mlp_tail_parts(
-    x: mx.array,
-    mixed: mx.array,
-    norm_w: mx.array,
-    gate_up_t: mx.array,
-    down_t: mx.array,
-    eps: float,
-) -> tuple[mx.array, mx.array]:
-    """A layer after its mixer: residual, RMSNorm and the SwiGLU MLP, up to the
-    last residual add (the layer's output is their sum). Exactly the modules'
-    ops (``nn.Linear`` is ``x @ w.T``), over arrays so it compiles. The weights
-    come transposed, as leaf views (:mod:`turbospark.layers.stacked`):
-    *gate_up_t* is the stacked gate then up rows' transpose, *down_t* ``down_proj.weight.T``."""
-    h = x + mixed
+def mlp_inner(h: mx.array, norm_w: mx.array, gate_up_t: mx.array, eps: float) -> mx.array:
+    """A layer's MLP up to its down projection, from the residual stream *h*
+    after the mixer: RMSNorm and the SwiGLU activation ``(B, L, inner)``.
+    Exactly the modules' ops (``nn.Linear`` is ``x @ w.T``), over arrays so it
+    compiles; *gate_up_t* is the stacked gate then up rows' transpose, a leaf
+    view (:mod:`turbospark.layers.stacked`)."""
     y = mx.fast.rms_norm(h, norm_w, eps)
     gate, up = mx.split(y @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
-    return h, swiglu(gate, up) @ down_t
+    return swiglu(gate, up)
+
+
+def mlp_tail_parts(
+    h: mx.array, norm_w: mx.array, gate_up_t: mx.array, down_t: mx.array, eps: float
+) -> tuple[mx.array, mx.array]:
+    """``(h, update)``: :func:`mlp_inner` and the down projection (*down_t*:
+    ``down_proj.weight.T``), up to the last residual add: the layer's output is
+    their sum (a steered layer's join adds them)."""
+    return h, mlp_inner(h, norm_w, gate_up_t, eps) @ down_t
 
 
 def mlp_tail(
-    x: mx.array,
-    mixed: mx.array,
-    norm_w: mx.array,
-    gate_up_t: mx.array,
-    down_t: mx.array,
-    eps: float,
+    h: mx.array, norm_w: mx.array, gate_up_t: mx.array, down_t: mx.array, eps: float
 ) -> mx.array:
-    """:func:`mlp_tail_parts` and the residual add, so :data:`mlp_tail_step` compiles it whole."""
-    h, update = mlp_tail_parts(x, mixed, norm_w, gate_up_t, down_t, eps)
-    return h + update
+    """:func:`mlp_tail_parts` and the residual add, the add made by the down
+    projection's own GEMM (``addmm``: one kernel on a GPU where a matmul and
+    an add were two), so :data:`mlp_tail_step` compiles it whole."""
+    return mx.addmm(h, mlp_inner(h, norm_w, gate_up_t, eps), down_t)
 
 
 # Traced once per batch size (decode rows) and per short lone-row length (a
