@@ -1,7 +1,8 @@
 """Prefill in its GPU forms equals the CPU's.
 
 On CUDA, several queries a row take :func:`turbospark.layers.attention.matmul_attention`
-(not the op, whose cuDNN kernel builds a graph per shape). ``fused.BUILD_FOR_GPU
+(not the op, whose cuDNN kernel builds a graph per shape), and a gated-DeltaNet
+chunk's inverse is built by doubling. ``fused.BUILD_FOR_GPU
 = True`` makes the CPU build that form, so each test runs the same prefill both
 ways: one row's chunks (``"causal"``, then a mask over held keys; gemma4's
 sliding window too) and a batched prefill group over rows holding different
@@ -21,7 +22,10 @@ from turbospark.layers import fused
 from turbospark.runner import Runner
 
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
-ATOL = 1e-5
+# The GPU forms invert a chunk's unit-lower matrix by doubling where the CPU's
+# call LAPACK (gated_delta._unit_lower_inverse): the two agree to ~2e-5 (their
+# own test), which eight layers carry to ~6e-5; a wrong form is off by far more.
+ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,9 @@ from turbospark.text import load_text
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
 PROMPT = [*range(3, 30), *range(3, 15)]
 TOKENS = [7, 5, 9, 17, 33]  # a confirmed token and four drafts
-ATOL = 1e-5
+# The prompt's prefill inverts its gated-DeltaNet chunks by doubling in the GPU
+# forms and by LAPACK in the CPU's: ~2e-5 apart (test_prefill_gpu_forms).
+ATOL = 5e-5
 
 
 @pytest.fixture(params=FAMILIES)

@@ -254,17 +254,25 @@ def group_gates(gate: mx.array, key_heads: int) -> mx.array:
     return gate.reshape(batch, key_heads, value_heads // key_heads, 1, 1)
 
 
+@lru_cache
+def _chunk_masks(c: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A chunk's constant masks, built on the host once per chunk size (leaves:
+    no kernel in any pass, where ``mx.tril``/``mx.eye`` cost a GPU several a
+    layer): on and below the diagonal, strictly below (bool ``(C, C)``), and
+    the identity (float32)."""
+    lower = np.tril(np.ones((c, c), dtype=bool))
+    return mx.array(lower), mx.array(np.tril(lower, -1)), mx.array(np.eye(c, dtype=np.float32))
+
+
 def _segment_sums(log_g: mx.array) -> mx.array:
     """``out[..., i, j] = sum(log_g[..., j+1 : i+1])`` for ``i >= j``, ``-inf`` above.
 
     Summing the segment directly (not ``cumsum[i] - cumsum[j]``) avoids the
     cancellation that would cost precision when decays are strong.
     """
-    c = log_g.shape[-1]
-    lower = mx.tril(mx.ones((c, c), dtype=mx.bool_), k=-1)
-    rows = mx.where(lower, log_g[..., :, None], 0.0)  # (..., C, C): row i holds log_g[i]
-    sums = mx.cumsum(rows, axis=-2)
-    return mx.where(mx.tril(mx.ones((c, c), dtype=mx.bool_)), sums, -mx.inf)
+    lower, strict, _ = _chunk_masks(log_g.shape[-1])
+    rows = mx.where(strict, log_g[..., :, None], 0.0)  # (..., C, C): row i holds log_g[i]
+    return mx.where(lower, mx.cumsum(rows, axis=-2), -mx.inf)
 
 
 def _unit_lower_inverse(m: mx.array) -> mx.array:
@@ -272,27 +280,34 @@ def _unit_lower_inverse(m: mx.array) -> mx.array:
 
     On the CPU, LAPACK's triangular inverse: exact and, measured there, ~40x
     faster than matmul doubling. MLX has no GPU kernel for it, and running it
-    on the CPU stream from a GPU graph costs a sync per layer and chunk, so on
-    a GPU the inverse is built by doubling instead (:func:`_doubling_inverse`).
+    on the CPU stream from a GPU graph costs a sync per layer and chunk, so
+    where the forms are a GPU's (:func:`~turbospark.layers.fused.builds_for_gpu`)
+    the inverse is built by doubling instead (:func:`_doubling_inverse`).
     """
-    if mx.default_device() == mx.gpu:
+    if fused.builds_for_gpu():
         return _doubling_inverse(m)
-    c = m.shape[-1]
-    return mx.linalg.tri_inv(mx.eye(c, dtype=m.dtype) + m, upper=False, stream=mx.cpu)
+    return mx.linalg.tri_inv(_chunk_masks(m.shape[-1])[2] + m, upper=False, stream=mx.cpu)
 
 
 def _doubling_inverse(m: mx.array) -> mx.array:
     """``(I + M)^-1 = prod_j (I + (-M)^(2^j))`` for nilpotent ``M`` (``M^C = 0``):
-    ``log2 C`` squarings and products, all batched matmuls."""
+    ``log2 C`` squarings and products, all batched matmuls, each product's
+    sum in its GEMM (``addmm``)."""
     c = m.shape[-1]
     power = -m
-    inverse = mx.eye(c, dtype=m.dtype) + power
+    inverse = _chunk_masks(c)[2] + power
     span = 2
     while span < c:
         power = power @ power
-        inverse = inverse + inverse @ power
+        inverse = mx.addmm(inverse, inverse, power)
         span *= 2
     return inverse
+
+
+@partial(mx.compile, shapeless=True)
+def _strictly_lower(product: mx.array, decay: mx.array, strict: mx.array) -> mx.array:
+    """``M``: a chunk's products times their decays, strictly below the diagonal, one kernel."""
+    return mx.where(strict, product * decay, 0.0)
 
 
 @mx.compile
@@ -350,19 +365,19 @@ def gated_delta_chunked(
         return x.reshape(batch, hv, chunks, chunk_size, *x.shape[3:])
 
     qc, kc, vc, gc, bc = (blocks(x) for x in (q, k, v, log_g, beta))
-    seg = _segment_sums(gc)  # (B, Hv, n, C, C)
-    decay = mx.exp(seg)  # G_i / G_j below the diagonal, 0 above
-    cum = mx.cumsum(gc, axis=-1)  # (B, Hv, n, C): log G_i from the chunk start
+    decay = mx.exp(_segment_sums(gc))  # (B, Hv, n, C, C): G_i / G_j, 0 above the diagonal
+    growth = mx.exp(mx.cumsum(gc, axis=-1))  # (B, Hv, n, C): G_i from the chunk start
     k_beta = kc * bc[..., None]
-    eye = mx.eye(chunk_size, dtype=mx.bool_)
-    m = mx.where(eye, 0.0, (k_beta @ mx.swapaxes(kc, -1, -2)) * decay)  # strictly lower
+    strict = _chunk_masks(chunk_size)[1]
+    m = _strictly_lower(k_beta @ mx.swapaxes(kc, -1, -2), decay, strict)
     t_inv = _unit_lower_inverse(m)
     u = t_inv @ (vc * bc[..., None])  # (B, Hv, n, C, Dv)
-    w = t_inv @ (k_beta * mx.exp(cum)[..., None])  # (B, Hv, n, C, Dk)
+    w = t_inv @ (k_beta * growth[..., None])  # (B, Hv, n, C, Dk)
     attn = (qc @ mx.swapaxes(kc, -1, -2)) * decay  # (B, Hv, n, C, C), causal incl. diagonal
-    w_and_q = mx.concatenate([w, qc * mx.exp(cum)[..., None]], axis=-2)  # (B, Hv, n, 2C, Dk)
-    k_to_end = kc * mx.exp(seg[..., -1, :])[..., None]  # k_j * G_C / G_j
-    end_decay = mx.exp(cum[..., -1])  # (B, Hv, n)
+    w_and_q = mx.concatenate([w, qc * growth[..., None]], axis=-2)  # (B, Hv, n, 2C, Dk)
+    # The last row of the decays is unmasked: G_C / G_j for every j.
+    k_to_end = kc * decay[..., -1, :, None]  # k_j * G_C / G_j
+    end_decay = growth[..., -1]  # (B, Hv, n)
 
     ys = []
     for c in range(chunks):
