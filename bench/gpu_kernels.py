@@ -24,7 +24,8 @@ The replacement is process-wide and must precede every trace, so
 calls it for its ``gpu_kernels`` field (on a GPU that field is ``kernels``
 itself).
 
-Run: ``uv run python bench/gpu_kernels.py [--family F ...] [--size host] [--dtype bfloat16] [--census] [--json]``.
+Run: ``uv run python bench/gpu_kernels.py [--family F ...] [--size host] [--dtype bfloat16] [--census]
+[--prefill ROWS TOKENS HELD] [--json]``; ``--prefill`` also counts a prefill group's batched forward.
 ``--census`` adds the step's non-view primitives by type: what to cut next.
 """
 
@@ -100,10 +101,41 @@ def traced_pass(runner: Any, prompt: list[int], fed: int, census: bool = False) 
     return counted
 
 
-def count(path: Path, census: bool = False, depth: int = 4) -> dict[str, Any]:
+def group_prefill(
+    runner: Any, rows: int, length: int, held: int, census: bool = False
+) -> dict[str, Any]:
+    """The graph of one batched prefill forward (a server's prefill group):
+    *rows* sessions holding *held* tokens each, merged, taking *length* more,
+    as :func:`bench.prefill_cost.shapes` runs it. The second of two identical
+    forwards is counted."""
+    from bench.decode_cost import graph_primitives
+
+    for _ in range(2):
+        sessions = [runner.checkout() for _ in range(rows)]
+        for session in sessions:
+            runner.feed(session, [3 + i % 90 for i in range(held)], 0)
+        state = runner.merge_states(sessions)
+        for component in state.values():
+            component.prepare(length)
+        tokens = mx.array([[4 + (r + i) % 80 for i in range(length)] for r in range(rows)])
+        logits = runner.forward_batch(tokens, [held] * rows, state, None)
+        arrays = [logits, *(a for c in state.values() for a in c.arrays())]
+        counted = graph_primitives(arrays, census=census)
+        mx.eval(arrays)
+        for session in sessions:
+            runner.checkin(session)
+        runner.forget_sessions()
+    return counted
+
+
+def count(
+    path: Path, census: bool = False, depth: int = 4, prefill: tuple[int, int, int] | None = None
+) -> dict[str, Any]:
     """In this process (stand-ins installed first): the GPU-equivalent kernels
     of one decode step on *path*, ours compiled and uncompiled, and mlx-lm's;
-    and ours for a verify pass of ``depth + 1`` tokens (:func:`traced_pass`)."""
+    and ours for a verify pass of ``depth + 1`` tokens (:func:`traced_pass`)
+    and, with *prefill* ``(rows, tokens, held)``, for a prefill group's
+    forward (:func:`group_prefill`)."""
     install_stand_ins()
     from mlx_lm.utils import load_model
 
@@ -125,13 +157,20 @@ def count(path: Path, census: bool = False, depth: int = 4) -> dict[str, Any]:
         mx.eval(step(0))
         out["ours_uncompiled"] = graph_primitives(step(1), census=census)
     out["verify"] = traced_pass(runner, prompt, depth + 1, census)
+    if prefill is not None:
+        grouped = Runner.open(path, context_length=1024, session_slots=prefill[0] + 1)
+        out["prefill"] = group_prefill(grouped, *prefill, census=census)
     return out
 
 
-def gpu_kernels(path: Path, census: bool = False, depth: int = 4) -> dict[str, Any]:
+def gpu_kernels(
+    path: Path, census: bool = False, depth: int = 4, prefill: tuple[int, int, int] | None = None
+) -> dict[str, Any]:
     """:func:`count` in a fresh interpreter (the stand-ins must precede every trace)."""
     command = [sys.executable, "-m", "bench.gpu_kernels", "--path", str(path), "--json"]
     command += ["--depth", str(depth)]
+    if prefill is not None:
+        command += ["--prefill", *map(str, prefill)]
     done = subprocess.run(
         command + (["--census"] if census else []),
         cwd=ROOT, capture_output=True, text=True, check=True,
@@ -149,17 +188,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the install's dtype (the GPU's)")
     parser.add_argument("--census", action="store_true", help="primitives by type too")
     parser.add_argument("--depth", type=int, default=4, help="drafts in the verify pass (4)")
+    parser.add_argument("--prefill", type=int, nargs=3, metavar=("ROWS", "TOKENS", "HELD"),
+                        help="also a prefill group's forward (e.g. 3 145 80)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
+    prefill = tuple(args.prefill) if args.prefill else None
     if args.path is not None:
-        result: dict[str, Any] = count(args.path, args.census, args.depth)
+        result: dict[str, Any] = count(args.path, args.census, args.depth, prefill)
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return
     results = {}
     for family in args.family or ["gemma4", "qwen_gdn"]:
         path = install(family, args.size, args.dtype, DEFAULT_CACHE)
-        results[family] = gpu_kernels(path, args.census, args.depth)
+        results[family] = gpu_kernels(path, args.census, args.depth, prefill)
     if args.json:
         print(json.dumps(results))
         return
