@@ -121,8 +121,7 @@ def _layer_tail(runner: Runner) -> tuple[Parts, Callable[..., mx.array], tuple, 
 
     inner = arch.intermediate_size
     args = (
-        a(1, 1, hidden),
-        a(1, 1, hidden),
+        a(1, 1, hidden),  # the residual stream after the mixer
         a(hidden),
         a(hidden, 2 * inner),
         a(inner, hidden),
