@@ -418,8 +418,8 @@ def gated_delta_traced(
     fewest kernels (about 24 whatever ``L`` up to 8, against about 7 a token
     stepping token by token, which is what a launch-bound GPU pays for): the
     segment and prefix sums of the log decays are one matmul with a constant
-    (:func:`_traced_sums`), the inverse is :func:`_doubling_inverse`-style
-    products fused with their sums (``addmm``) on every device, and each read
+    (:func:`_traced_sums`), the inverse is :func:`_doubling_inverse` (its
+    products fused with their sums, ``addmm``) on every device, and each read
     of the start state ``S0`` is one ``addmm``. The trace is ``(deltas, keys,
     decays G_i / G_j (0 above the diagonal), G_i)``, ``(B, Hv, L, Dv)``,
     ``(B, Hv, L, Dk)``, ``(B, Hv, L, L)``, ``(B, Hv, L)``, all float32, the decays
@@ -432,18 +432,10 @@ def gated_delta_traced(
     sums = gc @ mx.array(_traced_sums(length))  # (B, Hv, L*L + L)
     seg = sums[..., : length * length].reshape(*gc.shape, length)  # (B, Hv, L, L)
     cum = sums[..., length * length :]  # (B, Hv, L): log G_i
-    lower = mx.array(np.tril(np.ones((length, length), dtype=bool)))
+    lower, strict, _ = _chunk_masks(length)
     decay = mx.where(lower, mx.exp(seg), 0.0)  # G_i / G_j on and below the diagonal
     k_beta = kc * bc[..., None]
-    strict = mx.array(np.tril(np.ones((length, length), dtype=bool), -1))
-    # -M, M strictly lower: (I + M)^-1 = prod_j (I + (-M)^(2^j)) (M is nilpotent)
-    power = mx.where(strict, -(k_beta @ mx.swapaxes(kc, -1, -2)) * decay, 0.0)
-    inverse = mx.array(np.eye(length, dtype=np.float32)) + power
-    span = 2
-    while span < length:
-        power = power @ power
-        inverse = mx.addmm(inverse, inverse, power)
-        span *= 2
+    inverse = _doubling_inverse(_strictly_lower(k_beta @ mx.swapaxes(kc, -1, -2), decay, strict))
     growth = mx.exp(cum)  # (B, Hv, L): G_i
     u = inverse @ (vc * bc[..., None])  # (B, Hv, L, Dv)
     w = inverse @ (k_beta * growth[..., None])  # (B, Hv, L, Dk)
