@@ -109,22 +109,15 @@ def group_prefill(
     as :func:`bench.prefill_cost.shapes` runs it. The second of two identical
     forwards is counted."""
     from bench.decode_cost import graph_primitives
+    from bench.prefill_cost import held_group
 
     for _ in range(2):
-        sessions = [runner.checkout() for _ in range(rows)]
-        for session in sessions:
-            runner.feed(session, [3 + i % 90 for i in range(held)], 0)
-        state = runner.merge_states(sessions)
-        for component in state.values():
-            component.prepare(length)
-        tokens = mx.array([[4 + (r + i) % 80 for i in range(length)] for r in range(rows)])
-        logits = runner.forward_batch(tokens, [held] * rows, state, None)
-        arrays = [logits, *(a for c in state.values() for a in c.arrays())]
-        counted = graph_primitives(arrays, census=census)
-        mx.eval(arrays)
-        for session in sessions:
-            runner.checkin(session)
-        runner.forget_sessions()
+        with held_group(runner, [[3 + i % 90 for i in range(held)]] * rows, length) as state:
+            tokens = mx.array([[4 + (r + i) % 80 for i in range(length)] for r in range(rows)])
+            logits = runner.forward_batch(tokens, [held] * rows, state, None)
+            arrays = [logits, *(a for c in state.values() for a in c.arrays())]
+            counted = graph_primitives(arrays, census=census)
+            mx.eval(arrays)
     return counted
 
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ import numpy as np
 from turbospark.engine import Engine, Job, _Batch
 from turbospark.generate import GenerationConfig
 from turbospark.runner import Runner
+from turbospark.state import State
 from turbospark.text import load_text
 
 # (rows, new tokens a row, tokens each row holds already)
@@ -64,28 +66,39 @@ CASES = [
 PROMPT_TOKENS, NEW_TOKENS, REPLY_TOKENS = 80, 145, 64
 
 
+@contextmanager
+def held_group(runner: Runner, held: list[list[int]], length: int) -> Iterator[State]:
+    """A prefill group as the engine feeds it: a checked-out session per row
+    holding that row's *held* ids, merged, with room for *length* more tokens
+    a row; the sessions are checked in and forgotten after (the next case
+    starts from empty sessions)."""
+    sessions = [runner.checkout() for _ in held]
+    try:
+        for session, ids in zip(sessions, held, strict=True):
+            if ids:
+                runner.feed(session, ids, 0)
+        state = runner.merge_states(sessions)
+        for component in state.values():
+            component.prepare(length)
+        yield state
+    finally:
+        for session in sessions:
+            runner.checkin(session)
+        runner.forget_sessions()
+
+
 def _forward(runner: Runner, rng: np.random.Generator, rows: int, length: int, held: int) -> float:
     """Milliseconds for one batched forward of *rows* x *length* tokens after
     *held* tokens a row, from a synchronised start to its logits and state."""
     vocab = runner.vocab_size
-    sessions = [runner.checkout() for _ in range(rows)]
-    try:
-        for session in sessions:
-            if held:
-                runner.feed(session, [int(t) for t in rng.integers(0, vocab, held)], 0)
-        state = runner.merge_states(sessions)
+    prompts = [[int(t) for t in rng.integers(0, vocab, held)] for _ in range(rows)]
+    with held_group(runner, prompts, length) as state:
         ids = mx.array(rng.integers(0, vocab, (rows, length)), dtype=mx.int32)
-        for component in state.values():
-            component.prepare(length)
         mx.synchronize()
         began = time.perf_counter()
         logits = runner.forward_batch(ids, [held] * rows, state, None)
         mx.eval(logits, [a for component in state.values() for a in component.arrays()])
         return 1e3 * (time.perf_counter() - began)
-    finally:
-        for session in sessions:
-            runner.checkin(session)
-        runner.forget_sessions()  # the next case starts from empty sessions
 
 
 def shapes(
