@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from turbospark import MropePositions, Runner
 
@@ -71,3 +72,15 @@ def batched_greedy(runner: Runner, prompts: Sequence[Sequence[int]], steps: int)
         positions = [p + 1 for p in positions]
         mx.eval(logits, tokens)
     return out
+
+
+def assert_states_close(
+    got: dict[str, list[mx.array]], want: dict[str, list[mx.array]], atol: float
+) -> None:
+    """Every component's arrays (``{name: component.arrays()}``) of two runs,
+    the same count of each, equal to *atol* (absolute and relative)."""
+    for name, arrays in want.items():
+        for i, (a, b) in enumerate(zip(got[name], arrays, strict=True)):
+            np.testing.assert_allclose(
+                np.array(a), np.array(b), atol=atol, rtol=atol, err_msg=f"{name} array {i}"
+            )

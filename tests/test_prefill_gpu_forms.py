@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from helpers import assert_states_close
 from turbospark import build_synthetic_install
 from turbospark.layers import fused
 from turbospark.runner import Runner
@@ -65,9 +66,7 @@ def test_chunked_prefill_in_gpu_forms_equals_the_cpu_forms(
     (cpu_logits, cpu_state), (gpu_logits, gpu_state) = runs
     for i, (a, b) in enumerate(zip(gpu_logits, cpu_logits, strict=True)):
         _close(a, b, f"chunk {i}'s logits")
-    for name, arrays in cpu_state.items():
-        for i, (a, b) in enumerate(zip(gpu_state[name], arrays, strict=True)):
-            _close(a, b, f"{name} array {i}")
+    assert_states_close(gpu_state, cpu_state, ATOL)
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])  # qwen4_exp: one session slot
@@ -94,6 +93,4 @@ def test_batched_prefill_in_gpu_forms_equals_the_cpu_forms(
         runs.append((logits, {n: c.arrays() for n, c in state.items()}))
     (cpu_logits, cpu_state), (gpu_logits, gpu_state) = runs
     _close(gpu_logits, cpu_logits, "the group's logits")
-    for name, arrays in cpu_state.items():
-        for i, (a, b) in enumerate(zip(gpu_state[name], arrays, strict=True)):
-            _close(a, b, f"{name} array {i}")
+    assert_states_close(gpu_state, cpu_state, ATOL)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import batched_greedy
+from helpers import assert_states_close, batched_greedy
 from turbospark.draft import ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
 from turbospark.layers import fused
@@ -65,10 +65,7 @@ def test_a_verify_pass_in_gpu_forms_equals_the_cpu_forms(
     (cpu_logits, cpu_after, cpu_state), (gpu_logits, gpu_after, gpu_state) = runs
     _close(gpu_logits, cpu_logits, "verify logits")
     _close(gpu_after, cpu_after, "the step after the cut")
-    for name, arrays in cpu_state.items():
-        assert len(gpu_state[name]) == len(arrays)
-        for i, (a, b) in enumerate(zip(gpu_state[name], arrays, strict=True)):
-            _close(a, b, f"{name} array {i}")
+    assert_states_close(gpu_state, cpu_state, ATOL)
 
 
 @pytest.mark.parametrize("accuracy", [1.0, 0.5, 0.0])
