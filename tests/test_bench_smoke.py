@@ -7,6 +7,7 @@ The HTTP comparison starts two servers and is covered by ``bench/run.py``.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -21,7 +22,6 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     sys.path.insert(0, str(ROOT))
     try:
         from bench import (
-            attention_cost,
             batch_decode,
             common,
             concurrency,
@@ -34,6 +34,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             report,
             server_step,
             session_disk,
+            shape_cost,
             steering,
             swap,
             thread_profile,
@@ -46,7 +47,6 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "gemma4": common.install("gemma4", "tiny", "float32", cache),
         "qwen_gdn": common.install("qwen_gdn", "tiny", "float32", cache),
         "qwen4_exp": common.install("qwen4_exp", "tiny", "float32", cache),
-        "attention_cost": attention_cost,
         "batch_decode": batch_decode,
         "common": common,
         "concurrency": concurrency,
@@ -58,6 +58,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "prefill_cost": prefill_cost,
         "report": report,
         "server_step": server_step,
+        "shape_cost": shape_cost,
         "swap": swap,
         "session_disk": session_disk,
         "steering": steering,
@@ -214,17 +215,65 @@ def test_prefill_cost(bench: dict, family: str) -> None:
     assert out["phases"]["batched decode step"]["calls"] >= 1
 
 
-def test_attention_cost(bench: dict) -> None:
-    """Both forms timed on each case; forwards with the op put matmul_attention back."""
+def test_shape_cost(bench: dict) -> None:
+    """Both attention forms and both GEMMs timed on each case; a forward under
+    every setting puts what it replaced back."""
     from turbospark.layers import attention
+    from turbospark.runner import Runner
 
-    module = bench["attention_cost"]
+    module = bench["shape_cost"]
     rows = module.ops([(1, 4, 2, 8, 5, 9), (2, 4, 1, 8, 3, 7)], mx.float32, times=2)
     assert [len(r["op"]) + len(r["matmul"]) for r in rows] == [4, 4]
-    real = attention.matmul_attention
-    out = module.forwards(bench["gemma4"], "op", cases=[(2, 5, 3)])
-    assert attention.matmul_attention is real
-    assert out[0]["first_ms"] > 0 and out[0]["again_ms"] > 0
+    gemms = module.gemms([(16, 8)], [3, 4], mx.float32, times=2)
+    assert [(g["op"], g["M"], len(g["ms"])) for g in gemms] == [
+        ("matmul", 3, 2),
+        ("addmm", 3, 2),
+        ("matmul", 4, 2),
+        ("addmm", 4, 2),
+    ]
+    real_attention, real_open = attention.matmul_attention, Runner.open
+    for form, pad in (("op", None), ("matmul", (4, 8))):
+        out = module.forwards(bench["gemma4"], form, [(2, 5, 3)], warm_rows=3, pad=pad)
+        assert out["rows"][0]["first_ms"] > 0 and out["rows"][0]["again_ms"] > 0
+        assert out["settings"]["warm_gemms"]["weights"]
+    assert attention.matmul_attention is real_attention and Runner.open == real_open
+    real_calls = {type(m): inspect.getattr_static(type(m), "__call__") for m in _model_modules(bench["qwen_gdn"])}  # fmt: skip
+    (row,) = module.modules(bench["qwen_gdn"], [(2, 5, 3)])
+    assert row["case"] == [2, 5, 3] and {"GatedDeltaNet", "GatedAttention"} <= set(row["ms"])
+    assert all(first > 0 and again > 0 for first, again in row["ms"].values())
+    assert all(inspect.getattr_static(cls, "__call__") is call for cls, call in real_calls.items())
+
+
+def _model_modules(path: Path) -> list:
+    from turbospark.runner import Runner
+
+    runner = Runner.open(path)
+    try:
+        return runner.model.modules()
+    finally:
+        runner.close()
+
+
+def test_padded_attention_is_the_same_attention() -> None:
+    """Padding queries and keys to buckets (masked) changes no output: causal,
+    a window's (L, T) mask and a batch's (B, 1, L, T) mask."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.shape_cost import padded_attention
+    finally:
+        sys.path.remove(str(ROOT))
+    from turbospark.layers import attention
+
+    q = mx.random.normal((2, 4, 7, 16), key=mx.random.key(0))
+    k = mx.random.normal((2, 2, 12, 16), key=mx.random.key(1))
+    v = mx.random.normal((2, 2, 12, 16), key=mx.random.key(2))
+    window = attention.causal_visible(7, 12) & (mx.arange(12)[None] >= mx.arange(7)[:, None])
+    rows = (mx.random.uniform(shape=(2, 1, 7, 12), key=mx.random.key(3)) > 0.3) | (mx.arange(12) == 11)  # fmt: skip
+    masks: list[mx.array | str] = ["causal", window, rows]
+    plain = [attention.matmul_attention(q, k, v, 0.25, m) for m in masks]
+    with padded_attention(4, 8):
+        for mask, expected in zip(masks, plain, strict=True):
+            assert mx.allclose(attention.matmul_attention(q, k, v, 0.25, mask), expected, atol=1e-6)
 
 
 def test_server_step_time_limit(bench: dict) -> None:
