@@ -50,14 +50,36 @@ IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stack
 
 
 @partial(mx.compile, shapeless=True)
-def log_decay(rate: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+def log_decay(rate: mx.array, a: mx.array, dt_bias: mx.array | None = None) -> mx.array:
     """``log g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (``(B, T, Hv)``),
-    with ``rate = -exp(A_log)`` in float32 (:func:`decay_rate`, computed once).
+    with ``rate = -exp(A_log)`` in float32 (:func:`decay_rate`, computed once);
+    *dt_bias* None: ``a`` has it already (:func:`input_bias`).
 
     The chunked form needs the log (decays multiply, so their logs add); the
     step takes ``exp`` of the same value, which is what mlx-lm's ``compute_g`` is.
     """
-    return rate * nn.softplus(a + dt_bias)
+    return rate * nn.softplus(a if dt_bias is None else a + dt_bias)
+
+
+def input_bias(dt_bias: mx.array, columns: int) -> mx.array:
+    """The input projections' bias, ``(columns,)``: zero but ``dt_bias`` at
+    ``a``'s columns (qkv | z | a | b), so the projection's GEMM adds it
+    (``addmm``'s C operand, no kernel of its own) where ``a + dt_bias`` was a
+    kernel a layer and token in a GPU's decode step (its sum is broadcast
+    into the update, which a compiled step does not fuse across)."""
+    heads = dt_bias.shape[0]
+    zeros = mx.zeros((columns - 2 * heads,), dt_bias.dtype)
+    return mx.concatenate([zeros, dt_bias, mx.zeros((heads,), dt_bias.dtype)])
+
+
+def mixer_input_bias(mixer: nn.Module, in_proj_t: mx.array) -> mx.array:
+    """*mixer*'s :func:`input_bias` for its stacked projections *in_proj_t*, in
+    their dtype (a float32 bias would promote the GEMM), built once per
+    ``dt_bias`` (:func:`derived`)."""
+    columns, dtype = in_proj_t.shape[1], in_proj_t.dtype
+    return derived(
+        mixer, "_input_bias", mixer["dt_bias"], lambda dt: input_bias(dt.astype(dtype), columns)
+    )
 
 
 def decay_rate(mixer: nn.Module) -> mx.array:
@@ -84,17 +106,28 @@ def normalize_qk_heads(
     The reference adds ``eps`` to ``sum(x^2)``; ``rms_norm`` adds its eps to
     ``mean(x^2)``, hence the eps is divided by ``Dk``.
 
-    *as_keys* (one token, :func:`mix`): q scaled as k is, by ``Dk**-0.5`` (not
-    ``Dk**-1``), both cast to float32 in the same kernel, where the two scales
-    take a kernel each; the readout ``S q`` is then ``Dk**0.5`` times too
-    large, and its only reader, the gated RMSNorm, absorbs that in its eps.
+    *as_keys* (one token, :func:`mix`; *qk* float32): q scaled as k is, by
+    ``Dk**-0.5`` (not ``Dk**-1``), the scale the norm's weight (:func:`_key_scale`),
+    so the norm is the only kernel, where a scale and a cast took one more;
+    the readout ``S q`` is then ``Dk**0.5`` times too large, and its only
+    reader, the gated RMSNorm, absorbs that in its eps.
     """
-    inv_scale = qk.shape[-1] ** -0.5
-    normed = mx.fast.rms_norm(qk, None, eps * inv_scale**2)
+    dim = qk.shape[-1]
+    inv_scale = dim**-0.5
     if as_keys:
-        return mx.split((inv_scale * normed).astype(mx.float32), 2, axis=2)
+        normed = mx.fast.rms_norm(qk, _key_scale(dim), eps * inv_scale**2)
+        return tuple(mx.split(normed, 2, axis=2))
+    normed = mx.fast.rms_norm(qk, None, eps * inv_scale**2)
     q, k = mx.split(normed, 2, axis=2)
     return (inv_scale**2) * q, inv_scale * k
+
+
+@lru_cache
+def _key_scale(dim: int) -> mx.array:
+    """``Dk**-0.5`` for each of a key's ``Dk`` entries, float32: the weight of
+    :func:`normalize_qk_heads`'s one-token norm (host data: a leaf even when
+    first asked for inside a compiled trace)."""
+    return mx.array(np.full(dim, dim**-0.5, np.float32))
 
 
 @partial(mx.compile, shapeless=True)
@@ -182,7 +215,7 @@ def gated_delta_sequential(
             state,
         )
         ys.append(y)
-    return mx.stack(ys, axis=1).astype(v.dtype), state
+    return mx.stack(ys, axis=1), state
 
 
 def gated_delta_decode(
@@ -215,7 +248,7 @@ def gated_delta_decode(
     q/k ``(B, 1, Hk, Dk)``, v ``(B, 1, Hv, Dv)``, log_g/beta by key head and
     group, ``(B, Hk, r, 1, 1)`` (:func:`group_gates`: their elementwise chains
     then fuse into the update), state ``(B, Hv, Dv, Dk)`` float32; returns y
-    ``(B, 1, Hv, Dv)`` in v's dtype and the new state."""
+    ``(B, 1, Hv, Dv)`` and the new state, float32 (:func:`gated_rms_norm`)."""
     batch, _, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2:]
     group = value_heads // key_heads
@@ -242,7 +275,7 @@ def gated_delta_decode(
     )
     y = times(state.reshape(rows), q)  # (B, Hk, r * Dv, 1)
     return (
-        y.reshape(batch, 1, value_heads, value_dim).astype(v.dtype),
+        y.reshape(batch, 1, value_heads, value_dim),
         state.reshape(batch, value_heads, value_dim, key_dim),
     )
 
@@ -392,7 +425,7 @@ def gated_delta_chunked(
         ys.append(y)
     y = mx.stack(ys, axis=2).reshape(batch, hv, chunks * chunk_size, dv)
     y = mx.moveaxis(y, 1, 2)[:, :length]  # (B, T, Hv, Dv)
-    return y.astype(v.dtype), state
+    return y, state
 
 
 @lru_cache
@@ -445,7 +478,7 @@ def gated_delta_traced(
     y = mx.addmm((qc * growth[..., None]) @ s0_t, attn, deltas)  # (B, Hv, L, Dv)
     # The decays as computed above: a state after n tokens exponentiates nothing again.
     trace = (deltas, kc, decay, growth)
-    return mx.moveaxis(y, 1, 2).astype(v.dtype), traced_state(state, trace, length), trace
+    return mx.moveaxis(y, 1, 2), traced_state(state, trace, length), trace
 
 
 def traced_state(
@@ -498,9 +531,23 @@ def _expand_heads(q: mx.array, k: mx.array, value_heads: int) -> tuple[mx.array,
 
 @partial(mx.compile, shapeless=True)
 def gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """RMSNorm over ``Dv`` then ``* silu(gate)`` in float32, one fused kernel after the norm."""
+    """RMSNorm over ``Dv`` then ``* silu(gate)`` in float32, one fused kernel
+    after the norm, in the gate's dtype (the model's: ``z`` is a projection).
+
+    The layer's readout ``x`` is float32 (the recurrence's; every
+    ``gated_delta*`` returns it uncast) and so is the layer's *weight*
+    (:func:`float32_norm_weight`): the norm reads both as they are and the
+    gate's kernel casts once, where a cast of the readout to the model's
+    dtype was a kernel of its own in every pass."""
     normed = mx.fast.rms_norm(x, weight, eps)
-    return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(x.dtype)
+    return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(gate.dtype)
+
+
+def float32_norm_weight(mixer: nn.Module) -> mx.array:
+    """*mixer*'s gated-norm weight in float32 (:func:`gated_rms_norm` reads a
+    float32 readout), cast once per weight (:func:`derived`)."""
+    weight = mixer["norm"]["weight"]
+    return derived(mixer, "_norm_weight", weight, lambda w: w.astype(mx.float32))
 
 
 class RMSNormGated(nn.Module):
@@ -590,15 +637,16 @@ class GatedDeltaNet(nn.Module):
             )
         # Arrays by item (a module is a dict): nn.Module.__getattr__ is a Python
         # call, and this runs for every linear layer and step.
+        projections = self.in_projections()
         args = (
             x,
-            self.in_projections().weight_t,
+            projections.weight_t,
             tail,
             recurrent,
             self["conv1d"]["weight"],
             decay_rate(self),
-            self["dt_bias"],
-            self["norm"]["weight"],
+            mixer_input_bias(self, projections.weight_t),
+            float32_norm_weight(self),
             d.num_key_heads,
             d.num_value_heads,
             d.key_head_dim,
@@ -631,7 +679,7 @@ def mix(
     recurrent: mx.array,
     conv_weight: mx.array,
     rate: mx.array,
-    dt_bias: mx.array,
+    in_bias: mx.array,
     norm_weight: mx.array,
     key_heads: int,
     value_heads: int,
@@ -642,7 +690,8 @@ def mix(
 ) -> tuple[mx.array, ...]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
     input projections (*in_proj_t*: the transpose of ``in_proj_qkv/z/a/b``'s
-    rows stacked, one matmul; ``nn.Linear`` is ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
+    rows stacked, one GEMM with *in_bias*, :func:`input_bias`; ``nn.Linear`` is
+    ``x @ w.T``), causal conv continuing from *tail*, SiLU, l2-normalised q/k,
     gates, the gated delta rule from *recurrent* and the gated norm. Returns
     the ``(B, L, value_dim)`` output (``out_proj`` is the caller's, so a sharded
     one can sum the ranks' parts), the new tail and the new state; *traced*
@@ -656,29 +705,32 @@ def mix(
     conv_dim = 2 * key_dim + value_dim
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
     projected, z, a, b = mx.split(
-        x @ in_proj_t, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads], axis=-1
+        mx.addmm(in_bias, x, in_proj_t),
+        [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads],
+        axis=-1,
     )
     mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
-    mixed = nn.silu(mixed)
+    # One token on a GPU (fused.builds_for_gpu): the forms with fewer kernels
+    # (gated_delta_decode's docstring); the CPU keeps the reference's, cheaper there.
+    gpu_step = length == 1 and not traced and fused.builds_for_gpu()
+    # float32 out of the conv's own kernel, as the one-token norm and update read it
+    mixed = nn.silu(mixed.astype(mx.float32) if gpu_step else mixed)
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
     # (B, L, 2 * key_dim) -> q's heads then k's, normalised in one kernel
     qk = qk.reshape(batch, length, 2 * key_heads, key_head_dim)
     v = v.reshape(batch, length, value_heads, value_head_dim)
-    # One token on a GPU (fused.builds_for_gpu): the forms with fewer kernels
-    # (gated_delta_decode's docstring); the CPU keeps the reference's, cheaper there.
-    gpu_step = length == 1 and not traced and fused.builds_for_gpu()
     q, k = normalize_qk_heads(qk, as_keys=gpu_step)
     if traced:
-        log_g, beta = log_decay(rate, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
+        log_g, beta = log_decay(rate, a), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent, recurrence = gated_delta_traced(q, k, v, log_g, beta, recurrent)
     elif gpu_step:
         # The gates' inputs grouped first (views), so their chains fuse into the update.
         a, b = group_gates(a, key_heads), group_gates(b, key_heads)
         per_head = (key_heads, value_heads // key_heads, 1, 1)
-        log_g = log_decay(rate.reshape(per_head), a, dt_bias.reshape(per_head))
+        log_g = log_decay(rate.reshape(per_head), a)
         out, recurrent = gated_delta_decode(q, k, v, log_g, mx.sigmoid(b), recurrent)
     else:
-        log_g, beta = log_decay(rate, a, dt_bias), mx.sigmoid(b)  # (B, L, Hv)
+        log_g, beta = log_decay(rate, a), mx.sigmoid(b)  # (B, L, Hv)
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     if gpu_step:  # q was scaled as keys are: the readout is Dk**0.5 too large
@@ -697,7 +749,7 @@ def mix_unrolled(
     recurrent: mx.array,
     conv_weight: mx.array,
     rate: mx.array,
-    dt_bias: mx.array,
+    in_bias: mx.array,
     norm_weight: mx.array,
     key_heads: int,
     value_heads: int,
@@ -734,9 +786,11 @@ def mix_unrolled(
     conv_dim = 2 * key_dim + value_dim
     group = value_heads // key_heads
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
-    projected, z, ab = mx.split(x @ in_proj_t, [conv_dim, conv_dim + value_dim], axis=-1)
+    projected, z, ab = mx.split(
+        mx.addmm(in_bias, x, in_proj_t), [conv_dim, conv_dim + value_dim], axis=-1
+    )
     padded = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
-    mixed = nn.silu(padded_conv(padded, conv_weight))
+    mixed = nn.silu(padded_conv(padded, conv_weight).astype(mx.float32))
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
     # (B, L, 2 * key_dim) -> q's heads then k's; each (B, L, Hk, Dk) float32
     q, k = normalize_qk_heads(qk.reshape(batch, length, 2 * key_heads, key_head_dim), as_keys=True)
@@ -750,7 +804,7 @@ def mix_unrolled(
     # position 2t token t's decay, 2t + 1 its beta.
     ab = ab.reshape(batch, length, 2, key_heads, group, 1, 1)
     per_head = (key_heads, group, 1, 1)
-    decay = mx.exp(log_decay(rate.reshape(per_head), ab, dt_bias.reshape(per_head)))
+    decay = mx.exp(log_decay(rate.reshape(per_head), ab))
     first = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
     gates = mx.where(first, decay, mx.sigmoid(ab).astype(mx.float32))
     gates = mx.broadcast_to(gates, (*gates.shape[:-2], value_head_dim, 1)) + 0.0
@@ -778,7 +832,7 @@ def mix_unrolled(
     out = mx.concatenate(ys, axis=1).reshape(batch, length, value_heads, value_head_dim)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     # q was scaled as keys are: the readout is Dk**0.5 too large (see normalize_qk_heads)
-    out = gated_rms_norm(out.astype(x.dtype), z, norm_weight, eps * key_head_dim)
+    out = gated_rms_norm(out, z, norm_weight, eps * key_head_dim)
     return out.reshape(batch, length, value_dim), padded, *states
 
 

@@ -22,6 +22,7 @@ from turbospark.layers.gated_delta import (
     gated_delta_sequential,
     gated_delta_traced,
     group_gates,
+    input_bias,
     log_decay,
     mix,
     mix_unrolled,
@@ -211,8 +212,10 @@ def test_one_token_gpu_forms_equal_the_cpu_forms(
 
     hidden, kernel = 32, 4
     conv_dim = 2 * HK * DK + HV * DV
-    weights = (normal(hidden, conv_dim + HV * DV + 2 * HV, scale=0.2), normal(conv_dim, kernel, 1),
-               -mx.array([0.01, 0.5, 4.0, 16.0]), normal(HV), 1.0 + normal(DV, scale=0.1))  # fmt: skip
+    columns = conv_dim + HV * DV + 2 * HV
+    weights = (normal(hidden, columns, scale=0.2), normal(conv_dim, kernel, 1),
+               -mx.array([0.01, 0.5, 4.0, 16.0]), input_bias(normal(HV), columns),
+               1.0 + normal(DV, scale=0.1))  # fmt: skip
     xs = [normal(2, 1, hidden) for _ in range(4)]
     start = (normal(2, kernel - 1, conv_dim), 0.1 * normal(2, HV, DV, DK))
     runs = []
@@ -220,9 +223,9 @@ def test_one_token_gpu_forms_equal_the_cpu_forms(
         monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
         step = mx.compile(mix) if compiled else mix  # a fresh trace for each form
         tail, recurrent, outs = *start, []
-        in_t, conv, rate, dt_bias, norm = weights  # rate: -exp(A_log)
+        in_t, conv, rate, in_bias, norm = weights  # rate: -exp(A_log)
         for x in xs:
-            out, tail, recurrent = step(x, in_t, tail, recurrent, conv, rate, dt_bias, norm,
+            out, tail, recurrent = step(x, in_t, tail, recurrent, conv, rate, in_bias, norm,
                                         HK, HV, DK, DV, 1e-6)  # fmt: skip
             outs.append(out)
         runs.append((mx.concatenate(outs, axis=1), tail, recurrent))
@@ -244,12 +247,13 @@ def test_short_traced_pass_gpu_forms_equal_the_cpu_forms(length: int, compiled: 
 
     hidden, kernel = 32, 4
     conv_dim = 2 * HK * DK + HV * DV
-    in_t, conv = normal(hidden, conv_dim + HV * DV + 2 * HV, scale=0.2), normal(conv_dim, kernel, 1)
+    columns = conv_dim + HV * DV + 2 * HV
+    in_t, conv = normal(hidden, columns, scale=0.2), normal(conv_dim, kernel, 1)
     rest = (
-        -mx.array([0.01, 0.5, 4.0, 16.0]),
-        normal(HV),
+        -mx.array([0.01, 0.5, 4.0, 16.0]),  # -exp(A_log)
+        input_bias(normal(HV), columns),
         1.0 + normal(DV, scale=0.1),
-    )  # -exp(A_log)
+    )
     x, tail, recurrent = (
         normal(1, length, hidden),
         normal(1, kernel - 1, conv_dim),

@@ -37,7 +37,7 @@ from turbospark.layers.attention import cached_attention, heads_first, merge_hea
 from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.stacked import project, stacked, transposed
+from turbospark.layers.stacked import derived, project, stacked, transposed
 from turbospark.sharding import (
     kv_copies,
     require_divisible,
@@ -290,7 +290,7 @@ class GatedAttention(nn.Module):
             q, k, v = (project(self[name], x) for name in ("q_proj", "k_proj", "v_proj"))
         else:
             q, k, v = qkv(x)
-        norms = (self["q_norm"]["weight"], self["k_norm"]["weight"])
+        norms = (scaled_query_norm(self), self["k_norm"]["weight"])
         dims = (self.heads, self.kv_heads, self["q_norm"].eps)
         if positions is None and runs_compiled(batch, length):
             # One trace for every position: the offset is a device array (a caller's
@@ -304,10 +304,23 @@ class GatedAttention(nn.Module):
             queries, keys, values, gate = attention_inputs(q, k, v, norms, None, dims)
             queries = rope(queries, offset, positions)
             keys = rope(keys, offset, positions)
-        out, _ = cached_attention(queries, keys, values, kv, self.scale)
+        out, _ = cached_attention(queries, keys, values, kv, 1.0)  # the scale is q_norm's
         # Gated in the heads layout: the gate is a strided half of q's heads, read
         # in place by the fused kernel, where flattening it first would copy it.
         return project(self["o_proj"], merge_heads(sigmoid_gate(out, gate)), residual)
+
+
+def scaled_query_norm(attention: GatedAttention) -> mx.array:
+    """``q_norm``'s weight times the attention scale ``head_dim**-0.5``, so the
+    normed queries come out scaled and the attention takes a scale of 1: no
+    multiply kernel a layer and token (RoPE is linear, so scaling before it
+    is the same). Built once per weight (:func:`derived`)."""
+    return derived(
+        attention,
+        "_scaled_query_norm",
+        attention["q_norm"]["weight"],
+        lambda w: w * attention.scale,
+    )
 
 
 def attention_inputs(
