@@ -50,15 +50,15 @@ IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stack
 
 
 @partial(mx.compile, shapeless=True)
-def log_decay(rate: mx.array, a: mx.array, dt_bias: mx.array | None = None) -> mx.array:
+def log_decay(rate: mx.array, a: mx.array) -> mx.array:
     """``log g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (``(B, T, Hv)``),
-    with ``rate = -exp(A_log)`` in float32 (:func:`decay_rate`, computed once);
-    *dt_bias* None: ``a`` has it already (:func:`input_bias`).
+    with ``rate = -exp(A_log)`` in float32 (:func:`decay_rate`, computed once)
+    and *a* the projection with ``dt_bias`` added (by its GEMM: :func:`input_bias`).
 
     The chunked form needs the log (decays multiply, so their logs add); the
     step takes ``exp`` of the same value, which is what mlx-lm's ``compute_g`` is.
     """
-    return rate * nn.softplus(a if dt_bias is None else a + dt_bias)
+    return rate * nn.softplus(a)
 
 
 def input_bias(dt_bias: mx.array, columns: int) -> mx.array:

@@ -46,7 +46,7 @@ def _inputs(length: int, seed: int) -> tuple[mx.array, ...]:
     v = normal(1, length, HV, DV)
     # exp(A_log) from 0.01 (slow decay) to 16 (fast): both must survive the chunking.
     a_log = mx.log(mx.array([0.01, 0.5, 4.0, 16.0]))
-    log_g = log_decay(-mx.exp(a_log), normal(1, length, HV), normal(HV))
+    log_g = log_decay(-mx.exp(a_log), normal(1, length, HV) + normal(HV))
     beta = mx.sigmoid(normal(1, length, HV))
     state = 0.1 * normal(1, HV, DV, DK)
     return q, k, v, log_g, beta, state
