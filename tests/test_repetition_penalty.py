@@ -46,9 +46,12 @@ def test_repetition_penalty_matches_the_numpy_reference(penalty: float) -> None:
         np.testing.assert_allclose(got, reference(logits, seen, penalty), rtol=1e-6)
 
 
-def test_repetition_penalty_must_be_positive() -> None:
-    with pytest.raises(InvalidInput):
-        RepetitionPenalty(0.0, [1])
+@pytest.mark.parametrize("penalty", [0.0, -1.0, 5e-324, 0.005, 100.5])
+def test_repetition_penalty_out_of_range_is_refused(penalty: float) -> None:
+    """Past 0.01–100 a seen logit leaves float32's range (5e-324 divides by
+    zero): refused by name, not a reply of infinities."""
+    with pytest.raises(InvalidInput, match=r"repetition_penalty must be between 0\.01 and 100"):
+        RepetitionPenalty(penalty, [1])
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +87,7 @@ def test_repetition_penalty_on_both_endpoints(server: ThreadedServer) -> None:
     assert legacy.usage is not None and legacy.usage.completion_tokens > 0
 
 
-@pytest.mark.parametrize("value", [0, -1.5, "x"])
+@pytest.mark.parametrize("value", [0, -1.5, "x", 5e-324, 0.001, 101])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_bad_repetition_penalty_is_a_400(server: ThreadedServer, path: str, value: object) -> None:
     body: dict[str, object] = {"model": MODEL, "repetition_penalty": value, "max_tokens": 2}

@@ -306,6 +306,27 @@ def test_json_object_mode(server: ThreadedServer, codec: tuple[Path, TextCodec])
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
+def test_logprobs_of_ids_a_grammar_rules_out_are_the_floor(server: ThreadedServer) -> None:
+    """An id a grammar's mask rules out has no finite log-probability; it is
+    reported as vLLM reports it, -9999.0, where -inf made the whole reply a
+    500 (JSON has no -inf). The OpenAI SDK reads the reply."""
+    from turbospark.sampling import LOGPROB_FLOOR
+
+    reply = client(server).chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=4,
+        seed=1,
+        logprobs=True,
+        top_logprobs=20,
+        response_format={"type": "json_object"},
+    )
+    content = reply.choices[0].logprobs.content
+    tops = [top.logprob for token in content for top in token.top_logprobs]
+    assert min(tops) == LOGPROB_FLOOR
+    assert all(token.logprob > LOGPROB_FLOOR for token in content)  # the chosen ids were allowed
+
+
 def test_langchain_with_structured_output(server: ThreadedServer) -> None:
     from typing import Literal
 

@@ -57,6 +57,12 @@ class Penalties:
         return logits - self.presence * seen - self.frequency * self.counts.astype(logits.dtype)
 
 
+# A seen id's logit is divided or multiplied by the penalty: past these the
+# logits leave float32's range (a penalty of 5e-324 divides by zero), and a
+# thousandfold change of a logit already decides every draw.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
 class RepetitionPenalty:
     """HF's and vLLM's ``repetition_penalty`` over every id already in the prompt
     or the output: a seen id's logit is divided by *penalty* when positive and
@@ -64,8 +70,11 @@ class RepetitionPenalty:
     ``< 1`` encourages them, ``1`` does nothing)."""
 
     def __init__(self, penalty: float, prompt: list[int]) -> None:
-        if not penalty > 0:
-            raise InvalidInput(f"repetition_penalty must be greater than 0, got {penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= penalty <= high:
+            raise InvalidInput(
+                f"repetition_penalty must be between {low} and {high} (1: off), got {penalty}"
+            )
         self.penalty = penalty
         self.prompt = prompt
         self.seen: mx.array | None = None

@@ -51,10 +51,17 @@ def apply_top_p(logits: mx.array, p: float) -> mx.array:
     return mx.where(keep, logits, -mx.inf)
 
 
+# The log-probability reported for an id the processed logits rule out (a
+# grammar's mask, top-k/top-p): -inf has no JSON form, and a reply that cannot
+# be written is a 500. vLLM's OpenAI server reports the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """A sampled id's log-probability and the *k* most likely ids' (most likely
-    first), from the processed logits before temperature, as OpenAI reports them."""
+    first), from the processed logits before temperature, as OpenAI reports them;
+    an id the processed logits rule out reads :data:`LOGPROB_FLOOR`."""
 
     logprob: float
     top: list[tuple[int, float]]
@@ -178,6 +185,7 @@ class Sampler:
 
     def _logprobs(self, logits: mx.array, token: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+        logprobs = mx.maximum(logprobs, LOGPROB_FLOOR)
         k = self.top_logprobs or 0
         top = mx.argsort(-logprobs)[:k] if k else mx.zeros((0,), mx.uint32)
         return logprobs[token], top, logprobs[top]
@@ -203,6 +211,7 @@ class LogprobTable:
     def __init__(self, logits: mx.array, tokens: mx.array, k: int) -> None:
         logits = logits.astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (R, vocab)
+        logprobs = mx.maximum(logprobs, LOGPROB_FLOOR)
         index = tokens.astype(mx.int32)[:, None]
         self.chosen = mx.take_along_axis(logprobs, index, axis=-1)[:, 0]
         self.top = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None

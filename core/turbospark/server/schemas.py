@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from turbospark.generate import FinishReason, GenerationConfig, GenerationStats
+from turbospark.logits_processors import REPETITION_PENALTY_RANGE
 from turbospark.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 from turbospark.steering import SteeringPolicy
 
@@ -114,8 +115,8 @@ class BaseRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(
         default=1.0,
-        gt=0.0,
-        le=100.0,
+        ge=REPETITION_PENALTY_RANGE[0],
+        le=REPETITION_PENALTY_RANGE[1],
         description="extension (HF/vLLM): divide positive / multiply negative logits of "
         "every id in the prompt or output by this (1: off)",
     )
