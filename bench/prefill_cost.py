@@ -37,7 +37,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,20 @@ def held_group(runner: Runner, held: list[list[int]], length: int) -> Iterator[S
         runner.forget_sessions()
 
 
-def _forward(runner: Runner, rng: np.random.Generator, rows: int, length: int, held: int) -> float:
+def timed_forward(
+    runner: Runner,
+    rng: np.random.Generator,
+    rows: int,
+    length: int,
+    held: int,
+    around: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> float:
     """Milliseconds for one batched forward of *rows* x *length* tokens after
-    *held* tokens a row, from a synchronised start to its logits and state."""
+    *held* tokens a row, from a synchronised start to its logits and state;
+    the forward (not the held tokens' feeding) runs inside *around*()."""
     vocab = runner.vocab_size
     prompts = [[int(t) for t in rng.integers(0, vocab, held)] for _ in range(rows)]
-    with held_group(runner, prompts, length) as state:
+    with held_group(runner, prompts, length) as state, around():
         ids = mx.array(rng.integers(0, vocab, (rows, length)), dtype=mx.int32)
         mx.synchronize()
         began = time.perf_counter()
@@ -102,17 +110,23 @@ def _forward(runner: Runner, rng: np.random.Generator, rows: int, length: int, h
 
 
 def shapes(
-    path: Path, cases: list[tuple[int, int, int]] = CASES, seed: int = 0
+    path: Path,
+    cases: list[tuple[int, int, int]] = CASES,
+    seed: int = 0,
+    on_open: Callable[[Runner], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Each case's forward (rows, new tokens, held tokens) the first time its
-    shape runs, then again."""
+    shape runs, then again; *on_open* is called with the runner before any
+    forward (a probe's preparation)."""
     runner = Runner.open(path, context_length=4096, session_slots=16)
+    if on_open is not None:
+        on_open(runner)
     rng = np.random.default_rng(seed)
-    _forward(runner, rng, 1, 8, 0)  # the process's own first forward (its compiles)
+    timed_forward(runner, rng, 1, 8, 0)  # the process's own first forward (its compiles)
     out = []
     for rows, length, held in cases:
-        first = _forward(runner, rng, rows, length, held)
-        again = _forward(runner, rng, rows, length, held)
+        first = timed_forward(runner, rng, rows, length, held)
+        again = timed_forward(runner, rng, rows, length, held)
         out.append(
             {
                 "rows": rows,

@@ -246,22 +246,16 @@ def forwards(
         settings["pool_release_threshold"] = keep_pool()
     if cache_limit is not None:
         mx.set_cache_limit(cache_limit)
-    real_open = prefill_cost.Runner.open
 
-    def open_warmed(*args: Any, **kwargs: Any) -> Any:
-        runner = real_open(*args, **kwargs)
+    def warm(runner: Any) -> None:
         settings["warm_gemms"] = warm_gemms(runner.model, warm_rows)
-        return runner
 
     with ExitStack() as stack:
         if form == "op":
             stack.enter_context(op_attention())
         if pad is not None:
             stack.enter_context(padded_attention(*pad))
-        if warm_rows:
-            prefill_cost.Runner.open = open_warmed
-            stack.callback(setattr, prefill_cost.Runner, "open", real_open)
-        rows = prefill_cost.shapes(path, *([cases] if cases else []))
+        rows = prefill_cost.shapes(path, cases or prefill_cost.CASES, on_open=warm if warm_rows else None)  # fmt: skip
     settings["peak_gb"] = round(mx.get_peak_memory() / 1e9, 2)
     return {"settings": settings, "rows": rows}
 
@@ -307,20 +301,15 @@ def modules(path: Path, cases: list[tuple[int, int, int]], seed: int = 0) -> lis
     milliseconds in the forward the first time its shape runs, then again."""
     import numpy as np
 
-    from bench.prefill_cost import held_group
+    from bench.prefill_cost import timed_forward
     from turbospark.runner import Runner
 
     runner = Runner.open(path, context_length=4096, session_slots=16)
     rng = np.random.default_rng(seed)
 
     def forward(rows: int, length: int, held: int) -> dict[str, float]:
-        prompts = [[int(t) for t in rng.integers(0, runner.vocab_size, held)] for _ in range(rows)]
         spent: dict[str, float] = {}
-        with held_group(runner, prompts, length) as state:
-            ids = mx.array(rng.integers(0, runner.vocab_size, (rows, length)), dtype=mx.int32)
-            with timed_modules(runner.model, spent):
-                logits = runner.forward_batch(ids, [held] * rows, state, None)
-                mx.eval(logits, [a for component in state.values() for a in component.arrays()])
+        timed_forward(runner, rng, rows, length, held, lambda: timed_modules(runner.model, spent))
         return spent
 
     forward(1, 8, 0)  # the process's own first forward (its compiles)

@@ -52,9 +52,16 @@ def apply_top_p(logits: mx.array, p: float) -> mx.array:
 
 
 # The log-probability reported for an id the processed logits rule out (a
-# grammar's mask, top-k/top-p): -inf has no JSON form, and a reply that cannot
-# be written is a 500. vLLM's OpenAI server reports the same floor.
+# grammar's mask): -inf has no JSON form, and a reply that cannot be written
+# is a 500. vLLM's OpenAI server reports the same floor.
 LOGPROB_FLOOR = -9999.0
+
+
+def reported_logprobs(logits: mx.array) -> mx.array:
+    """Log-softmax over the last axis in float32, floored at :data:`LOGPROB_FLOOR`:
+    the values :class:`TokenLogprobs` reports, for one row or several."""
+    logits = logits.astype(mx.float32)
+    return mx.maximum(logits - mx.logsumexp(logits, axis=-1, keepdims=True), LOGPROB_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -184,8 +191,7 @@ class Sampler:
         return sub
 
     def _logprobs(self, logits: mx.array, token: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
-        logprobs = mx.maximum(logprobs, LOGPROB_FLOOR)
+        logprobs = reported_logprobs(logits)
         k = self.top_logprobs or 0
         top = mx.argsort(-logprobs)[:k] if k else mx.zeros((0,), mx.uint32)
         return logprobs[token], top, logprobs[top]
@@ -209,9 +215,7 @@ class LogprobTable:
     rows and read from the device once for all of them, not once per row."""
 
     def __init__(self, logits: mx.array, tokens: mx.array, k: int) -> None:
-        logits = logits.astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (R, vocab)
-        logprobs = mx.maximum(logprobs, LOGPROB_FLOOR)
+        logprobs = reported_logprobs(logits)  # (R, vocab)
         index = tokens.astype(mx.int32)[:, None]
         self.chosen = mx.take_along_axis(logprobs, index, axis=-1)[:, 0]
         self.top = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None

@@ -400,9 +400,8 @@ class DecoderLayer(nn.Module):
         gate_up = stacked(mlp, ("gate_proj", "up_proj"))
         down = mlp["down_proj"]
         if gate_up is None or not isinstance(down, nn.Linear):
-            update = mlp(
-                self.post_attention_layernorm(h)
-            )  # sharded: the modules sum the ranks' parts
+            # Sharded: the modules sum the ranks' parts.
+            update = mlp(self.post_attention_layernorm(h))
             return h + update if join is None else join(h, update, None)
         norm = self["post_attention_layernorm"]
         args = (h, norm["weight"], gate_up.weight_t, transposed(down), norm.eps)
