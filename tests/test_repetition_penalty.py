@@ -10,7 +10,7 @@ import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
-from serving import client, serving
+from serving import client, serving, sessions
 
 from turbospark import build_synthetic_install
 from turbospark.errors import InvalidInput
@@ -95,6 +95,8 @@ def test_bad_repetition_penalty_is_a_400(server: ThreadedServer, path: str, valu
         body["messages"] = [{"role": "user", "content": "hi"}]
     else:
         body["prompt"] = "hi"
+    before = sessions(server)
     reply = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "repetition_penalty"
+    assert sessions(server) == before
