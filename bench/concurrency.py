@@ -50,6 +50,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,14 +237,19 @@ def compare(level: dict[str, Any], reply_tokens: int) -> dict[str, Any]:
 
 
 def bench_concurrency(
-    path: Path, plan: ConcurrencyPlan, log_dir: Path, max_batch: int | None = None
+    path: Path,
+    plan: ConcurrencyPlan,
+    log_dir: Path,
+    max_batch: int | None = None,
+    serve_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Every level of ``plan.clients`` against both servers, started once for all levels."""
+    """Every level of ``plan.clients`` against both servers, started once for
+    all levels; *serve_args* go to ``turbospark serve`` after the bench's own."""
     log_dir.mkdir(parents=True, exist_ok=True)
     most = max(plan.clients)
     max_batch = max_batch or most
     extra_args = {
-        "turbospark": ["--max-batch", str(max_batch)],
+        "turbospark": ["--max-batch", str(max_batch), *serve_args],
         "mlx_lm": ["--prompt-cache-size", str(3 * most)],
     }
     eos = mlx_lm_eos_ids(path)
@@ -359,6 +365,9 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="passed to turbospark serve; repeatable"
+    )
     args = parser.parse_args()
     plan = ConcurrencyPlan(
         clients=tuple(args.clients or (1, 8, 16)),
@@ -371,7 +380,7 @@ def main() -> None:
     started = time.perf_counter()
     for family in args.family or FAMILIES:
         path = install(family, args.size, dtype, args.cache_dir)
-        report[family] = bench_concurrency(path, plan, args.out / "logs")
+        report[family] = bench_concurrency(path, plan, args.out / "logs", serve_args=args.serve_arg)
         if not args.json:
             print(f"== {family} ({args.size}, {dtype})", *summary(report[family]), sep="\n")
     report["wall_s"] = time.perf_counter() - started

@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench-cache"))
     parser.add_argument("--profile", action="store_true", help="cProfile our decode loop too")
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="concurrency: passed to turbospark serve"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sink = (args.out / "gpu.jsonl").open("a")
@@ -200,7 +203,9 @@ def main() -> None:
                 if piece == "interleaved":
                     result = bench_interleaved(path, GPU.chat)
                 elif piece == "concurrency":
-                    result = bench_concurrency(path, GPU.concurrency, args.out / "logs")
+                    result = bench_concurrency(
+                        path, GPU.concurrency, args.out / "logs", serve_args=args.serve_arg
+                    )
                     emit(family, piece, result, started)
                     started, piece = time.perf_counter(), "server_step"
                     result = server_step(path)

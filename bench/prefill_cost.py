@@ -114,10 +114,12 @@ def shapes(
     cases: list[tuple[int, int, int]] = CASES,
     seed: int = 0,
     on_open: Callable[[Runner], None] | None = None,
+    probe: Callable[[], dict[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
     """Each case's forward (rows, new tokens, held tokens) the first time its
     shape runs, then again; *on_open* is called with the runner before any
-    forward (a probe's preparation)."""
+    forward (a probe's preparation), *probe*'s readings are kept from before
+    and after each first run (what a new shape changed, e.g. memory)."""
     runner = Runner.open(path, context_length=4096, session_slots=16)
     if on_open is not None:
         on_open(runner)
@@ -125,17 +127,15 @@ def shapes(
     timed_forward(runner, rng, 1, 8, 0)  # the process's own first forward (its compiles)
     out = []
     for rows, length, held in cases:
+        before = probe() if probe is not None else None
         first = timed_forward(runner, rng, rows, length, held)
+        after = probe() if probe is not None else None
         again = timed_forward(runner, rng, rows, length, held)
-        out.append(
-            {
-                "rows": rows,
-                "tokens": length,
-                "held": held,
-                "first_ms": round(first, 2),
-                "again_ms": round(again, 2),
-            }
-        )
+        row: dict[str, Any] = {"rows": rows, "tokens": length, "held": held,
+                               "first_ms": round(first, 2), "again_ms": round(again, 2)}  # fmt: skip
+        if probe is not None:
+            row["probe_before"], row["probe_after"] = before, after
+        out.append(row)
     runner.close()
     return out
 

@@ -102,6 +102,9 @@ class StepLog:
     # Forwards built while recording: prompt tokens (batched groups and one-row
     # chunks) and decode steps (batched, or one row's lazy id).
     forwards: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    # Each batched prefill forward's shape: rows, new tokens a row, and the
+    # positions its rows start at (what decides whether MLX has run it before).
+    groups: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     # What the runner thread does now, for the sampler: "prefill" or "decode"
     # inside a recorded step, "between" outside one while recording.
     phase: str | None = None
@@ -147,6 +150,8 @@ def _instrument(engine: Any, log: StepLog) -> None:
     def forward_batch(tokens: Any, *args: Any, **kwargs: Any) -> Any:
         if log.recording:
             log.forwards["prefill" if tokens.shape[1] > 1 else "decode"] += 1
+            if tokens.shape[1] > 1:
+                log.groups.append((tokens.shape[0], tokens.shape[1], tuple(args[0])))
         return batched(tokens, *args, **kwargs)
 
     def feed(session: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
@@ -197,6 +202,7 @@ def measure_server(
 ) -> dict[str, Any]:
     """Serve *path* in this process and run *clients* chats against it, every
     step recorded; TimeoutError past *deadline* (``time.monotonic``)."""
+    from turbospark.commands.serve import DEFAULT_PREFILL_BUDGET
     from turbospark.runner import Runner
     from turbospark.server.app import create_app
     from turbospark.server.background import ThreadedServer
@@ -217,6 +223,7 @@ def measure_server(
         load_text(path),
         model_id=MODEL,
         chunk_size=chunk,
+        prefill_budget=DEFAULT_PREFILL_BUDGET,  # as `turbospark serve`
         worker=worker,
         max_batch=clients,
         warm_up=[0] * (chunk + 1),  # as `turbospark serve` warms up
@@ -295,6 +302,8 @@ def measure_server(
         "prefill_steps": sum(log.prefilled),
         "prefill_forwards": log.forwards["prefill"],
         "decode_forwards": log.forwards["decode"],
+        "prefill_groups": log.groups,
+        "distinct_group_shapes": len({(b, n) for b, n, _ in log.groups}),
         "steps_per_batch": dict(sorted(per_batch.items())),
         "time": spent,
         "runner_cpu": host,

@@ -28,7 +28,11 @@ case, synchronised, the first time and again, in one process:
    - ``keep_pool``: the CUDA driver's default memory pool keeps what is
      freed (release threshold raised to the maximum, through ``ctypes``:
      MLX sets none, so the pool is trimmed at every synchronisation).
-4. **modules**: one case's forward, first time and again, with every module
+4. **residual**: not a first-time cost but a steady one: ``residual + x @ w``
+   for a batched decode step's ``(B, 1, K)`` rows, as ``addmm`` over the
+   batched residual, as :func:`turbospark.layers.stacked.residual_gemm`
+   (rows folded) and as a matmul and an add (:func:`residual_forms`).
+5. **modules**: one case's forward, first time and again, with every module
    class of the model timed inclusively (its output evaluated and
    synchronised on return), so the first-time cost can be placed in a layer
    part (attention, MLP, norm, embedding) rather than in the whole forward.
@@ -42,7 +46,7 @@ case, synchronised, the first time and again, in one process:
 MLX keeps its JIT-compiled kernels on disk, so the first process on a fresh
 machine also pays those; compare processes after the first.
 
-Run: ``uv run python bench/shape_cost.py ops | gemms | forwards | modules --family
+Run: ``uv run python bench/shape_cost.py ops | gemms | residual | forwards | modules --family
 gemma4 --size chat_large --dtype bfloat16 [--warm-gemms 1536] [--pad-attention
 64 256] [--cases 3,145,80 3,150,90]``; the H200's lines are in
 ``bench/results/gpu/h200_s8_attention_probe.jsonl`` and
@@ -86,8 +90,11 @@ CASES = [
 # (N, K) of chat_large's projections, and rows rising, with near neighbours
 GEMM_WIDTHS = [(2048, 2048), (16384, 2048), (2048, 8192), (512, 2048)]
 GEMM_ROWS = [145, 146, 290, 291, 435, 436, 437, 512, 777, 1024, 1500]
-# CUmemPool_attribute's CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (cuda.h)
-_RELEASE_THRESHOLD = 4
+# (N, K) of chat_large's residual projections: o_proj / out_proj, and down_proj
+RESIDUAL_WIDTHS = [(2048, 2048), (2048, 8192)]
+# CUmemPool_attribute's CU_MEMPOOL_ATTR_{RELEASE_THRESHOLD, RESERVED_MEM_CURRENT,
+# USED_MEM_CURRENT} (cuda.h)
+_RELEASE_THRESHOLD, _RESERVED, _USED = 4, 5, 7
 
 
 _FORMS: dict[str, Callable[..., mx.array]] = {
@@ -154,17 +161,57 @@ def gemms(
     return out
 
 
-def warm_gemms(model: Any, max_rows: int) -> dict[str, Any]:
+def residual_forms(
+    widths: list[tuple[int, int]] = RESIDUAL_WIDTHS,
+    rows: tuple[int, ...] = (1, 4, 16),
+    dtype: mx.Dtype = mx.bfloat16,
+    calls: int = 30,
+) -> list[dict[str, Any]]:
+    """Steady-state milliseconds of ``residual + x @ w`` for ``x`` of shape
+    ``(B, 1, K)`` (a batched decode step's projection), three ways: ``addmm``
+    with the batched residual as is, :func:`turbospark.layers.stacked.residual_gemm`
+    (the rows folded into one GEMM) and a matmul then an add; median of
+    *calls* synchronised calls after five unmeasured ones."""
+    from turbospark.layers.stacked import residual_gemm
+
+    out = []
+    for n, k in widths:
+        w = mx.random.normal((k, n)).astype(dtype)
+        for b in rows:
+            x = mx.random.normal((b, 1, k)).astype(dtype)
+            r = mx.random.normal((b, 1, n)).astype(dtype)
+            mx.eval(w, x, r)
+            forms = {
+                "addmm": lambda r=r, x=x, w=w: mx.addmm(r, x, w),
+                "residual_gemm": lambda r=r, x=x, w=w: residual_gemm(r, x, w),
+                "matmul_add": lambda r=r, x=x, w=w: x @ w + r,
+            }
+            for form, fn in forms.items():
+                for _ in range(5):
+                    _timed(fn)
+                ms = sorted(_timed(fn) for _ in range(calls))[calls // 2]
+                out.append({"form": form, "B": b, "N": n, "K": k, "ms": ms})
+    return out
+
+
+def warm_gemms(
+    model: Any, max_rows: int, at: list[tuple[int, ...]] | None = None
+) -> dict[str, Any]:
     """Multiply every distinct 2-D weight of *model* (as ``x @ w.T``, with and
-    without a bias row or a full residual for ``addmm``) at rows 1..*max_rows*."""
+    without a bias row or a full residual for ``addmm``) at rows 1..*max_rows*,
+    or only at the leading shapes *at* (``x`` of shape ``(*lead, k)``: a
+    forward's own ``(rows, new tokens)``). Rows 1..1,536 are more problems
+    than cuBLASLt's heuristics cache holds (8,192 by default), so the early
+    ones may be gone again before a forward runs; *at* warms only what it needs."""
     began = time.perf_counter()
     weights = {(w.shape, w.dtype): w for _, w in tree_flatten(model.parameters()) if w.ndim == 2}
+    leads = at if at is not None else [(m,) for m in range(1, max_rows + 1)]
     for (shape, dtype), w in weights.items():
         n, k = shape
         bias = mx.zeros((n,), dtype)
-        for m in range(1, max_rows + 1):
-            x = mx.zeros((m, k), dtype)
-            mx.eval(x @ w.T, mx.addmm(bias, x, w.T), mx.addmm(mx.zeros((m, n), dtype), x, w.T))
+        for lead in leads:
+            x = mx.zeros((*lead, k), dtype)
+            mx.eval(x @ w.T, mx.addmm(bias, x, w.T), mx.addmm(mx.zeros((*lead, n), dtype), x, w.T))
     mx.synchronize()
     return {"weights": [list(s) for s, _ in weights], "seconds": round(time.perf_counter() - began, 2)}  # fmt: skip
 
@@ -211,21 +258,56 @@ def op_attention() -> Iterator[None]:
         attention.matmul_attention = real
 
 
-def keep_pool() -> int:
-    """Raise the release threshold of device 0's default CUDA memory pool to
-    the maximum (the pool then keeps freed memory); returns the threshold."""
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"the CUDA driver refused {what} (CUresult {status})")
+
+
+def _default_pool() -> tuple[ctypes.CDLL, ctypes.c_int, ctypes.c_void_p]:
+    """The driver library, device 0 and its default memory pool (the one MLX's
+    ``cudaMallocAsync`` draws from), after MLX has made its context."""
     cuda = ctypes.CDLL("libcuda.so.1")
-    mx.eval(mx.zeros((1,)))  # MLX has made its context and pool
-    device, pool, threshold = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64(2**64 - 1)
-    for status in (
-        cuda.cuInit(0),
-        cuda.cuDeviceGet(ctypes.byref(device), 0),
-        cuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device),
-        cuda.cuMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(threshold)),
-    ):
-        if status != 0:
-            raise RuntimeError(f"the CUDA driver refused the pool setting (CUresult {status})")
+    mx.eval(mx.zeros((1,)))
+    device, pool = ctypes.c_int(), ctypes.c_void_p()
+    _check(cuda.cuInit(0), "cuInit")
+    _check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+    _check(cuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device), "the default pool")
+    return cuda, device, pool
+
+
+def keep_pool(reserve_bytes: int = 0) -> int:
+    """Raise the release threshold of device 0's default CUDA memory pool to
+    the maximum (the pool then keeps freed memory) and, with *reserve_bytes*,
+    grow the pool by that much at once (one allocation from it, freed): later
+    allocations of any size are carved from memory the pool already holds,
+    where otherwise each one MLX's cache cannot serve grows the pool. Returns
+    the threshold."""
+    cuda, device, pool = _default_pool()
+    threshold = ctypes.c_uint64(2**64 - 1)
+    _check(cuda.cuMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(threshold)), "the threshold")  # fmt: skip
+    if reserve_bytes:
+        context, pointer = ctypes.c_void_p(), ctypes.c_uint64()
+        cuda.cuMemFreeAsync.argtypes = [ctypes.c_uint64, ctypes.c_void_p]
+        _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "the primary context")
+        _check(cuda.cuCtxPushCurrent_v2(context), "the context push")
+        _check(cuda.cuMemAllocFromPoolAsync(ctypes.byref(pointer), ctypes.c_size_t(reserve_bytes), pool, None), "the reservation")  # fmt: skip
+        _check(cuda.cuMemFreeAsync(pointer.value, None), "the free")
+        _check(cuda.cuStreamSynchronize(None), "the synchronisation")
+        _check(cuda.cuCtxPopCurrent_v2(ctypes.byref(context)), "the context pop")
     return threshold.value
+
+
+def memory() -> dict[str, float]:
+    """MB: the default pool's reserved and used memory (CUDA), MLX's active
+    and cached buffers."""
+    out = {"mlx_active_mb": mx.get_active_memory() / 2**20, "mlx_cache_mb": mx.get_cache_memory() / 2**20}  # fmt: skip
+    if mx.cuda.is_available():
+        cuda, _, pool = _default_pool()
+        for name, attribute in (("pool_reserved_mb", _RESERVED), ("pool_used_mb", _USED)):
+            value = ctypes.c_uint64()
+            _check(cuda.cuMemPoolGetAttribute(pool, attribute, ctypes.byref(value)), name)
+            out[name] = value.value / 2**20
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def forwards(
@@ -236,26 +318,32 @@ def forwards(
     pad: tuple[int, int] | None = None,
     cache_limit: int | None = None,
     pool: bool = False,
+    reserve_gb: float = 0.0,
+    warm_cases: bool = False,
 ) -> dict[str, Any]:
     """:func:`bench.prefill_cost.shapes` under the settings in the module's
     docstring; returns the rows and what each setting did."""
     import bench.prefill_cost as prefill_cost
 
     settings: dict[str, Any] = {"form": form, "pad_attention": pad, "cache_limit": cache_limit}
-    if pool:
-        settings["pool_release_threshold"] = keep_pool()
+    if pool or reserve_gb:
+        settings["pool_release_threshold"] = keep_pool(int(reserve_gb * 2**30))
+        settings["reserve_gb"] = reserve_gb
     if cache_limit is not None:
         mx.set_cache_limit(cache_limit)
 
+    cases = cases or prefill_cost.CASES
+
     def warm(runner: Any) -> None:
-        settings["warm_gemms"] = warm_gemms(runner.model, warm_rows)
+        at = sorted({(r, n) for r, n, _ in cases} | {(r, 1) for r, _, _ in cases}) if warm_cases else None  # fmt: skip
+        settings["warm_gemms"] = warm_gemms(runner.model, warm_rows, at)
 
     with ExitStack() as stack:
         if form == "op":
             stack.enter_context(op_attention())
         if pad is not None:
             stack.enter_context(padded_attention(*pad))
-        rows = prefill_cost.shapes(path, cases or prefill_cost.CASES, on_open=warm if warm_rows else None)  # fmt: skip
+        rows = prefill_cost.shapes(path, cases, on_open=warm if warm_rows or warm_cases else None, probe=memory)  # fmt: skip
     settings["peak_gb"] = round(mx.get_peak_memory() / 1e9, 2)
     return {"settings": settings, "rows": rows}
 
@@ -326,7 +414,7 @@ def main() -> None:
     from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["ops", "gemms", "forwards", "modules"])
+    parser.add_argument("what", choices=["ops", "gemms", "forwards", "modules", "residual"])
     parser.add_argument("--family", choices=FAMILIES, default="gemma4")
     parser.add_argument("--form", choices=["op", "matmul"], default="matmul")
     parser.add_argument("--size", default="chat_host")
@@ -337,12 +425,16 @@ def main() -> None:
     parser.add_argument("--pad-attention", type=int, nargs=2, default=None, metavar=("Q", "K"))
     parser.add_argument("--cache-limit", type=int, default=None, metavar="BYTES")
     parser.add_argument("--keep-pool", action="store_true")
+    parser.add_argument("--warm-cases", action="store_true", help="warm the weights' GEMMs at the cases' own shapes")  # fmt: skip
+    parser.add_argument("--reserve-pool", type=float, default=0.0, metavar="GB", help="also grow the kept pool by GB first")  # fmt: skip
     args = parser.parse_args()
     began = time.perf_counter()
     if args.what == "ops":
         result: Any = ops()
     elif args.what == "gemms":
         result = gemms()
+    elif args.what == "residual":
+        result = residual_forms(dtype=mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32)
     elif args.what == "modules":
         path = install(args.family, args.size, args.dtype or default_dtype(), args.cache_dir)
         cases = [
@@ -362,6 +454,8 @@ def main() -> None:
                 tuple(args.pad_attention) if args.pad_attention else None,
                 args.cache_limit,
                 args.keep_pool,
+                args.reserve_pool,
+                args.warm_cases,
             ),
         }
     environment = {k: os.environ.get(k) for k in ("CUDA_MODULE_LOADING", "MLX_USE_CUDA_GRAPHS")}

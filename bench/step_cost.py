@@ -22,7 +22,11 @@ the merged batched state. Reported per B:
 - with ``--profile``, the top functions by own time under cProfile (a second
   run of as many steps; own time of MLX calls lands in their caller).
 
-Run: ``uv run python bench/step_cost.py --family gemma4 --batch 8 --batch 16``.
+With ``--mlx-lm``, mlx-lm's ``BatchGenerator`` (what ``mlx_lm.server`` decodes
+with) runs the same prompts greedily at each B and its wall time per step is
+reported beside ours, ``--reps`` rounds alternating (``mlx_lm_step``).
+
+Run: ``uv run python bench/step_cost.py --family gemma4 --batch 8 --batch 16 [--mlx-lm --reps 3]``.
 """
 
 from __future__ import annotations
@@ -51,11 +55,14 @@ def _engine(path: Path, batch: int) -> tuple[Engine, Runner]:
     return Engine(runner, load_text(path), max_batch=batch), runner
 
 
+def _prompts(batch: int, vocab: int) -> list[list[int]]:
+    """Row ``i``'s prompt: fixed ids, one token longer than row ``i - 1``'s."""
+    return [[(7 * i + 3 * j + 1) % vocab for j in range(PROMPT_TOKENS + i)] for i in range(batch)]
+
+
 def _jobs(runner: Runner, batch: int, tokens: int, temperature: float) -> list[Job]:
-    vocab = runner.vocab_size
     jobs = []
-    for i in range(batch):
-        ids = [(7 * i + 3 * j + 1) % vocab for j in range(PROMPT_TOKENS + i)]
+    for i, ids in enumerate(_prompts(batch, runner.vocab_size)):
         config = GenerationConfig(
             max_tokens=tokens, temperature=temperature, seed=i, stop_token_ids=[]
         )
@@ -116,6 +123,7 @@ def measure(
     out: dict[str, Any] = {
         "batch": batch,
         "steps": steps,
+        "vocab": runner.vocab_size,
         "host_ms_per_step": 1e3 * cpu / steps,
         "forward_ms_per_step": 1e3 * spent["forward"] / steps,
         "sample_queue_ms_per_step": 1e3 * (spent["step"] - spent["forward"]) / steps,
@@ -139,6 +147,29 @@ def measure(
     return out
 
 
+def mlx_lm_step(path: Path, batch: int, steps: int, vocab: int) -> dict[str, Any]:
+    """mlx-lm's ``BatchGenerator`` (its server's decode loop) on the same install:
+    the same prompts, greedy, no stop ids; *steps* steps timed once every row
+    decodes in its generation batch (one ``next_generated`` call a step)."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = load(str(path))
+    generator = BatchGenerator(model, max_tokens=2 * steps + 64, stop_tokens=[])
+    generator.insert(_prompts(batch, vocab))
+    for _ in range(1000):  # its prompts prefill, 8 at a time, then all rows decode
+        if len(generator.next_generated()) == batch:
+            break
+    for _ in range(8):
+        generator.next_generated()
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    for _ in range(steps):
+        assert len(generator.next_generated()) == batch
+    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    generator.close()
+    return {"host_ms_per_step": 1e3 * cpu / steps, "wall_ms_per_step": 1e3 * wall / steps}
+
+
 def main() -> None:
     import argparse
     import json
@@ -155,6 +186,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="list the top functions")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--mlx-lm",
+        action="store_true",
+        help="also time mlx-lm's BatchGenerator step at each B, alternating with ours",
+    )
+    parser.add_argument("--reps", type=int, default=1, help="with --mlx-lm: rounds of both")
     args = parser.parse_args()
     dtype = args.dtype or default_dtype()
     report: dict[str, Any] = {"machine": machine(), "dtype": dtype, "size": args.size}
@@ -164,6 +201,15 @@ def main() -> None:
             measure(path, b, args.steps, args.temperature, args.profile)
             for b in args.batch or (8, 16)
         ]
+        if args.mlx_lm:  # rounds of ours then theirs, the first of ours above
+            for row in report[family]:
+                b, vocab = row["batch"], row["vocab"]
+                ours, theirs = [row["wall_ms_per_step"]], []
+                for rep in range(args.reps):
+                    theirs.append(mlx_lm_step(path, b, args.steps, vocab)["wall_ms_per_step"])
+                    if rep + 1 < args.reps:
+                        ours.append(measure(path, b, args.steps, 0.0, False)["wall_ms_per_step"])
+                row["wall_ms_per_step_rounds"], row["mlx_lm_wall_ms_per_step_rounds"] = ours, theirs
         if args.json:
             continue
         for row in report[family]:
@@ -173,6 +219,11 @@ def main() -> None:
                 f"{row['sample_queue_ms_per_step']:.2f}, rows {row['rows_ms_per_step']:.2f}), "
                 f"read wait {row['read_wait_ms_per_step']:.2f}, wall {row['wall_ms_per_step']:.2f} ms/step"
             )
+            if "mlx_lm_wall_ms_per_step_rounds" in row:
+                print(
+                    f"    wall ms/step by round: ours {row['wall_ms_per_step_rounds']}, mlx-lm's "
+                    f"BatchGenerator {row['mlx_lm_wall_ms_per_step_rounds']}"
+                )
             for name, ms, calls in row.get("top_own_ms_per_step", []):
                 print(f"    {ms:8.4f} ms  {calls:>7}  {name}")
     if args.json:

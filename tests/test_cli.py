@@ -139,3 +139,10 @@ def test_a_bad_memory_size_is_refused_by_argparse(capsys):
         main(["serve", "/nowhere", "--max-parked-memory", "lots"])
     assert excinfo.value.code == 2
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--chunk-size", "--prefill-budget"])
+def test_serve_refuses_a_token_bound_below_one_in_one_line(capsys, flag):
+    """Checked before anything loads (the path does not even exist)."""
+    assert main(["serve", "/nowhere", flag, "0"]) == 2
+    assert f"{flag} must be positive, got 0" in capsys.readouterr().err

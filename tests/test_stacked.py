@@ -19,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from turbospark import build_synthetic_install
-from turbospark.layers.stacked import project, stacked, transposed
+from turbospark.layers.stacked import project, residual_gemm, stacked, transposed
 from turbospark.runner import Runner
 
 
@@ -151,3 +151,21 @@ def test_project_with_a_residual_adds_it(kind: str, tmp_path: Path) -> None:
         labels = _graph_labels(got, tmp_path)
         assert "AddMM" in labels and "Add" not in labels
     assert mx.allclose(got, residual + layer(x), atol=1e-6).item()
+
+
+@pytest.mark.parametrize("lead", [(6,), (1, 1), (1, 5), (16, 1), (3, 7)])
+def test_residual_gemm_is_the_sum_whatever_the_leading_axes(
+    lead: tuple[int, ...], tmp_path: Path
+) -> None:
+    """Batched rows are folded into one GEMM's rows (MLX's ``addmm`` over a
+    batched C is slow), one row is left as it was: the sum either way, one
+    AddMM node and no Add."""
+    x = mx.random.normal((*lead, 24), key=mx.random.key(4))
+    residual = mx.random.normal((*lead, 8), key=mx.random.key(5))
+    weight_t = mx.random.normal((8, 24), key=mx.random.key(6)).T
+    mx.eval(x, residual, weight_t)
+    got = residual_gemm(residual, x, weight_t)
+    labels = _graph_labels(got, tmp_path)
+    assert "AddMM" in labels and "Add" not in labels
+    assert got.shape == residual.shape
+    assert mx.allclose(got, residual + x @ weight_t, atol=1e-5).item()

@@ -768,12 +768,12 @@ async def health(request: Request) -> Response:
 
 
 def new_engine(
-    runner: Runner, codec: TextCodec, max_batch: int, chunk_size: int, lockstep: Lockstep | None
+    runner: Runner, codec: TextCodec, max_batch: int, prefill_budget: int, lockstep: Lockstep | None
 ) -> Engine:
     """The server's engine; under ``serve --distributed`` every rank builds it here."""
     if lockstep is None:
-        return Engine(runner, codec, max_batch=max_batch, prefill_budget=chunk_size)
-    return LockstepEngine(runner, codec, lockstep, max_batch=max_batch, prefill_budget=chunk_size)
+        return Engine(runner, codec, max_batch=max_batch, prefill_budget=prefill_budget)
+    return LockstepEngine(runner, codec, lockstep, max_batch=max_batch, prefill_budget=prefill_budget)  # fmt: skip
 
 
 def create_app(
@@ -782,6 +782,7 @@ def create_app(
     *,
     model_id: str | None = None,
     chunk_size: int = 512,
+    prefill_budget: int | None = None,
     default_max_tokens: int | None = None,
     worker: RunnerWorker | None = None,
     limits: ServerLimits | None = None,
@@ -794,7 +795,8 @@ def create_app(
     """The Starlette app serving *runner*. Prefix reuse is the caller's choice
     (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
     *max_batch* requests decode together (:mod:`turbospark.engine`); the rest
-    wait in arrival order. With *warm_up* prompt ids, the engine runs them
+    wait in arrival order; each step prefills at most *prefill_budget* prompt
+    tokens in all (default: *chunk_size*). With *warm_up* prompt ids, the engine runs them
     (alone and batched) before it admits the first request; ``/health`` says
     ``warming`` meanwhile. With *api_key*, conversations and the sessions view
     need it; *cors_origins* lets those browser origins in (``server/access.py``).
@@ -824,7 +826,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         worker=worker,
         limits=limits or ServerLimits(),
-        engine=new_engine(runner, codec, max_batch, chunk_size, lockstep),
+        engine=new_engine(runner, codec, max_batch, prefill_budget or chunk_size, lockstep),
     )
     metrics = Metrics(service.engine)
     service.engine.observer = metrics.observe
