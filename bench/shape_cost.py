@@ -170,7 +170,8 @@ def residual_forms(
     """Steady-state milliseconds of ``residual + x @ w`` for ``x`` of shape
     ``(B, 1, K)`` (a batched decode step's projection), three ways: ``addmm``
     with the batched residual as is, :func:`turbospark.layers.stacked.residual_gemm`
-    (the rows folded into one GEMM) and a matmul then an add; median of
+    (the rows folded into one GEMM on the CPU; on a GPU it is the ``addmm``
+    as is) and a matmul then an add; median of
     *calls* synchronised calls after five unmeasured ones."""
     from turbospark.layers.stacked import residual_gemm
 
