@@ -21,13 +21,20 @@ case, synchronised, the first time and again, in one process:
    - ``form="op"``: several queries routed back to the op (cuDNN);
    - ``warm_gemms=M``: every distinct 2-D weight multiplied at rows 1..M
      (``matmul`` and both ``addmm`` forms) before the first case, so the
-     weights' GEMM problems have all run once;
+     weights' GEMM problems have all run once; ``warm_cases`` only at the
+     cases' own ``(rows, new tokens)`` shapes (rows 1..1,536 overflow
+     cuBLASLt's heuristics cache);
    - ``pad_attention=(q, k)``: queries and keys padded up to multiples of
      *q* and *k* (masked), so attention's problems repeat within a bucket;
    - ``cache_limit``: ``mx.set_cache_limit`` (MLX's cache of freed buffers);
    - ``keep_pool``: the CUDA driver's default memory pool keeps what is
      freed (release threshold raised to the maximum, through ``ctypes``:
-     MLX sets none, so the pool is trimmed at every synchronisation).
+     MLX sets none, so the pool is trimmed at every synchronisation);
+     ``reserve_gb`` also grows it by that much at once (one allocation from
+     it, freed), so later allocations are carved from memory it holds.
+
+   Every case reads the pool's reserved and used memory and MLX's active and
+   cached memory before and after its first run (:func:`memory`).
 4. **residual**: not a first-time cost but a steady one: ``residual + x @ w``
    for a batched decode step's ``(B, 1, K)`` rows, as ``addmm`` over the
    batched residual, as :func:`turbospark.layers.stacked.residual_gemm`
