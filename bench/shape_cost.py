@@ -71,6 +71,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from functools import lru_cache
 from pathlib import Path
 from types import FunctionType
 from typing import Any
@@ -271,9 +272,11 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"the CUDA driver refused {what} (CUresult {status})")
 
 
+@lru_cache
 def _default_pool() -> tuple[ctypes.CDLL, ctypes.c_int, ctypes.c_void_p]:
     """The driver library, device 0 and its default memory pool (the one MLX's
-    ``cudaMallocAsync`` draws from), after MLX has made its context."""
+    ``cudaMallocAsync`` draws from), after MLX has made its context; looked up
+    once, not at every :func:`memory` reading."""
     cuda = ctypes.CDLL("libcuda.so.1")
     mx.eval(mx.zeros((1,)))
     device, pool = ctypes.c_int(), ctypes.c_void_p()

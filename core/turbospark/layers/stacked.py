@@ -26,6 +26,8 @@ from operator import is_
 import mlx.core as mx
 import mlx.nn as nn
 
+from turbospark.layers import fused
+
 
 class Stacked:
     """The rows of some ``nn.Linear`` layers' weights (and biases) in one array.
@@ -135,9 +137,10 @@ def residual_gemm(residual: mx.array, x: mx.array, weight_t: mx.array) -> mx.arr
     batch row, each reading the whole weight (16 decode rows of an 8192 -> 2048
     projection: 114 ms against 13 ms folded; ``bench/shape_cost.py
     residual``). CUDA's does not (the H200: the same time either way), so a
-    GPU's graph, like one row's anywhere, gains no reshapes."""
+    GPU's graph (:func:`~turbospark.layers.fused.builds_for_gpu`, the switch
+    every GPU-only form reads), like one row's anywhere, gains no reshapes."""
     lead = x.shape[:-1]
-    if x.ndim < 3 or lead[0] == 1 or residual.shape[:-1] != lead or mx.default_device() != mx.cpu:
+    if x.ndim < 3 or lead[0] == 1 or residual.shape[:-1] != lead or fused.builds_for_gpu():
         return mx.addmm(residual, x, weight_t)
     rows = mx.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight_t)
     return rows.reshape(*lead, weight_t.shape[-1])
