@@ -37,7 +37,7 @@ case, synchronised, the first time and again, in one process:
    cached memory before and after its first run (:func:`memory`).
 4. **residual**: not a first-time cost but a steady one: ``residual + x @ w``
    for a batched decode step's ``(B, 1, K)`` rows, as ``addmm`` over the
-   batched residual, as :func:`turbospark.layers.stacked.residual_gemm`
+   batched residual, as :func:`turbospark.layers.stacked.gemm_add`
    (rows folded) and as a matmul and an add (:func:`residual_forms`).
 5. **modules**: one case's forward, first time and again, with every module
    class of the model timed inclusively (its output evaluated and
@@ -177,11 +177,11 @@ def residual_forms(
 ) -> list[dict[str, Any]]:
     """Steady-state milliseconds of ``residual + x @ w`` for ``x`` of shape
     ``(B, 1, K)`` (a batched decode step's projection), three ways: ``addmm``
-    with the batched residual as is, :func:`turbospark.layers.stacked.residual_gemm`
-    (the rows folded into one GEMM on the CPU; on a GPU it is the ``addmm``
-    as is) and a matmul then an add; median of
+    with the batched residual as is, :func:`turbospark.layers.stacked.gemm_add`
+    (the rows folded into one GEMM on the CPU; on a GPU the ``addmm`` as is,
+    or a matmul and an add at one row) and a matmul then an add; median of
     *calls* synchronised calls after five unmeasured ones."""
-    from turbospark.layers.stacked import residual_gemm
+    from turbospark.layers.stacked import gemm_add
 
     out = []
     for n, k in widths:
@@ -192,7 +192,7 @@ def residual_forms(
             mx.eval(w, x, r)
             forms = {
                 "addmm": lambda r=r, x=x, w=w: mx.addmm(r, x, w),
-                "residual_gemm": lambda r=r, x=x, w=w: residual_gemm(r, x, w),
+                "gemm_add": lambda r=r, x=x, w=w: gemm_add(r, x, w),
                 "matmul_add": lambda r=r, x=x, w=w: x @ w + r,
             }
             for form, fn in forms.items():

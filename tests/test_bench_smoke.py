@@ -424,3 +424,34 @@ def test_batch_decode(bench: dict) -> None:
     assert set(out["levels"]) == {"P=8,B=2", "P=20,B=2"}
     for level in out["levels"].values():
         assert level["batched_tok_s"] > 0 and level["row_by_row_tok_s"] > 0 and level["ratio"] > 0
+
+
+def test_device_trace_summary_of_a_chrome_trace() -> None:
+    """A window's kernels group by name without template arguments, the device's
+    busy time is their intervals' union (overlaps counted once), and CUDA calls
+    rank by summed time; host events are not kernels."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.device_trace import per_token, summarise
+    finally:
+        sys.path.remove(str(ROOT))
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "void mlx::core::cu::gemv<float, 4>(float*)", "ts": 0.0, "dur": 10.0},
+        {"ph": "X", "cat": "kernel", "name": "void mlx::core::cu::gemv<bf16, 8>(bf16*)", "ts": 5.0, "dur": 10.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 30.0, "dur": 2.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 3.0},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuModuleLoadData", "ts": 1.0, "dur": 7.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0.0, "dur": 50.0},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0.0},
+    ]  # fmt: skip
+    out = summarise(events, wall_us=40.0)
+    assert (out["kernels"], out["kernel_us"], out["busy_us"]) == (3, 22.0, 17.0)
+    assert out["top_kernels"][0] == {
+        "grid_block": [],
+        "name": "mlx::core::cu::gemv",
+        "n": 2,
+        "us": 20.0,
+        "mean_us": 10.0,
+    }
+    assert [a["name"] for a in out["api"]] == ["cuModuleLoadData", "cudaGraphLaunch"]
+    assert per_token(out, 2) == {"wall_us": 20.0, "kernels": 1.5, "kernel_us": 11.0, "busy_us": 8.5}

@@ -19,7 +19,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from turbospark import build_synthetic_install
-from turbospark.layers.stacked import project, residual_gemm, stacked, transposed
+from turbospark.layers import fused
+from turbospark.layers.stacked import gemm_add, project, stacked, transposed
 from turbospark.runner import Runner
 
 
@@ -153,19 +154,26 @@ def test_project_with_a_residual_adds_it(kind: str, tmp_path: Path) -> None:
     assert mx.allclose(got, residual + layer(x), atol=1e-6).item()
 
 
+@pytest.mark.parametrize("gpu", [False, True])
 @pytest.mark.parametrize("lead", [(6,), (1, 1), (1, 5), (16, 1), (3, 7)])
-def test_residual_gemm_is_the_sum_whatever_the_leading_axes(
-    lead: tuple[int, ...], tmp_path: Path
+@pytest.mark.parametrize("addend", ["residual", "bias"])
+def test_gemm_add_is_the_sum_in_every_form(
+    lead: tuple[int, ...], addend: str, gpu: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Batched rows are folded into one GEMM's rows (MLX's ``addmm`` over a
-    batched C is slow), one row is left as it was: the sum either way, one
-    AddMM node and no Add."""
+    """Every form is the sum: one ``AddMM`` node and no ``Add``, batched rows
+    folded into its rows on the CPU (MLX's CPU ``addmm`` over a batched C is
+    slow); a GPU's one-row product a matmul and an add (no cuBLASLt call)."""
+    monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
     x = mx.random.normal((*lead, 24), key=mx.random.key(4))
-    residual = mx.random.normal((*lead, 8), key=mx.random.key(5))
+    shape = (*lead, 8) if addend == "residual" else (8,)
+    c = mx.random.normal(shape, key=mx.random.key(5))
     weight_t = mx.random.normal((8, 24), key=mx.random.key(6)).T
-    mx.eval(x, residual, weight_t)
-    got = residual_gemm(residual, x, weight_t)
+    mx.eval(x, c, weight_t)
+    got = gemm_add(c, x, weight_t)
     labels = _graph_labels(got, tmp_path)
-    assert "AddMM" in labels and "Add" not in labels
-    assert got.shape == residual.shape
-    assert mx.allclose(got, residual + x @ weight_t, atol=1e-5).item()
+    if gpu and x.size == 24:
+        assert "AddMM" not in labels and "Matmul" in labels and "Add" in labels
+    else:
+        assert "AddMM" in labels and "Add" not in labels
+    assert got.shape == (*lead, 8)
+    assert mx.allclose(got, c + x @ weight_t, atol=1e-5).item()

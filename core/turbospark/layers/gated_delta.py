@@ -37,7 +37,7 @@ import numpy as np
 
 from turbospark.layers import fused
 from turbospark.layers.fused import runs_compiled
-from turbospark.layers.stacked import Stacked, derived, project, stacked
+from turbospark.layers.stacked import Stacked, derived, gemm_add, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
 
 CHUNK_SIZE = 64
@@ -63,10 +63,11 @@ def log_decay(rate: mx.array, a: mx.array) -> mx.array:
 
 def input_bias(dt_bias: mx.array, columns: int) -> mx.array:
     """The input projections' bias, ``(columns,)``: zero but ``dt_bias`` at
-    ``a``'s columns (qkv | z | a | b), so the projection's GEMM adds it
-    (``addmm``'s C operand, no kernel of its own) where ``a + dt_bias`` was a
-    kernel a layer and token in a GPU's decode step (its sum is broadcast
-    into the update, which a compiled step does not fuse across)."""
+    ``a``'s columns (qkv | z | a | b), so the projection adds it
+    (:func:`~turbospark.layers.stacked.gemm_add`: the GEMM's C operand, no
+    kernel of its own, wherever the product has several rows) where ``a +
+    dt_bias`` was a kernel a layer and token (its sum is broadcast into the
+    update, which a compiled step does not fuse across)."""
     heads = dt_bias.shape[0]
     zeros = mx.zeros((columns - 2 * heads,), dt_bias.dtype)
     return mx.concatenate([zeros, dt_bias, mx.zeros((heads,), dt_bias.dtype)])
@@ -705,7 +706,7 @@ def mix(
     conv_dim = 2 * key_dim + value_dim
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
     projected, z, a, b = mx.split(
-        mx.addmm(in_bias, x, in_proj_t),
+        gemm_add(in_bias, x, in_proj_t),
         [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads],
         axis=-1,
     )
@@ -787,7 +788,7 @@ def mix_unrolled(
     group = value_heads // key_heads
     # (B, L, conv_dim + value_dim + 2 * Hv) -> qkv | z | a | b
     projected, z, ab = mx.split(
-        mx.addmm(in_bias, x, in_proj_t), [conv_dim, conv_dim + value_dim], axis=-1
+        gemm_add(in_bias, x, in_proj_t), [conv_dim, conv_dim + value_dim], axis=-1
     )
     padded = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
     mixed = nn.silu(padded_conv(padded, conv_weight).astype(mx.float32))

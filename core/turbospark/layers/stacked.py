@@ -67,7 +67,7 @@ class Stacked:
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each layer's output for ``x`` ``(..., in)``, in the order they were stacked."""
-        y = x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
+        y = x @ self.weight_t if self.bias is None else gemm_add(self.bias, x, self.weight_t)
         return mx.split(y, self.splits, axis=-1)
 
 
@@ -113,34 +113,45 @@ def transposed(linear: nn.Module) -> mx.array:
 
 def project(linear: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
     """``linear(x)``, plus *residual* when given: for a plain ``nn.Linear`` its
-    own ops over :func:`transposed` (one node fewer), the residual added by
-    the GEMM itself (``addmm``: one kernel on a GPU where a matmul and an add
-    were two); any other module (sharded: it sums the ranks' parts) is called,
-    and the residual added after it."""
+    own ops over :func:`transposed` (one node fewer), a bias or the residual
+    added by the GEMM itself (:func:`gemm_add`); any other module (sharded:
+    it sums the ranks' parts) is called, and the residual added after it."""
     if type(linear) is not nn.Linear:
         out = linear(x)
         return out if residual is None else residual + out
     weight_t = transposed(linear)
     if "bias" in linear:
-        out = mx.addmm(linear["bias"], x, weight_t)
+        out = gemm_add(linear["bias"], x, weight_t)
         return out if residual is None else residual + out
-    return x @ weight_t if residual is None else residual_gemm(residual, x, weight_t)
+    return x @ weight_t if residual is None else gemm_add(residual, x, weight_t)
 
 
-def residual_gemm(residual: mx.array, x: mx.array, weight_t: mx.array) -> mx.array:
-    """``residual + x @ weight_t`` as one GEMM (``addmm``, the residual its C
-    operand: one kernel on a GPU where a matmul and an add were two).
+def gemm_add(addend: mx.array, x: mx.array, weight_t: mx.array) -> mx.array:
+    """``addend + x @ weight_t``, *addend* a bias ``(out,)`` or a residual
+    shaped as the product, in the form each device runs fastest.
 
-    On the CPU, with several rows in *x*'s leading batch axis (a batched
-    decode step, a prefill group), those axes are folded into the GEMM's rows
-    first: MLX's CPU ``addmm`` with a batched C operand runs one product per
-    batch row, each reading the whole weight (16 decode rows of an 8192 -> 2048
-    projection: 114 ms against 13 ms folded; ``bench/shape_cost.py
-    residual``). CUDA's does not (the H200: the same time either way), so a
-    GPU's graph (:func:`~turbospark.layers.fused.builds_for_gpu`, the switch
-    every GPU-only form reads), like one row's anywhere, gains no reshapes."""
+    - Mostly one GEMM, ``addmm`` with *addend* as its C operand: one kernel
+      where a matmul and an add were two.
+    - On a GPU (:func:`~turbospark.layers.fused.builds_for_gpu`, the switch
+      every GPU-only form reads), a product of one row (a lone decode step) is
+      a matmul, then the add: MLX's CUDA ``addmm`` always goes to cuBLASLt,
+      which for one row is a split-K GEMM, its reduction kernel and a child
+      graph captured per call, while a one-row matmul is MLX's own gemv, one
+      kernel node. The step is host-bound, and on the H200 this form decoded
+      faster in every paired process (``bench/README.md``, "The one-row GEMMs").
+    - On the CPU, a residual over several rows in *x*'s leading batch axis (a
+      batched decode step, a prefill group) has those axes folded into the
+      GEMM's rows first: MLX's CPU ``addmm`` with a batched C operand runs one
+      product per batch row, each reading the whole weight (16 decode rows of
+      an 8192 -> 2048 projection: 114 ms against 13 ms folded;
+      ``bench/shape_cost.py residual``). CUDA's does not (the H200: the same
+      time either way).
+    """
+    gpu = fused.builds_for_gpu()
+    if gpu and x.size == x.shape[-1]:
+        return addend + x @ weight_t
     lead = x.shape[:-1]
-    if x.ndim < 3 or lead[0] == 1 or residual.shape[:-1] != lead or fused.builds_for_gpu():
-        return mx.addmm(residual, x, weight_t)
-    rows = mx.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight_t)
+    if x.ndim < 3 or lead[0] == 1 or addend.shape[:-1] != lead or gpu:
+        return mx.addmm(addend, x, weight_t)
+    rows = mx.addmm(addend.reshape(-1, addend.shape[-1]), x.reshape(-1, x.shape[-1]), weight_t)
     return rows.reshape(*lead, weight_t.shape[-1])

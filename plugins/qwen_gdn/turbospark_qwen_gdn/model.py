@@ -37,7 +37,7 @@ from turbospark.layers.attention import cached_attention, heads_first, merge_hea
 from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.stacked import derived, project, residual_gemm, stacked, transposed
+from turbospark.layers.stacked import derived, gemm_add, project, stacked, transposed
 from turbospark.sharding import (
     kv_copies,
     require_divisible,
@@ -435,11 +435,10 @@ def mlp_tail_parts(
 def mlp_tail(
     h: mx.array, norm_w: mx.array, gate_up_t: mx.array, down_t: mx.array, eps: float
 ) -> mx.array:
-    """:func:`mlp_tail_parts` and the residual add, the add made by the down
-    projection's own GEMM (:func:`~turbospark.layers.stacked.residual_gemm`:
-    one kernel on a GPU where a matmul and an add were two), so
-    :data:`mlp_tail_step` compiles it whole."""
-    return residual_gemm(h, mlp_inner(h, norm_w, gate_up_t, eps), down_t)
+    """:func:`mlp_tail_parts` and the residual add, made with the down
+    projection (:func:`~turbospark.layers.stacked.gemm_add`, in the form each
+    device runs fastest), so :data:`mlp_tail_step` compiles it whole."""
+    return gemm_add(h, mlp_inner(h, norm_w, gate_up_t, eps), down_t)
 
 
 # Traced once per batch size (decode rows) and per short lone-row length (a

@@ -1,0 +1,275 @@
+"""Where the device's time goes: every kernel MLX runs on a GPU, timed by CUPTI.
+
+MLX's CUDA backend has no kernel timer, and Nsight Systems cannot build a
+report on the lent machines (``.library/device/KINDS.md``). CUPTI's activity
+records cover the whole process, though: PyTorch's profiler, started in the
+process that runs MLX, records every kernel the device runs (MLX's, launched
+from its CUDA graphs, included) and every CUDA runtime and driver call made on
+the host. A window of MLX work inside ``torch.profiler.profile`` therefore says,
+per window (:func:`summarise`):
+
+- ``kernels`` / ``kernel_us``: launches and their summed device time;
+  ``busy_us``: the union of the kernels' intervals, against ``wall_us``: a
+  device idle for much of a window waits on the host that builds its work;
+- ``top_kernels``: kernels by summed time (name cut at its template
+  arguments, launches, µs), what to make cheaper;
+- ``api``: the host's calls into CUDA by summed time (graph instantiation and
+  launches, module loads, allocations, synchronisation), what a window's host
+  time is spent inside CUDA on.
+
+Two kinds of window:
+
+1. **decode**: ``--tokens`` greedy tokens of our library loop
+   (:func:`turbospark.generate.stream_generate`) and of mlx-lm's
+   ``generate_step`` on the same install, after a warm-up request of each
+   (issue 17: how far each step is from the bandwidth limit, and in what);
+   the summary is also given per token.
+2. **prefill**: a batched prefill forward per ``(rows, new tokens, held)``
+   case (:func:`bench.prefill_cost.timed_forward`, as a server's prefill
+   group runs it), the first time its shape runs and at once again (issue 10:
+   where the first time's extra 20-80 ms goes: into kernels that run longer,
+   or into host calls, and which).
+
+Run on a GPU machine whose Python has PyTorch (the lent H200's ``python3``):
+``python3 bench/device_trace.py decode --family qwen_gdn --size large``,
+``python3 bench/device_trace.py prefill --family gemma4 --size chat_large``;
+``--json`` for the raw summary. Only :func:`summarise` runs without a GPU
+(it reads a Chrome trace, as ``torch.profiler`` exports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KERNEL_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+API_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without template or call arguments, so one kernel's
+    instances (dtypes, sizes) group together; cuBLAS's own names pass whole."""
+    cut = re.split(r"[<(]", name, maxsplit=1)[0].strip()
+    return cut.removeprefix("void ").strip() or name[:80]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for begin, finish in sorted(intervals):
+        if finish <= end:
+            continue
+        busy += finish - max(begin, end)
+        end = finish
+    return busy
+
+
+def summarise(events: list[dict[str, Any]], wall_us: float, top: int = 15) -> dict[str, Any]:
+    """One window's device and CUDA-API time from a Chrome trace's events."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATEGORIES]
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in API_CATEGORIES]
+    by_kernel: dict[str, list[float]] = defaultdict(list)
+    launch: dict[str, list[int]] = {}  # a kernel's first grid and block, a hint of its shape
+    for e in kernels:
+        name = short_name(e["name"])
+        by_kernel[name].append(float(e["dur"]))
+        args = e.get("args", {})
+        launch.setdefault(name, [*args.get("grid", []), *args.get("block", [])])
+    by_call: dict[str, list[float]] = defaultdict(list)
+    for e in calls:
+        by_call[e["name"]].append(float(e["dur"]))
+    ranked = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "wall_us": round(wall_us, 1),
+        "kernels": len(kernels),
+        "kernel_us": round(sum(float(e["dur"]) for e in kernels), 1),
+        "busy_us": round(_union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels]), 1),
+        "top_kernels": [
+            {
+                "name": name,
+                "n": len(d),
+                "us": round(sum(d), 1),
+                "mean_us": round(sum(d) / len(d), 2),
+                "grid_block": launch[name],
+            }
+            for name, d in ranked[:top]
+        ],
+        "api": [
+            {"name": name, "n": len(d), "us": round(sum(d), 1), "max_us": round(max(d), 1)}
+            for name, d in sorted(by_call.items(), key=lambda kv: -sum(kv[1]))[:top]
+        ],
+    }
+
+
+def per_token(summary: dict[str, Any], tokens: int) -> dict[str, float]:
+    """A decode window's totals divided by its tokens."""
+    keys = ("wall_us", "kernels", "kernel_us", "busy_us")
+    return {k: round(summary[k] / tokens, 2) for k in keys}
+
+
+@contextmanager
+def traced(out: dict[str, Any], top: int = 15) -> Iterator[None]:
+    """Profile the body (every kernel and CUDA call in the process) and put its
+    :func:`summarise` into *out*; the body must synchronise before it ends."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        yield
+        wall = (time.perf_counter() - began) * 1e6
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    out.update(summarise(events, wall, top))
+
+
+def decode(path: Path, tokens: int, prompt_tokens: int, top: int) -> dict[str, Any]:
+    """Our ``stream_generate`` and mlx-lm's ``generate_step``, *tokens* each, traced."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    from bench.common import random_tokens
+    from turbospark.generate import GenerationConfig, stream_generate
+    from turbospark.runner import Runner
+    from turbospark.text import load_text
+
+    runner = Runner.open(path, context_length=prompt_tokens + 2 * tokens + 64)
+    prompt = random_tokens(prompt_tokens, runner.vocab_size, seed=0)
+    codec = load_text(path)
+    config = GenerationConfig(max_tokens=tokens, stop_token_ids=[], chunk_size=512)
+
+    def ours() -> Callable[[], None]:
+        stream = stream_generate(runner, codec, prompt, config)
+        next(stream)  # prefill and the first token, outside the window
+
+        def rest() -> None:
+            for _ in stream:
+                pass
+            mx.synchronize()
+
+        return rest
+
+    model, _ = load_model(path)
+
+    def theirs() -> Callable[[], None]:
+        steps = generate_step(mx.array(prompt), model, max_tokens=tokens, prompt_cache=None, prefill_step_size=512)  # fmt: skip
+        int(next(steps)[0])
+
+        def rest() -> None:
+            for token, _ in steps:
+                int(token)
+            mx.synchronize()
+
+        return rest
+
+    result: dict[str, Any] = {"tokens": tokens - 1, "prompt_tokens": prompt_tokens}
+    for name, start in (("ours", ours), ("mlx_lm", theirs)):
+        start()()  # warm-up: compiles and kernel loads outside the window
+        rest = start()
+        window: dict[str, Any] = {}
+        with traced(window, top):
+            rest()
+        window["per_token"] = per_token(window, tokens - 1)
+        result[name] = window
+    runner.close()
+    return result
+
+
+def prefill(path: Path, cases: list[tuple[int, int, int]], top: int) -> list[dict[str, Any]]:
+    """Each case's batched prefill forward traced the first time and again."""
+    import numpy as np
+
+    from bench.prefill_cost import timed_forward
+    from turbospark.runner import Runner
+
+    runner = Runner.open(path, context_length=4096, session_slots=16)
+    rng = np.random.default_rng(0)
+    timed_forward(runner, rng, 1, 8, 0)  # the process's own first forward (its compiles)
+    rows = []
+    for batch, length, held in cases:
+        row: dict[str, Any] = {"rows": batch, "tokens": length, "held": held}
+        for label in ("first", "again"):
+            window: dict[str, Any] = {}
+            row[f"{label}_ms"] = round(timed_forward(runner, rng, batch, length, held, lambda w=window: traced(w, top)), 2)  # fmt: skip
+            row[label] = window
+        rows.append(row)
+    runner.close()
+    return rows
+
+
+def _case(text: str) -> tuple[int, int, int]:
+    rows, tokens, held = (int(x) for x in text.split(","))
+    return rows, tokens, held
+
+
+def _print(name: str, window: dict[str, Any]) -> None:
+    print(f"  {name}: wall {window['wall_us'] / 1e3:.2f} ms, {window['kernels']} kernels, "
+          f"{window['kernel_us'] / 1e3:.2f} ms in kernels, device busy {window['busy_us'] / 1e3:.2f} ms")  # fmt: skip
+    for k in window["top_kernels"]:
+        print(f"    {k['us'] / 1e3:8.2f} ms {k['n']:6d}x {k['mean_us']:8.2f} us  {k['name'][:90]}")
+    for a in window["api"][:8]:
+        print(
+            f"    api {a['us'] / 1e3:8.2f} ms {a['n']:6d}x (max {a['max_us'] / 1e3:.2f} ms)  {a['name']}"
+        )
+
+
+def main() -> None:
+    from bench.common import install
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["decode", "prefill"])
+    parser.add_argument("--family", action="append")
+    parser.add_argument("--size", default="large")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=65, help="decode: tokens a request")
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--cases", nargs="+", type=_case, help="prefill: rows,tokens,held ...")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/turbospark/bench")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    from bench.prefill_cost import CASES
+
+    for family in args.family or ["gemma4", "qwen_gdn"]:
+        path = install(family, args.size, args.dtype, args.cache_dir)
+        line: dict[str, Any] = {
+            "piece": f"device_trace_{args.mode}",
+            "family": family,
+            "size": args.size,
+        }
+        if args.mode == "decode":
+            line["result"] = decode(path, args.tokens, args.prompt_tokens, args.top)
+        else:
+            line["result"] = prefill(path, args.cases or CASES, args.top)
+        if args.json:
+            print(json.dumps(line), flush=True)
+            continue
+        print(f"{family} {args.size} {args.mode}")
+        if args.mode == "decode":
+            for name in ("ours", "mlx_lm"):
+                print(f" {name} per token: {line['result'][name]['per_token']}")
+                _print(name, line["result"][name])
+        else:
+            for row in line["result"]:
+                print(f" {row['rows']} x {row['tokens']}, held {row['held']}: first {row['first_ms']} ms, again {row['again_ms']} ms")  # fmt: skip
+                _print("first", row["first"])
+                _print("again", row["again"])
+
+
+if __name__ == "__main__":
+    main()
