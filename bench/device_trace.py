@@ -122,8 +122,14 @@ def per_token(summary: dict[str, Any], tokens: int) -> dict[str, float]:
 def traced(out: dict[str, Any], top: int = 15) -> Iterator[None]:
     """Profile the body (every kernel and CUDA call in the process) and put its
     :func:`summarise` into *out*; the body must synchronise before it ends."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        raise SystemExit(
+            "device_trace needs PyTorch's profiler in the Python that runs MLX on the GPU "
+            "(the lent H200's python3 has it); install torch or run it there"
+        ) from None
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         began = time.perf_counter()

@@ -138,7 +138,8 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: mx.array) -> mx.array:
       which for one row is a split-K GEMM, its reduction kernel and a child
       graph captured per call, while a one-row matmul is MLX's own gemv, one
       kernel node. The step is host-bound, and on the H200 this form decoded
-      faster in every paired process (``bench/README.md``, "The one-row GEMMs").
+      faster in every paired process (``bench/README.md``, "One-row GEMMs as
+      MLX's gemv and an add").
     - On the CPU, a residual over several rows in *x*'s leading batch axis (a
       batched decode step, a prefill group) has those axes folded into the
       GEMM's rows first: MLX's CPU ``addmm`` with a batched C operand runs one
