@@ -1,7 +1,7 @@
 """Where the device's time goes: every kernel MLX runs on a GPU, timed by CUPTI.
 
 MLX's CUDA backend has no kernel timer, and Nsight Systems cannot build a
-report on the lent machines (``.library/device/KINDS.md``). CUPTI's activity
+report on the lent machines (their tool notes say so). CUPTI's activity
 records cover the whole process, though: PyTorch's profiler, started in the
 process that runs MLX, records every kernel the device runs (MLX's, launched
 from its CUDA graphs, included) and every CUDA runtime and driver call made on
