@@ -455,3 +455,30 @@ def test_device_trace_summary_of_a_chrome_trace() -> None:
     }
     assert [a["name"] for a in out["api"]] == ["cuModuleLoadData", "cudaGraphLaunch"]
     assert per_token(out, 2) == {"wall_us": 20.0, "kernels": 1.5, "kernel_us": 11.0, "busy_us": 8.5}
+
+
+def test_native_stacks_summary_of_py_spy_raw_output() -> None:
+    """Samples outside the timed forward, or inside the earlier tokens' feeding,
+    are left out; the rest rank by innermost library and frame, and a frame
+    counts once a sample inclusively; unnamed addresses keep their library."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.native_stacks import summarise
+    finally:
+        sys.path.remove(str(ROOT))
+    raw = "\n".join(
+        [
+            "<module> (x.py:1);timed_forward (p.py:9);mlx::core::eval (libmlx.so);f (libmlx.so);f (libmlx.so) 3",
+            "<module> (x.py:1);timed_forward (p.py:9);cublasLtMatmul (libcublasLt.so.13) 2",
+            "<module> (x.py:1);timed_forward (p.py:9);0x7f00 (libcuda.so.1) 1",
+            "<module> (x.py:1);timed_forward (p.py:9);held_group (p.py:3);malloc (libc.so.6) 5",
+            "<module> (x.py:1);other (p.py:2) 7",
+            "not a sample line",
+        ]
+    )  # fmt: skip
+    out = summarise(raw, within="timed_forward", outside="held_group")
+    assert out["samples"] == 6
+    assert out["by_library"] == {"libmlx.so": 3, "libcublasLt.so.13": 2, "libcuda.so.1": 1}
+    assert out["top_self"] == [("f (libmlx.so)", 3), ("cublasLtMatmul (libcublasLt.so.13)", 2)]
+    assert dict(out["top_inclusive"])["f (libmlx.so)"] == 3
+    assert dict(out["top_inclusive"])["timed_forward (python)"] == 6
