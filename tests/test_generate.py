@@ -223,3 +223,23 @@ def test_a_lazy_sampled_token_is_checked_once_read(install: Path) -> None:
     assert runner.position == 5
     assert runner.try_reuse_prefix([1, 3, 20, 21, 7, 8]) == 0
     assert runner.last_reuse.reason == "tainted"
+
+
+def test_a_prompt_is_fed_in_whole_chunks_its_last_token_in_the_last(
+    gemma4_install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-request loop feeds a prompt in chunks of ``chunk_size``, the last
+    chunk with the logits of its last token: an 8-token prompt in chunks of 4
+    is two forwards, not three (no forward of the last token alone)."""
+    runner = Runner.open(gemma4_install, context_length=64)
+    real = runner.prefill_chunk
+    fed: list[tuple[int, bool]] = []
+
+    def spy(tokens, start, logits=True):
+        fed.append((len(tokens), logits))
+        return real(tokens, start, logits=logits)
+
+    monkeypatch.setattr(runner, "prefill_chunk", spy)
+    config = GenerationConfig(max_tokens=2, temperature=0.0, stop_token_ids=[], chunk_size=4)
+    generate(runner, load_text(gemma4_install), [2, 5, 9, 14, 20, 31, 40, 41], config)
+    assert fed == [(4, False), (4, True)]

@@ -570,9 +570,9 @@ class Engine:
         to go with, or whose session must first rewind, one chunk at a time
         (:meth:`_prefill_alone`). Prompts that could go together but found no
         budget left wait for the next step rather than go alone: alone, each
-        costs two forwards (all but its last token, then the last for its
-        logits), and on a host-bound device a forward costs about what a
-        decode step does, whatever its tokens."""
+        costs a forward where together they cost one, and on a host-bound
+        device a forward costs about what a decode step does, whatever its
+        tokens."""
         for row in list(self._prefilling):
             if all(j.cancelled.is_set() for j in (row.job, *row.job.forks)):
                 group = self._group_of(row)
@@ -713,28 +713,28 @@ class Engine:
         return group
 
     def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
-        """Whole chunks (the one-request loop's boundaries) of one row, up to the budget."""
+        """Whole chunks (the one-request loop's boundaries) of one row, up to
+        the budget; the last one with its last token's logits."""
         ids, chunk = row.job.ids, row.job.config.chunk_size
-        last = len(ids) - 1
         try:
-            while row.next_prefill < last and (budget is None or budget > 0):
-                end = min(row.next_prefill + chunk, last)
-                self.runner.feed(row.session, ids[row.next_prefill : end], row.next_prefill)
-                budget = None if budget is None else budget - (end - row.next_prefill)
+            while budget is None or budget > 0:
+                begin = min(row.next_prefill, len(ids) - 1)  # at least the last token
+                end = min(begin + chunk, len(ids))
+                logits = self.runner.feed(
+                    row.session, ids[begin:end], begin, logits=end == len(ids)
+                )
+                budget = None if budget is None else budget - (end - begin)
                 row.next_prefill = end
-            if row.next_prefill < last:
-                return budget
-            logits = self.runner.feed(row.session, ids[last:], last, logits=True)
-            self.runner.checkpoint(row.session)
-            row.next_prefill = len(ids)
-            self._prefilled(row, logits)
+                if end == len(ids):
+                    self.runner.checkpoint(row.session)
+                    self._prefilled(row, logits)
+                    break
         except Exception as exc:
             self._prefilling.remove(row)
             self._fail(row, exc)
             for fork in row.job.forks:
                 fork.emit(exc)
-            return budget
-        return None if budget is None else budget - 1
+        return budget
 
     def _prefilled(self, row: _Row, logits: mx.array) -> None:
         """The prompt is in: the row, and its forks (each from its state by

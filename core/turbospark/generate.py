@@ -378,11 +378,16 @@ def collect(chunks: Iterable[Chunk], on_text: Callable[[str], None] | None = Non
 
 
 def _prefill(runner: Runner, ids: list[int], start: int, chunk_size: int) -> mx.array:
-    """Feed ``ids[start:]`` from *start*: every token but the last in chunks
-    without logits, then the last one alone for its logits (as mlx-lm does).
-    Layers that write no state (Gemma's KV-shared tail) then run only for the
-    row whose logits are read; MLX never evaluates them for the others."""
-    last = len(ids) - 1
-    for begin in range(start, last, chunk_size):
-        runner.prefill_chunk(ids[begin : min(begin + chunk_size, last)], begin, logits=False)
-    return runner.prefill_chunk(ids[last:], last)
+    """Feed ``ids[start:]`` from *start* in chunks, the last chunk with the
+    logits of its last token. mlx-lm feeds the last token in a forward of its
+    own; on a host-bound GPU a forward costs about a decode step whatever its
+    length, and the families compute the last chunk's head (and Gemma's
+    KV-shared tail layers, which write no state) for its last row only, so
+    one forward fewer costs nothing. At least the last token is fed."""
+    start = min(start, len(ids) - 1)
+    logits = None
+    for begin in range(start, len(ids), chunk_size):
+        end = min(begin + chunk_size, len(ids))
+        logits = runner.prefill_chunk(ids[begin:end], begin, logits=end == len(ids))
+    assert logits is not None
+    return logits
