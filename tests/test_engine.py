@@ -435,8 +435,8 @@ def test_prompts_left_without_budget_wait_for_a_group_instead_of_going_alone(
     in one forward, then the next two, not four that each get 3 tokens a step
     (a group takes as many as fit in the budget). 14: the same, and the two
     left wait for the next step's budget and go together too, rather than one
-    of them going alone in the 2 tokens left (two one-row forwards, past the
-    budget). Each still equals its request alone."""
+    of them going alone in the 2 tokens left (a one-row forward of its whole
+    prompt, past the budget). Each still equals its request alone."""
     install = request.getfixturevalue(f"{family}_install")
     codec = load_text(install)
     runner = open_runner(install)
