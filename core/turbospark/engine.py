@@ -65,6 +65,7 @@ from turbospark.generate import (
     GenerationStats,
     acquire,
     check_prompt,
+    prompt_chunks,
 )
 from turbospark.pool import Session
 from turbospark.reuse import ReuseReason, ReuseReport
@@ -715,11 +716,11 @@ class Engine:
     def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
         """Whole chunks (the one-request loop's boundaries) of one row, up to
         the budget; the last one with its last token's logits."""
-        ids, chunk = row.job.ids, row.job.config.chunk_size
+        ids = row.job.ids
         try:
-            while budget is None or budget > 0:
-                begin = min(row.next_prefill, len(ids) - 1)  # at least the last token
-                end = min(begin + chunk, len(ids))
+            for begin, end in prompt_chunks(len(ids), row.next_prefill, row.job.config.chunk_size):
+                if budget is not None and budget <= 0:
+                    break
                 logits = self.runner.feed(
                     row.session, ids[begin:end], begin, logits=end == len(ids)
                 )
@@ -728,7 +729,6 @@ class Engine:
                 if end == len(ids):
                     self.runner.checkpoint(row.session)
                     self._prefilled(row, logits)
-                    break
         except Exception as exc:
             self._prefilling.remove(row)
             self._fail(row, exc)

@@ -377,17 +377,21 @@ def collect(chunks: Iterable[Chunk], on_text: Callable[[str], None] | None = Non
     return Completion("".join(parts), tokens, final.finish_reason, final.stats, logprobs)
 
 
+def prompt_chunks(length: int, start: int, chunk_size: int) -> Iterator[tuple[int, int]]:
+    """``(begin, end)`` of each forward that feeds a prompt of *length* tokens
+    from *start*, at least its last token; the last chunk's last token gives the
+    logits. mlx-lm feeds the last token in a forward of its own; on a host-bound
+    GPU a forward costs about a decode step whatever its length, and the
+    families compute the last chunk's head (and Gemma's KV-shared tail layers,
+    which write no state) for its last row only, so one forward fewer costs
+    nothing. The engine's lone prompts take the same chunks, resumed from any
+    of these boundaries, so their state equals this loop's."""
+    for begin in range(min(start, length - 1), length, chunk_size):
+        yield begin, min(begin + chunk_size, length)
+
+
 def _prefill(runner: Runner, ids: list[int], start: int, chunk_size: int) -> mx.array:
-    """Feed ``ids[start:]`` from *start* in chunks, the last chunk with the
-    logits of its last token. mlx-lm feeds the last token in a forward of its
-    own; on a host-bound GPU a forward costs about a decode step whatever its
-    length, and the families compute the last chunk's head (and Gemma's
-    KV-shared tail layers, which write no state) for its last row only, so
-    one forward fewer costs nothing. At least the last token is fed."""
-    start = min(start, len(ids) - 1)
-    logits = None
-    for begin in range(start, len(ids), chunk_size):
-        end = min(begin + chunk_size, len(ids))
+    """Feed ``ids[start:]`` (:func:`prompt_chunks`); the last token's logits."""
+    for begin, end in prompt_chunks(len(ids), start, chunk_size):
         logits = runner.prefill_chunk(ids[begin:end], begin, logits=end == len(ids))
-    assert logits is not None
     return logits
