@@ -21,7 +21,7 @@ whether it prefilled. Reported:
   the same install, no server (wall and runner-thread CPU per step);
 - ``loop_cpu_ms_per_step`` / ``runner_cpu_ms_per_step``: CPU time of the
   event loop's thread and of the runner thread over the whole timed run
-  (from ``/proc``, so load-independent), divided by the decode steps;
+  (each thread's own CPU-time clock, so load-independent), divided by the decode steps;
   ``text_cpu_ms_per_request``: the prompt pool's threads (chat template and
   tokenizer; the template holds the GIL) per request; ``other_cpu_ms_per_step``:
   the rest of the process (MLX's own threads: on the CPU, the compute);
@@ -113,10 +113,11 @@ class StepLog:
         return (self.phase or "between") if self.recording else None
 
 
-def _thread_cpu_s(tid: int) -> float:
-    """User plus system CPU time of thread *tid* of this process (Linux /proc)."""
-    fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _thread_cpu_s(ident: int) -> float:
+    """User plus system CPU time of the thread whose ``threading`` ident is
+    *ident*, from its own CPU-time clock (nanoseconds; ``/proc`` counts 10 ms
+    ticks, which a short run's event loop can stay under)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
 def _instrument(engine: Any, log: StepLog) -> None:
@@ -236,10 +237,9 @@ def measure_server(
         while httpx.get(f"{base}/health", timeout=_left(deadline)).json()["status"] != "ok":
             _left(deadline)
             time.sleep(0.1)
-        runner_ids = engine.call(lambda: (threading.get_native_id(), threading.get_ident()))
-        runner_tid, runner_ident = runner_ids.result(timeout=_left(deadline))
-        loop_tid, loop_ident = server._thread.native_id, server._thread.ident
-        assert loop_tid is not None and loop_ident is not None
+        runner_ident = engine.call(threading.get_ident).result(timeout=_left(deadline))
+        loop_ident = server._thread.ident
+        assert loop_ident is not None
         # As bench/concurrency.py: one burst of every client's first turn, short.
         drive(base, clients, plan, plan.seed - 1, WARM_UP_TOKENS, deadline)
         sampler = None
@@ -250,9 +250,9 @@ def measure_server(
             sampler.start()
         log.recording = True
         # The prompt pool (chat template and tokenizer) holds the GIL while it renders.
-        text = [t.native_id for t in threading.enumerate() if t.name.startswith("turbospark-text")]
-        tids = {"runner": [runner_tid], "loop": [loop_tid], "text": [t for t in text if t]}
-        cpu0 = {name: sum(_thread_cpu_s(t) for t in ids) for name, ids in tids.items()}
+        text = [t.ident for t in threading.enumerate() if t.name.startswith("turbospark-text")]
+        idents = {"runner": [runner_ident], "loop": [loop_ident], "text": [t for t in text if t]}
+        cpu0 = {name: sum(_thread_cpu_s(t) for t in ids) for name, ids in idents.items()}
         process0 = time.process_time()
         try:
             run = drive(base, clients, plan, plan.seed, plan.reply_tokens, deadline)
@@ -260,9 +260,11 @@ def measure_server(
             log.recording = False
             if sampler is not None:
                 sampler.stop()
-        text = [t.native_id for t in threading.enumerate() if t.name.startswith("turbospark-text")]
-        tids["text"] = [t for t in text if t]  # the pool starts its threads on demand
-        cpu = {name: sum(_thread_cpu_s(t) for t in ids) - cpu0[name] for name, ids in tids.items()}
+        text = [t.ident for t in threading.enumerate() if t.name.startswith("turbospark-text")]
+        idents["text"] = [t for t in text if t]  # the pool starts its threads on demand
+        cpu = {
+            name: sum(_thread_cpu_s(t) for t in ids) - cpu0[name] for name, ids in idents.items()
+        }
         process = time.process_time() - process0
     steps = len(log.began)
     full = [

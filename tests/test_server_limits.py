@@ -173,13 +173,15 @@ def test_a_full_queue_answers_503_with_retry_after(install: Path, codec: TextCod
 def test_the_request_timeout_ends_a_request_and_its_generation(
     install: Path, codec: TextCodec
 ) -> None:
-    # 1 s: room for a 2-token request on a loaded CI machine, far short of 2000 tokens.
-    with serving(install, codec, slots=2, limits=ServerLimits(request_timeout=1.0)) as running:
+    # 1 s: room for a 2-token request on a loaded CI machine, far short of 8000 tokens
+    # (an idle 2-core machine decodes this install's 2000 in about 1.1 s: too close).
+    limits = ServerLimits(request_timeout=1.0)
+    with serving(install, codec, slots=2, context=8192, limits=limits) as running:
         url = f"{running.base_url}/v1/completions"
         body = {
             "model": MODEL,
             "prompt": "tell me everything",
-            "max_tokens": 2000,
+            "max_tokens": 8000,
             "temperature": 0,
             "ignore_eos": True,  # no early stop can beat the deadline
         }
@@ -190,7 +192,7 @@ def test_the_request_timeout_ends_a_request_and_its_generation(
         streamed = httpx.post(url, json={**body, "stream": True}, timeout=30)
         events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert "request_timeout" in events[-2] and events[-1] == "data: [DONE]"
-        # The runner stopped at its next step (2000 tokens would take seconds).
+        # The runner stopped at its next step (8000 tokens would take seconds).
         started = time.perf_counter()
         assert httpx.post(url, json={**body, "max_tokens": 2}, timeout=30).status_code == 200
         assert time.perf_counter() - started < 2.0
