@@ -68,9 +68,28 @@ def install_stand_ins() -> None:
     matmul, softmax, matmul), which is what made the count match the H200's."""
     for name in ("rms_norm", "layer_norm", "rope"):
         setattr(mx.fast, name, _stand_in(getattr(mx.fast, name)))
-    from turbospark.layers import fused
+    from turbospark.layers import fused, gdn_cuda
 
     fused.BUILD_FOR_GPU = True  # the step's GPU forms (turbospark.layers.fused.builds_for_gpu)
+    # MLX's CUDA backend takes the one-kernel gated delta rule (gdn_cuda): so does the count.
+    gdn_cuda.available = lambda: gdn_cuda.ENABLED
+    gdn_cuda.gated_delta = _gated_delta_stand_in
+
+
+def _gated_delta_stand_in(
+    mixed: mx.array, proj: mx.array, rate: mx.array, state: mx.array, key_heads: int,
+    value_heads: int, key_head_dim: int, value_head_dim: int, a_offset: int, keep: bool = False,
+) -> tuple[mx.array, ...]:  # fmt: skip
+    """One kernel, as :func:`turbospark.layers.gdn_cuda.gated_delta` is: a Scan
+    over the values for the outputs, the states broadcast views of them. The
+    kernel's other inputs are the projection (computed anyway: the gated norm
+    reads it) and leaves, so leaving them out of the graph drops no kernel."""
+    batch, length, _ = mixed.shape
+    values = mixed[..., 2 * key_heads * key_head_dim :]  # (B, T, Hv * Dv)
+    out = mx.cumsum(values, axis=-1).reshape(batch, length, value_heads, value_head_dim)
+    every = (batch, length, value_heads, value_head_dim, key_head_dim)
+    last = mx.broadcast_to(out[:, -1, :, :, None], (batch, *every[2:]))
+    return (out, last, mx.broadcast_to(out[..., None], every)) if keep else (out, last)
 
 
 def traced_pass(runner: Any, prompt: list[int], fed: int, census: bool = False) -> dict[str, Any]:

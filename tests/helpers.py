@@ -1,5 +1,6 @@
 """Small drivers shared by the runner-level tests: the `feed` shapes of the seed
-scenarios (`tests/test_seed_scenarios.py`), and a batched greedy decode."""
+scenarios (`tests/test_seed_scenarios.py`), a batched greedy decode, and the
+gated-DeltaNet kernel's reference (`tests/test_gdn_cuda.py`, `tests/test_gdn_kernel_path.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark import MropePositions, Runner
+from turbospark.layers.gated_delta import gated_delta_step, log_decay, normalize_qk_heads
 
 
 def feed(runner: Runner, tokens: Sequence[int]) -> mx.array:
@@ -84,3 +86,52 @@ def assert_states_close(
             np.testing.assert_allclose(
                 np.array(a), np.array(b), atol=atol, rtol=atol, err_msg=f"{name} array {i}"
             )
+
+
+# (key heads, value heads, key head dim, value head dim): Dk below a warp, not a
+# multiple of one, and the ~1B shapes' 128.
+GDN_DIMS = [(2, 4, 16, 8), (1, 3, 40, 24), (16, 32, 128, 128)]
+
+
+def gdn_inputs(
+    batch: int, length: int, dims: tuple[int, int, int, int], dtype: mx.Dtype, seed: int
+) -> tuple[mx.array, mx.array, mx.array, mx.array, int]:
+    """Random ``(mixed, proj, rate, state, a_offset)`` for the kernel's contract."""
+    hk, hv, dk, dv = dims
+    rng = np.random.default_rng(seed)
+    conv = 2 * hk * dk + hv * dv
+    width = conv + hv * dv + 2 * hv + 3  # qkv | z | a | b, and a few columns past b
+    mixed = mx.array(rng.standard_normal((batch, length, conv)), dtype=dtype)
+    proj = mx.array(rng.standard_normal((batch, length, width)) * 2, dtype=dtype)
+    rate = mx.array(-np.exp(rng.standard_normal(hv) * 0.5), dtype=mx.float32)
+    state = mx.array(rng.standard_normal((batch, hv, dv, dk)) * 0.3, dtype=mx.float32)
+    return mixed, proj, rate, state, conv + hv * dv
+
+
+def gdn_reference(
+    mixed: mx.array,
+    proj: mx.array,
+    rate: mx.array,
+    state: mx.array,
+    dims: tuple[int, int, int, int],
+    a_offset: int,
+) -> tuple[mx.array, mx.array]:
+    """The gated-DeltaNet kernel's contract (:mod:`turbospark.layers.gdn_cuda`) from
+    the layer's reference pieces in float32: the norm, the gates, one step a token;
+    the outputs ``(B, T, Hv, Dv)`` and the state after every token."""
+    hk, hv, dk, dv = dims
+    batch, length, _ = mixed.shape
+    mixed = mixed.astype(mx.float32)
+    qk = mixed[..., : 2 * hk * dk].reshape(batch, length, 2 * hk, dk)
+    q, k = normalize_qk_heads(qk)
+    v = mixed[..., 2 * hk * dk :].reshape(batch, length, hv, dv)
+    a = proj[..., a_offset : a_offset + hv].astype(mx.float32)
+    b = proj[..., a_offset + hv : a_offset + 2 * hv].astype(mx.float32)
+    g, beta = mx.exp(log_decay(rate, a)), mx.sigmoid(b)
+    q, k = mx.repeat(q, hv // hk, axis=2), mx.repeat(k, hv // hk, axis=2)
+    ys, states = [], []
+    for t in range(length):
+        y, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), mx.stack(states, axis=1)

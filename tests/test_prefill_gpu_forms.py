@@ -26,7 +26,7 @@ FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
 # The GPU forms invert a chunk's unit-lower matrix by doubling where the CPU's
 # call LAPACK (gated_delta._unit_lower_inverse): the two agree to ~2e-5 (their
 # own test), which eight layers carry to ~6e-5; a wrong form is off by far more.
-ATOL = 1e-4
+ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")

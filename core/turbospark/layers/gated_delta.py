@@ -14,7 +14,10 @@ also hands back its deltas, from which the state after any of its tokens is
 one matmul, built only when drafts were rejected (:func:`gated_delta_traced`,
 :func:`traced_layer`); on a GPU, where kernels cost more than arithmetic, a
 short pass steps token by token instead and keeps every token's state
-(:func:`mix_unrolled`). Every form computes in float32.
+(:func:`mix_unrolled`). Every form computes in float32. On MLX's CUDA
+backend every one of these is instead one kernel for the recurrence, its q/k
+norm and gates (:mod:`turbospark.layers.gdn_cuda`, through :func:`mix_kernel`),
+whatever the length; the forms above serve the CPU and Metal.
 
 Shapes follow mlx-lm's ``gated_delta.py`` so checkpoints and states line up:
 q/k ``(B, T, Hk, Dk)``, v ``(B, T, Hv, Dv)``, gates ``(B, T, Hv)``, state
@@ -35,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from turbospark.layers import fused
+from turbospark.layers import fused, gdn_cuda
 from turbospark.layers.fused import runs_compiled
 from turbospark.layers.stacked import Stacked, derived, gemm_add, project, stacked
 from turbospark.state import Snapshot, refuse_rewind
@@ -654,7 +657,16 @@ class GatedDeltaNet(nn.Module):
             d.value_head_dim,
             d.eps,
         )
-        if state.tracing and fused.builds_for_gpu() and runs_compiled(batch, length):
+        if gdn_cuda.available():  # one kernel for the recurrence, at every length
+            compiled = runs_compiled(batch, length)
+            if state.tracing:  # a verify pass: the kernel keeps every token's state
+                out, *kept = (mix_kernel_traced if compiled else mix_kernel_keeping)(*args)
+                layer = partial(kept_layer, *kept)
+                state.set_layer_traced(index, *layer(length), layer)
+            else:
+                out, tail, recurrent = (mix_kernel_step if compiled else mix_kernel)(*args)
+                state.set_layer(index, tail, recurrent)
+        elif state.tracing and fused.builds_for_gpu() and runs_compiled(batch, length):
             # A GPU's short traced pass: every token's state computed by stepping.
             out, padded, *states = mix_unrolled_step(*args)
             layer = partial(unrolled_layer, padded, states, recurrent.shape)
@@ -741,6 +753,72 @@ def mix(
     if traced:
         return out, tail, recurrent, (projected, *recurrence)
     return out, tail, recurrent
+
+
+def mix_kernel(
+    x: mx.array,
+    in_proj_t: mx.array,
+    tail: mx.array,
+    recurrent: mx.array,
+    conv_weight: mx.array,
+    rate: mx.array,
+    in_bias: mx.array,
+    norm_weight: mx.array,
+    key_heads: int,
+    value_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+    eps: float,
+    keep: bool = False,
+) -> tuple[mx.array, ...]:
+    """:func:`mix` with the recurrence, the q/k norm and the gates as one CUDA
+    kernel (:func:`turbospark.layers.gdn_cuda.gated_delta`), for any number
+    of tokens: the input projection, the conv and its SiLU, the kernel, the
+    gated norm. Returns the ``(B, L, value_dim)`` output, the new conv tail
+    and the new state; with *keep* (a verify pass), the output, the conv's
+    padded input ``(B, K - 1 + L, C)``, the state after the last token and
+    after every token ``(B, L, Hv, Dv, Dk)``, which :func:`kept_layer` reads a
+    layer's state from."""
+    batch, length, _ = x.shape
+    key_dim = key_heads * key_head_dim
+    value_dim = value_heads * value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    proj = gemm_add(in_bias, x, in_proj_t)  # qkv | z | a | b; the kernel reads a, b in place
+    projected, z = proj[..., :conv_dim], proj[..., conv_dim : conv_dim + value_dim]
+    if keep:
+        padded = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
+        conv = padded_conv(padded, conv_weight)
+    else:
+        conv, tail = causal_conv_with_tail(projected, tail, conv_weight)
+    mixed = nn.silu(conv.astype(mx.float32))  # (B, L, conv_dim): q | k | v
+    out, recurrent, *states = gdn_cuda.gated_delta(
+        mixed,
+        proj,
+        rate,
+        recurrent,
+        key_heads,
+        value_heads,
+        key_head_dim,
+        value_head_dim,
+        conv_dim + value_dim,
+        keep,
+    )
+    z = z.reshape(batch, length, value_heads, value_head_dim)
+    out = gated_rms_norm(out, z, norm_weight, eps).reshape(batch, length, value_dim)
+    return (out, padded, recurrent, *states) if keep else (out, tail, recurrent)
+
+
+def kept_layer(
+    padded: mx.array, last: mx.array, states: mx.array, n: int
+) -> tuple[mx.array, mx.array]:
+    """A layer's ``(conv tail, state)`` after the first *n* (1 or more) tokens of
+    a :func:`mix_kernel` pass that kept every token's state: the tail a view of
+    the padded input (a few rows, as a decode step's tail is), the state the
+    pass's *last* or a copy out of *states*, so a session never holds the
+    pass's every state for one of them."""
+    width = padded.shape[1] - states.shape[1]  # K - 1
+    state = last if n == states.shape[1] else mx.contiguous(states[:, n - 1])
+    return padded[:, n : n + width], state
 
 
 def mix_unrolled(
@@ -855,6 +933,11 @@ mix_step = mx.compile(mix)
 mix_unrolled_step = mx.compile(mix_unrolled)
 # A verify pass (a lone row, ``k + 1`` tokens): one WY chunk and its trace.
 mix_traced = mx.compile(partial(mix, traced=True))
+# The kernel's forms (gdn_cuda.available()): every decode step and a lone row's
+# short forward compiled, as above; a verify pass keeps every token's state.
+mix_kernel_step = mx.compile(mix_kernel)
+mix_kernel_keeping = partial(mix_kernel, keep=True)
+mix_kernel_traced = mx.compile(mix_kernel_keeping)
 
 
 # -- the state ------------------------------------------------------------------

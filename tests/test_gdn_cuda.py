@@ -1,0 +1,76 @@
+"""The one-kernel gated delta rule against the reference recurrence it replaces.
+
+Runs only where MLX has its CUDA backend (the H200 bench machine:
+``TURBOSPARK_TEST_DEVICE=gpu python3 -m pytest tests/test_gdn_cuda.py``); on
+the CPU and Metal the layers keep the reference forms, which
+``plugins/qwen_gdn/tests/test_qwen_gdn_chunked.py`` checks. Whole forwards in
+the kernel's form against the reference forms on the same GPU are
+``tests/test_prefill_gpu_forms.py`` and ``tests/test_verify_gpu_forms.py``
+(their GPU side is the kernel there).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import GDN_DIMS as DIMS
+from helpers import gdn_inputs as _inputs
+from helpers import gdn_reference as _reference
+from turbospark.layers import gdn_cuda
+
+pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize(("batch", "length"), [(1, 1), (3, 1), (1, 5), (2, 70)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_kernel_equals_the_reference_recurrence(
+    dims: tuple[int, int, int, int], batch: int, length: int, dtype: mx.Dtype
+) -> None:
+    mx.set_default_device(mx.gpu)
+    mixed, proj, rate, state, a_offset = _inputs(batch, length, dims, dtype, seed=length)
+    want_y, want_states = _reference(mixed, proj, rate, state, dims, a_offset)
+    y, last = gdn_cuda.gated_delta(mixed, proj, rate, state, *dims, a_offset)
+    y_kept, last_kept, kept = gdn_cuda.gated_delta(
+        mixed, proj, rate, state, *dims, a_offset, keep=True
+    )
+    # Float32 math from the same inputs either way: only the order of sums differs.
+    tolerance = 2e-4
+    np.testing.assert_allclose(np.array(y), np.array(want_y), rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(
+        np.array(last), np.array(want_states[:, -1]), rtol=tolerance, atol=tolerance
+    )
+    np.testing.assert_allclose(
+        np.array(kept), np.array(want_states), rtol=tolerance, atol=tolerance
+    )
+    assert mx.array_equal(y_kept, y) and mx.array_equal(last_kept, last)
+    assert mx.array_equal(kept[:, -1], last)
+
+
+def test_a_row_is_the_same_alone_and_batched_and_chunked() -> None:
+    """Rows are independent (a batch's row equals it alone) and a prompt in two
+    pieces equals it in one, bit for bit: the kernel rounds each token the same
+    way whatever else is in the call."""
+    mx.set_default_device(mx.gpu)
+    dims = DIMS[-1]
+    mixed, proj, rate, state, a_offset = _inputs(3, 9, dims, mx.bfloat16, seed=7)
+    y, last = gdn_cuda.gated_delta(mixed, proj, rate, state, *dims, a_offset)
+    alone_y, alone = gdn_cuda.gated_delta(mixed[1:2], proj[1:2], rate, state[1:2], *dims, a_offset)
+    assert mx.array_equal(alone_y, y[1:2]) and mx.array_equal(alone, last[1:2])
+    first_y, middle = gdn_cuda.gated_delta(mixed[:, :4], proj[:, :4], rate, state, *dims, a_offset)
+    rest_y, end = gdn_cuda.gated_delta(mixed[:, 4:], proj[:, 4:], rate, middle, *dims, a_offset)
+    assert mx.array_equal(mx.concatenate([first_y, rest_y], axis=1), y)
+    assert mx.array_equal(end, last)
+
+
+def test_available_follows_the_gpu_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turning the GPU forms off (how the tests get the reference forms on a GPU)
+    turns the kernel off too."""
+    from turbospark.layers import fused
+
+    mx.set_default_device(mx.gpu)
+    assert gdn_cuda.available()
+    monkeypatch.setattr(fused, "BUILD_FOR_GPU", False)
+    assert not gdn_cuda.available()
