@@ -13,6 +13,7 @@ Float32 on CPU.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import mlx.core as mx
@@ -152,3 +153,27 @@ def test_the_ops_form_equals_the_reference_recurrence() -> None:
         _close(y, want_y, "outputs")
         _close(kept, want_states, "every token's state")
         assert mx.array_equal(last, kept[:, -1])
+
+
+@pytest.mark.parametrize("keep", [2, 5])
+def test_a_cut_keeps_only_its_own_state_alive(
+    qwen_gdn_install: Path, keep: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a verify pass is cut (or kept whole), no layer's state is a view
+    that keeps the pass's every state alive: the memory the process grew by
+    stays within one gated-DeltaNet state of what the session's ``nbytes``
+    grew by (the pass leaves a few KB of cached constants; views of its five
+    states would keep four states more)."""
+    _forms(monkeypatch, True)
+    runner = _open(qwen_gdn_install)
+    runner.prefill_chunk(PROMPT, 0)
+    session = runner.sessions()[0]
+    mx.eval([a for c in session.state.values() for a in c.arrays()])
+    gc.collect()
+    base, held = mx.get_active_memory(), session.nbytes
+    logits = runner.verify(None, [7, 5, 9, 17, 33], len(PROMPT))
+    runner.accept(None, len(PROMPT), keep)
+    mx.eval(logits, [a for c in session.state.values() for a in c.arrays()])
+    del logits
+    gc.collect()
+    assert mx.get_active_memory() - base <= session.nbytes - held + session.state["gdn"].nbytes
