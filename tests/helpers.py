@@ -76,6 +76,36 @@ def batched_greedy(runner: Runner, prompts: Sequence[Sequence[int]], steps: int)
     return out
 
 
+def group_forward(runner: Runner) -> tuple[mx.array, dict[str, list[mx.array]]]:
+    """A prefill group: three rows holding 9, 20 and 31 tokens each take 11
+    more in one batched forward (*runner* has 3 free session slots). Its
+    logits and every merged state array."""
+    sessions, held = [], [9, 20, 31]
+    for r, n in enumerate(held):
+        session = runner.checkout()
+        runner.feed(session, [3 + (5 * i + r) % 80 for i in range(n)], 0)
+        sessions.append(session)
+    state = runner.merge_states(sessions)
+    for component in state.values():
+        component.prepare(11)
+    tokens = mx.array([[4 + (3 * i + r) % 70 for i in range(11)] for r in range(3)])
+    logits = runner.forward_batch(tokens, held, state)
+    return logits, {n: c.arrays() for n, c in state.items()}
+
+
+def verify_and_cut(
+    runner: Runner, prompt: Sequence[int], tokens: Sequence[int], keep: int
+) -> tuple[mx.array, mx.array, dict[str, list[mx.array]]]:
+    """*prompt* prefilled, then one verify pass of *tokens* cut to its first
+    *keep*: the pass's logits, the next step's, and every state array after."""
+    runner.prefill_chunk(list(prompt), 0)
+    logits = runner.verify(None, list(tokens), len(prompt))
+    runner.accept(None, len(prompt), keep)
+    after = runner.produce(40, runner.position)
+    state = runner.sessions()[0].state
+    return logits, after, {n: c.arrays() for n, c in state.items()}
+
+
 def assert_states_close(
     got: dict[str, list[mx.array]], want: dict[str, list[mx.array]], atol: float
 ) -> None:

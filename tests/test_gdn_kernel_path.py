@@ -20,7 +20,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import GDN_DIMS, assert_states_close, batched_greedy, gdn_inputs, gdn_reference
+from helpers import (
+    GDN_DIMS,
+    assert_states_close,
+    batched_greedy,
+    gdn_inputs,
+    gdn_reference,
+    group_forward,
+    verify_and_cut,
+)
 from turbospark.draft import ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
 from turbospark.layers import gdn_cuda
@@ -84,12 +92,7 @@ def test_a_verify_pass_and_its_cut_equal_the_reference_forms(
     runs = []
     for kernel in (False, True):
         _forms(monkeypatch, kernel)
-        runner = _open(install)
-        runner.prefill_chunk(PROMPT, 0)
-        logits = runner.verify(None, [7, 5, 9, 17, 33], len(PROMPT))
-        runner.accept(None, len(PROMPT), keep)
-        after = runner.produce(40, runner.position)
-        runs.append((logits, after, _states(runner)))
+        runs.append(verify_and_cut(_open(install), PROMPT, [7, 5, 9, 17, 33], keep))
     (ref_logits, ref_after, ref_state), (got_logits, got_after, got_state) = runs
     _close(got_logits, ref_logits, "verify logits")
     _close(got_after, ref_after, "the step after the cut")
@@ -121,19 +124,9 @@ def test_a_batched_group_and_batched_decode_equal_the_reference_forms(
     runs = []
     for kernel in (False, True):
         _forms(monkeypatch, kernel)
-        runner = _open(qwen_gdn_install, slots=4)
-        sessions = []
-        for r, n in enumerate([9, 20, 31]):
-            session = runner.checkout()
-            runner.feed(session, [3 + (5 * i + r) % 80 for i in range(n)], 0)
-            sessions.append(session)
-        state = runner.merge_states(sessions)
-        for component in state.values():
-            component.prepare(11)
-        tokens = mx.array([[4 + (3 * i + r) % 70 for i in range(11)] for r in range(3)])
-        group = runner.forward_batch(tokens, [9, 20, 31], state)
+        group, state = group_forward(_open(qwen_gdn_install, slots=4))
         steps = batched_greedy(_open(qwen_gdn_install, slots=4), prompts, 4)
-        runs.append((group, {n: c.arrays() for n, c in state.items()}, steps))
+        runs.append((group, state, steps))
     (ref_group, ref_state, ref_steps), (got_group, got_state, got_steps) = runs
     _close(got_group, ref_group, "the group's logits")
     assert_states_close(got_state, ref_state, ATOL)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import assert_states_close
+from helpers import assert_states_close, group_forward
 from turbospark import build_synthetic_install
 from turbospark.layers import fused
 from turbospark.runner import Runner
@@ -80,17 +80,7 @@ def test_batched_prefill_in_gpu_forms_equals_the_cpu_forms(
     for gpu in (False, True):
         monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
         runner = Runner.open(install, context_length=256, dtype="float32", session_slots=4)
-        sessions, held = [], [9, 20, 31]
-        for r, n in enumerate(held):
-            session = runner.checkout()
-            runner.feed(session, [3 + (5 * i + r) % 80 for i in range(n)], 0)
-            sessions.append(session)
-        state = runner.merge_states(sessions)
-        for component in state.values():
-            component.prepare(11)
-        tokens = mx.array([[4 + (3 * i + r) % 70 for i in range(11)] for r in range(3)])
-        logits = runner.forward_batch(tokens, held, state)
-        runs.append((logits, {n: c.arrays() for n, c in state.items()}))
+        runs.append(group_forward(runner))
     (cpu_logits, cpu_state), (gpu_logits, gpu_state) = runs
     _close(gpu_logits, cpu_logits, "the group's logits")
     assert_states_close(gpu_state, cpu_state, ATOL)

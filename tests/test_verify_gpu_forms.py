@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import assert_states_close, batched_greedy
+from helpers import assert_states_close, batched_greedy, verify_and_cut
 from turbospark.draft import ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
 from turbospark.layers import fused
@@ -55,13 +55,7 @@ def test_a_verify_pass_in_gpu_forms_equals_the_cpu_forms(
     runs = []
     for gpu in (False, True):
         monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu)
-        runner = _open(install)
-        runner.prefill_chunk(PROMPT, 0)
-        logits = runner.verify(None, tokens, len(PROMPT))
-        runner.accept(None, len(PROMPT), keep)
-        after = runner.produce(40, runner.position)
-        state = runner.sessions()[0].state
-        runs.append((logits, after, {n: c.arrays() for n, c in state.items()}))
+        runs.append(verify_and_cut(_open(install), PROMPT, tokens, keep))
     (cpu_logits, cpu_after, cpu_state), (gpu_logits, gpu_after, gpu_state) = runs
     _close(gpu_logits, cpu_logits, "verify logits")
     _close(gpu_after, cpu_after, "the step after the cut")
