@@ -629,7 +629,8 @@ class GatedDeltaNet(nn.Module):
         With *residual*, returns ``residual`` plus the output, the add made by
         ``out_proj``'s GEMM (:func:`~turbospark.layers.stacked.project`).
 
-        Everything is :func:`mix`, compiled for decode (``L = 1``)."""
+        Everything is :func:`mix` (on CUDA :func:`mix_kernel`), compiled for
+        decode (``L = 1``) and a lone row's short forward."""
         d = self.dims
         batch, length, _ = x.shape
         tail, recurrent = state.layer(index)
