@@ -11,6 +11,7 @@ import numpy as np
 
 from turbospark import MropePositions, Runner
 from turbospark.layers.gated_delta import gated_delta_step, log_decay, normalize_qk_heads
+from turbospark.state import State
 
 
 def feed(runner: Runner, tokens: Sequence[int]) -> mx.array:
@@ -76,6 +77,12 @@ def batched_greedy(runner: Runner, prompts: Sequence[Sequence[int]], steps: int)
     return out
 
 
+def state_arrays(state: State) -> dict[str, list[mx.array]]:
+    """Every component's arrays, ``{name: component.arrays()}``, as
+    :func:`assert_states_close` compares them."""
+    return {n: c.arrays() for n, c in state.items()}
+
+
 def group_forward(runner: Runner) -> tuple[mx.array, dict[str, list[mx.array]]]:
     """A prefill group: three rows holding 9, 20 and 31 tokens each take 11
     more in one batched forward (*runner* has 3 free session slots). Its
@@ -90,7 +97,7 @@ def group_forward(runner: Runner) -> tuple[mx.array, dict[str, list[mx.array]]]:
         component.prepare(11)
     tokens = mx.array([[4 + (3 * i + r) % 70 for i in range(11)] for r in range(3)])
     logits = runner.forward_batch(tokens, held, state)
-    return logits, {n: c.arrays() for n, c in state.items()}
+    return logits, state_arrays(state)
 
 
 def verify_and_cut(
@@ -102,8 +109,7 @@ def verify_and_cut(
     logits = runner.verify(None, list(tokens), len(prompt))
     runner.accept(None, len(prompt), keep)
     after = runner.produce(40, runner.position)
-    state = runner.sessions()[0].state
-    return logits, after, {n: c.arrays() for n, c in state.items()}
+    return logits, after, state_arrays(runner.sessions()[0].state)
 
 
 def assert_states_close(

@@ -15,23 +15,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import GDN_DIMS as DIMS
-from helpers import gdn_inputs as _inputs
-from helpers import gdn_reference as _reference
+from helpers import GDN_DIMS, gdn_inputs, gdn_reference
 from turbospark.layers import gdn_cuda
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
 
-@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("dims", GDN_DIMS)
 @pytest.mark.parametrize(("batch", "length"), [(1, 1), (3, 1), (1, 5), (2, 70)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_kernel_equals_the_reference_recurrence(
     dims: tuple[int, int, int, int], batch: int, length: int, dtype: mx.Dtype
 ) -> None:
     mx.set_default_device(mx.gpu)
-    mixed, proj, rate, state, a_offset = _inputs(batch, length, dims, dtype, seed=length)
-    want_y, want_states = _reference(mixed, proj, rate, state, dims, a_offset)
+    mixed, proj, rate, state, a_offset = gdn_inputs(batch, length, dims, dtype, seed=length)
+    want_y, want_states = gdn_reference(mixed, proj, rate, state, dims, a_offset)
     y, last = gdn_cuda.gated_delta(mixed, proj, rate, state, *dims, a_offset)
     y_kept, last_kept, kept = gdn_cuda.gated_delta(
         mixed, proj, rate, state, *dims, a_offset, keep=True
@@ -54,8 +52,8 @@ def test_a_row_is_the_same_alone_and_batched_and_chunked() -> None:
     pieces equals it in one, bit for bit: the kernel rounds each token the same
     way whatever else is in the call."""
     mx.set_default_device(mx.gpu)
-    dims = DIMS[-1]
-    mixed, proj, rate, state, a_offset = _inputs(3, 9, dims, mx.bfloat16, seed=7)
+    dims = GDN_DIMS[-1]
+    mixed, proj, rate, state, a_offset = gdn_inputs(3, 9, dims, mx.bfloat16, seed=7)
     y, last = gdn_cuda.gated_delta(mixed, proj, rate, state, *dims, a_offset)
     alone_y, alone = gdn_cuda.gated_delta(mixed[1:2], proj[1:2], rate, state[1:2], *dims, a_offset)
     assert mx.array_equal(alone_y, y[1:2]) and mx.array_equal(alone, last[1:2])

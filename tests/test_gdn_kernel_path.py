@@ -27,6 +27,7 @@ from helpers import (
     gdn_inputs,
     gdn_reference,
     group_forward,
+    state_arrays,
     verify_and_cut,
 )
 from turbospark.draft import ReplayDrafter
@@ -60,10 +61,6 @@ def _close(a: mx.array, b: mx.array, what: str) -> None:
     np.testing.assert_allclose(np.array(a), np.array(b), atol=ATOL, rtol=ATOL, err_msg=what)
 
 
-def _states(runner: Runner) -> dict[str, list[mx.array]]:
-    return {n: c.arrays() for n, c in runner.sessions()[0].state.items()}
-
-
 def test_chunks_and_steps_equal_the_reference_forms(
     install: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,7 +73,7 @@ def test_chunks_and_steps_equal_the_reference_forms(
         logits = [runner.prefill_chunk(PROMPT[s : s + 13], s) for s in (0, 13)]
         logits.append(runner.prefill_chunk(PROMPT[26:], 26))
         logits += [runner.produce(5 + i, len(PROMPT) + i) for i in range(3)]
-        runs.append((logits, _states(runner)))
+        runs.append((logits, state_arrays(runner.sessions()[0].state)))
     (ref_logits, ref_state), (got_logits, got_state) = runs
     for i, (a, b) in enumerate(zip(got_logits, ref_logits, strict=True)):
         _close(a, b, f"forward {i}'s logits")

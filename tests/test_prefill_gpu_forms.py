@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import assert_states_close, group_forward
+from helpers import assert_states_close, group_forward, state_arrays
 from turbospark import build_synthetic_install
 from turbospark.layers import fused
 from turbospark.runner import Runner
@@ -62,7 +62,7 @@ def test_chunked_prefill_in_gpu_forms_equals_the_cpu_forms(
         logits = [runner.prefill_chunk(prompt[s : s + 13], s) for s in range(0, 43, 13)]
         logits.append(runner.prefill_chunk(prompt[52:], 52))
         state = runner.sessions()[0].state
-        runs.append((logits, {n: c.arrays() for n, c in state.items()}))
+        runs.append((logits, state_arrays(state)))
     (cpu_logits, cpu_state), (gpu_logits, gpu_state) = runs
     for i, (a, b) in enumerate(zip(gpu_logits, cpu_logits, strict=True)):
         _close(a, b, f"chunk {i}'s logits")
