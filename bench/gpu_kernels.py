@@ -74,6 +74,27 @@ def install_stand_ins() -> None:
     # MLX's CUDA backend takes the one-kernel gated delta rule (gdn_cuda): so does the count.
     gdn_cuda.available = lambda: gdn_cuda.ENABLED
     gdn_cuda.gated_delta = _gated_delta_stand_in
+    # And the one-kernel residual joins with their norms (norm_cuda).
+    from turbospark.layers import norm_cuda
+
+    norm_cuda.available = lambda: norm_cuda.ENABLED
+    norm_cuda.join_norm = _join_norm_stand_in
+
+
+def _join_norm_stand_in(
+    h: mx.array,
+    update: mx.array,
+    weight: mx.array | None,
+    eps: float,
+    update_weight: mx.array | None = None,
+    scale: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """One kernel, as :func:`turbospark.layers.norm_cuda.join_norm` is: a Scan
+    over the update, both outputs. *h* is the stream some earlier kernel made
+    (the embeddings' scale or an earlier join, whose other outputs are read
+    anyway) and the rest are leaves, so leaving them out drops no kernel."""
+    out = mx.cumsum(update, axis=-1)
+    return out, None if weight is None else out
 
 
 def _gated_delta_stand_in(

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
+from turbospark.layers import norm_cuda
 from turbospark.layers.attention import (
     cached_attention,
     merge_heads,
@@ -40,6 +41,7 @@ from turbospark.layers.attention import (
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import geglu, residual_scale, runs_compiled, softcap
 from turbospark.layers.mlp import GatedMLP
+from turbospark.layers.norm_cuda import Unjoined
 from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.layers.stacked import project, stacked, transposed
 from turbospark.sharding import kv_copies, require_divisible, shard_attention, shard_mlp
@@ -567,18 +569,22 @@ class DecoderLayer(nn.Module):
 
     def __call__(
         self,
-        h: mx.array,
+        h: mx.array | Unjoined,
         start: int | mx.array,
         kv: LayerKV | BatchLayerKV | None,
         shared: Attended | None,
         per_layer_input: mx.array | None,
         join: Join | None = None,
-    ) -> tuple[mx.array, Attended]:
+    ) -> tuple[mx.array | Unjoined, Attended]:
         """The layer's output and what it attended; with *join* (steering, see
-        :func:`turbospark.steering.joiner`) the last residual join is handed to it."""
+        :func:`turbospark.steering.joiner`) the last residual join is handed to it.
+        *h* may come unjoined (:class:`~turbospark.layers.norm_cuda.Unjoined`):
+        the input norm then makes the last layer's join in the same kernel. On
+        MLX's CUDA backend an unsteered dense layer makes each join with the
+        norms beside it (:func:`dense_joins`) and hands its last one on that way."""
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
-        normed = mx.fast.rms_norm(h, self["input_layernorm"]["weight"], self.eps)
+        h, normed = norm_cuda.normed_input(h, self["input_layernorm"]["weight"], self.eps)
         attn, attended = self["self_attn"](normed, start, kv, shared)
         ple = self._ple_weights()
         mlp = self["mlp"]
@@ -610,6 +616,11 @@ class DecoderLayer(nn.Module):
             self["post_feedforward_layernorm"]["weight"],
         )
         compiled = runs_compiled(*h.shape[:2])
+        if join is None and norm_cuda.available():
+            joins = dense_joins_step if compiled else dense_joins
+            h, update = joins(h, attn, per_layer_input, weights, ple, self.eps)
+            last = self["post_feedforward_layernorm"]["weight"] if ple is None else ple[2]
+            return Unjoined(h, update, last, self["layer_scalar"], self.eps), attended
         if join is None:
             tail = dense_tail_step if compiled else dense_tail
             return tail(
@@ -697,6 +708,34 @@ def dense_tail(
 # verify pass); other prefill lengths vary, so they run it uncompiled
 # (turbospark.layers.fused.runs_compiled).
 dense_tail_step = mx.compile(dense_tail)
+
+
+def dense_joins(
+    h: mx.array,
+    attn: mx.array,
+    per_layer_input: mx.array | None,
+    weights: tuple[mx.array, ...],
+    ple: PleWeights | None,
+    eps: float,
+) -> tuple[mx.array, mx.array]:
+    """:func:`dense_tail_parts` with every residual join made in one kernel
+    with the norms beside it (:func:`~turbospark.layers.norm_cuda.join_norm`):
+    ``(h, update)``, where the layer's output is ``(h + rms_norm(update, w)) *
+    layer_scalar``, ``w`` the per-layer input block's norm weight (else the
+    feed-forward's post norm), which the next norm joins."""
+    post_attn, pre_ff, gate_up_t, down_t, post_ff = weights
+    h, x = norm_cuda.join_norm(h, attn, pre_ff, eps, update_weight=post_attn)
+    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
+    ff = geglu(gate, up) @ down_t
+    if ple is None:
+        return h, ff
+    gate_t, proj_t, _ = ple
+    h, _ = norm_cuda.join_norm(h, ff, None, eps, update_weight=post_ff)
+    return h, geglu(h @ gate_t, per_layer_input) @ proj_t
+
+
+# Traced as dense_tail_step is.
+dense_joins_step = mx.compile(dense_joins)
 
 
 @partial(mx.compile, shapeless=True)
@@ -791,7 +830,7 @@ class Gemma4TextModel(nn.Module):
                 # The first KV-shared layer: every later one is shared too (they form
                 # the tail), so from here on only the last token is ever read.
                 skip = h.shape[1] - 1
-                h, start = h[:, -1:], start + skip
+                h, start = h.last() if isinstance(h, Unjoined) else h[:, -1:], start + skip
                 per_layer = None if per_layer is None else per_layer[:, -1:]
                 attended = [None if a is None else _last_query(a) for a in attended]
             kv = state[slot[0]][slot[1]] if slot else None
@@ -801,7 +840,7 @@ class Gemma4TextModel(nn.Module):
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:
             state[spec.name].advance(tokens.shape[1])
-        return self.norm(h)
+        return norm_cuda.normed_input(h, self["norm"]["weight"], self.arch.rms_norm_eps)[1]
 
 
 class Gemma4(nn.Module):

@@ -33,10 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
+from turbospark.layers import norm_cuda
 from turbospark.layers.attention import cached_attention, heads_first, merge_heads, normed_heads
 from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
 from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
 from turbospark.layers.mlp import GatedMLP
+from turbospark.layers.norm_cuda import Unjoined
 from turbospark.layers.stacked import derived, gemm_add, project, stacked, transposed
 from turbospark.sharding import (
     kv_copies,
@@ -377,39 +379,66 @@ class DecoderLayer(nn.Module):
 
     def __call__(
         self,
-        x: mx.array,
+        x: mx.array | Unjoined,
         kv: KVComponent | BatchKV,
         gdn: GDNComponent,
         rope: QwenRope,
         offset: int | mx.array,
         positions: mx.array | None,
         join: Join | None = None,
-    ) -> mx.array:
+    ) -> mx.array | Unjoined:
         """The layer's output; with *join* (steering, see
-        :func:`turbospark.steering.joiner`) its last residual add is handed to it."""
+        :func:`turbospark.steering.joiner`) its last residual add is handed to it.
+        *x* may come unjoined (:class:`~turbospark.layers.norm_cuda.Unjoined`):
+        the input norm then makes the last layer's join in the same kernel. On
+        MLX's CUDA backend an unsteered layer hands its own last join on that way,
+        and makes the one after its mixer with the MLP's norm
+        (:func:`~turbospark.layers.norm_cuda.join_norm`): a residual add is no
+        kernel of its own."""
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
         norm = self["input_layernorm"]
-        normed = mx.fast.rms_norm(x, norm["weight"], norm.eps)
-        # The residual stream after the mixer, added by its output projection's GEMM.
-        if self.is_linear:
-            h = self["linear_attn"](normed, gdn, self.slot, residual=x)
-        else:
-            h = self["self_attn"](normed, kv[self.slot], rope, offset, positions, residual=x)
+        x, normed = norm_cuda.normed_input(x, norm["weight"], norm.eps)
         mlp = self["mlp"]
         gate_up = stacked(mlp, ("gate_proj", "up_proj"))
         down = mlp["down_proj"]
-        if gate_up is None or not isinstance(down, nn.Linear):
+        whole = gate_up is not None and isinstance(down, nn.Linear)  # else sharded
+        joins = whole and join is None and norm_cuda.available()
+        # Else the residual stream after the mixer, added by its output projection's GEMM.
+        residual = None if joins else x
+        if self.is_linear:
+            h = self["linear_attn"](normed, gdn, self.slot, residual=residual)
+        else:
+            h = self["self_attn"](normed, kv[self.slot], rope, offset, positions, residual=residual)
+        if not whole:
             # Sharded: the modules sum the ranks' parts.
             update = mlp(self.post_attention_layernorm(h))
             return h + update if join is None else join(h, update, None)
         norm = self["post_attention_layernorm"]
+        compiled = runs_compiled(*normed.shape[:2])
+        if joins:
+            h, y = norm_cuda.join_norm(x, h, norm["weight"], norm.eps)
+            update = (mlp_update_step if compiled else mlp_update)(
+                y, gate_up.weight_t, transposed(down)
+            )
+            return Unjoined(h, update)
         args = (h, norm["weight"], gate_up.weight_t, transposed(down), norm.eps)
-        compiled = runs_compiled(*x.shape[:2])
         if join is None:
             return (mlp_tail_step if compiled else mlp_tail)(*args)
         # Steered: the steering traces into the compiled tail (one call, as unsteered).
         return join.fold(mlp_tail_parts, args, None, compiled)
+
+
+def mlp_update(y: mx.array, gate_up_t: mx.array, down_t: mx.array) -> mx.array:
+    """The MLP's update from its normed input *y*: the SwiGLU activation and
+    the down projection (the join and the norm are
+    :func:`~turbospark.layers.norm_cuda.join_norm`'s)."""
+    gate, up = mx.split(y @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
+    return swiglu(gate, up) @ down_t
+
+
+# Traced once per batch size and short lone-row length, as mlp_tail_step.
+mlp_update_step = mx.compile(mlp_update)
 
 
 def mlp_inner(h: mx.array, norm_w: mx.array, gate_up_t: mx.array, eps: float) -> mx.array:
@@ -515,7 +544,8 @@ class QwenGdn(nn.Module):
             h = layer(h, kv, gdn, self._rope, offset, positions, joiner(steer, i))
         kv.advance(length)
         gdn.advance(length)
-        return self.model.norm(h)
+        norm = self.model.norm
+        return norm_cuda.normed_input(h, norm["weight"], norm.eps)[1]
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallelism across *group* (:mod:`turbospark.sharding`): full

@@ -1,0 +1,230 @@
+"""A residual join and the RMS norms on either side of it as one CUDA kernel.
+
+A decode step on a GPU is bound by its launches, and most of a layer's
+launches that are not matmuls are RMS norms and the residual adds between
+them: an add is an op of its own wherever a norm (a reduction, which
+``mx.compile`` does not fuse) stands on either side of it. A Gemma layer's
+``h + post_norm(attn)`` then ``pre_norm(h)`` is three kernels, a Qwen
+layer's ``x + o_proj(...)`` then ``post_norm(h)`` two, and each layer's last
+join meets the next layer's input norm the same way. Here one block owns one
+row and does all of it:
+
+    u = rms_norm(update, update_weight)   (when update_weight is given)
+    s = (h + u) * scale                   (scale when given)
+    y = rms_norm(s, weight)               (when weight is given)
+
+returning ``(s, y)``. Each step rounds to the activations' dtype where the ops
+do (``mx.fast.rms_norm`` casts the normalised row before the weight's
+multiply, a compiled ``(h + u) * scale`` rounds the sum), so the kernel
+differs from its ops only in the order of a row's float32 sum of squares.
+
+:class:`Unjoined` carries a layer's output as ``h`` and the update not yet
+added, so that the next layer's input norm (or the final norm) joins it in
+its own kernel. :func:`join_norm_ops` is the contract in MLX ops: what runs
+everywhere else, and the CPU tests' stand-in for the kernel
+(``tests/test_norm_kernel_path.py``; ``tests/test_norm_cuda.py`` checks the
+kernel against it on a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from turbospark.layers import fused
+
+# TURBOSPARK_NORM_KERNEL=0 keeps the ops forms on CUDA too (the benchmarks'
+# A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
+ENABLED = os.environ.get("TURBOSPARK_NORM_KERNEL", "1") != "0"
+
+
+class Unjoined(NamedTuple):
+    """A layer's output before its last residual join: the stream is
+    ``(h + rms_norm(update, update_weight)) * scale`` (each part only when
+    given), left for the next norm to compute in the same kernel."""
+
+    h: mx.array
+    update: mx.array
+    update_weight: mx.array | None = None
+    scale: mx.array | None = None
+    eps: float = 0.0  # update_weight's norm's
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.h.shape
+
+    def last(self) -> Unjoined:
+        """The last token's row of every part (a join is per token)."""
+        return self._replace(h=self.h[:, -1:], update=self.update[:, -1:])
+
+
+def available() -> bool:
+    """True where the families take this kernel: MLX's CUDA backend is the
+    default device and the step takes a GPU's forms
+    (:func:`~turbospark.layers.fused.builds_for_gpu`; tests turn those off on
+    a GPU to compare against the reference forms)."""
+    return (
+        ENABLED
+        and fused.builds_for_gpu()
+        and mx.default_device() == mx.gpu
+        and mx.cuda.is_available()
+    )
+
+
+_HEADER = """
+template <int BLOCK>
+__device__ inline float block_sum(float value, float* scratch) {
+    for (int offset = 16; offset > 0; offset >>= 1)
+        value += __shfl_xor_sync(0xffffffff, value, offset);
+    if constexpr (BLOCK > 32) {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        __syncthreads();  // scratch may still hold the last sum's partials
+        if (lane == 0) scratch[warp] = value;
+        __syncthreads();
+        value = lane < BLOCK / 32 ? scratch[lane] : 0.0f;
+        for (int offset = 16; offset > 0; offset >>= 1)
+            value += __shfl_xor_sync(0xffffffff, value, offset);
+    }
+    return value;
+}
+"""
+
+# One block a row of H; every thread holds PER of the row's values in registers.
+# T is the activations' dtype, which every input shares (join_norm checks). The
+# parts in braces are spliced in only for the kernels that have those inputs.
+_SOURCE = """
+    constexpr int PER = (H + BLOCK - 1) / BLOCK;
+    __shared__ float scratch[BLOCK / 32];
+    const size_t base = static_cast<size_t>(blockIdx.x) * H;
+    const int tid = threadIdx.x;
+    float u[PER];
+    for (int i = 0; i < PER; ++i) {
+        const int j = tid + BLOCK * i;
+        u[i] = j < H ? static_cast<float>(update[base + j]) : 0.0f;
+    }
+    {NORM_UPDATE}
+    for (int i = 0; i < PER; ++i) {
+        const int j = tid + BLOCK * i;
+        if (j >= H) continue;
+        T s = static_cast<T>(static_cast<float>(h[base + j]) + u[i]);
+        {SCALE}
+        joined[base + j] = s;
+        u[i] = static_cast<float>(s);
+    }
+    {NORM_JOINED}
+"""
+_NORM_UPDATE = """{
+        float squares = 0.0f;
+        for (int i = 0; i < PER; ++i) squares += u[i] * u[i];
+        const float inv = rsqrtf(block_sum<BLOCK>(squares, scratch) / H + EPS);
+        for (int i = 0; i < PER; ++i) {
+            const int j = tid + BLOCK * i;
+            if (j < H) u[i] = static_cast<float>(update_weight[j] * static_cast<T>(u[i] * inv));
+        }
+    }"""
+_SCALE = "s = s * scale[0];"
+_NORM_JOINED = """{
+        float squares = 0.0f;
+        for (int i = 0; i < PER; ++i) squares += u[i] * u[i];
+        const float inv = rsqrtf(block_sum<BLOCK>(squares, scratch) / H + EPS);
+        for (int i = 0; i < PER; ++i) {
+            const int j = tid + BLOCK * i;
+            if (j < H) normed[base + j] = weight[j] * static_cast<T>(u[i] * inv);
+        }
+    }"""
+
+
+def source(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> str:
+    """The kernel body for one set of inputs (``eps`` a literal of it)."""
+    return f"    constexpr float EPS = {eps!r}f;\n" + (
+        _SOURCE.replace("{NORM_UPDATE}", _NORM_UPDATE if has_uw else "")
+        .replace("{SCALE}", _SCALE if has_scale else "")
+        .replace("{NORM_JOINED}", _NORM_JOINED if has_w else "")
+    )
+
+
+def _block(width: int) -> int:
+    """Threads a row: about eight values each, a warp at least, 1,024 at most."""
+    threads = 32
+    while threads < 1024 and threads * 8 < width:
+        threads *= 2
+    return threads
+
+
+@functools.cache
+def _kernel(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> object:
+    # eps is a literal of the source, so it is in the name too: MLX caches a
+    # kernel by its name and template only.
+    flags = f"{int(has_uw)}{int(has_scale)}{int(has_w)}"
+    inputs = ["h", "update"] + ["update_weight"] * has_uw + ["scale"] * has_scale
+    return mx.fast.cuda_kernel(
+        name=f"turbospark_join_norm_{flags}_{eps!r}".replace(".", "p").replace("-", "m"),
+        input_names=[*inputs, *["weight"] * has_w],
+        output_names=["joined", "normed"] if has_w else ["joined"],
+        source=source(has_uw, has_scale, has_w, eps),
+        header=_HEADER,
+    )
+
+
+def join_norm_ops(
+    h: mx.array,
+    update: mx.array,
+    weight: mx.array | None,
+    eps: float,
+    update_weight: mx.array | None = None,
+    scale: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """The kernel's contract in MLX ops (the module docstring): the joined
+    stream and, with *weight*, its RMS norm (else None)."""
+    if update_weight is not None:
+        update = mx.fast.rms_norm(update, update_weight, eps)
+    joined = h + update if scale is None else fused.residual_scale(h, update, scale)
+    return joined, None if weight is None else mx.fast.rms_norm(joined, weight, eps)
+
+
+def join_norm(
+    h: mx.array,
+    update: mx.array,
+    weight: mx.array | None,
+    eps: float,
+    update_weight: mx.array | None = None,
+    scale: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """:func:`join_norm_ops` in one kernel where :func:`available` (every
+    array of the activations' dtype), else in its ops."""
+    parts = [x for x in (update_weight, scale, weight) if x is not None]
+    if not available() or any(x.dtype != h.dtype for x in (update, *parts)):
+        return join_norm_ops(h, update, weight, eps, update_weight, scale)
+    width = h.shape[-1]
+    block = _block(width)
+    outs = _kernel(update_weight is not None, scale is not None, weight is not None, eps)(
+        inputs=[h, update, *parts],
+        # The dtype is in the kernel's name (its cache key), not only in its signature.
+        template=[("H", width), ("BLOCK", block), ("T", h.dtype)],
+        grid=(h.size // width * block, 1, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[h.shape] * (1 + (weight is not None)),
+        output_dtypes=[h.dtype] * (1 + (weight is not None)),
+    )
+    return outs[0], outs[1] if weight is not None else None
+
+
+def normed_input(x: mx.array | Unjoined, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """A layer's input stream (or the final norm's) and its RMS norm: a plain
+    ``mx.fast.rms_norm`` of a joined stream, or for an :class:`Unjoined` one,
+    the join and the norm in one :func:`join_norm`."""
+    if isinstance(x, Unjoined):
+        if x.update_weight is not None and x.eps != eps:
+            raise ValueError(f"one kernel has one eps: the update's {x.eps}, the norm's {eps}")
+        return join_norm(x.h, x.update, weight, eps, x.update_weight, x.scale)
+    return x, mx.fast.rms_norm(x, weight, eps)
+
+
+def joined(x: mx.array | Unjoined) -> mx.array:
+    """The stream itself (an :class:`Unjoined` one joined; no norm)."""
+    if isinstance(x, Unjoined):
+        return join_norm(x.h, x.update, None, x.eps, x.update_weight, x.scale)[0]
+    return x
