@@ -212,6 +212,43 @@ def join_norm(
     return outs[0], outs[1] if weight is not None else None
 
 
+def _join_norm_traced(
+    h: mx.array,
+    update: mx.array,
+    weight: mx.array | None,
+    eps: float,
+    update_weight: mx.array | None,
+    scale: mx.array | None,
+) -> tuple[mx.array, ...]:
+    # Only arrays leave a compiled function: the norm only when there is one.
+    joined, normed = join_norm(h, update, weight, eps, update_weight, scale)
+    return (joined,) if normed is None else (joined, normed)
+
+
+_join_norm_step = mx.compile(_join_norm_traced)
+
+
+def join_norm_step(
+    h: mx.array,
+    update: mx.array,
+    weight: mx.array | None,
+    eps: float,
+    update_weight: mx.array | None = None,
+    scale: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """:func:`join_norm` for a call outside the families' compiled step
+    functions: compiled itself for the forwards they compile
+    (:func:`~turbospark.layers.fused.runs_compiled`), since MLX builds a custom
+    kernel's whole source string on every call and a compiled trace replays
+    the kernel it built once (uncompiled, ``join_norm``'s own time was 67 ms
+    of the decode steps' 1,491 ms in a 16-client gemma4 ``server_step`` on the
+    H200; :func:`normed_input` called it outside any trace)."""
+    if not fused.runs_compiled(*h.shape[:2]):
+        return join_norm(h, update, weight, eps, update_weight, scale)
+    outs = _join_norm_step(h, update, weight, eps, update_weight, scale)
+    return outs[0], outs[1] if len(outs) == 2 else None
+
+
 def normed_input(x: mx.array | Unjoined, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
     """A layer's input stream (or the final norm's) and its RMS norm: a plain
     ``mx.fast.rms_norm`` of a joined stream, or for an :class:`Unjoined` one,
@@ -219,12 +256,5 @@ def normed_input(x: mx.array | Unjoined, weight: mx.array, eps: float) -> tuple[
     if isinstance(x, Unjoined):
         if x.update_weight is not None and x.eps != eps:
             raise ValueError(f"one kernel has one eps: the update's {x.eps}, the norm's {eps}")
-        return join_norm(x.h, x.update, weight, eps, x.update_weight, x.scale)
+        return join_norm_step(x.h, x.update, weight, eps, x.update_weight, x.scale)
     return x, mx.fast.rms_norm(x, weight, eps)
-
-
-def joined(x: mx.array | Unjoined) -> mx.array:
-    """The stream itself (an :class:`Unjoined` one joined; no norm)."""
-    if isinstance(x, Unjoined):
-        return join_norm(x.h, x.update, None, x.eps, x.update_weight, x.scale)[0]
-    return x

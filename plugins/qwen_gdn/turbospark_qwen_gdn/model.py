@@ -417,7 +417,7 @@ class DecoderLayer(nn.Module):
         norm = self["post_attention_layernorm"]
         compiled = runs_compiled(*normed.shape[:2])
         if joins:
-            h, y = norm_cuda.join_norm(x, h, norm["weight"], norm.eps)
+            h, y = norm_cuda.join_norm_step(x, h, norm["weight"], norm.eps)
             update = (mlp_update_step if compiled else mlp_update)(
                 y, gate_up.weight_t, transposed(down)
             )
