@@ -32,6 +32,14 @@ def builds_for_gpu() -> bool:
     return mx.default_device() == mx.gpu if BUILD_FOR_GPU is None else BUILD_FOR_GPU
 
 
+def takes_cuda_kernels(enabled: bool) -> bool:
+    """Whether the layers take their hand-written CUDA kernels (gdn_cuda,
+    norm_cuda), given that kernel's switch: MLX's CUDA backend is the default
+    device and the step takes a GPU's forms (:func:`builds_for_gpu`; tests turn
+    those off on a GPU to compare against the reference forms)."""
+    return enabled and builds_for_gpu() and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 def runs_compiled(batch: int, length: int) -> bool:
     """Whether a forward over ``(batch, length)`` tokens takes the families'
     compiled step functions (whole dense halves, the gated-DeltaNet mix), which

@@ -150,16 +150,8 @@ _KEEP = """
 
 
 def available() -> bool:
-    """True where the gated-DeltaNet layers take this kernel: MLX's CUDA backend
-    is the default device and the step takes a GPU's forms
-    (:func:`~turbospark.layers.fused.builds_for_gpu`; tests turn those off on
-    a GPU to compare against the reference forms)."""
-    return (
-        ENABLED
-        and fused.builds_for_gpu()
-        and mx.default_device() == mx.gpu
-        and mx.cuda.is_available()
-    )
+    """True where the gated-DeltaNet layers take this kernel (:func:`~turbospark.layers.fused.takes_cuda_kernels`)."""
+    return fused.takes_cuda_kernels(ENABLED)
 
 
 @functools.cache
