@@ -83,6 +83,17 @@ def state_arrays(state: State) -> dict[str, list[mx.array]]:
     return {n: c.arrays() for n, c in state.items()}
 
 
+def chunks_and_steps(
+    runner: Runner, prompt: Sequence[int]
+) -> tuple[list[mx.array], dict[str, list[mx.array]]]:
+    """*prompt* (at least 27 tokens) in uneven chunks (13, 13, the rest), then
+    three decode steps: every forward's logits and every state array after."""
+    logits = [runner.prefill_chunk(list(prompt[s : s + 13]), s) for s in (0, 13)]
+    logits.append(runner.prefill_chunk(list(prompt[26:]), 26))
+    logits += [runner.produce(5 + i, len(prompt) + i) for i in range(3)]
+    return logits, state_arrays(runner.sessions()[0].state)
+
+
 def group_forward(runner: Runner) -> tuple[mx.array, dict[str, list[mx.array]]]:
     """A prefill group: three rows holding 9, 20 and 31 tokens each take 11
     more in one batched forward (*runner* has 3 free session slots). Its

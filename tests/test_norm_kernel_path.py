@@ -21,7 +21,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import assert_states_close, batched_greedy, group_forward, state_arrays, verify_and_cut
+from helpers import (
+    assert_states_close,
+    batched_greedy,
+    chunks_and_steps,
+    group_forward,
+    verify_and_cut,
+)
 from turbospark import build_synthetic_install
 from turbospark.draft import ReplayDrafter
 from turbospark.generate import GenerationConfig, generate
@@ -73,11 +79,7 @@ def test_chunks_and_steps_equal_the_plain_forms(
     runs = []
     for kernel in (False, True):
         _forms(monkeypatch, kernel)
-        runner = _open(install)
-        logits = [runner.prefill_chunk(PROMPT[s : s + 13], s) for s in (0, 13)]
-        logits.append(runner.prefill_chunk(PROMPT[26:], 26))
-        logits += [runner.produce(5 + i, len(PROMPT) + i) for i in range(3)]
-        runs.append((logits, state_arrays(runner.sessions()[0].state)))
+        runs.append(chunks_and_steps(_open(install), PROMPT))
     (ref_logits, ref_state), (got_logits, got_state) = runs
     for i, (a, b) in enumerate(zip(got_logits, ref_logits, strict=True)):
         _close(a, b, f"forward {i}'s logits")

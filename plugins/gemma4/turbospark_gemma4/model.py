@@ -666,8 +666,7 @@ def layer_end_parts(
         return h, ff
     gate_t, proj_t, norm_w = ple
     h = h + ff
-    gate = geglu(h @ gate_t, per_layer_input)
-    return h, mx.fast.rms_norm(gate @ proj_t, norm_w, eps)
+    return h, mx.fast.rms_norm(ple_update(h, per_layer_input, gate_t, proj_t), norm_w, eps)
 
 
 def dense_tail_parts(
@@ -685,10 +684,22 @@ def dense_tail_parts(
     transposed, as leaf views (:mod:`turbospark.layers.stacked`)."""
     post_attn, pre_ff, gate_up_t, down_t, post_ff = weights
     h = h + mx.fast.rms_norm(attn, post_attn, eps)
-    x = mx.fast.rms_norm(h, pre_ff, eps)
-    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
-    ff = geglu(gate, up) @ down_t
+    ff = geglu_mlp(mx.fast.rms_norm(h, pre_ff, eps), gate_up_t, down_t)
     return layer_end_parts(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, eps)
+
+
+def geglu_mlp(x: mx.array, gate_up_t: mx.array, down_t: mx.array) -> mx.array:
+    """The dense MLP over its normed input: the stacked gate and up rows, GeGLU,
+    the down projection (weights transposed, as leaf views)."""
+    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
+    return geglu(gate, up) @ down_t
+
+
+def ple_update(
+    h: mx.array, per_layer_input: mx.array, gate_t: mx.array, proj_t: mx.array
+) -> mx.array:
+    """The per-layer input block's update from the stream *h*, before its norm."""
+    return geglu(h @ gate_t, per_layer_input) @ proj_t
 
 
 def dense_tail(
@@ -725,13 +736,12 @@ def dense_joins(
     feed-forward's post norm), which the next norm joins."""
     post_attn, pre_ff, gate_up_t, down_t, post_ff = weights
     h, x = norm_cuda.join_norm(h, attn, pre_ff, eps, update_weight=post_attn)
-    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
-    ff = geglu(gate, up) @ down_t
+    ff = geglu_mlp(x, gate_up_t, down_t)
     if ple is None:
         return h, ff
     gate_t, proj_t, _ = ple
     h, _ = norm_cuda.join_norm(h, ff, None, eps, update_weight=post_ff)
-    return h, geglu(h @ gate_t, per_layer_input) @ proj_t
+    return h, ple_update(h, per_layer_input, gate_t, proj_t)
 
 
 # Traced as dense_tail_step is.

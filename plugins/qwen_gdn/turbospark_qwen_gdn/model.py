@@ -433,8 +433,7 @@ def mlp_update(y: mx.array, gate_up_t: mx.array, down_t: mx.array) -> mx.array:
     """The MLP's update from its normed input *y*: the SwiGLU activation and
     the down projection (the join and the norm are
     :func:`~turbospark.layers.norm_cuda.join_norm`'s)."""
-    gate, up = mx.split(y @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
-    return swiglu(gate, up) @ down_t
+    return activation(y, gate_up_t) @ down_t
 
 
 # Traced once per batch size and short lone-row length, as mlp_tail_step.
@@ -447,7 +446,11 @@ def mlp_inner(h: mx.array, norm_w: mx.array, gate_up_t: mx.array, eps: float) ->
     Exactly the modules' ops (``nn.Linear`` is ``x @ w.T``), over arrays so it
     compiles; *gate_up_t* is the stacked gate then up rows' transpose, a leaf
     view (:mod:`turbospark.layers.stacked`)."""
-    y = mx.fast.rms_norm(h, norm_w, eps)
+    return activation(mx.fast.rms_norm(h, norm_w, eps), gate_up_t)
+
+
+def activation(y: mx.array, gate_up_t: mx.array) -> mx.array:
+    """The SwiGLU activation ``(B, L, inner)`` of the MLP's normed input *y*."""
     gate, up = mx.split(y @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
     return swiglu(gate, up)
 
