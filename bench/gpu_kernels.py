@@ -74,6 +74,7 @@ def install_stand_ins() -> None:
     # MLX's CUDA backend takes the one-kernel gated delta rule (gdn_cuda): so does the count.
     gdn_cuda.available = lambda: gdn_cuda.ENABLED
     gdn_cuda.gated_delta = _gated_delta_stand_in
+    gdn_cuda.decode_mixer = _decode_mixer_stand_in
     # And the one-kernel residual joins with their norms (norm_cuda).
     from turbospark.layers import norm_cuda
 
@@ -111,6 +112,25 @@ def _gated_delta_stand_in(
     every = (batch, length, value_heads, value_head_dim, key_head_dim)
     last = mx.broadcast_to(out[:, -1, :, :, None], (batch, *every[2:]))
     return (out, last, mx.broadcast_to(out[..., None], every)) if keep else (out, last)
+
+
+def _decode_mixer_stand_in(
+    proj: mx.array, tail: mx.array, conv_weight: mx.array, in_bias: mx.array, rate: mx.array,
+    state: mx.array, norm_weight: mx.array, key_heads: int, value_heads: int, key_head_dim: int,
+    value_head_dim: int, eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """One kernel, as :func:`turbospark.layers.gdn_cuda.decode_mixer` is: a Scan
+    over the projection (the GEMM before it) for the output, the state and the
+    tail broadcast views of it; the other inputs are leaves or earlier steps'
+    outputs, so leaving them out drops no kernel."""
+    batch = proj.shape[0]
+    out = mx.cumsum(proj[..., : value_heads * value_head_dim], axis=-1)  # (B, 1, Hv * Dv)
+    first = out[:, :, :1]
+    return (
+        out,
+        mx.broadcast_to(first[..., None], state.shape),
+        mx.broadcast_to(first, (batch, *tail.shape[1:])),
+    )
 
 
 def traced_pass(runner: Any, prompt: list[int], fed: int, census: bool = False) -> dict[str, Any]:

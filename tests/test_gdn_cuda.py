@@ -72,3 +72,62 @@ def test_available_follows_the_gpu_forms(monkeypatch: pytest.MonkeyPatch) -> Non
     assert gdn_cuda.available()
     monkeypatch.setattr(fused, "BUILD_FOR_GPU", False)
     assert not gdn_cuda.available()
+
+
+def _mixer_inputs(
+    batch: int, dims: tuple[int, int, int, int], dtype: mx.Dtype, seed: int
+) -> tuple[mx.array, ...]:
+    """Random ``(proj, tail, conv_weight, in_bias, rate, state, norm_weight)`` for
+    :func:`~turbospark.layers.gdn_cuda.decode_mixer` (a 4-tap conv)."""
+    hk, hv, dk, dv = dims
+    rng = np.random.default_rng(seed)
+    conv = 2 * hk * dk + hv * dv
+    width = conv + hv * dv + 2 * hv  # qkv | z | a | b
+    bias = np.zeros(width, np.float32)
+    bias[conv + hv * dv : conv + hv * dv + hv] = rng.standard_normal(hv)  # dt_bias at a's columns
+    return (
+        mx.array(rng.standard_normal((batch, 1, width)), dtype=dtype),
+        mx.array(rng.standard_normal((batch, 3, conv)), dtype=dtype),
+        mx.array(rng.standard_normal((conv, 4, 1)) * 0.5, dtype=dtype),
+        mx.array(bias, dtype=dtype),
+        mx.array(-np.exp(rng.standard_normal(hv) * 0.5), dtype=mx.float32),
+        mx.array(rng.standard_normal((batch, hv, dv, dk)) * 0.3, dtype=mx.float32),
+        mx.array(1 + 0.1 * rng.standard_normal(dv), dtype=mx.float32),
+    )
+
+
+@pytest.mark.parametrize("dims", GDN_DIMS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_decode_mixer_equals_its_ops(
+    dims: tuple[int, int, int, int], batch: int, dtype: mx.Dtype
+) -> None:
+    """The whole decode step between the GEMMs against its specification; the
+    new conv tail is a copy, so it is exact."""
+    mx.set_default_device(mx.gpu)
+    args = _mixer_inputs(batch, dims, dtype, seed=batch)
+    out, state, tail = gdn_cuda.decode_mixer(*args, *dims, 1e-6)
+    want_out, want_state, want_tail = gdn_cuda.decode_mixer_ops(*args, *dims, 1e-6)
+    assert out.dtype == dtype and out.shape == want_out.shape
+    assert mx.array_equal(tail, want_tail)
+    # Float32: only the order of sums differs. bf16: the conv's and the output's
+    # roundings are the ops', but a sum's last bit can move either across one.
+    tolerance = 2e-4 if dtype == mx.float32 else 4e-2
+    np.testing.assert_allclose(
+        np.array(state), np.array(want_state), rtol=tolerance, atol=tolerance
+    )
+    np.testing.assert_allclose(
+        np.array(out.astype(mx.float32)), np.array(want_out.astype(mx.float32)),
+        rtol=tolerance, atol=tolerance,
+    )  # fmt: skip
+
+
+def test_the_decode_mixer_rows_are_the_same_alone_and_batched() -> None:
+    mx.set_default_device(mx.gpu)
+    dims = GDN_DIMS[-1]
+    args = _mixer_inputs(3, dims, mx.bfloat16, seed=5)
+    batched = gdn_cuda.decode_mixer(*args, *dims, 1e-6)
+    row = [a[1:2] if i in (0, 1, 5) else a for i, a in enumerate(args)]
+    alone = gdn_cuda.decode_mixer(*row, *dims, 1e-6)
+    for got, want in zip(alone, batched, strict=True):
+        assert mx.array_equal(got, want[1:2])

@@ -2,10 +2,12 @@
 
 On MLX's CUDA backend a gated-DeltaNet layer hands its recurrence, q/k norm
 and gates to one kernel (:mod:`turbospark.layers.gdn_cuda`) for prefill
-chunks, batched groups, decode steps and verify passes alike, and a verify
-pass keeps every token's state from it. The CUDA source runs only on a GPU
-(``tests/test_gdn_cuda.py``); here the kernel is replaced by its specification
-in ops (:func:`~turbospark.layers.gdn_cuda.gated_delta_ops`), so everything
+chunks, batched groups and verify passes alike, and a verify pass keeps every
+token's state from it; a decode step hands it everything between its two GEMMs
+(the bias, the conv and its tail, the gated norm as well). The CUDA source runs
+only on a GPU (``tests/test_gdn_cuda.py``); here the kernels are replaced by
+their specifications in ops (:func:`~turbospark.layers.gdn_cuda.gated_delta_ops`,
+:func:`~turbospark.layers.gdn_cuda.decode_mixer_ops`), so everything
 around it (the slices it reads, the conv tail, the traced states a cut keeps,
 batching) is checked against the reference forms wherever the suite runs.
 Float32 on CPU.
@@ -51,6 +53,7 @@ def install(request: pytest.FixtureRequest) -> Path:
 def _forms(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
     monkeypatch.setattr(gdn_cuda, "available", lambda: kernel)
     monkeypatch.setattr(gdn_cuda, "gated_delta", gdn_cuda.gated_delta_ops)
+    monkeypatch.setattr(gdn_cuda, "decode_mixer", gdn_cuda.decode_mixer_ops)
 
 
 def _open(path: Path, slots: int = 1) -> Runner:
@@ -139,6 +142,37 @@ def test_the_ops_form_equals_the_reference_recurrence() -> None:
         _close(y, want_y, "outputs")
         _close(kept, want_states, "every token's state")
         assert mx.array_equal(last, kept[:, -1])
+
+
+def test_the_decode_mixers_ops_equal_the_reference_layer() -> None:
+    """:func:`~turbospark.layers.gdn_cuda.decode_mixer_ops` (what the decode
+    kernel is checked against on a GPU) against the layer's reference
+    :func:`~turbospark.layers.gated_delta.mix` for one token, rows batched."""
+    from turbospark.layers.gated_delta import input_bias, mix
+
+    rng = np.random.default_rng(4)
+    for hk, hv, dk, dv in GDN_DIMS[:2]:
+        conv, value_dim, hidden = 2 * hk * dk + hv * dv, hv * dv, 12
+        x = mx.array(rng.standard_normal((3, 1, hidden)), mx.float32)
+        in_proj_t = mx.array(rng.standard_normal((hidden, conv + value_dim + 2 * hv)) * 0.3)
+        tail = mx.array(rng.standard_normal((3, 3, conv)), mx.float32)
+        state = mx.array(rng.standard_normal((3, hv, dv, dk)) * 0.3, mx.float32)
+        weights = (
+            mx.array(rng.standard_normal((conv, 4, 1)) * 0.5, mx.float32),
+            mx.array(-np.exp(rng.standard_normal(hv) * 0.5), mx.float32),
+            input_bias(mx.array(rng.standard_normal(hv), mx.float32), in_proj_t.shape[1]),
+            mx.array(1 + 0.1 * rng.standard_normal(dv), mx.float32),
+        )
+        conv_w, rate, bias, norm_w = weights
+        dims = (hk, hv, dk, dv, 1e-6)
+        want = mix(x, in_proj_t, tail, state, conv_w, rate, bias, norm_w, *dims)
+        out, new_state, new_tail = gdn_cuda.decode_mixer_ops(
+            x @ in_proj_t, tail, conv_w, bias, rate, state, norm_w, *dims
+        )
+        for got, ref, what in zip(
+            (out, new_tail, new_state), want, ("output", "tail", "state"), strict=True
+        ):
+            _close(got, ref, what)
 
 
 @pytest.mark.parametrize("keep", [2, 5])

@@ -775,12 +775,20 @@ def mix_kernel(
     """:func:`mix` with the recurrence, the q/k norm and the gates as one CUDA
     kernel (:func:`turbospark.layers.gdn_cuda.gated_delta`), for any number
     of tokens: the input projection, the conv and its SiLU, the kernel, the
-    gated norm. Returns the ``(B, L, value_dim)`` output, the new conv tail
+    gated norm; a decode step (one token, not kept) is all one kernel after
+    the GEMM (:func:`turbospark.layers.gdn_cuda.decode_mixer`). Returns the
+    ``(B, L, value_dim)`` output, the new conv tail
     and the new state; with *keep* (a verify pass), the output, the conv's
     padded input ``(B, K - 1 + L, C)``, the state after the last token and
     after every token ``(B, L, Hv, Dv, Dk)``, which :func:`kept_layer` reads a
     layer's state from."""
     batch, length, _ = x.shape
+    if length == 1 and not keep:  # a decode step: all of it but the GEMMs in one kernel
+        out, recurrent, tail = gdn_cuda.decode_mixer(
+            x @ in_proj_t, tail, conv_weight, in_bias, rate, recurrent, norm_weight,
+            key_heads, value_heads, key_head_dim, value_head_dim, eps,
+        )  # fmt: skip
+        return out, tail, recurrent
     key_dim = key_heads * key_head_dim
     value_dim = value_heads * value_head_dim
     conv_dim = 2 * key_dim + value_dim

@@ -35,10 +35,17 @@ Each row is computed alone, so a row's outputs do not depend on the batch it
 runs in, and a prefill chunk, a decode step and a verify pass round the same
 token the same way: batched equals alone and chunked equals stepping, bit for bit.
 
+A decode step goes further (:func:`decode_mixer`): one block owns a row's
+whole value head, so besides the recurrence it adds the projection's bias,
+runs the causal conv over the conv tail and the new token (writing the new
+tail), and makes the gated norm over the head's outputs: everything between
+the layer's two GEMMs, where a step spent six launches besides the recurrence.
+
 :func:`gated_delta_ops` is the same contract in MLX ops, one token at a time:
 the stand-in through which the CPU's tests run the layers' kernel path
 (``tests/test_gdn_kernel_path.py``, which also checks it against the layer's
-reference pieces, as ``tests/test_gdn_cuda.py`` checks the kernel on a GPU).
+reference pieces, as ``tests/test_gdn_cuda.py`` checks the kernel on a GPU);
+:func:`decode_mixer_ops` is :func:`decode_mixer`'s.
 """
 
 from __future__ import annotations
@@ -205,6 +212,227 @@ def gated_delta(
             output_dtypes=[mx.float32] * len(shapes),
         )
     )
+
+
+# One decode step of the whole mixer between its two GEMMs, for a row's value
+# head per block (B * HV blocks; each of its warps owns ROWS rows of the head's
+# state). Inputs: proj (B, 1, W), the input projection without its bias: q | k |
+# v (the conv's input, CONV columns), then z at Z_OFF, a at A_OFF and b after it;
+# tail_in (B, KW - 1, CONV), the conv's last inputs, in proj's dtype; conv_w (CONV,
+# KW, 1); bias (W,), the projection's bias (input_bias: dt_bias at a's columns);
+# rate (HV,) float32; state_in (B, HV, DV, DK) float32; norm_w (DV,) float32, the
+# gated norm's weight. Outputs: out (B, 1, HV * DV) in proj's dtype, the gated
+# norm's output; state (B, HV, DV, DK); tail (B, KW - 1, CONV). Each step rounds
+# where the ops round: the projection's sum with its bias and the conv to proj's
+# dtype, everything else float32.
+_DECODE_SOURCE = """
+    constexpr int NK = (DK + 31) / 32;
+    constexpr int KEY_DIM = HK * DK;
+    constexpr int CONV = 2 * KEY_DIM + HV * DV;
+    constexpr int GROUP = HV / HK;
+    __shared__ float qk[2 * DK];  // this head's q | k after the conv and SiLU
+    __shared__ float vs[DV];      // its v, then its readout y
+    __shared__ float zs[DV];      // its gate z
+    const int head = blockIdx.x;  // b * HV + hv
+    const int hv = head % HV;
+    const int b = head / HV;
+    const int hk = hv / GROUP;
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int width = proj_shape[2];
+    const ProjT* p = proj + static_cast<size_t>(b) * width;
+    const ProjT* t_in = tail_in + static_cast<size_t>(b) * (KW - 1) * CONV;
+    ProjT* t_out = tail + static_cast<size_t>(b) * (KW - 1) * CONV;
+    for (int i = tid; i < 2 * DK + DV; i += blockDim.x) {
+        const int c = i < DK ? hk * DK + i
+                    : i < 2 * DK ? KEY_DIM + hk * DK + (i - DK)
+                    : 2 * KEY_DIM + hv * DV + (i - 2 * DK);
+        float acc = 0.0f;
+        for (int j = 0; j < KW - 1; ++j)
+            acc += static_cast<float>(t_in[j * CONV + c]) * static_cast<float>(conv_w[c * KW + j]);
+        acc += static_cast<float>(p[c]) * static_cast<float>(conv_w[c * KW + KW - 1]);
+        const float x = static_cast<float>(static_cast<ProjT>(acc));
+        const float silu = x * (1.0f / (1.0f + expf(-x)));
+        if (i < 2 * DK) qk[i] = silu; else vs[i - 2 * DK] = silu;
+        if (i >= 2 * DK || hv % GROUP == 0) {  // each channel's tail written once
+            for (int j = 0; j + 1 < KW - 1; ++j) t_out[j * CONV + c] = t_in[(j + 1) * CONV + c];
+            t_out[(KW - 2) * CONV + c] = p[c];
+        }
+    }
+    for (int i = tid; i < DV; i += blockDim.x) {
+        const int c = Z_OFF + hv * DV + i;
+        zs[i] = static_cast<float>(static_cast<ProjT>(
+            static_cast<float>(p[c]) + static_cast<float>(bias[c])));
+    }
+    __syncthreads();
+    const float a = static_cast<float>(static_cast<ProjT>(
+        static_cast<float>(p[A_OFF + hv]) + static_cast<float>(bias[A_OFF + hv])));
+    const float bb = static_cast<float>(static_cast<ProjT>(
+        static_cast<float>(p[A_OFF + HV + hv]) + static_cast<float>(bias[A_OFF + HV + hv])));
+    const float g = expf(rate[hv] * softplus(a));
+    const float beta = 1.0f / (1.0f + expf(-bb));
+    float q[NK], k[NK];
+    float qq = 0.0f, kk = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+        const int j = lane + 32 * i;
+        q[i] = j < DK ? qk[j] : 0.0f;
+        k[i] = j < DK ? qk[DK + j] : 0.0f;
+        qq += q[i] * q[i];
+        kk += k[i] * k[i];
+    }
+    qq = warp_sum(qq);
+    kk = warp_sum(kk);
+    const float k_norm = rsqrtf(kk + 1e-6f);
+    const float q_norm = rsqrtf(qq + 1e-6f) * rsqrtf(static_cast<float>(DK));
+    for (int i = 0; i < NK; ++i) k[i] *= k_norm;
+    float ys[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+        const int dv = warp * ROWS + r;
+        ys[r] = 0.0f;
+        if (dv >= DV) break;
+        const size_t row = (static_cast<size_t>(head) * DV + dv) * DK;
+        float s[NK];
+        float predicted = 0.0f;
+        for (int i = 0; i < NK; ++i) {
+            const int j = lane + 32 * i;
+            s[i] = j < DK ? state_in[row + j] : 0.0f;
+            predicted += s[i] * k[i];
+        }
+        predicted = warp_sum(predicted);  // what the old state holds for k
+        const float delta = (vs[dv] - g * predicted) * beta;
+        float y = 0.0f;
+        for (int i = 0; i < NK; ++i) {
+            const int j = lane + 32 * i;
+            s[i] = g * s[i] + delta * k[i];
+            y += s[i] * q[i];
+            if (j < DK) state[row + j] = s[i];
+        }
+        ys[r] = warp_sum(y) * q_norm;
+    }
+    __syncthreads();  // every warp has read v: its rows' y take v's place
+    if (lane == 0)
+        for (int r = 0; r < ROWS && warp * ROWS + r < DV; ++r) vs[warp * ROWS + r] = ys[r];
+    __syncthreads();
+    float squares = 0.0f;
+    for (int j = lane; j < DV; j += 32) squares += vs[j] * vs[j];
+    const float inv = rsqrtf(warp_sum(squares) / DV + EPS);
+    for (int i = tid; i < DV; i += blockDim.x) {
+        const float gate = zs[i] * (1.0f / (1.0f + expf(-zs[i])));
+        out[static_cast<size_t>(head) * DV + i] = static_cast<ProjT>(gate * (norm_w[i] * (vs[i] * inv)));
+    }
+"""
+
+
+def rows_per_warp(value_head_dim: int) -> int:
+    """State rows a warp of :func:`decode_mixer`'s block owns: a block holds a
+    whole value head (at most 32 warps), since the gated norm sums over it."""
+    return -(-value_head_dim // 32)
+
+
+@functools.cache
+def _decode_kernel(eps: float) -> object:
+    return mx.fast.cuda_kernel(
+        name=f"turbospark_gdn_decode_eps{eps!r}".replace(".", "_").replace("-", "m"),
+        input_names=["proj", "tail_in", "conv_w", "bias", "rate", "state_in", "norm_w"],
+        output_names=["out", "state", "tail"],
+        source=f"    constexpr float EPS = {eps!r}f;\n" + _DECODE_SOURCE,
+        header=_HEADER,
+    )
+
+
+def decode_mixer(
+    proj: mx.array,
+    tail: mx.array,
+    conv_weight: mx.array,
+    in_bias: mx.array,
+    rate: mx.array,
+    state: mx.array,
+    norm_weight: mx.array,
+    key_heads: int,
+    value_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+    eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One decode step of a gated-DeltaNet mixer after its input GEMM, as one
+    kernel: the projection's bias, the causal conv over *tail* and the new
+    token, SiLU, the q/k norm, the gates, the recurrence and the gated norm
+    (:func:`decode_mixer_ops` in ops). *proj* ``(B, 1, W)`` is ``x @ in_proj_t``
+    without its bias. Returns the ``(B, 1, Hv * Dv)`` output for ``out_proj``,
+    the new state and the new conv tail ``(B, K - 1, C)``.
+
+    A decode step spent six launches here besides the recurrence's: the bias
+    add, the tail's concatenation, the conv with its SiLU, the gated norm and
+    its gate (``bench/gpu_kernels.py``). A block owns a whole value head, so
+    the norm over its ``Dv`` outputs stays on the chip."""
+    batch = proj.shape[0]
+    channels, kernel, _ = conv_weight.shape
+    tail = tail.astype(proj.dtype)  # the conv's last inputs: the projection's own dtype
+    rate, state, norm_weight = (a.astype(mx.float32) for a in (rate, state, norm_weight))
+    rows = rows_per_warp(value_head_dim)
+    threads = 32 * -(-value_head_dim // rows)
+    return tuple(
+        _decode_kernel(float(eps))(
+            inputs=[proj, tail, conv_weight, in_bias, rate, state, norm_weight],
+            template=[
+                ("HK", key_heads),
+                ("HV", value_heads),
+                ("DK", key_head_dim),
+                ("DV", value_head_dim),
+                ("KW", kernel),
+                ("ROWS", rows),
+                ("Z_OFF", channels),
+                ("A_OFF", channels + value_heads * value_head_dim),
+                # Every input's dtype in the kernel's name (its cache key).
+                ("ProjT", proj.dtype),
+                ("ConvT", conv_weight.dtype),
+                ("BiasT", in_bias.dtype),
+            ],
+            grid=(batch * value_heads * threads, 1, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[
+                (batch, 1, value_heads * value_head_dim),
+                state.shape,
+                (batch, kernel - 1, channels),
+            ],
+            output_dtypes=[proj.dtype, mx.float32, proj.dtype],
+        )
+    )
+
+
+def decode_mixer_ops(
+    proj: mx.array,
+    tail: mx.array,
+    conv_weight: mx.array,
+    in_bias: mx.array,
+    rate: mx.array,
+    state: mx.array,
+    norm_weight: mx.array,
+    key_heads: int,
+    value_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+    eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """:func:`decode_mixer`'s contract in MLX ops (its specification; any
+    device): the layer's own pieces around :func:`gated_delta_ops`."""
+    from turbospark.layers.gated_delta import causal_conv_with_tail, gated_rms_norm
+
+    batch = proj.shape[0]
+    value_dim = value_heads * value_head_dim
+    conv_dim = conv_weight.shape[0]
+    proj = (proj + in_bias).astype(proj.dtype)
+    projected, z = proj[..., :conv_dim], proj[..., conv_dim : conv_dim + value_dim]
+    conv, tail = causal_conv_with_tail(projected, tail, conv_weight)
+    mixed = nn.silu(conv.astype(mx.float32))
+    y, state = gated_delta_ops(
+        mixed, proj, rate, state, key_heads, value_heads, key_head_dim, value_head_dim,
+        conv_dim + value_dim,
+    )  # fmt: skip
+    z = z.reshape(batch, 1, value_heads, value_head_dim)
+    out = gated_rms_norm(y, z, norm_weight, eps).reshape(batch, 1, value_dim)
+    return out, state, tail
 
 
 def gated_delta_ops(
