@@ -482,3 +482,32 @@ def test_native_stacks_summary_of_py_spy_raw_output() -> None:
     assert out["top_self"] == [("f (libmlx.so)", 3), ("cublasLtMatmul (libcublasLt.so.13)", 2)]
     assert dict(out["top_inclusive"])["f (libmlx.so)"] == 3
     assert dict(out["top_inclusive"])["timed_forward (python)"] == 6
+
+
+def test_late_compiles_lists_files_after_the_warm_up_by_phase(tmp_path: Path) -> None:
+    """Files written before the warm-up ended are not late; the rest get the
+    phase whose end they precede (``after`` past the last)."""
+    import os
+    import time
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.late_compiles import late_files, phase_of
+    finally:
+        sys.path.remove(str(ROOT))
+
+    ends = {"warm_up": 10.0, "first_request": 11.0, "burst": 15.0, "many_clients": 30.0}
+    assert [phase_of(t, ends) for t in (9, 10.5, 14, 29, 31)] == [
+        "warm_up", "first_request", "burst", "many_clients", "after",
+    ]  # fmt: skip
+    started = time.time() - 100
+    for name, offset in (("early.ptx", 5), ("burst.ptx", 12), ("late.so", 40)):
+        path = tmp_path / "cache" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("-")
+        os.utime(path, (started + offset, started + offset))
+    rows = late_files([tmp_path / "cache"], started, ends)
+    assert [(row["file"], row["phase"]) for row in rows] == [
+        ("burst.ptx", "burst"),
+        ("late.so", "after"),
+    ]

@@ -573,3 +573,27 @@ def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, reque
     assert set(sizes) == {1, 2, 3, 4}
     assert not engine.warming and engine.active_rows == 0 and engine.queue_depth == 0
     assert all(session.position == 0 for session in runner.sessions())
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_warm_up_prefills_groups_fresh_and_with_history(family, request):
+    """A server's first turns prefill as groups of fresh rows and its next turns
+    as groups of rows with history; on a GPU each path compiles kernels of its
+    own the first time, so the warm-up takes both before any request does."""
+    install = request.getfixturevalue(f"{family}_install")
+    runner = open_runner(install)
+    engine = Engine(runner, load_text(install), max_batch=4)
+    groups: list[tuple[int, int, bool]] = []  # rows, new tokens, every row held some
+    real = runner.forward_batch
+
+    def forward(tokens, positions, state, steer=None):
+        if tokens.shape[1] > 1:
+            groups.append((tokens.shape[0], tokens.shape[1], min(positions) > 0))
+        return real(tokens, positions, state, steer)
+
+    runner.forward_batch = forward
+    engine.warm_up([2, *range(5, 25)])
+    assert any(rows > 1 and not held for rows, _, held in groups)
+    assert any(rows > 1 and held for rows, _, held in groups)
+    assert not engine.warming and engine.active_rows == 0
+    assert all(session.position == 0 for session in runner.sessions())

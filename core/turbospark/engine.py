@@ -439,35 +439,60 @@ class Engine:
         self._run_calls()
 
     def warm_up(self, ids: list[int], rows: int | None = None) -> None:
-        """Run *rows* (default ``max_batch``) short requests to the end, so the
-        prefill, the batched prefill and the batched decode at every batch size
-        are built (and, on a GPU, their kernels compiled) before the first real
-        request is admitted: the first request prefills *ids*, the others a
-        few of its tokens, and they stop one step apart, so the batch decodes
-        at each size from ``rows`` down to one (compiled pieces that are not
-        shapeless trace once per batch size, e.g. the gated-DeltaNet step).
-        Requests that arrive meanwhile wait in the queue; the warm-up's
-        sessions are forgotten afterwards."""
+        """Run short requests to the end in three rounds, so the paths real
+        traffic takes are built (and, on a GPU, their kernels compiled) before
+        the first real request is admitted. Requests that arrive meanwhile
+        wait in the queue; the warm-up's sessions are forgotten afterwards.
+
+        1. The first request prefills *ids*; *rows* - 1 more (default
+           ``max_batch`` - 1) take a few of its tokens, and they stop one step
+           apart, so the batch decodes at each size from *rows* down to one
+           (compiled pieces that are not shapeless trace once per batch size,
+           e.g. the gated-DeltaNet step).
+        2. Two distinct fresh prompts prefill together (a batched group).
+        3. Each of those again with more tokens after it, as a chat's next turn
+           sends it: the sessions are reused, so the rows prefill together
+           *with history* (held keys and recurrent state).
+
+        On a GPU the first use of an op graph compiles its kernels (NVRTC,
+        seconds each), and a path left out here is paid by the first request
+        that takes it while every row batched with it waits: a 16-client
+        qwen_gdn server stalled 8-12 s in its first second turn when only the
+        decode step had warmed the prefill's compiled pieces."""
         count = min(rows or self.max_batch, self.max_batch)
         short = ids[: min(len(ids), 8)]
-        jobs = [  # the long prompt joins the batch last, so it stops last
-            Job(
-                ids=list(ids if k == 0 else short),
-                config=GenerationConfig(
-                    max_tokens=8 + (count + 2 if k == 0 else k), temperature=0.0, stop_token_ids=[]
-                ),
-                emit=lambda item: None,
-                warm_up=True,
-            )
-            for k in range(count)
+        first = [  # the long prompt joins the batch last, so it stops last
+            (list(ids if k == 0 else short), 8 + (count + 2 if k == 0 else k)) for k in range(count)
         ]
+        vocab = self.runner.vocab_size
+        # A group's compiled pieces are shapeless and its other ops' kernels do
+        # not depend on its shape, so two rows of a few tokens build what any
+        # group runs (short enough that two turns and their replies fit any context).
+        span = max(1, min(16, (self.runner.context_length - 8) // 3))
+        fresh = [  # distinct from their first token: no row reuses another's prefix
+            [(1 + k + 7 * j) % vocab for j in range(span)] for k in range(min(count, 2))
+        ]
+        more = [(5 + 3 * j) % vocab for j in range(span)]
+        rounds = [first, [(p, 2) for p in fresh], [([*p, *more], 2) for p in fresh]]
         self.warming = True
         started = time.perf_counter()
-        with self._wake:
-            self._queue.extendleft(reversed(jobs))
         try:
-            while self.step():
-                pass
+            for round_ in rounds:
+                jobs = [
+                    Job(
+                        ids=prompt,
+                        config=GenerationConfig(
+                            max_tokens=tokens, temperature=0.0, stop_token_ids=[]
+                        ),
+                        emit=lambda item: None,
+                        warm_up=True,
+                    )
+                    for prompt, tokens in round_
+                ]
+                with self._wake:
+                    self._queue.extendleft(reversed(jobs))
+                while self.step():
+                    pass
             self.runner.forget_sessions()
         finally:
             self.warming = False
