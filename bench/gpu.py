@@ -5,7 +5,7 @@ A device lease is short and a killed process prints nothing, so unlike
 
     python bench/gpu.py OUT_DIR [--family F ...] [--only forward|swap|interleaved|serving
 |concurrency|server_step|step_cost|prefill_cost|constrain|draft|draft_round|experts
-|steering|tp|batch_decode|graph_size] [--profile]
+|steering|tp|batch_decode|graph_size|late_compiles] [--profile]
 
 ``constrain`` runs once (it is per vocabulary, not per family), and so does
 ``batch_decode``: qwen4_exp's batched decode against its row-by-row decode
@@ -28,6 +28,10 @@ clients and compares its decode step with the engine's step alone (thread
 CPU times, where the time between steps goes, stack samples of the runner thread
 and of the event loop: :mod:`bench.server_step`); ``concurrency`` runs it
 too, after both servers, as a line of its own.
+``late_compiles`` serves the ``chat_{size}`` install with empty compile
+caches and lists the kernels compiled after ``serve`` said ready
+(:mod:`bench.late_compiles`; none when the warm-up covered the traffic); run it
+before ``concurrency``, whose first-use costs it does not warm.
 ``graph_size`` times both library loops under several sizes of MLX's CUDA
 graphs, each in a process of its own (:mod:`bench.graph_size`).
 ``--only tp`` needs two GPUs (``nvidia-h200-x2``): TP=2 against TP=1 on the
@@ -63,6 +67,7 @@ from bench.experts import bench_experts
 from bench.forward import bench_forward
 from bench.graph_size import bench_graph_size
 from bench.interleaved import bench_interleaved
+from bench.late_compiles import measure as measure_late_compiles
 from bench.prefill_cost import bench_prefill_cost
 from bench.run import GPU
 from bench.server_step import bench_server_step
@@ -109,6 +114,7 @@ def main() -> None:
             "batch_decode",
             "graph_size",
             "prefill_cost",
+            "late_compiles",
         ],
     )
     parser.add_argument("--draft-depths", type=int, nargs="+", help="default 1-6")
@@ -213,6 +219,10 @@ def main() -> None:
                     result = server_step(path)
                 elif piece == "prefill_cost":
                     result = bench_prefill_cost(path)
+                elif piece == "late_compiles":
+                    (args.out / "logs").mkdir(exist_ok=True)
+                    log = args.out / "logs" / f"{path.name}-late-compiles.log"
+                    result = measure_late_compiles(path, 16, log)
                 elif piece == "step_cost":
                     result = [measure_step(path, b, 100, 0.0, profile=True) for b in (8, 16)]
                 else:
