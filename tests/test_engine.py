@@ -575,6 +575,38 @@ def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, reque
     assert all(session.position == 0 for session in runner.sessions())
 
 
+def test_warm_up_neither_writes_nor_reads_the_session_directory(qwen_gdn_install, tmp_path):
+    """The warm-up's sessions are throwaway: none reaches the session directory
+    (at every start it would add its own), and a session already there is not
+    restored in the warm-up's place; the directory serves real requests after."""
+
+    def files() -> set[str]:
+        return {p.name for p in tmp_path.glob("*.safetensors")}
+
+    def start() -> tuple[Runner, Engine]:
+        runner = Runner.open(
+            qwen_gdn_install, context_length=CONTEXT, session_slots=4, session_dir=tmp_path
+        )
+        runner.set_prefix_reuse(True)
+        return runner, Engine(runner, load_text(qwen_gdn_install), max_batch=4)
+
+    runner, engine = start()
+    engine.warm_up([2, *range(5, 25)])
+    assert files() == set() and runner.session_disk is not None
+    config = GenerationConfig(max_tokens=3, temperature=0.0, stop_token_ids=[])
+    run_all(engine, [(0, Job(ids=list(range(3, 40)), config=config, emit=Collector()))])
+    kept = files()
+    assert len(kept) == 1  # a real request's session is written through
+    runner.close()
+    runner, engine = start()
+    loads = []
+    real_load = runner.session_disk.load
+    runner.session_disk.load = lambda entry: loads.append(entry) or real_load(entry)
+    engine.warm_up([3, *range(4, 40)])  # the real session's prompt would match: not read
+    assert files() == kept and loads == []
+    runner.close()
+
+
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
 def test_warm_up_prefills_groups_fresh_and_with_history(family, request):
     """A server's first turns prefill as groups of fresh rows and its next turns

@@ -477,23 +477,24 @@ class Engine:
         self.warming = True
         started = time.perf_counter()
         try:
-            for round_ in rounds:
-                jobs = [
-                    Job(
-                        ids=prompt,
-                        config=GenerationConfig(
-                            max_tokens=tokens, temperature=0.0, stop_token_ids=[]
-                        ),
-                        emit=lambda item: None,
-                        warm_up=True,
-                    )
-                    for prompt, tokens in round_
-                ]
-                with self._wake:
-                    self._queue.extendleft(reversed(jobs))
-                while self.step():
-                    pass
-            self.runner.forget_sessions()
+            with self.runner.without_disk():  # its sessions are throwaway: never on disk
+                for round_ in rounds:
+                    jobs = [
+                        Job(
+                            ids=prompt,
+                            config=GenerationConfig(
+                                max_tokens=tokens, temperature=0.0, stop_token_ids=[]
+                            ),
+                            emit=lambda item: None,
+                            warm_up=True,
+                        )
+                        for prompt, tokens in round_
+                    ]
+                    with self._wake:
+                        self._queue.extendleft(reversed(jobs))
+                    while self.step():
+                        pass
+                self.runner.forget_sessions()
         finally:
             self.warming = False
         log.info("warmed up in %.1f s", time.perf_counter() - started)

@@ -9,7 +9,8 @@ decisions to :mod:`turbospark.reuse`. See SEMANTICS.md for the rules.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -665,6 +666,23 @@ class Runner:
     def session_disk(self) -> DiskTier | None:
         """The disk tier (``session_dir``), for inspection: its index, evictions, refusals."""
         return self._disk
+
+    @contextmanager
+    def without_disk(self) -> Iterator[None]:
+        """The session directory detached for a while (the engine's warm-up):
+        nothing is read from it or written to it, and a session that leaves
+        memory meanwhile is dropped. A warm-up's throwaway sessions would
+        otherwise be written at every start, and a later start's warm-up would
+        restore them instead of running the paths it is there to build."""
+        disk = self._disk
+        if disk is None or self._pool is None:
+            yield
+            return
+        self._disk = self._pool.disk = None
+        try:
+            yield
+        finally:
+            self._disk = self._pool.disk = disk
 
     def flush(self) -> int:
         """Write every warm session (live and parked) that changed since its last
