@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -73,36 +74,29 @@ def measure(path: Path, clients: int, log: Path) -> dict[str, Any]:
     ptx, tmp = root / "ptx", root / "tmp"
     ptx.mkdir()
     tmp.mkdir()
-    saved = {name: os.environ.get(name) for name in ("MLX_PTX_CACHE_DIR", "TMPDIR")}
-    os.environ.update(MLX_PTX_CACHE_DIR=str(ptx), TMPDIR=str(tmp))  # the server inherits them
     plan = ConcurrencyPlan(clients=(1, clients))
     body = {"ignore_eos": True}
     ends: dict[str, float] = {}
     rates: dict[str, dict[str, float]] = {}
     started = time.time()
-    try:
-        with running_server(
-            "turbospark", path, clients, log, ["--max-batch", str(clients)]
-        ) as base:
-            ends["warm_up"] = time.time() - started
-            warm = conversations(clients, plan, plan.seed - 1)  # the concurrency bench's seeds
-            with httpx.Client(timeout=600.0) as http:
-                chat_request(http, base, warm[0][0], WARM_UP_TOKENS, body)
-            ends["first_request"] = time.time() - started
-            run_clients(base, [c[:1] for c in warm], WARM_UP_TOKENS, body)
-            ends["burst"] = time.time() - started
-            for i, (name, n) in enumerate((("one_client", 1), ("many_clients", clients))):
-                run = run_clients(
-                    base, conversations(n, plan, plan.seed + 100 * i), plan.reply_tokens, body
-                )
-                ends[name] = time.time() - started
-                rates[name] = {"wall_s": run["wall_s"], "completion_tok_s": run["completion_tok_s"]}
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    caches = {"MLX_PTX_CACHE_DIR": str(ptx), "TMPDIR": str(tmp)}  # the server inherits them
+    with (
+        patch.dict(os.environ, caches),
+        running_server("turbospark", path, clients, log, ["--max-batch", str(clients)]) as base,
+    ):
+        ends["warm_up"] = time.time() - started
+        warm = conversations(clients, plan, plan.seed - 1)  # the concurrency bench's seeds
+        with httpx.Client(timeout=600.0) as http:
+            chat_request(http, base, warm[0][0], WARM_UP_TOKENS, body)
+        ends["first_request"] = time.time() - started
+        run_clients(base, [c[:1] for c in warm], WARM_UP_TOKENS, body)
+        ends["burst"] = time.time() - started
+        for i, (name, n) in enumerate((("one_client", 1), ("many_clients", clients))):
+            run = run_clients(
+                base, conversations(n, plan, plan.seed + 100 * i), plan.reply_tokens, body
+            )
+            ends[name] = time.time() - started
+            rates[name] = {"wall_s": run["wall_s"], "completion_tok_s": run["completion_tok_s"]}
     return {
         "clients": clients,
         "phase_ends_s": {name: round(t, 2) for name, t in ends.items()},

@@ -40,6 +40,17 @@ def takes_cuda_kernels(enabled: bool) -> bool:
     return enabled and builds_for_gpu() and mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+def eps_constant(eps: float) -> tuple[str, str]:
+    """*eps* as a literal of a hand-written CUDA kernel's source (gdn_cuda,
+    norm_cuda): the line that declares ``EPS``, and a suffix for the kernel's
+    name, which must carry it too: MLX caches a kernel by its name and
+    template only, so two sources that differ in a literal need two names."""
+    literal = repr(float(eps))
+    return f"    constexpr float EPS = {literal}f;\n", "eps" + literal.replace(".", "p").replace(
+        "-", "m"
+    )
+
+
 def runs_compiled(batch: int, length: int) -> bool:
     """Whether a forward over ``(batch, length)`` tokens takes the families'
     compiled step functions (whole dense halves, the gated-DeltaNet mix), which

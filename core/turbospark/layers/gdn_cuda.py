@@ -332,11 +332,12 @@ def rows_per_warp(value_head_dim: int) -> int:
 
 @functools.cache
 def _decode_kernel(eps: float) -> object:
+    line, suffix = fused.eps_constant(eps)
     return mx.fast.cuda_kernel(
-        name=f"turbospark_gdn_decode_eps{eps!r}".replace(".", "_").replace("-", "m"),
+        name=f"turbospark_gdn_decode_{suffix}",
         input_names=["proj", "tail_in", "conv_w", "bias", "rate", "state_in", "norm_w"],
         output_names=["out", "state", "tail"],
-        source=f"    constexpr float EPS = {eps!r}f;\n" + _DECODE_SOURCE,
+        source=line + _DECODE_SOURCE,
         header=_HEADER,
     )
 

@@ -131,7 +131,7 @@ _NORM_JOINED = """{
 
 def source(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> str:
     """The kernel body for one set of inputs (``eps`` a literal of it)."""
-    return f"    constexpr float EPS = {eps!r}f;\n" + (
+    return fused.eps_constant(eps)[0] + (
         _SOURCE.replace("{NORM_UPDATE}", _NORM_UPDATE if has_uw else "")
         .replace("{SCALE}", _SCALE if has_scale else "")
         .replace("{NORM_JOINED}", _NORM_JOINED if has_w else "")
@@ -148,12 +148,10 @@ def _block(width: int) -> int:
 
 @functools.cache
 def _kernel(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> object:
-    # eps is a literal of the source, so it is in the name too: MLX caches a
-    # kernel by its name and template only.
     flags = f"{int(has_uw)}{int(has_scale)}{int(has_w)}"
     inputs = ["h", "update"] + ["update_weight"] * has_uw + ["scale"] * has_scale
     return mx.fast.cuda_kernel(
-        name=f"turbospark_join_norm_{flags}_{eps!r}".replace(".", "p").replace("-", "m"),
+        name=f"turbospark_join_norm_{flags}_{fused.eps_constant(eps)[1]}",
         input_names=[*inputs, *["weight"] * has_w],
         output_names=["joined", "normed"] if has_w else ["joined"],
         source=source(has_uw, has_scale, has_w, eps),
