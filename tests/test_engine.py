@@ -15,6 +15,7 @@ import pytest
 from turbospark.engine import Engine, Job
 from turbospark.errors import TurbosparkError
 from turbospark.generate import Chunk, GenerationConfig, generate
+from turbospark.layers.fused import runs_compiled
 from turbospark.runner import Runner
 from turbospark.state import LayerKV
 from turbospark.text import TextCodec, load_text
@@ -629,3 +630,56 @@ def test_warm_up_prefills_groups_fresh_and_with_history(family, request):
     assert any(rows > 1 and held for rows, _, held in groups)
     assert not engine.warming and engine.active_rows == 0
     assert all(session.position == 0 for session in runner.sessions())
+
+
+def _record_forward_kinds(runner: Runner, kinds: set[tuple[str, bool, bool, bool, bool]]) -> None:
+    """Record each forward's kind into *kinds*: which hook (one row or a batch),
+    whether it takes the compiled step functions, one row, one token, and
+    whether every row already held tokens. Kernels compile per op graph, and
+    these are what choose a forward's graph (its shape within a kind does not)."""
+    real_batch, real_feed = runner.forward_batch, runner._feed
+
+    def forward_batch(tokens, positions, state, steer=None):
+        rows, length = tokens.shape
+        kinds.add(
+            ("batch", runs_compiled(rows, length), rows == 1, length == 1, min(positions) > 0)
+        )
+        return real_batch(tokens, positions, state, steer)
+
+    def feed(tokens, start, want, session=None, then=None):
+        kinds.add(("row", runs_compiled(1, len(tokens)), True, len(tokens) == 1, start > 0))
+        return real_feed(tokens, start, want, session, then)
+
+    runner.forward_batch, runner._feed = forward_batch, feed
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_warm_up_runs_every_kind_of_forward_that_chat_traffic_runs(family, request):
+    """Chat traffic's kinds of forward are all run by the warm-up first: on a GPU
+    a kind's first forward compiles its kernels (seconds each) while every row
+    batched with it waits. Four clients' first turns (fresh, of uneven lengths)
+    then their next turns (with history, uneven again) prefill as groups whose
+    rows end a few tokens apart, so the last rows' few tokens run alone through
+    the compiled step functions: the forward a 16-client qwen_gdn server on the
+    H200 stalled 14 s on compiling when the warm-up's groups were all even."""
+    install = request.getfixturevalue(f"{family}_install")
+    runner = open_runner(install)
+    engine = Engine(runner, load_text(install), max_batch=4)
+    warm: set[tuple[str, bool, bool, bool, bool]] = set()
+    _record_forward_kinds(runner, warm)
+    engine.warm_up(
+        [0] * (CONTEXT - 4)
+    )  # what serve passes: a chunk and a token, within the context
+    del runner.forward_batch, runner._feed
+    traffic: set[tuple[str, bool, bool, bool, bool]] = set()
+    _record_forward_kinds(runner, traffic)
+    config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
+    turns = [[3 + k, *range(10, 30 + 3 * k)] for k in range(4)]
+    for more in range(2):
+        jobs = [(0, Job(ids=list(p), config=config, emit=Collector())) for p in turns]
+        run_all(engine, jobs)
+        turns = [
+            [*p, *job.emit.tokens, *range(40 + more, 60 + 2 * k)]
+            for k, (p, (_, job)) in enumerate(zip(turns, jobs, strict=True))
+        ]
+    assert traffic - warm == set()

@@ -67,6 +67,7 @@ from turbospark.generate import (
     check_prompt,
     prompt_chunks,
 )
+from turbospark.layers.fused import STEP_TOKENS
 from turbospark.pool import Session
 from turbospark.reuse import ReuseReason, ReuseReport
 from turbospark.runner import Runner
@@ -439,7 +440,7 @@ class Engine:
         self._run_calls()
 
     def warm_up(self, ids: list[int], rows: int | None = None) -> None:
-        """Run short requests to the end in three rounds, so the paths real
+        """Run short requests to the end in four rounds, so the paths real
         traffic takes are built (and, on a GPU, their kernels compiled) before
         the first real request is admitted. Requests that arrive meanwhile
         wait in the queue; the warm-up's sessions are forgotten afterwards.
@@ -449,16 +450,24 @@ class Engine:
            apart, so the batch decodes at each size from *rows* down to one
            (compiled pieces that are not shapeless trace once per batch size,
            e.g. the gated-DeltaNet step).
-        2. Two distinct fresh prompts prefill together (a batched group).
-        3. Each of those again with more tokens after it, as a chat's next turn
-           sends it: the sessions are reused, so the rows prefill together
-           *with history* (held keys and recurrent state).
+        2. A short fresh prompt alone: a lone row's short forward and its
+           decode, through the one-row forward (the compiled step functions).
+        3. Two distinct fresh prompts prefill together (a batched group). Their
+           lengths differ by a few tokens, as real prompts' do, so the longer
+           row's last few run alone after the group's forward: a lone row with
+           history through the compiled step functions.
+        4. Each of those again with more tokens after it (uneven again), as a
+           chat's next turn sends it: the sessions are reused, so the rows
+           prefill together *with history* (held keys and recurrent state).
 
         On a GPU the first use of an op graph compiles its kernels (NVRTC,
         seconds each), and a path left out here is paid by the first request
         that takes it while every row batched with it waits: a 16-client
         qwen_gdn server stalled 8-12 s in its first second turn when only the
-        decode step had warmed the prefill's compiled pieces."""
+        decode step had warmed the prefill's compiled pieces, and 14 s when
+        its groups were warmed but only at even lengths (bench/README.md,
+        fifteenth session). ``tests/test_engine.py`` checks that chat
+        traffic runs no kind of forward this has not."""
         count = min(rows or self.max_batch, self.max_batch)
         short = ids[: min(len(ids), 8)]
         first = [  # the long prompt joins the batch last, so it stops last
@@ -469,11 +478,19 @@ class Engine:
         # not depend on its shape, so two rows of a few tokens build what any
         # group runs (short enough that two turns and their replies fit any context).
         span = max(1, min(16, (self.runner.context_length - 8) // 3))
+        uneven = min(3, span // 2)  # the longer row's tokens left after the group's forward
         fresh = [  # distinct from their first token: no row reuses another's prefix
-            [(1 + k + 7 * j) % vocab for j in range(span)] for k in range(min(count, 2))
+            [(1 + k + 7 * j) % vocab for j in range(span - uneven * k)]
+            for k in range(min(count, 2))
         ]
-        more = [(5 + 3 * j) % vocab for j in range(span)]
-        rounds = [first, [(p, 2) for p in fresh], [([*p, *more], 2) for p in fresh]]
+        more = [[(5 + 3 * j) % vocab for j in range(span - uneven * (1 - k))] for k in range(2)]
+        alone = [(3 + 11 * j) % vocab for j in range(min(span, STEP_TOKENS))]
+        rounds = [
+            first,
+            [(alone, 3)],
+            [(p, 2) for p in fresh],
+            [([*p, *extra], 2) for p, extra in zip(fresh, more[: len(fresh)], strict=True)],
+        ]
         self.warming = True
         started = time.perf_counter()
         try:
