@@ -25,7 +25,8 @@ calls it for its ``gpu_kernels`` field (on a GPU that field is ``kernels``
 itself).
 
 Run: ``uv run python bench/gpu_kernels.py [--family F ...] [--size host] [--dtype bfloat16] [--census]
-[--prefill ROWS TOKENS HELD] [--json]``; ``--prefill`` also counts a prefill group's batched forward.
+[--prefill ROWS TOKENS HELD] [--batch B] [--json]``; ``--prefill`` also counts a prefill group's
+batched forward, ``--batch`` a batched decode step of B ragged rows (a server's).
 ``--census`` adds the step's non-view primitives by type: what to cut next.
 """
 
@@ -182,13 +183,18 @@ def group_prefill(
 
 
 def count(
-    path: Path, census: bool = False, depth: int = 4, prefill: tuple[int, int, int] | None = None
+    path: Path,
+    census: bool = False,
+    depth: int = 4,
+    prefill: tuple[int, int, int] | None = None,
+    batch: int | None = None,
 ) -> dict[str, Any]:
     """In this process (stand-ins installed first): the GPU-equivalent kernels
     of one decode step on *path*, ours compiled and uncompiled, and mlx-lm's;
     and ours for a verify pass of ``depth + 1`` tokens (:func:`traced_pass`)
     and, with *prefill* ``(rows, tokens, held)``, for a prefill group's
-    forward (:func:`group_prefill`)."""
+    forward (:func:`group_prefill`); with *batch*, for a batched decode step
+    of that many ragged rows (:func:`batched_decode`)."""
     install_stand_ins()
     from mlx_lm.utils import load_model
 
@@ -213,22 +219,58 @@ def count(
     if prefill is not None:
         grouped = Runner.open(path, context_length=1024, session_slots=prefill[0] + 1)
         out["prefill"] = group_prefill(grouped, *prefill, census=census)
+    if batch is not None:
+        batched = Runner.open(path, context_length=1024, session_slots=batch + 1)
+        out["batched_decode"] = batched_decode(batched, batch, 80, census=census)
     return out
 
 
 def gpu_kernels(
-    path: Path, census: bool = False, depth: int = 4, prefill: tuple[int, int, int] | None = None
+    path: Path,
+    census: bool = False,
+    depth: int = 4,
+    prefill: tuple[int, int, int] | None = None,
+    batch: int | None = None,
 ) -> dict[str, Any]:
     """:func:`count` in a fresh interpreter (the stand-ins must precede every trace)."""
     command = [sys.executable, "-m", "bench.gpu_kernels", "--path", str(path), "--json"]
     command += ["--depth", str(depth)]
     if prefill is not None:
         command += ["--prefill", *map(str, prefill)]
+    if batch is not None:
+        command += ["--batch", str(batch)]
     done = subprocess.run(
         command + (["--census"] if census else []),
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(done.stdout)
+
+
+def batched_decode(runner: Any, rows: int, held: int, census: bool = False) -> dict[str, Any]:
+    """The graph of one batched decode step (a server's, one token a row) of
+    *rows* sessions holding *held*, *held* + 1, ... tokens: ragged, as a
+    server's rows are, so the merged keys are left-padded and attention takes
+    the padding mask. The second of two steps is counted: the step functions
+    compiled per batch size are traced already, and its keys are one column
+    longer, so its mask is built anew, as every step's is."""
+    from bench.decode_cost import graph_primitives
+    from bench.prefill_cost import held_group
+
+    prompts = [[3 + (i + r) % 90 for i in range(held + r)] for r in range(rows)]
+    with held_group(runner, prompts, 1) as state:
+        mx.eval([a for c in state.values() for a in c.arrays()])  # the merge is not the step
+        positions = [len(p) for p in prompts]
+        tokens = mx.array([[4 + r % 80] for r in range(rows)])
+        for step in range(2):
+            if step:
+                for component in state.values():
+                    component.prepare(1)
+            logits = runner.forward_batch(tokens, positions, state, None)
+            arrays = [logits, *(a for c in state.values() for a in c.arrays())]
+            counted = graph_primitives(arrays, census=census)
+            mx.eval(arrays)
+            positions = [p + 1 for p in positions]
+    return counted
 
 
 def main() -> None:
@@ -243,18 +285,19 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4, help="drafts in the verify pass (4)")
     parser.add_argument("--prefill", type=int, nargs=3, metavar=("ROWS", "TOKENS", "HELD"),
                         help="also a prefill group's forward (e.g. 3 145 80)")  # fmt: skip
+    parser.add_argument("--batch", type=int, help="also a batched decode step of B ragged rows")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     prefill = tuple(args.prefill) if args.prefill else None
     if args.path is not None:
-        result: dict[str, Any] = count(args.path, args.census, args.depth, prefill)
+        result: dict[str, Any] = count(args.path, args.census, args.depth, prefill, args.batch)
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return
     results = {}
     for family in args.family or ["gemma4", "qwen_gdn"]:
         path = install(family, args.size, args.dtype, DEFAULT_CACHE)
-        results[family] = gpu_kernels(path, args.census, args.depth, prefill)
+        results[family] = gpu_kernels(path, args.census, args.depth, prefill, args.batch)
     if args.json:
         print(json.dumps(results))
         return

@@ -25,6 +25,7 @@ says ``batchable=True``.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -72,6 +73,18 @@ class BatchedComponent(Protocol):
         nothing went back)."""
 
 
+@lru_cache(maxsize=16)
+def padding_mask(left: tuple[int, ...], key_start: int, keys: int) -> mx.array:
+    """A decode step's ``(B, 1, 1, keys)`` mask over the fetched columns
+    ``key_start..``: True where a row's column is not padding (column >= its
+    ``left``). Every layer of a step that fetched the same columns (all the
+    global ones; all the windowed ones) gets the same array, so a step
+    builds it once instead of twice a layer (the next step fetches one column
+    more: earlier steps' masks age out of the cache)."""
+    cols = mx.arange(key_start, key_start + keys)
+    return (cols[None] >= mx.array(left)[:, None])[:, None, None, :]
+
+
 class BatchLayerKV:
     """One attention layer's K/V for several sessions, left-padded (see the module)."""
 
@@ -92,8 +105,6 @@ class BatchLayerKV:
         self.values = values
         self.left = left
         self.fill = fill
-        self._left_key: tuple[int, ...] | None = None  # what _left_array was built from
-        self._left_array: mx.array | None = None
 
     @classmethod
     def merge(cls, layers: list[LayerKV]) -> BatchLayerKV:
@@ -172,12 +183,12 @@ class BatchLayerKV:
         causally, and :meth:`update_and_fetch` fetched only the window's, so
         its mask hides padding alone: None when no fetched column is padding
         (attention's unmasked kernel), else ``(B, 1, 1, keys)`` from a
-        comparison with the rows' padding, kept on the device while it holds."""
+        comparison with the rows' padding (:func:`padding_mask`: one array
+        for every layer of a step that fetched the same columns)."""
         if queries == 1:
             if max(self.left) <= key_start:
                 return None
-            cols = mx.arange(key_start, key_start + keys)
-            return (cols[None] >= self._left_column())[:, None, None, :]
+            return padding_mask(tuple(self.left), key_start, keys)
         cols = mx.arange(key_start, key_start + keys)[None]  # (1, keys)
         q_cols = mx.arange(self.fill - queries, self.fill)[:, None]  # (queries, 1)
         visible = cols <= q_cols
@@ -185,13 +196,6 @@ class BatchLayerKV:
             visible = visible & (q_cols - cols < self.window)
         left = mx.array(self.left)[:, None, None, None]  # (B, 1, 1, 1)
         return visible[None, None] & (cols[None, None] >= left)
-
-    def _left_column(self) -> mx.array:
-        """``left`` as a ``(B, 1)`` device array, rebuilt only when it changes."""
-        key = tuple(self.left)
-        if self._left_key != key:
-            self._left_key, self._left_array = key, mx.array(key)[:, None]
-        return self._left_array
 
     def extend(self, other: BatchLayerKV) -> None:
         """Append *other*'s rows. Both batches' used columns are written once

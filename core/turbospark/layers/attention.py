@@ -56,8 +56,8 @@ def attend(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``, except on a GPU without a
-    fused decode kernel (CUDA): one unmasked query per row takes
-    :func:`decode_attention`, and several queries per row (a prefill chunk, a
+    fused decode kernel (CUDA): one query per row (unmasked, or a batch's
+    padding mask) takes :func:`decode_attention`, and several queries per row (a prefill chunk, a
     batched prefill group, a draft's verify pass) :func:`matmul_attention`.
 
     MLX's CUDA op sends several queries to cuDNN's fused attention, which
@@ -73,8 +73,8 @@ def attend(
     the op (its fallback), which costs it no more."""
     batch, heads, length, _ = queries.shape
     if fused.builds_for_gpu() and not _FUSED_DECODE:
-        if length == 1 and mask is None:
-            return decode_attention(queries, keys, values, scale)
+        if length == 1 and not isinstance(mask, str):  # None, or a batch's padding mask
+            return decode_attention(queries, keys, values, scale, mask)
         if (
             length > 1
             and mask is not None
@@ -84,21 +84,62 @@ def attend(
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+def decode_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | None = None,
+) -> mx.array:
     """One query per row, ``(B, heads, 1, D)`` over ``(B, kv_heads, T, D)``:
     MLX's attention fallback (scale the queries, scores, a precise softmax,
     the weighted values) with each key/value head's queries as the rows of
     one matmul, and no scaling kernel at scale 1.0 (Gemma 4's), where the
-    fallback multiplies by 1 on every layer."""
+    fallback multiplies by 1 on every layer.
+
+    With a batch's padding *mask* ``(B, 1, 1, T)`` (rows at different
+    positions: :meth:`~turbospark.batch.BatchLayerKV.mask`), the scale and the
+    mask go into the scores' matmul as one ``addmm`` over an additive bias
+    (:func:`padding_bias`, built once for every layer given that mask), three
+    kernels a layer where the fallback takes five (a scale, two matmuls, a
+    select, a softmax)."""
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
-    if scale != 1.0:
-        queries = queries * scale
     # (B, heads, 1, D) -> (B, kv_heads, heads per kv head, D): the same memory
-    queries = queries.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = queries @ keys.swapaxes(-1, -2)  # (B, kv_heads, group, T)
+    rows = queries.reshape(batch, kv_heads, heads // kv_heads, dim)
+    keys_t = keys.swapaxes(-1, -2)
+    if mask is None:
+        scores = (rows * scale if scale != 1.0 else rows) @ keys_t  # (B, kv_heads, group, T)
+    else:
+        bias = padding_bias(
+            mask, (batch, kv_heads, heads // kv_heads, keys.shape[2]), queries.dtype
+        )
+        scores = mx.addmm(bias, rows, keys_t, alpha=scale)
     out = mx.softmax(scores, axis=-1, precise=True) @ values  # (B, kv_heads, group, Dv)
     return out.reshape(batch, heads, 1, -1)
+
+
+_PADDING_BIASES: dict[tuple[int, tuple[int, ...], mx.Dtype], tuple[mx.array, mx.array]] = {}
+
+
+def padding_bias(mask: mx.array, shape: tuple[int, int, int, int], dtype: mx.Dtype) -> mx.array:
+    """A padding *mask* ``(B, 1, 1, T)`` as the additive bias of the scores'
+    *shape* ``(B, kv_heads, group, T)`` (0 where it is True, ``-inf`` where
+    not), whole (no broadcast for ``addmm``'s backends to handle). Kept while
+    *mask* is the mask given: the layers of a step share one mask
+    (:func:`~turbospark.batch.padding_mask`), so they share one bias, one
+    kernel a step. The entry holds *mask*, so its ``id`` is not reused while
+    it is kept."""
+    key = (id(mask), shape, dtype)
+    kept = _PADDING_BIASES.get(key)
+    if kept is None or kept[0] is not mask:
+        if len(_PADDING_BIASES) >= 8:
+            _PADDING_BIASES.clear()
+        bias = mx.where(
+            mx.broadcast_to(mask, shape), mx.array(0.0, dtype), mx.array(-mx.inf, dtype)
+        )
+        kept = _PADDING_BIASES[key] = (mask, bias)
+    return kept[1]
 
 
 @lru_cache(maxsize=8)
