@@ -19,7 +19,9 @@ roofline each reaches and each step's graph size and host time
 decode loop into ``OUT_DIR``, one text file per family.
 ``step_cost`` times the engine's batched decode step alone at B = 8 and 16
 on the ``chat_{size}`` install (host CPU time against wall time per step,
-and the top functions: :mod:`bench.step_cost`). ``prefill_cost`` times one
+and the top functions: :mod:`bench.step_cost`), then at B = 16 with 320
+tokens held a row, about a chat server's (its step ran 2x the engine's at
+24 on the H200: bench/README.md, fifteenth session). ``prefill_cost`` times one
 batched prefill forward the first time its shape runs and again, then the
 engine's phases synchronised, on the ``chat_{size}`` install
 (:mod:`bench.prefill_cost`).
@@ -225,6 +227,8 @@ def main() -> None:
                     result = measure_late_compiles(path, 16, log)
                 elif piece == "step_cost":
                     result = [measure_step(path, b, 100, 0.0, profile=True) for b in (8, 16)]
+                    # A server's rows hold a few hundred tokens: the same step at that history.
+                    result.append(measure_step(path, 16, 100, 0.0, False, prompt_tokens=320))
                 else:
                     result = bench_servers(path, GPU.chat, args.out / "logs")
             emit(family, piece, result, started)

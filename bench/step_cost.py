@@ -26,7 +26,7 @@ With ``--mlx-lm``, mlx-lm's ``BatchGenerator`` (what ``mlx_lm.server`` decodes
 with) runs the same prompts greedily at each B and its wall time per step is
 reported beside ours, ``--reps`` rounds alternating (``mlx_lm_step``).
 
-Run: ``uv run python bench/step_cost.py --family gemma4 --batch 8 --batch 16 [--mlx-lm --reps 3]``.
+Run: ``uv run python bench/step_cost.py --family gemma4 --batch 8 --batch 16 [--prompt-tokens 24 --prompt-tokens 320] [--mlx-lm --reps 3]``.
 """
 
 from __future__ import annotations
@@ -55,14 +55,17 @@ def _engine(path: Path, batch: int) -> tuple[Engine, Runner]:
     return Engine(runner, load_text(path), max_batch=batch), runner
 
 
-def _prompts(batch: int, vocab: int) -> list[list[int]]:
-    """Row ``i``'s prompt: fixed ids, one token longer than row ``i - 1``'s."""
-    return [[(7 * i + 3 * j + 1) % vocab for j in range(PROMPT_TOKENS + i)] for i in range(batch)]
+def _prompts(batch: int, vocab: int, prompt_tokens: int = PROMPT_TOKENS) -> list[list[int]]:
+    """Row ``i``'s prompt: fixed ids, *prompt_tokens* + ``i`` of them (one token
+    longer than row ``i - 1``'s, so the rows are ragged, as a server's are)."""
+    return [[(7 * i + 3 * j + 1) % vocab for j in range(prompt_tokens + i)] for i in range(batch)]
 
 
-def _jobs(runner: Runner, batch: int, tokens: int, temperature: float) -> list[Job]:
+def _jobs(
+    runner: Runner, batch: int, tokens: int, temperature: float, prompt_tokens: int
+) -> list[Job]:
     jobs = []
-    for i, ids in enumerate(_prompts(batch, runner.vocab_size)):
+    for i, ids in enumerate(_prompts(batch, runner.vocab_size, prompt_tokens)):
         config = GenerationConfig(
             max_tokens=tokens, temperature=temperature, seed=i, stop_token_ids=[]
         )
@@ -71,12 +74,19 @@ def _jobs(runner: Runner, batch: int, tokens: int, temperature: float) -> list[J
 
 
 def measure(
-    path: Path, batch: int, steps: int, temperature: float, profile: bool
+    path: Path,
+    batch: int,
+    steps: int,
+    temperature: float,
+    profile: bool,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict[str, Any]:
-    """Time *steps* decode steps with *batch* rows in the merged state."""
+    """Time *steps* decode steps with *batch* rows in the merged state, each
+    row's history about *prompt_tokens* long (a chat server's rows hold a few
+    hundred: what grows with it, attention and its mask, shows against 24)."""
     engine, runner = _engine(path, batch)
     warm = 8
-    for job in _jobs(runner, batch, warm + 2 * steps + 4, temperature):
+    for job in _jobs(runner, batch, warm + 2 * steps + 4, temperature, prompt_tokens):
         engine.submit(job)
     for _ in range(1000):  # admit, prefill, join the batch, a few steps
         engine.step()
@@ -122,6 +132,7 @@ def measure(
         _Batch.step = real_step  # type: ignore[method-assign]
     out: dict[str, Any] = {
         "batch": batch,
+        "prompt_tokens": prompt_tokens,
         "steps": steps,
         "vocab": runner.vocab_size,
         "host_ms_per_step": 1e3 * cpu / steps,
@@ -147,7 +158,9 @@ def measure(
     return out
 
 
-def mlx_lm_step(path: Path, batch: int, steps: int, vocab: int) -> dict[str, Any]:
+def mlx_lm_step(
+    path: Path, batch: int, steps: int, vocab: int, prompt_tokens: int = PROMPT_TOKENS
+) -> dict[str, Any]:
     """mlx-lm's ``BatchGenerator`` (its server's decode loop) on the same install:
     the same prompts, greedy, no stop ids; *steps* steps timed once every row
     decodes in its generation batch (one ``next_generated`` call a step)."""
@@ -156,7 +169,7 @@ def mlx_lm_step(path: Path, batch: int, steps: int, vocab: int) -> dict[str, Any
 
     model, _ = load(str(path))
     generator = BatchGenerator(model, max_tokens=2 * steps + 64, stop_tokens=[])
-    generator.insert(_prompts(batch, vocab))
+    generator.insert(_prompts(batch, vocab, prompt_tokens))
     for _ in range(1000):  # its prompts prefill, 8 at a time, then all rows decode
         if len(generator.next_generated()) == batch:
             break
@@ -192,29 +205,36 @@ def main() -> None:
         help="also time mlx-lm's BatchGenerator step at each B, alternating with ours",
     )
     parser.add_argument("--reps", type=int, default=1, help="with --mlx-lm: rounds of both")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        action="append",
+        help=f"each row's history before the timed steps (repeatable; default {PROMPT_TOKENS})",
+    )
     args = parser.parse_args()
     dtype = args.dtype or default_dtype()
     report: dict[str, Any] = {"machine": machine(), "dtype": dtype, "size": args.size}
     for family in args.family or FAMILIES:
         path = install(family, args.size, dtype, args.cache_dir)
         report[family] = [
-            measure(path, b, args.steps, args.temperature, args.profile)
+            measure(path, b, args.steps, args.temperature, args.profile, n)
+            for n in args.prompt_tokens or (PROMPT_TOKENS,)
             for b in args.batch or (8, 16)
         ]
         if args.mlx_lm:  # rounds of ours then theirs, the first of ours above
             for row in report[family]:
-                b, vocab = row["batch"], row["vocab"]
+                b, vocab, n = row["batch"], row["vocab"], row["prompt_tokens"]
                 ours, theirs = [row["wall_ms_per_step"]], []
                 for rep in range(args.reps):
-                    theirs.append(mlx_lm_step(path, b, args.steps, vocab)["wall_ms_per_step"])
+                    theirs.append(mlx_lm_step(path, b, args.steps, vocab, n)["wall_ms_per_step"])
                     if rep + 1 < args.reps:
-                        ours.append(measure(path, b, args.steps, 0.0, False)["wall_ms_per_step"])
+                        ours.append(measure(path, b, args.steps, 0.0, False, n)["wall_ms_per_step"])
                 row["wall_ms_per_step_rounds"], row["mlx_lm_wall_ms_per_step_rounds"] = ours, theirs
         if args.json:
             continue
         for row in report[family]:
             print(
-                f"{family} B={row['batch']:>2}: host {row['host_ms_per_step']:.2f} ms/step "
+                f"{family} B={row['batch']:>2}, {row['prompt_tokens']} tokens held: host {row['host_ms_per_step']:.2f} ms/step "
                 f"(forward {row['forward_ms_per_step']:.2f}, sample+queue "
                 f"{row['sample_queue_ms_per_step']:.2f}, rows {row['rows_ms_per_step']:.2f}), "
                 f"read wait {row['read_wait_ms_per_step']:.2f}, wall {row['wall_ms_per_step']:.2f} ms/step"
