@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turbospark.batch import BatchLayerKV
+from turbospark.layers.attention import padding_bias
 from turbospark.state import LayerKV
 
 HEADS, DIM = 2, 3
@@ -85,3 +86,30 @@ def test_rows_hold_what_they_were_given_whatever_the_schedule(first, schedule, w
         kept = written(batch.extract(i, len(row), 0))
         assert kept == row[len(row) - len(kept) :]
         assert len(kept) >= (len(row) if window is None else min(len(row), batch.retain))
+
+
+def test_a_steps_layers_share_one_padding_mask_and_one_bias():
+    """Layers that fetched the same columns in a decode step get one mask array
+    (built once a step, not once a layer), and attention's bias for it is one
+    array too; a step one column on gets a new mask, and it hides the padding."""
+
+    def merged() -> BatchLayerKV:
+        layer = BatchLayerKV.merge([session([1.0, 2.0], None), session([3.0], None)])
+        step = mx.repeat(column(9.0), 2, axis=0)
+        layer.update_and_fetch(step, step)
+        return layer
+
+    first, second = merged(), merged()  # two layers of one step
+    mask = first.mask(1, 0, first.fill)
+    assert mask is second.mask(1, 0, second.fill)
+    assert mask[:, 0, 0].tolist() == [[True, True, True], [False, True, True]]
+    shape = (2, HEADS, 1, first.fill)
+    assert padding_bias(mask, shape, mx.float32) is padding_bias(mask, shape, mx.float32)
+    assert padding_bias(mask, shape, mx.float32)[1, 0, 0].tolist()[0] == float("-inf")
+    step = mx.repeat(column(8.0), 2, axis=0)
+    first.update_and_fetch(step, step)
+    later = first.mask(1, 0, first.fill)
+    assert later is not mask and later[:, 0, 0].tolist() == [
+        [True, True, True, True],
+        [False, True, True, True],
+    ]
