@@ -267,7 +267,8 @@ def batched_decode(runner: Any, rows: int, held: int, census: bool = False) -> d
                     component.prepare(1)
             logits = runner.forward_batch(tokens, positions, state, None)
             arrays = [logits, *(a for c in state.values() for a in c.arrays())]
-            counted = graph_primitives(arrays, census=census)
+            if step:
+                counted = graph_primitives(arrays, census=census)
             mx.eval(arrays)
             positions = [p + 1 for p in positions]
     return counted

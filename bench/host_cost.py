@@ -37,7 +37,6 @@ from mlx_lm.utils import load_model
 
 from bench.common import DEFAULT_CACHE, FAMILIES, install, machine, random_tokens
 from bench.decode_cost import Step, _ours_step, _theirs_step, compile_off, graph_primitives
-from bench.step_cost import PROMPT_TOKENS as BATCH_PROMPT_TOKENS
 from bench.step_cost import _engine, _jobs
 from turbospark.runner import Runner
 
@@ -68,7 +67,7 @@ def batched_step(path: Path, batch: int) -> tuple[Step, Runner]:
     """The engine's batched forward (``Runner.forward_batch``) over *batch* rows
     merged and decoding, called again and again on that state."""
     engine, runner = _engine(path, batch)
-    for job in _jobs(runner, batch, 10**6, 0.0, BATCH_PROMPT_TOKENS):
+    for job in _jobs(runner, batch, 10**6, 0.0):
         engine.submit(job)
     while not (engine.batch_size == batch and not engine._prefilling and not engine._solo):
         engine.step()

@@ -62,7 +62,7 @@ def _prompts(batch: int, vocab: int, prompt_tokens: int = PROMPT_TOKENS) -> list
 
 
 def _jobs(
-    runner: Runner, batch: int, tokens: int, temperature: float, prompt_tokens: int
+    runner: Runner, batch: int, tokens: int, temperature: float, prompt_tokens: int = PROMPT_TOKENS
 ) -> list[Job]:
     jobs = []
     for i, ids in enumerate(_prompts(batch, runner.vocab_size, prompt_tokens)):

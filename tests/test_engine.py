@@ -667,9 +667,7 @@ def test_warm_up_runs_every_kind_of_forward_that_chat_traffic_runs(family, reque
     engine = Engine(runner, load_text(install), max_batch=4)
     warm: set[tuple[str, bool, bool, bool, bool]] = set()
     _record_forward_kinds(runner, warm)
-    engine.warm_up(
-        [0] * (CONTEXT - 4)
-    )  # what serve passes: a chunk and a token, within the context
+    engine.warm_up([0] * (CONTEXT - 4))  # what serve passes when the context bounds it
     del runner.forward_batch, runner._feed
     traffic: set[tuple[str, bool, bool, bool, bool]] = set()
     _record_forward_kinds(runner, traffic)

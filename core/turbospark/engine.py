@@ -483,13 +483,15 @@ class Engine:
             [(1 + k + 7 * j) % vocab for j in range(span - uneven * k)]
             for k in range(min(count, 2))
         ]
-        more = [[(5 + 3 * j) % vocab for j in range(span - uneven * (1 - k))] for k in range(2)]
+        more = [
+            [(5 + 3 * j) % vocab for j in range(span - uneven * (1 - k))] for k in range(len(fresh))
+        ]
         alone = [(3 + 11 * j) % vocab for j in range(min(span, STEP_TOKENS))]
         rounds = [
             first,
             [(alone, 3)],
             [(p, 2) for p in fresh],
-            [([*p, *extra], 2) for p, extra in zip(fresh, more[: len(fresh)], strict=True)],
+            [([*p, *extra], 2) for p, extra in zip(fresh, more, strict=True)],
         ]
         self.warming = True
         started = time.perf_counter()

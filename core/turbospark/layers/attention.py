@@ -57,8 +57,9 @@ def attend(
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``, except on a GPU without a
     fused decode kernel (CUDA): one query per row (unmasked, or a batch's
-    padding mask) takes :func:`decode_attention`, and several queries per row (a prefill chunk, a
-    batched prefill group, a draft's verify pass) :func:`matmul_attention`.
+    padding mask) takes :func:`decode_attention`, and several queries per row
+    (a prefill chunk, a batched prefill group, a draft's verify pass)
+    :func:`matmul_attention`.
 
     MLX's CUDA op sends several queries to cuDNN's fused attention, which
     builds a cuDNN graph the first time it meets each shape of queries, keys
