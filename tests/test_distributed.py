@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -280,13 +281,15 @@ def test_a_rank_that_dies_or_hangs_ends_the_group(how, gemma4_install, tmp_path)
     finally:
         group.close()
     assert rank0.returncode == 1
-    error = group.stderr(0).strip().splitlines()[-1]
+    # MLX's ring threads print to the same stderr as the rank dies: their text may
+    # stand before our line on its row, never inside it (it is one write).
     if how == "killed":
-        assert error.startswith("turbospark: rank 0 of 2: lost a peer"), error
-        assert took < 30
+        what, bound = r"lost a peer \(.*\)", 30
     else:
-        assert error.startswith("turbospark: rank 0 of 2: no step from the group for"), error
-        assert took < 5 + 30
+        what, bound = r"no step from the group for \d+ s \(.*\)", 5 + 30
+    line = rf"turbospark: rank 0 of 2: {what}; every rank stops\n"
+    assert re.search(line, group.stderr(0)), group.stderr(0)
+    assert took < bound
 
 
 @pytest.mark.slow

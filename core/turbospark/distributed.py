@@ -60,8 +60,14 @@ def launcher_backend() -> str:
 
 
 def fatal(group: mx.distributed.Group, what: str) -> None:
-    """One line, then exit at once: a rank must never go on alone."""
-    print(f"turbospark: rank {group.rank()} of {group.size()}: {what}", file=sys.stderr, flush=True)
+    """One line, then exit at once: a rank must never go on alone.
+
+    The line goes out in one ``write`` (atomic on a pipe): MLX's ring threads
+    print their own errors to the same stderr at that moment, and a ``print``'s
+    text and newline are separate writes they could land between."""
+    sys.stderr.flush()
+    line = f"turbospark: rank {group.rank()} of {group.size()}: {what}\n"
+    os.write(2, line.encode(errors="replace"))
     os._exit(1)
 
 
