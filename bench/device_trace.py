@@ -17,7 +17,7 @@ per window (:func:`summarise`):
   launches, module loads, allocations, synchronisation), what a window's host
   time is spent inside CUDA on.
 
-Two kinds of window:
+Three kinds of window:
 
 1. **decode**: ``--tokens`` greedy tokens of our library loop
    (:func:`turbospark.generate.stream_generate`) and of mlx-lm's
@@ -29,10 +29,18 @@ Two kinds of window:
    group runs it), the first time its shape runs and at once again (issue 10:
    where the first time's extra 20-80 ms goes: into kernels that run longer,
    or into host calls, and which).
+3. **batch**: ``--steps`` of the engine's batched decode step with ``--rows``
+   ragged rows, each holding about ``--prompt-tokens`` (``bench.step_cost``'s
+   requests, every row in the merged state first), per step: on the H200 a
+   16-row gemma4 step took 5.4 ms at 24 tokens a row and 8.6 ms at 320
+   (bench/README.md, sixteenth session). A device busy for the step's wall
+   time says the step waits on the device; one idle for most of it, on the host.
 
 Run on a GPU machine whose Python has PyTorch (the lent H200's ``python3``):
 ``python3 bench/device_trace.py decode --family qwen_gdn --size large``,
-``python3 bench/device_trace.py prefill --family gemma4 --size chat_large``;
+``python3 bench/device_trace.py prefill --family gemma4 --size chat_large``,
+``python3 bench/device_trace.py batch --family gemma4 --size chat_large
+--rows 16 --prompt-tokens 320``;
 ``--json`` for the raw summary. Only :func:`summarise` runs without a GPU
 (it reads a Chrome trace, as ``torch.profiler`` exports it).
 """
@@ -218,6 +226,31 @@ def prefill(path: Path, cases: list[tuple[int, int, int]], top: int) -> list[dic
     return rows
 
 
+def batch(path: Path, rows: int, prompt_tokens: int, steps: int, top: int) -> dict[str, Any]:
+    """*steps* batched decode steps of *rows* ragged rows (each holding about
+    *prompt_tokens*), traced after the rows are merged and have stepped a while."""
+    import mlx.core as mx
+
+    from bench.step_cost import _engine, _jobs
+
+    engine, runner = _engine(path, rows)
+    for job in _jobs(runner, rows, 3 * steps + 64, 0.0, prompt_tokens):
+        engine.submit(job)
+    while not (engine.batch_size == rows and not engine._prefilling and not engine._solo):
+        engine.step()
+    for _ in range(steps):  # outside the window: the step's graphs built at these shapes
+        engine.step()
+    mx.synchronize()
+    window: dict[str, Any] = {}
+    with traced(window, top):
+        for _ in range(steps):
+            engine.step()
+        mx.synchronize()
+    window["per_step"] = per_token(window, steps)
+    runner.close()
+    return {"rows": rows, "prompt_tokens": prompt_tokens, "steps": steps, "window": window}
+
+
 def _case(text: str) -> tuple[int, int, int]:
     rows, tokens, held = (int(x) for x in text.split(","))
     return rows, tokens, held
@@ -238,13 +271,15 @@ def main() -> None:
     from bench.common import install
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["decode", "prefill"])
+    parser.add_argument("mode", choices=["decode", "prefill", "batch"])
     parser.add_argument("--family", action="append")
     parser.add_argument("--size", default="large")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=65, help="decode: tokens a request")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--cases", nargs="+", type=_case, help="prefill: rows,tokens,held ...")
+    parser.add_argument("--rows", type=int, default=16, help="batch: rows decoding together")
+    parser.add_argument("--steps", type=int, default=50, help="batch: steps in the window")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/turbospark/bench")
     parser.add_argument("--json", action="store_true")
@@ -260,6 +295,8 @@ def main() -> None:
         }
         if args.mode == "decode":
             line["result"] = decode(path, args.tokens, args.prompt_tokens, args.top)
+        elif args.mode == "batch":
+            line["result"] = batch(path, args.rows, args.prompt_tokens, args.steps, args.top)
         else:
             line["result"] = prefill(path, args.cases or CASES, args.top)
         if args.json:
@@ -270,6 +307,10 @@ def main() -> None:
             for name in ("ours", "mlx_lm"):
                 print(f" {name} per token: {line['result'][name]['per_token']}")
                 _print(name, line["result"][name])
+        elif args.mode == "batch":
+            result = line["result"]
+            print(f" {result['rows']} rows, ~{result['prompt_tokens']} held, per step: {result['window']['per_step']}")  # fmt: skip
+            _print("steps", result["window"])
         else:
             for row in line["result"]:
                 print(f" {row['rows']} x {row['tokens']}, held {row['held']}: first {row['first_ms']} ms, again {row['again_ms']} ms")  # fmt: skip
