@@ -31,10 +31,10 @@ Three kinds of window:
    or into host calls, and which).
 3. **batch**: ``--steps`` of the engine's batched decode step with ``--rows``
    ragged rows, each holding about ``--prompt-tokens`` (``bench.step_cost``'s
-   requests, every row in the merged state first), per step: on the H200 a
-   16-row gemma4 step took 5.4 ms at 24 tokens a row and 8.6 ms at 320
-   (bench/README.md, sixteenth session). A device busy for the step's wall
-   time says the step waits on the device; one idle for most of it, on the host.
+   requests, every row in the merged state first), per step. A device busy
+   for the step's wall time says the step waits on the device; one idle for
+   most of it, on the host (on the H200, a 16-row gemma4 step at 320 tokens a
+   row kept it busy 54 % of the step: bench/README.md, sixteenth session).
 
 Run on a GPU machine whose Python has PyTorch (the lent H200's ``python3``):
 ``python3 bench/device_trace.py decode --family qwen_gdn --size large``,
