@@ -1,4 +1,5 @@
-"""The CPU's float32 tanh (``fused.tanh``) against MLX's, and what uses it.
+"""The CPU's float32 tanh (``fused.tanh``) against MLX's, and what uses it
+(GELU, SiLU, the logit softcap).
 
 On the CPU a float32 tanh is a rational function of multiply-adds (libm's
 scalar ``tanhf`` cost a Gemma decode step a tenth of its time); it must stay
@@ -52,6 +53,7 @@ def test_other_dtypes_keep_mlx_tanh_and_gelu(dtype: mx.Dtype) -> None:
     x = (mx.random.normal((4, 257), key=mx.random.key(0)) * 4).astype(dtype)
     assert mx.array_equal(fused.tanh(x), mx.tanh(x)).item()
     assert mx.array_equal(fused.gelu_approx(x), nn.gelu_approx(x)).item()
+    assert mx.array_equal(fused.silu(x), nn.silu(x)).item()
 
 
 def test_geglu_and_softcap_match_mlx_forms_within_rounding() -> None:
@@ -80,3 +82,19 @@ def test_gelu_approx_is_the_tanh_formula() -> None:
     np.testing.assert_allclose(
         np.array(fused.gelu_approx(x)), np.array(expected), rtol=1e-6, atol=1e-6
     )
+
+
+def test_silu_and_swiglu_match_mlx_forms_within_rounding() -> None:
+    x = grid()
+    got, expected = np.array(fused.silu(x)), np.array(nn.silu(x))
+    # x * (1 + tanh(x / 2)) / 2 moves by |x| / 2 times tanh's error, plus the
+    # output's own rounding (a few ulps of it).
+    bound = 0.5 * np.abs(np.array(x)) * TANH_ATOL + 3e-7 * np.abs(expected) + 1e-7
+    assert np.all(np.abs(got - expected) <= bound)
+    extremes = mx.array([-np.inf, np.inf, np.nan], mx.float32)  # as MLX's: nan, inf, nan
+    np.testing.assert_array_equal(np.array(fused.silu(extremes)), np.array(nn.silu(extremes)))
+    gate = mx.random.normal((8, 1, 3072), key=mx.random.key(3)) * 4
+    up = mx.random.normal((8, 1, 3072), key=mx.random.key(4))
+    got, expected = np.array(fused.swiglu(gate, up)), np.array(nn.silu(gate) * up)
+    bound = 0.5 * np.abs(np.array(gate * up)) * TANH_ATOL + 1e-6 * np.abs(expected) + 1e-7
+    assert np.all(np.abs(got - expected) <= bound)
