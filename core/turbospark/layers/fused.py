@@ -86,6 +86,11 @@ def _horner(x2: mx.array, coefficients: tuple[float, ...]) -> mx.array:
     return out
 
 
+def _rational(x: mx.array) -> bool:
+    """Whether *x* takes the rational tanh: float32 on the CPU (see :func:`tanh`)."""
+    return x.dtype == mx.float32 and mx.default_device() == mx.cpu
+
+
 def tanh(x: mx.array) -> mx.array:
     """``mx.tanh``, except for float32 on the CPU: there MLX (0.32, Linux)
     evaluates tanh with libm's scalar ``tanhf``, about 25 ns an element, so a
@@ -95,7 +100,7 @@ def tanh(x: mx.array) -> mx.array:
     Other dtypes and devices keep MLX's tanh: a GPU's is fast, and a
     polynomial rounded at every step in bf16 would lose the precision.
     Decided when traced (dtype and default device)."""
-    if x.dtype != mx.float32 or mx.default_device() != mx.cpu:
+    if not _rational(x):
         return mx.tanh(x)
     x = mx.clip(x, -_TANH_CLAMP, _TANH_CLAMP)
     x2 = x * x
@@ -105,7 +110,7 @@ def tanh(x: mx.array) -> mx.array:
 def gelu_approx(x: mx.array) -> mx.array:
     """``mlx.nn.gelu_approx`` (GELU, tanh form), through :func:`tanh`; the
     cube as two products, where ``x**3`` is libm's scalar ``powf`` on the CPU."""
-    if x.dtype != mx.float32 or mx.default_device() != mx.cpu:
+    if not _rational(x):
         return nn.gelu_approx(x)
     return 0.5 * x * (1 + tanh(_GELU_SCALE * (x + 0.044715 * (x * x * x))))
 
@@ -114,7 +119,7 @@ def silu(x: mx.array) -> mx.array:
     """``mlx.nn.silu``; on the CPU in float32 through :func:`tanh`
     (``sigmoid(x) = (1 + tanh(x / 2)) / 2``), where MLX's sigmoid costs about
     16 ns an element (its ``exp`` calls libm's ``fmaf`` out of line)."""
-    if x.dtype != mx.float32 or mx.default_device() != mx.cpu:
+    if not _rational(x):
         return nn.silu(x)
     return 0.5 * x * (1 + tanh(0.5 * x))
 
