@@ -231,13 +231,12 @@ def batch(path: Path, rows: int, prompt_tokens: int, steps: int, top: int) -> di
     *prompt_tokens*), traced after the rows are merged and have stepped a while."""
     import mlx.core as mx
 
-    from bench.step_cost import _engine, _jobs
+    from bench.step_cost import _engine, _jobs, merge
 
     engine, runner = _engine(path, rows)
     for job in _jobs(runner, rows, 3 * steps + 64, 0.0, prompt_tokens):
         engine.submit(job)
-    while not (engine.batch_size == rows and not engine._prefilling and not engine._solo):
-        engine.step()
+    merge(engine, rows)
     for _ in range(steps):  # outside the window: the step's graphs built at these shapes
         engine.step()
     mx.synchronize()

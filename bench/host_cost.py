@@ -37,7 +37,7 @@ from mlx_lm.utils import load_model
 
 from bench.common import DEFAULT_CACHE, FAMILIES, install, machine, random_tokens
 from bench.decode_cost import Step, _ours_step, _theirs_step, compile_off, graph_primitives
-from bench.step_cost import _engine, _jobs
+from bench.step_cost import _engine, _jobs, merge
 from turbospark.runner import Runner
 
 PROMPT_TOKENS = 64
@@ -69,8 +69,7 @@ def batched_step(path: Path, batch: int) -> tuple[Step, Runner]:
     engine, runner = _engine(path, batch)
     for job in _jobs(runner, batch, 10**6, 0.0):
         engine.submit(job)
-    while not (engine.batch_size == batch and not engine._prefilling and not engine._solo):
-        engine.step()
+    merge(engine, batch)
     captured: list[tuple[Any, ...]] = []
     real = runner.forward_batch
 

@@ -73,6 +73,17 @@ def _jobs(
     return jobs
 
 
+def merge(engine: Engine, batch: int, limit: int = 1000) -> None:
+    """Step *engine* until its *batch* submitted rows are admitted, prefilled and
+    decoding together in the merged state (at most *limit* steps: a GPU lease
+    must never hang on a batch that does not form)."""
+    for _ in range(limit):
+        engine.step()
+        if engine.batch_size == batch and not engine._prefilling and not engine._solo:
+            return
+    raise AssertionError(f"only {engine.batch_size} of {batch} rows batched after {limit} steps")
+
+
 def measure(
     path: Path,
     batch: int,
@@ -88,10 +99,7 @@ def measure(
     warm = 8
     for job in _jobs(runner, batch, warm + 2 * steps + 4, temperature, prompt_tokens):
         engine.submit(job)
-    for _ in range(1000):  # admit, prefill, join the batch, a few steps
-        engine.step()
-        if engine.batch_size == batch and not engine._prefilling and not engine._solo:
-            break
+    merge(engine, batch)
     for _ in range(warm):
         engine.step()
     assert engine.batch_size == batch, f"only {engine.batch_size} of {batch} rows batched"
