@@ -63,10 +63,12 @@ def _stand_in(op: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 def install_stand_ins() -> None:
     """Replace the norms and RoPE (process-wide), and have our step take the
-    forms it takes on a GPU. Attention stays: MLX's CUDA
-    backend has no kernel for these decode shapes (head dims 256 and 512,
-    grouped heads) and runs the same fallback the CPU builds (scale,
-    matmul, softmax, matmul), which is what made the count match the H200's."""
+    forms it takes on a GPU, our CUDA kernels as stand-ins. MLX's attention
+    op stays: its CUDA backend has no kernel for these decode shapes (head
+    dims 256 and 512, grouped heads) and runs the same fallback the CPU builds
+    (scale, matmul, softmax, matmul), which is what made mlx-lm's count match
+    the H200's. Our lone row's decode step attends in its own two kernels
+    (attention_cuda), which get a stand-in of two."""
     for name in ("rms_norm", "layer_norm", "rope"):
         setattr(mx.fast, name, _stand_in(getattr(mx.fast, name)))
     from turbospark.layers import fused, gdn_cuda
@@ -81,6 +83,23 @@ def install_stand_ins() -> None:
 
     norm_cuda.available = lambda: norm_cuda.ENABLED
     norm_cuda.join_norm = _join_norm_stand_in
+    # And a decode step's attention as its two kernels (attention_cuda).
+    from turbospark.layers import attention_cuda
+
+    attention_cuda.available = lambda: attention_cuda.ENABLED
+    attention_cuda.decode_step = _decode_attention_stand_in
+
+
+def _decode_attention_stand_in(
+    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+) -> mx.array:
+    """Two kernels, as :func:`turbospark.layers.attention_cuda.decode` is:
+    a Scan over the queries for the chunks' partial results, a second over
+    those for their merge. The keys and values are the cache's buffers
+    (evaluated with the state anyway) and the rows a leaf, so leaving them
+    out drops no kernel."""
+    partial = mx.cumsum(queries, axis=-1)
+    return mx.cumsum(partial, axis=-1)[..., : values.shape[-1]]
 
 
 def _join_norm_stand_in(

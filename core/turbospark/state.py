@@ -136,9 +136,9 @@ class LayerKV:
             self.keys = mx.concatenate([self.keys[:, :, : self.fill], k_new], axis=2)
             self.values = mx.concatenate([self.values[:, :, : self.fill], v_new], axis=2)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
-        """Append ``(1, heads, L, dim)`` keys/values; return every retained row
-        and the absolute position of the first one (for the mask)."""
+    def update(self, keys: mx.array, values: mx.array) -> tuple[int, int]:
+        """Append ``(1, heads, L, dim)`` keys/values; return the buffer rows
+        ``[start, stop)`` the new queries attend over (with the mask, for several)."""
         length = keys.shape[2]
         self._make_room(keys, values)
         self.keys[:, :, self.fill : self.fill + length] = keys
@@ -148,11 +148,13 @@ class LayerKV:
         if self.window is not None and length == 1:
             # Decode: only the last `window` rows are visible, so no mask is needed.
             start = max(0, self.fill - self.window)
-        return (
-            self.keys[:, :, start : self.fill],
-            self.values[:, :, start : self.fill],
-            self.base + start,
-        )
+        return start, self.fill
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
+        """:meth:`update`, then those rows and the absolute position of the
+        first one (for the mask)."""
+        start, stop = self.update(keys, values)
+        return self.keys[:, :, start:stop], self.values[:, :, start:stop], self.base + start
 
     def mask(self, queries: int, key_start: int, keys: int) -> mx.array | str | None:
         """The attention mask for the last ``queries`` positions against ``keys``

@@ -12,8 +12,12 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from turbospark.layers import fused
+from turbospark.layers import attention_cuda, fused
 from turbospark.state import LayerKV
+
+# What a layer attended: keys, values and the mask (or, for the CUDA kernels, the
+# whole buffers and the rows), which KV-shared layers attend over unchanged.
+Attended = tuple[mx.array, mx.array, mx.array | str | attention_cuda.Rows | None]
 
 
 def cached_attention(
@@ -22,20 +26,33 @@ def cached_attention(
     values: mx.array,
     kv: LayerKV,
     scale: float,
-) -> tuple[mx.array, tuple[mx.array, mx.array, mx.array | str | None]]:
+) -> tuple[mx.array, Attended]:
     """Append ``keys``/``values`` (``(1, kv_heads, L, dim)``) to *kv* and attend.
 
     Returns the output ``(1, heads, L, dim)`` and ``(keys, values, mask)`` as
     attended, so KV-sharing layers can reuse them unchanged.
     """
+    if isinstance(kv, LayerKV) and takes_kernels(queries, keys, values):
+        # A lone row's decode step on CUDA: the kernels read the whole buffers.
+        rows = attention_cuda.Rows(*kv.update(keys, values))
+        return attend(queries, kv.keys, kv.values, scale, rows), (kv.keys, kv.values, rows)
     keys, values, key_start = kv.update_and_fetch(keys, values)
     mask = kv.mask(queries.shape[2], key_start, keys.shape[2])
     return attend(queries, keys, values, scale, mask), (keys, values, mask)
 
 
-def shared_attention(
-    queries: mx.array, shared: tuple[mx.array, mx.array, mx.array | str | None], scale: float
-) -> mx.array:
+def takes_kernels(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether one query a row over these heads takes
+    :mod:`~turbospark.layers.attention_cuda`'s kernels: on CUDA with their
+    switch on, and where the heads' shape fits them."""
+    return (
+        queries.shape[2] == 1
+        and attention_cuda.available()
+        and attention_cuda.fits(queries.shape[1] // keys.shape[1], keys.shape[3], values.shape[3])
+    )
+
+
+def shared_attention(queries: mx.array, shared: Attended, scale: float) -> mx.array:
     """Attend over another layer's ``(keys, values, mask)`` (KV-shared layers)."""
     keys, values, mask = shared
     return attend(queries, keys, values, scale, mask)
@@ -53,7 +70,11 @@ MATMUL_SCORES = 1 << 26
 
 
 def attend(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | str | attention_cuda.Rows | None,
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``, except on a GPU without a
     fused decode kernel (CUDA): one query per row (unmasked, or a batch's
@@ -71,7 +92,14 @@ def attend(
     the scores whole, so past :data:`MATMUL_SCORES` of them (a long prompt's
     chunk over a long context) the op's fused kernel, whose build the chunk's
     own work then dwarfs, keeps them off the device's memory. The CPU keeps
-    the op (its fallback), which costs it no more."""
+    the op (its fallback), which costs it no more.
+
+    A lone row's decode step on CUDA (:func:`takes_kernels`) comes with
+    :class:`~turbospark.layers.attention_cuda.Rows` for a mask and a cache's
+    whole buffers, and takes that module's kernels, traced once per buffer
+    size."""
+    if isinstance(mask, attention_cuda.Rows):
+        return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale)
     batch, heads, length, _ = queries.shape
     if fused.builds_for_gpu() and not _FUSED_DECODE:
         if length == 1 and not isinstance(mask, str):  # None, or a batch's padding mask

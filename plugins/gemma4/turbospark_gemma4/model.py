@@ -33,6 +33,7 @@ from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
 from turbospark.layers import norm_cuda
 from turbospark.layers.attention import (
+    Attended,
     cached_attention,
     merge_heads,
     normed_heads,
@@ -291,9 +292,6 @@ def sanitize(weights: dict[str, mx.array], arch: Gemma4Config) -> dict[str, mx.a
 
 
 # -- blocks -------------------------------------------------------------------
-
-
-Attended = tuple[mx.array, mx.array, mx.array | str | None]
 
 
 class Attention(nn.Module):

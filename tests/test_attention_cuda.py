@@ -1,0 +1,121 @@
+"""The decode step's attention kernels against attention computed in float64.
+
+Runs only where MLX has its CUDA backend (the H200 bench machine:
+``TURBOSPARK_TEST_DEVICE=gpu python3 -m pytest tests/test_attention_cuda.py``);
+on the CPU and Metal a decode step keeps MLX's attention. Whole forwards with
+the kernels against the reference forms on the same GPU are
+``tests/test_verify_gpu_forms.py`` and ``tests/test_prefill_gpu_forms.py``
+(their decode steps after a prefill or a cut).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark.layers import attention_cuda
+
+pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+# (batch, kv_heads, group, D, Dv, buffer rows, start, stop): one key; Gemma 4's
+# sliding and global layers at their large sizes (2 key heads of 4 queries, D
+# 256 and 512) with rows past the last one; Qwen's (8 queries a key head); many
+# query heads on one key head, D 64, a window's start; chunk edges.
+SHAPES = [
+    (1, 2, 4, 256, 256, 256, 0, 1),
+    (1, 2, 4, 256, 256, 768, 256, 767),
+    (1, 2, 4, 512, 512, 2304, 0, 2176),
+    (1, 2, 8, 256, 256, attention_cuda.CHUNK, 0, attention_cuda.CHUNK),
+    (2, 2, 8, 256, 256, 256, 0, attention_cuda.CHUNK + 1),
+    (3, 1, 32, 64, 64, 300, 3, 100),
+]
+
+
+def _inputs(
+    shape: tuple[int, ...], dtype: mx.Dtype, seed: int
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    batch, kv_heads, group, dim, value_dim, capacity, start, stop = shape
+    kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
+    queries = mx.random.normal((batch, kv_heads * group, 1, dim), key=kq).astype(dtype)
+    keys = mx.random.normal((batch, kv_heads, capacity, dim), key=kk).astype(dtype)
+    values = mx.random.normal((batch, kv_heads, capacity, value_dim), key=kv).astype(dtype)
+    return queries, keys, values, mx.array([start, stop], dtype=mx.int32)
+
+
+def _reference(
+    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+) -> np.ndarray:
+    """Softmax attention in float64 over *rows*, from the inputs as given (already rounded)."""
+    start, stop = rows.tolist()
+    q, k, v = (
+        np.array(x.astype(mx.float32)).astype(np.float64)
+        for x in (queries, keys[:, :, start:stop], values[:, :, start:stop])
+    )
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = scale * q @ k.swapaxes(-1, -2)  # (B, H, 1, T)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+def _tolerance(dtype: mx.Dtype) -> float:
+    # Float32 sums in another order, or the output rounded once to bf16 (2^-8 relative).
+    return 2e-5 if dtype == mx.float32 else 1e-2
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_kernel_equals_attention_in_float64(shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+    mx.set_default_device(mx.gpu)
+    queries, keys, values, rows = _inputs(shape, dtype, seed=shape[-1])
+    scale = shape[3] ** -0.5
+    got = attention_cuda.decode(queries, keys, values, rows, scale)
+    assert got.shape == (shape[0], shape[1] * shape[2], 1, shape[4]) and got.dtype == dtype
+    tol = _tolerance(dtype)
+    want = _reference(queries, keys, values, rows, scale)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=tol, atol=tol)
+    ops = attention_cuda.decode_ops(queries, keys, values, rows, scale)
+    np.testing.assert_allclose(np.array(ops.astype(mx.float32)), want, rtol=tol, atol=tol)
+
+
+def test_the_trace_serves_every_position_and_reads_only_its_rows() -> None:
+    """:data:`~turbospark.layers.attention_cuda.decode_step` traced at one
+    position gives what the eager kernels give at others, bit for bit, with
+    the same buffers; what lies outside the rows never reaches the output;
+    queries as a slice of the joint heads read in place."""
+    mx.set_default_device(mx.gpu)
+    queries, keys, values, _ = _inputs((1, 2, 4, 256, 256, 768, 0, 0), mx.bfloat16, seed=3)
+    joint = mx.concatenate([queries, mx.zeros_like(queries[:, :2])], axis=1)
+    for start, stop in [(0, 1), (0, 300), (45, 556), (256, 767)]:
+        rows = mx.array([start, stop], dtype=mx.int32)
+        eager = attention_cuda.decode(queries, keys, values, rows, 1.0)
+        assert mx.array_equal(
+            attention_cuda.decode_step(joint[:, :8], keys, values, rows, 1.0), eager
+        )
+        outside = (mx.arange(768) < start) | (mx.arange(768) >= stop)
+        hidden = outside[None, None, :, None]
+        noisy = attention_cuda.decode(
+            queries, mx.where(hidden, 1e3, keys), mx.where(hidden, -1e3, values), rows, 1.0
+        )
+        assert mx.array_equal(noisy, eager)
+
+
+def test_a_row_is_the_same_alone_and_batched() -> None:
+    """Rows are computed apart: a batch's row equals that row alone, bit for bit."""
+    mx.set_default_device(mx.gpu)
+    queries, keys, values, rows = _inputs((3, 2, 4, 256, 256, 512, 0, 300), mx.bfloat16, seed=5)
+    batched = attention_cuda.decode(queries, keys, values, rows, 1.0)
+    alone = attention_cuda.decode(queries[1:2], keys[1:2], values[1:2], rows, 1.0)
+    assert mx.array_equal(alone, batched[1:2])
+
+
+def test_available_follows_the_gpu_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turning the GPU forms off (how the tests get the reference forms on a GPU)
+    turns the kernels off too."""
+    from turbospark.layers import fused
+
+    mx.set_default_device(mx.gpu)
+    assert attention_cuda.available()
+    monkeypatch.setattr(fused, "BUILD_FOR_GPU", False)
+    assert not attention_cuda.available()

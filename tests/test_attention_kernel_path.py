@@ -1,0 +1,159 @@
+"""A decode step's attention through the CUDA kernels' path equals the plain path, on the CPU.
+
+On MLX's CUDA backend a lone row's decode step hands
+:mod:`turbospark.layers.attention_cuda` a cache's whole buffers and the rows
+its query attends over (:class:`~turbospark.layers.attention_cuda.Rows`, which
+KV-shared layers reuse), and the kernels run traced once per buffer size. The
+CUDA source runs only on a GPU (``tests/test_attention_cuda.py``); here the
+kernels are replaced by their contract in ops
+(:func:`~turbospark.layers.attention_cuda.decode_ops`), so what the layers
+hand over (a window's first row, rows after a trim, a buffer that grew, a
+rewind after a rejected draft, the KV-shared tail, qwen_gdn's MTP head) is
+checked against the plain path wherever the suite runs. Float32 on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import assert_states_close, chunks_and_steps, state_arrays
+from turbospark import build_synthetic_install
+from turbospark.draft import ReplayDrafter
+from turbospark.generate import GenerationConfig, generate
+from turbospark.layers import attention, attention_cuda
+from turbospark.policies import DraftPolicies
+from turbospark.runner import Runner
+from turbospark.text import load_text
+
+PROMPT = [3 + (7 * i) % 90 for i in range(37)]
+# MLX's attention over the same rows either way: only the path that hands them over differs.
+ATOL = 1e-5
+# gemma4 with a window of 8, per-layer inputs and two KV-shared layers; qwen_gdn
+# (gated DeltaNet and attention layers) with its MTP head.
+KINDS = {
+    "gemma4": ("gemma4", {"num_layers": 4, "sliding_window": 8}),
+    "qwen_gdn": ("qwen_gdn", {"num_layers": 4, "mtp": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, dims = KINDS[request.param]
+    path = tmp_path_factory.mktemp(f"attention-{request.param}")
+    build_synthetic_install(
+        family, path, vocab_size=128, model_id=f"attention-{request.param}", **dims
+    )
+    return path
+
+
+def _path(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> list[tuple[int, int]]:
+    """Take the kernels' path (with their ops) or the plain one; the rows each
+    kernel call was handed, in order."""
+    handed: list[tuple[int, int]] = []
+
+    def decode(queries, keys, values, rows, scale):
+        handed.append(tuple(rows.tolist()))
+        return attention_cuda.decode_ops(queries, keys, values, rows, scale)
+
+    monkeypatch.setattr(attention_cuda, "available", lambda: kernel)
+    monkeypatch.setattr(attention_cuda, "decode_step", decode)
+    return handed
+
+
+def _open(path: Path, **kwargs) -> Runner:
+    return Runner.open(path, context_length=1024, dtype="float32", **kwargs)
+
+
+def _close(a: mx.array, b: mx.array, what: str) -> None:
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=ATOL, rtol=ATOL, err_msg=what)
+
+
+def test_chunks_and_steps_equal_the_plain_path(
+    install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uneven chunks, then three decode steps: every forward's logits and every
+    state array at the end; the steps, and only they, took the kernels."""
+    runs = []
+    for kernel in (False, True):
+        handed = _path(monkeypatch, kernel)
+        runs.append(chunks_and_steps(_open(install), PROMPT))
+    (ref_logits, ref_state), (got_logits, got_state) = runs
+    for i, (a, b) in enumerate(zip(got_logits, ref_logits, strict=True)):
+        _close(a, b, f"forward {i}'s logits")
+    assert_states_close(got_state, ref_state, ATOL)
+    assert handed and all(stop - start <= len(PROMPT) + 3 for start, stop in handed)
+
+
+def test_steps_across_a_trim_and_a_grown_buffer(
+    install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt that ends two rows before the buffers' first 256, then steps
+    past it (the buffers grow; the windowed layers drop the rows their window
+    no longer reaches, so their rows start past 0): the logits of every step."""
+    prompt = [3 + (5 * i) % 97 for i in range(254)]
+    runs = []
+    for kernel in (False, True):
+        handed = _path(monkeypatch, kernel)
+        runner = _open(install)
+        runner.prefill_chunk(prompt, 0)
+        runs.append([runner.produce(5 + i, len(prompt) + i) for i in range(5)])
+        state = state_arrays(runner.sessions()[0].state)
+        runs[-1].append(state)
+    for i, (a, b) in enumerate(zip(runs[1][:-1], runs[0][:-1], strict=True)):
+        _close(a, b, f"step {i}")
+    assert_states_close(runs[1][-1], runs[0][-1], ATOL)
+    if "gemma4" in install.name:
+        assert any(start > 0 for start, _ in handed), "no windowed layer's rows started past 0"
+
+
+def test_greedy_output_equals_the_plain_path(
+    install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temperature 0, token for token: plain, the kernels' path, and the
+    kernels' path with a drafter (its rejected drafts rewind the caches, and
+    the next step attends over the rows left)."""
+    config = GenerationConfig(max_tokens=20, stop_token_ids=[])
+    codec = load_text(install)
+    _path(monkeypatch, False)
+    plain = generate(_open(install), codec, PROMPT, config)
+    _path(monkeypatch, True)
+    kernels = generate(_open(install), codec, PROMPT, config)
+    drafter = ReplayDrafter([*PROMPT, *plain.tokens], 128, 4, 0.5, seed=3)
+    drafted = generate(_open(install), codec, PROMPT, config, drafter=drafter)
+    assert kernels.tokens == plain.tokens == drafted.tokens
+
+
+def test_the_mtp_head_drafts_as_on_the_plain_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qwen_gdn's MTP head keeps a cache of its own: the drafted output and the
+    draft statistics match."""
+    family, dims = KINDS["qwen_gdn"]
+    install = tmp_path / "mtp"
+    build_synthetic_install(family, install, vocab_size=128, model_id="attention-mtp", **dims)
+    config = GenerationConfig(max_tokens=16, stop_token_ids=[])
+    runs = []
+    for kernel in (False, True):
+        _path(monkeypatch, kernel)
+        done = generate(
+            _open(install, draft=DraftPolicies.mtp(2)), load_text(install), PROMPT, config
+        )
+        runs.append((done.tokens, done.stats.draft_proposed, done.stats.draft_accepted))
+    assert runs[0] == runs[1]
+
+
+def test_only_a_lone_rows_step_takes_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several queries (a chunk, a verify pass) keep the plain path, and so
+    does a shape past the kernels' registers."""
+    _path(monkeypatch, True)
+    one = mx.zeros((1, 8, 1, 256))
+    assert attention.takes_kernels(one, mx.zeros((1, 2, 1, 256)), mx.zeros((1, 2, 1, 256)))
+    assert not attention.takes_kernels(
+        mx.zeros((1, 8, 4, 256)), mx.zeros((1, 2, 4, 256)), mx.zeros((1, 2, 4, 256))
+    )
+    wide = mx.zeros((1, 64, 1, 512))  # 64 query heads on one key head of 512
+    assert not attention.takes_kernels(wide, mx.zeros((1, 1, 1, 512)), mx.zeros((1, 1, 1, 512)))
