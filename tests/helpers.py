@@ -4,14 +4,19 @@ gated-DeltaNet kernel's reference (`tests/test_gdn_cuda.py`, `tests/test_gdn_ker
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from turbospark import MropePositions, Runner
+from turbospark import MropePositions, Runner, build_synthetic_install
+from turbospark.draft import ReplayDrafter
+from turbospark.generate import GenerationConfig, generate
 from turbospark.layers.gated_delta import gated_delta_step, log_decay, normalize_qk_heads
+from turbospark.policies import DraftPolicies
 from turbospark.state import State
+from turbospark.text import load_text
 
 
 def feed(runner: Runner, tokens: Sequence[int]) -> mx.array:
@@ -182,3 +187,46 @@ def gdn_reference(
         ys.append(y)
         states.append(state)
     return mx.stack(ys, axis=1), mx.stack(states, axis=1)
+
+
+def greedy_both_paths(
+    install: Path, take: Callable[[bool], object], open_runner: Callable[..., Runner],
+    prompt: Sequence[int],
+) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+    """Temperature 0, 20 tokens, three ways: with ``take(False)`` (the plain
+    path), with ``take(True)`` (a kernel's path), and that path again with a
+    drafter replaying the plain output at 50 % (its rejected drafts rewind)."""
+    config = GenerationConfig(max_tokens=20, stop_token_ids=[])
+    codec = load_text(install)
+    take(False)
+    plain = generate(open_runner(install), codec, prompt, config)
+    take(True)
+    taken = generate(open_runner(install), codec, prompt, config)
+    drafter = ReplayDrafter([*prompt, *plain.tokens], 128, 4, 0.5, seed=3)
+    drafted = generate(open_runner(install), codec, prompt, config, drafter=drafter)
+    return plain.tokens, taken.tokens, drafted.tokens
+
+
+def mtp_drafts_both_paths(
+    install: Path, dims: dict, take: Callable[[bool], object],
+    open_runner: Callable[..., Runner], prompt: Sequence[int],
+) -> list[tuple[list[int], int, int]]:  # fmt: skip
+    """A qwen_gdn install with *dims* and its MTP head built at *install*, then
+    16 greedy tokens drafted by that head two ways (``take(False)``, then
+    ``take(True)``): each way's tokens and draft statistics."""
+    build_synthetic_install("qwen_gdn", install, vocab_size=128, model_id=install.name, **dims)
+    config = GenerationConfig(max_tokens=16, stop_token_ids=[])
+    runs = []
+    for kernel in (False, True):
+        take(kernel)
+        runner = open_runner(install, draft=DraftPolicies.mtp(2))
+        done = generate(runner, load_text(install), prompt, config)
+        runs.append((done.tokens, done.stats.draft_proposed, done.stats.draft_accepted))
+    return runs
+
+
+def kind_install(tmp_dir: Path, family: str, dims: dict) -> Path:
+    """A synthetic *family* install with *dims* and a 128-token vocabulary in
+    *tmp_dir*, named for it (the kernel-path tests' module-scoped installs)."""
+    build_synthetic_install(family, tmp_dir, vocab_size=128, model_id=tmp_dir.name, **dims)
+    return tmp_dir

@@ -5,7 +5,8 @@ Runs only where MLX has its CUDA backend (the H200 bench machine:
 on the CPU and Metal a decode step keeps MLX's attention. Whole forwards with
 the kernels against the reference forms on the same GPU are
 ``tests/test_verify_gpu_forms.py`` and ``tests/test_prefill_gpu_forms.py``
-(their decode steps after a prefill or a cut).
+(their decode steps after a prefill or a cut); that the kernels follow the
+GPU forms' switch is ``tests/test_gdn_cuda.py``'s.
 """
 
 from __future__ import annotations
@@ -108,14 +109,3 @@ def test_a_row_is_the_same_alone_and_batched() -> None:
     batched = attention_cuda.decode(queries, keys, values, rows, 1.0)
     alone = attention_cuda.decode(queries[1:2], keys[1:2], values[1:2], rows, 1.0)
     assert mx.array_equal(alone, batched[1:2])
-
-
-def test_available_follows_the_gpu_forms(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Turning the GPU forms off (how the tests get the reference forms on a GPU)
-    turns the kernels off too."""
-    from turbospark.layers import fused
-
-    mx.set_default_device(mx.gpu)
-    assert attention_cuda.available()
-    monkeypatch.setattr(fused, "BUILD_FOR_GPU", False)
-    assert not attention_cuda.available()

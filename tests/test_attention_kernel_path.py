@@ -14,20 +14,23 @@ checked against the plain path wherever the suite runs. Float32 on CPU.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import assert_states_close, chunks_and_steps, state_arrays
-from turbospark import build_synthetic_install
-from turbospark.draft import ReplayDrafter
-from turbospark.generate import GenerationConfig, generate
+from helpers import (
+    assert_states_close,
+    chunks_and_steps,
+    greedy_both_paths,
+    kind_install,
+    mtp_drafts_both_paths,
+    state_arrays,
+)
 from turbospark.layers import attention, attention_cuda
-from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
-from turbospark.text import load_text
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
 # MLX's attention over the same rows either way: only the path that hands them over differs.
@@ -42,12 +45,9 @@ KINDS = {
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    family, dims = KINDS[request.param]
-    path = tmp_path_factory.mktemp(f"attention-{request.param}")
-    build_synthetic_install(
-        family, path, vocab_size=128, model_id=f"attention-{request.param}", **dims
+    return kind_install(
+        tmp_path_factory.mktemp(f"attention-{request.param}"), *KINDS[request.param]
     )
-    return path
 
 
 def _path(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> list[tuple[int, int]]:
@@ -116,15 +116,8 @@ def test_greedy_output_equals_the_plain_path(
     """Temperature 0, token for token: plain, the kernels' path, and the
     kernels' path with a drafter (its rejected drafts rewind the caches, and
     the next step attends over the rows left)."""
-    config = GenerationConfig(max_tokens=20, stop_token_ids=[])
-    codec = load_text(install)
-    _path(monkeypatch, False)
-    plain = generate(_open(install), codec, PROMPT, config)
-    _path(monkeypatch, True)
-    kernels = generate(_open(install), codec, PROMPT, config)
-    drafter = ReplayDrafter([*PROMPT, *plain.tokens], 128, 4, 0.5, seed=3)
-    drafted = generate(_open(install), codec, PROMPT, config, drafter=drafter)
-    assert kernels.tokens == plain.tokens == drafted.tokens
+    plain, kernels, drafted = greedy_both_paths(install, partial(_path, monkeypatch), _open, PROMPT)
+    assert kernels == plain == drafted
 
 
 def test_the_mtp_head_drafts_as_on_the_plain_path(
@@ -132,17 +125,8 @@ def test_the_mtp_head_drafts_as_on_the_plain_path(
 ) -> None:
     """qwen_gdn's MTP head keeps a cache of its own: the drafted output and the
     draft statistics match."""
-    family, dims = KINDS["qwen_gdn"]
-    install = tmp_path / "mtp"
-    build_synthetic_install(family, install, vocab_size=128, model_id="attention-mtp", **dims)
-    config = GenerationConfig(max_tokens=16, stop_token_ids=[])
-    runs = []
-    for kernel in (False, True):
-        _path(monkeypatch, kernel)
-        done = generate(
-            _open(install, draft=DraftPolicies.mtp(2)), load_text(install), PROMPT, config
-        )
-        runs.append((done.tokens, done.stats.draft_proposed, done.stats.draft_accepted))
+    take = partial(_path, monkeypatch)
+    runs = mtp_drafts_both_paths(tmp_path / "mtp", KINDS["qwen_gdn"][1], take, _open, PROMPT)
     assert runs[0] == runs[1]
 
 

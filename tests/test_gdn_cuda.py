@@ -63,15 +63,19 @@ def test_a_row_is_the_same_alone_and_batched_and_chunked() -> None:
     assert mx.array_equal(end, last)
 
 
-def test_available_follows_the_gpu_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("module", ["gdn_cuda", "norm_cuda", "attention_cuda"])
+def test_available_follows_the_gpu_forms(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Turning the GPU forms off (how the tests get the reference forms on a GPU)
-    turns the kernel off too."""
+    turns each hand-written kernel off too."""
+    import importlib
+
     from turbospark.layers import fused
 
+    kernels = importlib.import_module(f"turbospark.layers.{module}")
     mx.set_default_device(mx.gpu)
-    assert gdn_cuda.available()
+    assert kernels.available()
     monkeypatch.setattr(fused, "BUILD_FOR_GPU", False)
-    assert not gdn_cuda.available()
+    assert not kernels.available()
 
 
 def _mixer_inputs(

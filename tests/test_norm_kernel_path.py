@@ -15,6 +15,7 @@ Float32 on CPU.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,17 +26,15 @@ from helpers import (
     assert_states_close,
     batched_greedy,
     chunks_and_steps,
+    greedy_both_paths,
     group_forward,
+    kind_install,
+    mtp_drafts_both_paths,
     verify_and_cut,
 )
-from turbospark import build_synthetic_install
-from turbospark.draft import ReplayDrafter
-from turbospark.generate import GenerationConfig, generate
 from turbospark.layers import norm_cuda
-from turbospark.policies import DraftPolicies
 from turbospark.runner import Runner
 from turbospark.steering import SteeringPolicy
-from turbospark.text import load_text
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
 # The plain forms add a projection's residual inside its GEMM (addmm); the joins
@@ -52,10 +51,7 @@ KINDS = {
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    family, dims = KINDS[request.param]
-    path = tmp_path_factory.mktemp(f"joins-{request.param}")
-    build_synthetic_install(family, path, vocab_size=128, model_id=f"joins-{request.param}", **dims)
-    return path
+    return kind_install(tmp_path_factory.mktemp(f"joins-{request.param}"), *KINDS[request.param])
 
 
 def _forms(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
@@ -120,15 +116,8 @@ def test_greedy_output_equals_the_plain_forms(
     install: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Temperature 0, token for token: plain, joined, and joined with a drafter."""
-    config = GenerationConfig(max_tokens=20, stop_token_ids=[])
-    codec = load_text(install)
-    _forms(monkeypatch, False)
-    plain = generate(_open(install), codec, PROMPT, config)
-    _forms(monkeypatch, True)
-    joined = generate(_open(install), codec, PROMPT, config)
-    drafter = ReplayDrafter([*PROMPT, *plain.tokens], 128, 4, 0.5, seed=3)
-    drafted = generate(_open(install), codec, PROMPT, config, drafter=drafter)
-    assert joined.tokens == plain.tokens == drafted.tokens
+    plain, joined, drafted = greedy_both_paths(install, partial(_forms, monkeypatch), _open, PROMPT)
+    assert joined == plain == drafted
 
 
 def test_a_steered_layer_between_joined_ones(
@@ -159,16 +148,8 @@ def test_the_mtp_head_drafts_as_on_the_plain_forms(
 ) -> None:
     """qwen_gdn's MTP head is a decoder layer too: its unjoined output goes through
     the head's norm. The drafted output and the draft statistics match."""
-    family, dims = KINDS["qwen_gdn"]
-    install = tmp_path / "mtp"
-    build_synthetic_install(family, install, vocab_size=128, model_id="joins-mtp", **dims)
-    config = GenerationConfig(max_tokens=16, stop_token_ids=[])
-    runs = []
-    for kernel in (False, True):
-        _forms(monkeypatch, kernel)
-        runner = _open(install, draft=DraftPolicies.mtp(2))
-        done = generate(runner, load_text(install), PROMPT, config)
-        runs.append((done.tokens, done.stats.draft_proposed, done.stats.draft_accepted))
+    take = partial(_forms, monkeypatch)
+    runs = mtp_drafts_both_paths(tmp_path / "mtp", KINDS["qwen_gdn"][1], take, _open, PROMPT)
     assert runs[0] == runs[1]
 
 
