@@ -132,7 +132,7 @@ def test_the_mtp_head_drafts_as_on_the_plain_path(
 
 def test_only_a_lone_rows_step_takes_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several queries (a chunk, a verify pass) keep the plain path, and so
-    does a shape past the kernels' registers."""
+    do a shape past the kernels' registers and keys of another dtype."""
     _path(monkeypatch, True)
     one = mx.zeros((1, 8, 1, 256))
     assert attention.takes_kernels(one, mx.zeros((1, 2, 1, 256)), mx.zeros((1, 2, 1, 256)))
@@ -141,3 +141,5 @@ def test_only_a_lone_rows_step_takes_the_kernels(monkeypatch: pytest.MonkeyPatch
     )
     wide = mx.zeros((1, 64, 1, 512))  # 64 query heads on one key head of 512
     assert not attention.takes_kernels(wide, mx.zeros((1, 1, 1, 512)), mx.zeros((1, 1, 1, 512)))
+    bf16 = mx.zeros((1, 2, 1, 256), dtype=mx.bfloat16)
+    assert not attention.takes_kernels(one, bf16, bf16)

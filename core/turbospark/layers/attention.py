@@ -44,9 +44,11 @@ def cached_attention(
 def takes_kernels(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether one query a row over these heads takes
     :mod:`~turbospark.layers.attention_cuda`'s kernels: on CUDA with their
-    switch on, and where the heads' shape fits them."""
+    switch on, where the heads' shape fits them and all three share a dtype
+    (the kernels read them as one type)."""
     return (
         queries.shape[2] == 1
+        and queries.dtype == keys.dtype == values.dtype
         and attention_cuda.available()
         and attention_cuda.fits(queries.shape[1] // keys.shape[1], keys.shape[3], values.shape[3])
     )
