@@ -1,6 +1,8 @@
 """Small drivers shared by the runner-level tests: the `feed` shapes of the seed
-scenarios (`tests/test_seed_scenarios.py`), a batched greedy decode, and the
-gated-DeltaNet kernel's reference (`tests/test_gdn_cuda.py`, `tests/test_gdn_kernel_path.py`)."""
+scenarios (`tests/test_seed_scenarios.py`), a batched greedy decode, the
+gated-DeltaNet kernel's reference (`tests/test_gdn_cuda.py`, `tests/test_gdn_kernel_path.py`),
+and the kernel-path tests' installs and runs both ways (`tests/test_norm_kernel_path.py`,
+`tests/test_attention_kernel_path.py`)."""
 
 from __future__ import annotations
 

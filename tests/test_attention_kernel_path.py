@@ -100,12 +100,12 @@ def test_steps_across_a_trim_and_a_grown_buffer(
         handed = _path(monkeypatch, kernel)
         runner = _open(install)
         runner.prefill_chunk(prompt, 0)
-        runs.append([runner.produce(5 + i, len(prompt) + i) for i in range(5)])
-        state = state_arrays(runner.sessions()[0].state)
-        runs[-1].append(state)
-    for i, (a, b) in enumerate(zip(runs[1][:-1], runs[0][:-1], strict=True)):
+        steps = [runner.produce(5 + i, len(prompt) + i) for i in range(5)]
+        runs.append((steps, state_arrays(runner.sessions()[0].state)))
+    (ref_steps, ref_state), (got_steps, got_state) = runs
+    for i, (a, b) in enumerate(zip(got_steps, ref_steps, strict=True)):
         _close(a, b, f"step {i}")
-    assert_states_close(runs[1][-1], runs[0][-1], ATOL)
+    assert_states_close(got_state, ref_state, ATOL)
     if "gemma4" in install.name:
         assert any(start > 0 for start, _ in handed), "no windowed layer's rows started past 0"
 

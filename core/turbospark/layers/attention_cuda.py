@@ -86,9 +86,9 @@ _PARTIAL = """
     __shared__ float s_out[NW][G][DV];
     const int kv_heads = keys_shape[1];
     const int splits = (keys_shape[2] + CHUNK - 1) / CHUNK;
-    const int first = rows[0] + (blockIdx.x % splits) * CHUNK;
-    const int end = min(rows[1], first + CHUNK);
     const int split = blockIdx.x % splits;
+    const int first = rows[0] + split * CHUNK;
+    const int end = min(rows[1], first + CHUNK);
     const int kvh = (blockIdx.x / splits) % kv_heads;
     const int b = blockIdx.x / splits / kv_heads;
     const int warp = threadIdx.x / 32;
