@@ -87,7 +87,7 @@ def install_stand_ins() -> None:
     from turbospark.layers import attention_cuda
 
     attention_cuda.available = lambda: attention_cuda.ENABLED
-    attention_cuda.decode_step = _decode_attention_stand_in
+    attention_cuda.decode = attention_cuda.decode_step = _decode_attention_stand_in
 
 
 def _decode_attention_stand_in(

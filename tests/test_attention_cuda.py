@@ -11,11 +11,16 @@ GPU forms' switch is ``tests/test_gdn_cuda.py``'s.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from helpers import assert_states_close, greedy_both_paths, kind_install, state_arrays
 from turbospark.layers import attention_cuda
+from turbospark.runner import Runner
+from turbospark_gemma4.model import DecoderLayer
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
@@ -109,3 +114,36 @@ def test_a_row_is_the_same_alone_and_batched() -> None:
     batched = attention_cuda.decode(queries, keys, values, rows, 1.0)
     alone = attention_cuda.decode(queries[1:2], keys[1:2], values[1:2], rows, 1.0)
     assert mx.array_equal(alone, batched[1:2])
+
+
+def test_gemma4_layer_traces_equal_its_modules_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 4's decode step in its layer traces (``DecoderLayer._kernel_step``)
+    against its modules' path with the same kernels, float32, over a window's
+    trim and a grown buffer: every step's logits, the state after, and
+    greedy tokens (with a drafter whose rejected drafts rewind)."""
+    mx.set_default_device(mx.gpu)
+    install = kind_install(tmp_path / "gemma4", "gemma4", {"num_layers": 4, "sliding_window": 8})
+    real = DecoderLayer._kernel_step
+
+    def take(traces: bool) -> None:
+        monkeypatch.setattr(DecoderLayer, "_kernel_step", real if traces else lambda *a: None)
+
+    def open_runner(path: Path, **kwargs) -> Runner:
+        return Runner.open(path, context_length=1024, dtype="float32", **kwargs)
+
+    prompt = [3 + (5 * i) % 97 for i in range(254)]
+    runs = []
+    for traces in (False, True):
+        take(traces)
+        runner = open_runner(install)
+        runner.prefill_chunk(prompt, 0)
+        steps = [runner.produce(5 + i, len(prompt) + i) for i in range(5)]
+        runs.append((steps, state_arrays(runner.sessions()[0].state)))
+    (ref_steps, ref_state), (got_steps, got_state) = runs
+    for a, b in zip(got_steps, ref_steps, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5, rtol=1e-5)
+    assert_states_close(got_state, ref_state, 1e-5)
+    plain, traced, drafted = greedy_both_paths(install, take, open_runner, prompt[:37])
+    assert traced == plain == drafted

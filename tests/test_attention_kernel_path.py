@@ -29,7 +29,7 @@ from helpers import (
     mtp_drafts_both_paths,
     state_arrays,
 )
-from turbospark.layers import attention, attention_cuda
+from turbospark.layers import attention, attention_cuda, norm_cuda
 from turbospark.runner import Runner
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
@@ -39,6 +39,8 @@ ATOL = 1e-5
 # (gated DeltaNet and attention layers) with its MTP head.
 KINDS = {
     "gemma4": ("gemma4", {"num_layers": 4, "sliding_window": 8}),
+    # The same with the norm kernels' forms too, as on a GPU (their contract in ops).
+    "gemma4-norms": ("gemma4", {"num_layers": 4, "sliding_window": 8}),
     "qwen_gdn": ("qwen_gdn", {"num_layers": 4, "mtp": True}),
 }
 
@@ -50,17 +52,33 @@ def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     )
 
 
+@pytest.fixture(autouse=True)
+def _norm_forms(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a ``-norms`` kind, both paths take the norm kernels' forms
+    (:mod:`~turbospark.layers.norm_cuda`, in ops): layers hand their last
+    join on unjoined, as they do on a GPU."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and str(callspec.params.get("install", "")).endswith("-norms"):
+        monkeypatch.setattr(norm_cuda, "available", lambda: True)
+        monkeypatch.setattr(norm_cuda, "join_norm", norm_cuda.join_norm_ops)
+
+
 def _path(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> list[tuple[int, int]]:
     """Take the kernels' path (with their ops) or the plain one; the rows each
-    kernel call was handed, in order."""
+    step's layers were handed to attend over (each K/V-owning layer's, in
+    order: KV-shared layers reuse them)."""
     handed: list[tuple[int, int]] = []
 
-    def decode(queries, keys, values, rows, scale):
-        handed.append(tuple(rows.tolist()))
-        return attention_cuda.decode_ops(queries, keys, values, rows, scale)
+    class Rows(attention_cuda.Rows):
+        def __init__(self, start: int, stop: int):
+            handed.append((start, stop))
+            super().__init__(start, stop)
 
     monkeypatch.setattr(attention_cuda, "available", lambda: kernel)
-    monkeypatch.setattr(attention_cuda, "decode_step", decode)
+    monkeypatch.setattr(attention_cuda, "Rows", Rows)
+    # Gemma 4's layers call the kernels inside their own traces, other families' through decode_step.
+    monkeypatch.setattr(attention_cuda, "decode", attention_cuda.decode_ops)
+    monkeypatch.setattr(attention_cuda, "decode_step", mx.compile(attention_cuda.decode_ops))
     return handed
 
 

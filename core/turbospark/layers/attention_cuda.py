@@ -30,7 +30,8 @@ rows the query attends over as an int32 pair on the device (:class:`Rows`),
 not the buffers sliced to those rows: every step's slice has a new shape, and
 a custom kernel called outside a trace costs its own host time (MLX builds
 its whole source on each call), so :data:`decode_step` is traced once per
-buffer size and replayed. Chunks past the last row hold no key and cost a
+buffer size and replayed (Gemma 4's layers call :func:`decode` inside traces
+of their own, which hold the rest of the layer too). Chunks past the last row hold no key and cost a
 block that exits. Only a lone row's step takes them; a batch's steps (left
 padding, a mask) keep the matmul form.
 
@@ -299,13 +300,13 @@ def decode(
 def decode_ops(
     queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
 ) -> mx.array:
-    """:func:`decode`'s contract in MLX ops (MLX's attention over the rows
-    *rows* names): the CPU tests' stand-in for the kernels
-    (``tests/test_attention_kernel_path.py``). It reads *rows* on the host."""
-    start, stop = rows.tolist()
-    return mx.fast.scaled_dot_product_attention(
-        queries, keys[:, :, start:stop], values[:, :, start:stop], scale=scale
-    )
+    """:func:`decode`'s contract in MLX ops (MLX's attention over the whole
+    buffers, masked to the rows *rows* names): the CPU tests' stand-in for
+    the kernels (``tests/test_attention_kernel_path.py``). Reads *rows* on
+    the device, as the kernels do, so it traces as they do."""
+    index = mx.arange(keys.shape[2])
+    visible = (index >= rows[0]) & (index < rows[1])
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=visible)
 
 
 # Traced once per buffer size (a cache grows 256 rows at a time), then replayed:

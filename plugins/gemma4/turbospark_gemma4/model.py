@@ -23,6 +23,7 @@ then an array of ``B`` positions; see :mod:`turbospark.batch`).
 from __future__ import annotations
 
 from functools import partial
+from operator import is_
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
-from turbospark.layers import norm_cuda
+from turbospark.layers import attention_cuda, norm_cuda
 from turbospark.layers.attention import (
     Attended,
     cached_attention,
@@ -330,6 +331,15 @@ class Attention(nn.Module):
         return outs[0], outs[1], outs[2] if len(outs) == 3 else None
 
     @property
+    def takes_kernels(self) -> bool:
+        """Whether a lone row's decode step over this layer's heads takes
+        :mod:`~turbospark.layers.attention_cuda`'s kernels (their switch on,
+        on CUDA, and the heads' shape fits them)."""
+        return attention_cuda.available() and attention_cuda.fits(
+            self.n_heads // self.n_kv_heads, self.head_dim, self.head_dim
+        )
+
+    @property
     def _names(self) -> tuple[str, ...]:
         """The projections of a K/V-owning layer, in their stacked order."""
         return ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
@@ -580,6 +590,10 @@ class DecoderLayer(nn.Module):
         the input norm then makes the last layer's join in the same kernel. On
         MLX's CUDA backend an unsteered dense layer makes each join with the
         norms beside it (:func:`dense_joins`) and hands its last one on that way."""
+        if join is None and not self.moe and h.shape[:2] == (1, 1) and attention_cuda.available():
+            stepped = self._kernel_step(h, start, kv, shared, per_layer_input)
+            if stepped is not None:
+                return stepped
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
         h, normed = norm_cuda.normed_input(h, self["input_layernorm"]["weight"], self.eps)
@@ -627,6 +641,131 @@ class DecoderLayer(nn.Module):
         # Steered: the steering traces into the compiled tail (one call, as unsteered).
         args = (h, attn, per_layer_input, weights, ple, self.eps)
         return join.fold(dense_tail_parts, args, self["layer_scalar"], compiled), attended
+
+    def _kernel_step(
+        self,
+        h: mx.array | Unjoined,
+        start: mx.array,
+        kv: LayerKV | BatchLayerKV | None,
+        shared: Attended | None,
+        per_layer_input: mx.array | None,
+    ) -> tuple[mx.array | Unjoined, Attended] | None:
+        """A lone row's decode step where attention takes the CUDA kernels
+        (:mod:`~turbospark.layers.attention_cuda`): a K/V-owning layer in two
+        traced calls, :data:`owner_inputs_step` up to the new keys and values,
+        then :data:`kernel_tail_step` from the attention on, with the cache's
+        writes between them (a write inside a trace would take its row as a
+        device offset, which MLX's CUDA backend reads back on the host: a sync
+        a layer); a KV-shared layer, which writes nothing, in one
+        (:data:`shared_step`). The modules' path takes four traced calls, four
+        ops and their Python a layer; on the H200 this path built a gemma4
+        step in a median 963 µs of host time against 1,212 (bench/README,
+        nineteenth session). The kernels are the same. None where the step
+        does not take this path (sharded, a shape the kernels do not take, a
+        shared layer whose source did not): the caller runs the modules."""
+        weights = self._step_weights()
+        if weights is None:
+            return None
+        head, tail = weights
+        joins = norm_cuda.available()
+        stream = tuple(h)[:4] if isinstance(h, Unjoined) else h
+        attn = self["self_attn"]
+        if kv is None:  # KV-shared: the rows the layer it shares attended
+            if shared is None or not isinstance(shared[2], attention_cuda.Rows):
+                return None
+            keys, values, rows = shared
+            out = shared_step(
+                stream, head, start, keys, values, rows.bounds, per_layer_input, tail,
+                attn.n_heads, attn.head_dim, joins, self.eps,
+            )  # fmt: skip
+            return self._stepped(out, joins), shared
+        if not isinstance(kv, LayerKV):
+            return None
+        # q, k and v come from one product: they share a dtype, as the kernels need.
+        h, queries, keys, values = owner_inputs_step(
+            stream, head, start, attn.n_heads, attn.n_kv_heads, self.eps
+        )
+        rows = attention_cuda.Rows(*kv.update(keys, values))
+        out = kernel_tail_step(
+            h, queries, kv.keys, kv.values, rows.bounds, per_layer_input, tail, joins, self.eps
+        )
+        return self._stepped(out, joins), (kv.keys, kv.values, rows)
+
+    def _step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
+        """What a kernel step reads besides its activations: the input norm's
+        weight, the projections before attention (stacked), their norm weights
+        and RoPE's frequencies, then :data:`StepTail`; None where the layer
+        does not take the kernels' step. Derived once and kept in
+        ``__dict__`` with the parameters it came from, rebuilt when any was
+        replaced (the modules' own accessors cost a step about 20 µs a layer
+        of host time to look up again)."""
+        held = self.__dict__.get("_step")
+        if held is not None and all(map(is_, held[0], self._step_leaves())):
+            return held[1]
+        weights = self._derive_step_weights()
+        self.__dict__["_step"] = (self._step_leaves(), weights)
+        return weights
+
+    def _step_leaves(self) -> list[mx.array]:
+        """Every parameter :meth:`_derive_step_weights` reads (after it ran:
+        stacking re-points the projections at their rows of the stack)."""
+        attn, mlp = self["self_attn"], self["mlp"]
+        linears = [
+            attn[name] for name in ("q_proj", "o_proj") + (attn._names[1:] if attn.owns_kv else ())
+        ]
+        linears += [mlp[name] for name in ("gate_proj", "up_proj", "down_proj")]
+        norms = [self[name] for name in _STEP_NORMS] + [attn["q_norm"]]
+        if attn.owns_kv:
+            norms.append(attn["k_norm"])
+        if self.ple:
+            linears += [self["per_layer_input_gate"], self["per_layer_projection"]]
+            norms.append(self["post_per_layer_input_norm"])
+        return [m["weight"] for m in linears + norms] + [self["layer_scalar"]]
+
+    def _derive_step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
+        """:meth:`_step_weights` from the modules' own accessors (stacks and
+        transposes, each evaluated once: :mod:`turbospark.layers.stacked`)."""
+        attn, mlp = self["self_attn"], self["mlp"]
+        gate_up, down, o_proj = (
+            stacked(mlp, ("gate_proj", "up_proj")),
+            mlp["down_proj"],
+            attn["o_proj"],
+        )
+        plain = type(down) is nn.Linear and type(o_proj) is nn.Linear  # else sharded
+        if not attn.takes_kernels or gate_up is None or not plain:
+            return None
+        tail = (
+            transposed(o_proj),
+            self["post_attention_layernorm"]["weight"],
+            self["pre_feedforward_layernorm"]["weight"],
+            gate_up.weight_t,
+            transposed(down),
+            self["post_feedforward_layernorm"]["weight"],
+            self._ple_weights(),
+            self["layer_scalar"],
+        )
+        input_w = self["input_layernorm"]["weight"]
+        if not attn.owns_kv:
+            q_proj = attn["q_proj"]
+            if type(q_proj) is not nn.Linear:
+                return None
+            return (input_w, transposed(q_proj), attn["q_norm"]["weight"], attn["_freqs"]), tail
+        stack = stacked(attn, attn._names)
+        if stack is None:
+            return None
+        return (input_w, stack.weight_t, attn._joint_norm(), attn["_freqs"]), tail
+
+    def _stepped(self, out: tuple[mx.array, ...], joins: bool) -> mx.array | Unjoined:
+        """A kernel step's output as the next layer takes it: with the norm
+        kernels the stream and its last update, unjoined, else joined."""
+        if not joins:
+            return out[0]
+        last = (
+            self["post_per_layer_input_norm"]["weight"]
+            if self.ple
+            else self["post_feedforward_layernorm"]["weight"]
+        )
+        return Unjoined(out[0], out[1], last, self["layer_scalar"], self.eps)
 
     def _ple_weights(self) -> PleWeights | None:
         """The per-layer input block's input gate and projection (transposed,
@@ -744,6 +883,98 @@ def dense_joins(
 
 # Traced as dense_tail_step is.
 dense_joins_step = mx.compile(dense_joins)
+
+# A layer's input stream in a kernel step: joined, or an Unjoined's arrays
+# (h, update, update_weight, scale), which a trace takes as a tuple.
+Stream = mx.array | tuple[mx.array | None, ...]
+# A kernel step from the attention output on: the output projection's weight
+# transposed, the dense half's weights as dense_joins takes them, the PLE
+# weights (or None) and the layer scalar.
+StepTail = tuple[mx.array | PleWeights | None, ...]
+# The norms a kernel step reads besides attention's (DecoderLayer._step_leaves).
+_STEP_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def _normed_stream(stream: Stream, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """:func:`~turbospark.layers.norm_cuda.normed_input` of a kernel step's stream."""
+    h = Unjoined(*stream, eps=eps) if isinstance(stream, tuple) else stream
+    return norm_cuda.normed_input(h, weight, eps)
+
+
+def owner_inputs(
+    stream: Stream,
+    head: tuple[mx.array, ...],
+    start: mx.array,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A K/V-owning layer's kernel step up to its cache's writes: the joined
+    stream, then the step's queries, keys and values (:func:`joint_inputs`).
+    *head* is the input norm's weight, the stacked projections' transpose,
+    the joint norm weight and RoPE's frequencies."""
+    input_w, qkv_t, joint_norm, freqs = head
+    h, x = _normed_stream(stream, input_w, eps)
+    return h, *joint_inputs(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
+
+
+def kernel_tail(
+    h: mx.array,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    per_layer_input: mx.array | None,
+    tail: StepTail,
+    joins: bool,
+    eps: float,
+) -> tuple[mx.array, ...]:
+    """A kernel step from the attention on: the kernels over the cache's
+    whole buffers and *rows* (:func:`~turbospark.layers.attention_cuda.decode`),
+    the output projection, then the dense half: with the norm kernels
+    (*joins*) :func:`dense_joins`'s ``(h, update)``, else the joined stream
+    (:func:`dense_tail`) alone."""
+    o_t, *weights, ple, scalar = tail
+    attn = merge_heads(attention_cuda.decode(queries, keys, values, rows, 1.0)) @ o_t
+    if joins:
+        return dense_joins(h, attn, per_layer_input, tuple(weights), ple, eps)
+    return (dense_tail(h, attn, per_layer_input, tuple(weights), ple, scalar, eps),)
+
+
+def shared_layer(
+    stream: Stream,
+    head: tuple[mx.array, ...],
+    start: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    per_layer_input: mx.array | None,
+    tail: StepTail,
+    heads: int,
+    head_dim: int,
+    joins: bool,
+    eps: float,
+) -> tuple[mx.array, ...]:
+    """A KV-shared layer's whole kernel step: it writes no cache, so its
+    queries, the attention over the rows its source layer attended and the
+    rest (:func:`kernel_tail`) are one trace. *head* is the input norm's
+    weight, the query projection's transpose, q_norm's weight and RoPE's
+    frequencies."""
+    input_w, q_t, q_norm, freqs = head
+    h, x = _normed_stream(stream, input_w, eps)
+    queries = apply_rope(normed_heads(x @ q_t, heads, q_norm, eps), start, head_dim, freqs)
+    return kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps)
+
+
+# Traced once per stream form and buffer size (the caches grow 256 rows at a time).
+owner_inputs_step = mx.compile(owner_inputs)
+kernel_tail_step = mx.compile(kernel_tail)
+shared_step = mx.compile(shared_layer)
 
 
 @partial(mx.compile, shapeless=True)
