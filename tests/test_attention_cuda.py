@@ -6,7 +6,9 @@ on the CPU and Metal a decode step keeps MLX's attention. Whole forwards with
 the kernels against the reference forms on the same GPU are
 ``tests/test_verify_gpu_forms.py`` and ``tests/test_prefill_gpu_forms.py``
 (their decode steps after a prefill or a cut); that the kernels follow the
-GPU forms' switch is ``tests/test_gdn_cuda.py``'s.
+GPU forms' switch is ``tests/test_gdn_cuda.py``'s. The last test here runs
+Gemma 4's layer traces, which call the kernels inside traces of their own,
+against its modules' path with the same kernels.
 """
 
 from __future__ import annotations
