@@ -49,8 +49,9 @@ def takes_kernels(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     return (
         queries.shape[2] == 1
         and queries.dtype == keys.dtype == values.dtype
-        and attention_cuda.available()
-        and attention_cuda.fits(queries.shape[1] // keys.shape[1], keys.shape[3], values.shape[3])
+        and attention_cuda.takes_shape(
+            queries.shape[1] // keys.shape[1], keys.shape[3], values.shape[3]
+        )
     )
 
 

@@ -220,6 +220,12 @@ def fits(group: int, dim: int, value_dim: int) -> bool:
     return group * lanes <= MAX_REGISTERS and group * value_dim <= SHARED_FLOATS
 
 
+def takes_shape(group: int, dim: int, value_dim: int) -> bool:
+    """Whether a lone row's decode step over heads of this shape takes the
+    kernels: :func:`available` and :func:`fits`."""
+    return available() and fits(group, dim, value_dim)
+
+
 @functools.cache
 def _partial_kernel(scale: float) -> object:
     literal = repr(float(scale))

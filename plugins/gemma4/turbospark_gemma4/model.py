@@ -331,15 +331,6 @@ class Attention(nn.Module):
         return outs[0], outs[1], outs[2] if len(outs) == 3 else None
 
     @property
-    def takes_kernels(self) -> bool:
-        """Whether a lone row's decode step over this layer's heads takes
-        :mod:`~turbospark.layers.attention_cuda`'s kernels (their switch on,
-        on CUDA, and the heads' shape fits them)."""
-        return attention_cuda.available() and attention_cuda.fits(
-            self.n_heads // self.n_kv_heads, self.head_dim, self.head_dim
-        )
-
-    @property
     def _names(self) -> tuple[str, ...]:
         """The projections of a K/V-owning layer, in their stacked order."""
         return ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
@@ -611,28 +602,20 @@ class DecoderLayer(nn.Module):
             ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
             parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
             return self._joined(parts, join), attended
-        gate_up = stacked(mlp, ("gate_proj", "up_proj"))
-        down = mlp["down_proj"]
-        if gate_up is None or not isinstance(down, nn.Linear):
+        weights = self._dense_weights()
+        if weights is None:
             # sharded: the modules sum the ranks' parts
             h = h + self.post_attention_layernorm(attn)
             ff = self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h)))
             parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
             return self._joined(parts, join), attended
         # Decode: the whole dense half (norms, GeGLU MLP, PLE, residuals) is one trace.
-        weights = (
-            self["post_attention_layernorm"]["weight"],
-            self["pre_feedforward_layernorm"]["weight"],
-            gate_up.weight_t,
-            transposed(down),
-            self["post_feedforward_layernorm"]["weight"],
-        )
         compiled = runs_compiled(*h.shape[:2])
         if join is None and norm_cuda.available():
             joins = dense_joins_step if compiled else dense_joins
-            h, update = joins(h, attn, per_layer_input, weights, ple, self.eps)
-            last = self["post_feedforward_layernorm"]["weight"] if ple is None else ple[2]
-            return Unjoined(h, update, last, self["layer_scalar"], self.eps), attended
+            return self._unjoined(
+                *joins(h, attn, per_layer_input, weights, ple, self.eps)
+            ), attended
         if join is None:
             tail = dense_tail_step if compiled else dense_tail
             return tail(
@@ -678,7 +661,7 @@ class DecoderLayer(nn.Module):
                 stream, head, start, keys, values, rows.bounds, per_layer_input, tail,
                 attn.n_heads, attn.head_dim, joins, self.eps,
             )  # fmt: skip
-            return self._stepped(out, joins), shared
+            return self._unjoined(*out) if joins else out[0], shared
         if not isinstance(kv, LayerKV):
             return None
         # q, k and v come from one product: they share a dtype, as the kernels need.
@@ -689,7 +672,7 @@ class DecoderLayer(nn.Module):
         out = kernel_tail_step(
             h, queries, kv.keys, kv.values, rows.bounds, per_layer_input, tail, joins, self.eps
         )
-        return self._stepped(out, joins), (kv.keys, kv.values, rows)
+        return self._unjoined(*out) if joins else out[0], (kv.keys, kv.values, rows)
 
     def _step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
         """What a kernel step reads besides its activations: the input norm's
@@ -725,25 +708,14 @@ class DecoderLayer(nn.Module):
     def _derive_step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
         """:meth:`_step_weights` from the modules' own accessors (stacks and
         transposes, each evaluated once: :mod:`turbospark.layers.stacked`)."""
-        attn, mlp = self["self_attn"], self["mlp"]
-        gate_up, down, o_proj = (
-            stacked(mlp, ("gate_proj", "up_proj")),
-            mlp["down_proj"],
-            attn["o_proj"],
-        )
-        plain = type(down) is nn.Linear and type(o_proj) is nn.Linear  # else sharded
-        if not attn.takes_kernels or gate_up is None or not plain:
+        attn = self["self_attn"]
+        group = attn.n_heads // attn.n_kv_heads
+        if not attention_cuda.takes_shape(group, attn.head_dim, attn.head_dim):
             return None
-        tail = (
-            transposed(o_proj),
-            self["post_attention_layernorm"]["weight"],
-            self["pre_feedforward_layernorm"]["weight"],
-            gate_up.weight_t,
-            transposed(down),
-            self["post_feedforward_layernorm"]["weight"],
-            self._ple_weights(),
-            self["layer_scalar"],
-        )
+        dense, o_proj = self._dense_weights(), attn["o_proj"]
+        if dense is None or type(o_proj) is not nn.Linear:  # sharded
+            return None
+        tail = (transposed(o_proj), *dense, self._ple_weights(), self["layer_scalar"])
         input_w = self["input_layernorm"]["weight"]
         if not attn.owns_kv:
             q_proj = attn["q_proj"]
@@ -755,17 +727,32 @@ class DecoderLayer(nn.Module):
             return None
         return (input_w, stack.weight_t, attn._joint_norm(), attn["_freqs"]), tail
 
-    def _stepped(self, out: tuple[mx.array, ...], joins: bool) -> mx.array | Unjoined:
-        """A kernel step's output as the next layer takes it: with the norm
-        kernels the stream and its last update, unjoined, else joined."""
-        if not joins:
-            return out[0]
+    def _dense_weights(self) -> tuple[mx.array, ...] | None:
+        """The dense half's weights as :func:`dense_joins` and
+        :func:`dense_tail` take them (the MLP's gate and up rows stacked,
+        the projections transposed), or None where the MLP is sharded."""
+        mlp = self["mlp"]
+        gate_up, down = stacked(mlp, ("gate_proj", "up_proj")), mlp["down_proj"]
+        if gate_up is None or not isinstance(down, nn.Linear):
+            return None
+        return (
+            self["post_attention_layernorm"]["weight"],
+            self["pre_feedforward_layernorm"]["weight"],
+            gate_up.weight_t,
+            transposed(down),
+            self["post_feedforward_layernorm"]["weight"],
+        )
+
+    def _unjoined(self, h: mx.array, update: mx.array) -> Unjoined:
+        """The layer's output with its last join left to the next norm
+        (:func:`dense_joins`'s ``(h, update)``): the update's norm is the
+        per-layer input block's, else the feed-forward's post norm."""
         last = (
             self["post_per_layer_input_norm"]["weight"]
             if self.ple
             else self["post_feedforward_layernorm"]["weight"]
         )
-        return Unjoined(out[0], out[1], last, self["layer_scalar"], self.eps)
+        return Unjoined(h, update, last, self["layer_scalar"], self.eps)
 
     def _ple_weights(self) -> PleWeights | None:
         """The per-layer input block's input gate and projection (transposed,
