@@ -88,6 +88,18 @@ def install_stand_ins() -> None:
 
     attention_cuda.available = lambda: attention_cuda.ENABLED
     attention_cuda.decode = attention_cuda.decode_step = _decode_attention_stand_in
+    # And the heads' norms and RoPE in one kernel (heads_cuda).
+    from turbospark.layers import heads_cuda
+
+    heads_cuda.available = lambda: heads_cuda.ENABLED
+    real_norm_rope = heads_cuda.norm_rope
+
+    def norm_rope(x: mx.array, weight: mx.array, *args: Any) -> tuple[mx.array, ...]:
+        if x.ndim != 2 or not heads_cuda.ENABLED:  # what the kernel does not take
+            return real_norm_rope(x, weight, *args)
+        return _norm_rope_stand_in(x, weight, *args)
+
+    heads_cuda.norm_rope = norm_rope
 
 
 def _decode_attention_stand_in(
@@ -100,6 +112,24 @@ def _decode_attention_stand_in(
     out drops no kernel."""
     partial = mx.cumsum(queries, axis=-1)
     return mx.cumsum(partial, axis=-1)[..., : values.shape[-1]]
+
+
+def _norm_rope_stand_in(
+    x: mx.array,
+    weight: mx.array,
+    start: mx.array,
+    freqs: mx.array,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> tuple[mx.array, ...]:
+    """One kernel, as :func:`turbospark.layers.heads_cuda.norm_rope` is: a
+    Scan over the projection, its heads views of it (the rest are leaves)."""
+    batch, dim = x.shape[0], weight.shape[-1]
+    out = mx.cumsum(x, axis=-1).reshape(batch, -1, 1, dim)
+    if kv_heads == 0:
+        return (out,)
+    return out[:, :heads], out[:, heads : heads + kv_heads], out[:, -kv_heads:]
 
 
 def _join_norm_stand_in(

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -146,6 +147,72 @@ def test_the_mtp_head_drafts_as_on_the_plain_path(
     take = partial(_path, monkeypatch)
     runs = mtp_drafts_both_paths(tmp_path / "mtp", KINDS["qwen_gdn"][1], take, _open, PROMPT)
     assert runs[0] == runs[1]
+
+
+def test_the_layer_step_sees_replaced_weights_and_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 4's layer step keeps the weights it derived between steps
+    (``DecoderLayer._step_weights``). A model that decoded, then took another
+    checkpoint's weights, steps as that checkpoint does; then one model's
+    down projection is replaced by a new module and the other's weight by a
+    new array, the same values: both step alike, and unlike before."""
+    _path(monkeypatch, True)
+    dims = KINDS["gemma4"][1]
+    reused, fresh = (
+        _open(kind_install(tmp_path / name, "gemma4", {**dims, "seed": seed}))
+        for name, seed in (("a", 1), ("b", 2))
+    )
+    for runner in (reused, fresh):  # both derive their step's weights
+        runner.prefill_chunk(PROMPT, 0)
+        runner.produce(5, len(PROMPT))
+    reused.model.update(fresh.model.parameters())
+
+    def step() -> tuple[mx.array, mx.array]:
+        for runner in (reused, fresh):
+            runner.reset()
+            runner.prefill_chunk(PROMPT, 0)
+        return reused.produce(5, len(PROMPT)), fresh.produce(5, len(PROMPT))
+
+    got, want = step()
+    _close(got, want, "after the weights were replaced")
+    layer = 1  # owns its K/V (the last two of four share)
+    weight = fresh.model.model.layers[layer].mlp.down_proj.weight[::-1] + 0  # outputs permuted
+    module = nn.Linear(*reversed(weight.shape), bias=False)
+    module.weight = weight
+    reused.model.model.layers[layer].mlp.down_proj = module
+    fresh.model.model.layers[layer].mlp.down_proj.weight = weight
+    permuted, also = step()
+    _close(permuted, also, "after a module and a weight were replaced")
+    assert not np.allclose(np.array(permuted), np.array(got), atol=1e-3)
+
+
+def test_a_steps_host_made_arrays_fit_the_small_pool(
+    install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a Gemma 4 layer step makes on the host each step (the RoPE
+    offset, the rows attended, the row written) is at most eight bytes:
+    MLX's CUDA allocator serves that from its small pool, while a larger
+    array reuses a buffer the GPU last used and its write migrates the page
+    back (138 µs an array on the H200: bench/README, twentieth session)."""
+    if "gemma4" not in install.name:
+        pytest.skip("the layer step is Gemma 4's")
+    _path(monkeypatch, True)
+    from turbospark_gemma4 import model
+
+    sizes: list[int] = []
+    real = model.owner_step
+
+    def owner_step(*args: object) -> tuple[mx.array, ...]:
+        start, rows, row = args[2], args[5], args[6]
+        sizes.extend(a.nbytes for a in (start, rows, row))  # type: ignore[attr-defined]
+        return real(*args)
+
+    monkeypatch.setattr(model, "owner_step", owner_step)
+    runner = _open(install)
+    runner.prefill_chunk(PROMPT, 0)
+    runner.produce(5, len(PROMPT))
+    assert sizes and max(sizes) <= 8, sizes
 
 
 def test_only_a_lone_rows_step_takes_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,9 +30,9 @@ class DropsRowOnRegrow(LayerKV):
     """Grows like :class:`LayerKV`, but regrowing a full buffer copies it one row
     short: its last row is zeros afterwards."""
 
-    def _make_room(self, keys: mx.array, values: mx.array) -> None:
+    def _make_room(self, keys: mx.array, values: mx.array, length: int) -> None:
         full = self.keys is not None and self.fill == self.keys.shape[2]
-        super()._make_room(keys, values)
+        super()._make_room(keys, values, length)
         if full:
             self.keys[:, :, self.fill - 1] = 0
             self.values[:, :, self.fill - 1] = 0

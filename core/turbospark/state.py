@@ -116,8 +116,10 @@ class LayerKV:
     def rewind(self, n: int) -> None:
         self.fill -= n
 
-    def _make_room(self, keys: mx.array, values: mx.array) -> None:
-        _, n_heads, length, _ = keys.shape
+    def _make_room(self, keys: mx.array, values: mx.array, length: int) -> None:
+        """Room for *length* more rows (*keys* and *values* give the heads,
+        widths and dtypes of new buffers)."""
+        n_heads = keys.shape[1]
         if self.keys is not None and self.fill + length <= self.keys.shape[2]:
             return
         if self.keys is not None and self.retain is not None and self.fill > self.retain:
@@ -140,9 +142,32 @@ class LayerKV:
         """Append ``(1, heads, L, dim)`` keys/values; return the buffer rows
         ``[start, stop)`` the new queries attend over (with the mask, for several)."""
         length = keys.shape[2]
-        self._make_room(keys, values)
+        self._make_room(keys, values, length)
         self.keys[:, :, self.fill : self.fill + length] = keys
         self.values[:, :, self.fill : self.fill + length] = values
+        return self._advance(length)
+
+    def claim(self) -> tuple[int, int]:
+        """:meth:`update` for one token whose key and value the caller writes
+        to buffer row ``stop - 1`` itself (a traced decode step, which
+        scatters them in on the device: :meth:`write`): room made and the fill
+        advanced as for a write here. Needs buffers already (a prefill)."""
+        assert self.keys is not None and self.values is not None, "claim() follows a prefill"
+        self._make_room(self.keys, self.values, 1)
+        return self._advance(1)
+
+    @staticmethod
+    def write(buffer: mx.array, new: mx.array, row: mx.array) -> mx.array:
+        """*buffer* ``(1, heads, N, D)`` with *new* ``(1, heads, 1, D)`` at row
+        *row* (an int32 array on the device, so one trace serves every row),
+        as one scatter: where the caller holds no other reference to
+        *buffer*, MLX writes in place (donation), as :meth:`update`'s slice
+        assignment does. A write with the row as a slice start would be a
+        ``DynamicSliceUpdate``, whose offset MLX's CUDA backend reads back on
+        the host (a stream sync)."""
+        return mx.put_along_axis(buffer, mx.broadcast_to(row, new.shape), new, axis=2)
+
+    def _advance(self, length: int) -> tuple[int, int]:
         self.fill += length
         start = 0
         if self.window is not None and length == 1:

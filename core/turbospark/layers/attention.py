@@ -251,10 +251,11 @@ def heads_first(x: mx.array, n: int) -> mx.array:
 def normed_heads(x: mx.array, n: int, weight: mx.array | None, eps: float) -> mx.array:
     """``(B, L, n*D) -> (B, n, L, D)``, each head RMS-normed (``nn.RMSNorm``'s
     op; *weight* None: no scale), the norm before the transpose as the
-    reference models do."""
+    reference models do. A decode step's ``(B, n*D)`` (one token a row) is
+    ``L = 1``."""
+    if x.ndim == 2 or x.shape[1] == 1:
+        return mx.fast.rms_norm(x.reshape(x.shape[0], n, 1, -1), weight, eps)
     batch, length, _ = x.shape
-    if length == 1:
-        return mx.fast.rms_norm(x.reshape(batch, n, 1, -1), weight, eps)
     return mx.fast.rms_norm(x.reshape(batch, length, n, -1), weight, eps).transpose(0, 2, 1, 3)
 
 

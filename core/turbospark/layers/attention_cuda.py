@@ -260,6 +260,10 @@ class Rows:
     what a layer attended (KV-shared layers attend over the same)."""
 
     def __init__(self, start: int, stop: int):
+        # Two int32, eight bytes: MLX's CUDA allocator serves that from its
+        # small pool; a larger array made on the host each step reuses a
+        # buffer the GPU last touched, and writing it migrates the page back
+        # (a third element cost a gemma4 step 8 x 138 µs on the H200).
         self.bounds = mx.array([start, stop], dtype=mx.int32)
 
 

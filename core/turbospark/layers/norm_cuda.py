@@ -66,7 +66,8 @@ def available() -> bool:
     return fused.takes_cuda_kernels(ENABLED)
 
 
-_HEADER = """
+# A block's float32 sum (BLOCK threads, a multiple of 32), which heads_cuda shares.
+BLOCK_SUM = """
 template <int BLOCK>
 __device__ inline float block_sum(float value, float* scratch) {
     for (int offset = 16; offset > 0; offset >>= 1)
@@ -155,7 +156,7 @@ def _kernel(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> object:
         input_names=[*inputs, *["weight"] * has_w],
         output_names=["joined", "normed"] if has_w else ["joined"],
         source=source(has_uw, has_scale, has_w, eps),
-        header=_HEADER,
+        header=BLOCK_SUM,
     )
 
 

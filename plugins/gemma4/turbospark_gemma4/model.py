@@ -23,7 +23,6 @@ then an array of ``B`` positions; see :mod:`turbospark.batch`).
 from __future__ import annotations
 
 from functools import partial
-from operator import is_
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -32,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchLayerKV
 from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
-from turbospark.layers import attention_cuda, norm_cuda
+from turbospark.layers import attention_cuda, heads_cuda, norm_cuda
 from turbospark.layers.attention import (
     Attended,
     cached_attention,
@@ -336,20 +335,20 @@ class Attention(nn.Module):
         return ("q_proj", "k_proj") if self.k_eq_v else ("q_proj", "k_proj", "v_proj")
 
     def _joint_norm(self) -> mx.array:
-        """``(heads + kv_heads, 1, D)``: q_norm's weight for each query head,
-        then k_norm's for each key head, as :func:`joint_inputs` scales them
+        """``(heads [+ kv_heads], 1, D)``: q_norm's weight for each query
+        head, then (a K/V-owning layer) k_norm's for each key head, as
+        :func:`~turbospark.layers.heads_cuda.norm_rope_ops` scales them
         (evaluated once, kept in ``__dict__``, rebuilt when a weight was replaced)."""
-        q_w, k_w = self["q_norm"]["weight"], self["k_norm"]["weight"]
+        q_w = self["q_norm"]["weight"]
+        k_w = self["k_norm"]["weight"] if self.owns_kv else None
         held = self.__dict__.get("_joint")
         if held is not None and held[0] is q_w and held[1] is k_w:
             return held[2]
         shape = (self.head_dim,)
-        joint = mx.concatenate(
-            [
-                mx.broadcast_to(q_w, (self.n_heads, *shape)),
-                mx.broadcast_to(k_w, (self.n_kv_heads, *shape)),
-            ]
-        )[:, None, :]  # (heads + kv_heads, 1, D)
+        parts = [mx.broadcast_to(q_w, (self.n_heads, *shape))]
+        if k_w is not None:
+            parts.append(mx.broadcast_to(k_w, (self.n_kv_heads, *shape)))
+        joint = mx.concatenate(parts)[:, None, :]  # (heads [+ kv_heads], 1, D)
         mx.eval(joint)
         self.__dict__["_joint"] = (q_w, k_w, joint)
         return joint
@@ -419,34 +418,10 @@ def attention_inputs(
 attention_inputs_step = mx.compile(attention_inputs)
 
 
-def joint_inputs(
-    qkv: mx.array,
-    joint_norm: mx.array,
-    start: mx.array,
-    freqs: mx.array,
-    heads: int,
-    kv_heads: int,
-    eps: float,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """:func:`attention_inputs` for a K/V-owning layer's compiled forwards (a
-    decode step, a lone row's verify pass: ``runs_compiled``), from the
-    stacked projection ``(B, L, (heads + kv_heads [+ kv_heads]) * D)``, in three
-    kernels where it takes five: every head normed at once without a scale
-    (what values get), the query and key heads then scaled by their norm's
-    weight (*joint_norm*, :meth:`Attention._joint_norm`) in one multiply, and
-    rotated in one RoPE. ``RMSNorm(x) * w`` is ``nn.RMSNorm``'s math, rounded
-    once more in between. With ``attention_k_eq_v`` (no value heads) the
-    values are the keys' heads before their scale and RoPE, as there."""
-    dim = joint_norm.shape[-1]
-    normed = normed_heads(qkv, qkv.shape[-1] // dim, None, eps)  # (B, n, L, D)
-    joint = heads + kv_heads
-    rotated = apply_rope(normed[:, :joint] * joint_norm, start, dim, freqs)
-    values = normed[:, joint:] if normed.shape[1] > joint else normed[:, heads:]
-    return rotated[:, :heads], rotated[:, heads:], values
-
-
-# Traced once per batch size (one token a row) and short lone-row length.
-joint_inputs_step = mx.compile(joint_inputs)
+# A K/V-owning layer's q, k and v normed together in its compiled forwards (a
+# decode step, a lone row's verify pass: runs_compiled), traced once per batch
+# size and short lone-row length.
+joint_inputs_step = mx.compile(heads_cuda.norm_rope_ops)
 
 
 class Router(nn.Module):
@@ -634,18 +609,17 @@ class DecoderLayer(nn.Module):
         per_layer_input: mx.array | None,
     ) -> tuple[mx.array | Unjoined, Attended] | None:
         """A lone row's decode step where attention takes the CUDA kernels
-        (:mod:`~turbospark.layers.attention_cuda`): a K/V-owning layer in two
-        traced calls, :data:`owner_inputs_step` up to the new keys and values,
-        then :data:`kernel_tail_step` from the attention on, with the cache's
-        writes between them (a write inside a trace would take its row as a
-        device offset, which MLX's CUDA backend reads back on the host: a sync
-        a layer); a KV-shared layer, which writes nothing, in one
-        (:data:`shared_step`). The modules' path takes four traced calls, four
-        ops and their Python a layer; on the H200 this path built a gemma4
-        step in a median 963 µs of host time against 1,212 (bench/README,
-        nineteenth session). The kernels are the same. None where the step
-        does not take this path (sharded, a shape the kernels do not take, a
-        shared layer whose source did not): the caller runs the modules."""
+        (:mod:`~turbospark.layers.attention_cuda`), each layer one traced
+        call: a K/V-owning layer's (:data:`owner_step`) scatters its new key
+        and value into the cache's buffers (:meth:`LayerKV.write
+        <turbospark.state.LayerKV.write>`) at the row :meth:`LayerKV.claim
+        <turbospark.state.LayerKV.claim>` gave; a KV-shared layer's
+        (:data:`shared_step`) writes nothing. The modules' path takes four
+        traced calls, four ops and their Python a layer (bench/README,
+        nineteenth and twentieth sessions). The kernels are the same. None
+        where the step does not take this path (sharded, a shape the kernels
+        do not take, a shared layer whose source did not, a cache not yet
+        prefilled), with nothing changed: the caller runs the modules."""
         weights = self._step_weights()
         if weights is None:
             return None
@@ -659,19 +633,21 @@ class DecoderLayer(nn.Module):
             keys, values, rows = shared
             out = shared_step(
                 stream, head, start, keys, values, rows.bounds, per_layer_input, tail,
-                attn.n_heads, attn.head_dim, joins, self.eps,
+                attn.n_heads, joins, self.eps,
             )  # fmt: skip
             return self._unjoined(*out) if joins else out[0], shared
-        if not isinstance(kv, LayerKV):
+        if not isinstance(kv, LayerKV) or kv.keys is None:
             return None
-        # q, k and v come from one product: they share a dtype, as the kernels need.
-        h, queries, keys, values = owner_inputs_step(
-            stream, head, start, attn.n_heads, attn.n_kv_heads, self.eps
-        )
-        rows = attention_cuda.Rows(*kv.update(keys, values))
-        out = kernel_tail_step(
-            h, queries, kv.keys, kv.values, rows.bounds, per_layer_input, tail, joins, self.eps
-        )
+        first, stop = kv.claim()
+        rows = attention_cuda.Rows(first, stop)
+        row = mx.array([stop - 1], dtype=mx.int32)  # where the new key goes (small: see Rows)
+        # The buffers go in from kv alone, and their successors replace them:
+        # once this returns, the trace holds the only reference, so the writes
+        # are in place.
+        *out, kv.keys, kv.values = owner_step(
+            stream, head, start, kv.keys, kv.values, rows.bounds, row, per_layer_input, tail,
+            attn.n_heads, attn.n_kv_heads, joins, self.eps,
+        )  # fmt: skip
         return self._unjoined(*out) if joins else out[0], (kv.keys, kv.values, rows)
 
     def _step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
@@ -679,31 +655,40 @@ class DecoderLayer(nn.Module):
         weight, the projections before attention (stacked), their norm weights
         and RoPE's frequencies, then :data:`StepTail`; None where the layer
         does not take the kernels' step. Derived once and kept in
-        ``__dict__`` with the parameters it came from, rebuilt when any was
-        replaced (the modules' own accessors cost a step about 20 µs a layer
-        of host time to look up again)."""
+        ``__dict__`` with every module and parameter on the way to what it
+        came from (:meth:`_step_links`), rebuilt when any was replaced: the
+        modules' own accessors cost a step about 20 µs a layer of host time
+        to look up again, and checking one flat list of links about 2."""
         held = self.__dict__.get("_step")
-        if held is not None and all(map(is_, held[0], self._step_leaves())):
+        if held is not None and all([holder[key] is value for holder, key, value in held[0]]):
             return held[1]
         weights = self._derive_step_weights()
-        self.__dict__["_step"] = (self._step_leaves(), weights)
+        self.__dict__["_step"] = (self._step_links(), weights)
         return weights
 
-    def _step_leaves(self) -> list[mx.array]:
-        """Every parameter :meth:`_derive_step_weights` reads (after it ran:
-        stacking re-points the projections at their rows of the stack)."""
-        attn, mlp = self["self_attn"], self["mlp"]
-        linears = [
-            attn[name] for name in ("q_proj", "o_proj") + (attn._names[1:] if attn.owns_kv else ())
-        ]
-        linears += [mlp[name] for name in ("gate_proj", "up_proj", "down_proj")]
-        norms = [self[name] for name in _STEP_NORMS] + [attn["q_norm"]]
-        if attn.owns_kv:
-            norms.append(attn["k_norm"])
+    def _step_links(self) -> list[tuple[nn.Module, str, Any]]:
+        """``(holder, key, value)`` for every link from this layer to each
+        parameter :meth:`_derive_step_weights` reads (after it ran: stacking
+        re-points the projections at their rows of the stack), each once:
+        a replaced module breaks a link as a replaced weight does."""
+        attn = self["self_attn"]
+        projections = ("q_proj", "o_proj") + (attn._names[1:] if attn.owns_kv else ())
+        paths = [("self_attn", name, "weight") for name in projections]
+        paths += [("mlp", name, "weight") for name in ("gate_proj", "up_proj", "down_proj")]
+        paths += [(name, "weight") for name in _STEP_NORMS]
+        norms = ("q_norm", "k_norm") if attn.owns_kv else ("q_norm",)
+        paths += [("self_attn", name, "weight") for name in norms] + [("self_attn", "_freqs")]
         if self.ple:
-            linears += [self["per_layer_input_gate"], self["per_layer_projection"]]
-            norms.append(self["post_per_layer_input_norm"])
-        return [m["weight"] for m in linears + norms] + [self["layer_scalar"]]
+            ple = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
+            paths += [(name, "weight") for name in ple]
+        links: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}
+        for path in [*paths, ("layer_scalar",)]:
+            holder = self
+            for key in path:
+                value = holder[key]
+                links[id(holder), key] = (holder, key, value)
+                holder = value
+        return list(links.values())
 
     def _derive_step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
         """:meth:`_step_weights` from the modules' own accessors (stacks and
@@ -721,7 +706,7 @@ class DecoderLayer(nn.Module):
             q_proj = attn["q_proj"]
             if type(q_proj) is not nn.Linear:
                 return None
-            return (input_w, transposed(q_proj), attn["q_norm"]["weight"], attn["_freqs"]), tail
+            return (input_w, transposed(q_proj), attn._joint_norm(), attn["_freqs"]), tail
         stack = stacked(attn, attn._names)
         if stack is None:
             return None
@@ -878,7 +863,7 @@ Stream = mx.array | tuple[mx.array | None, ...]
 # transposed, the dense half's weights as dense_joins takes them, the PLE
 # weights (or None) and the layer scalar.
 StepTail = tuple[mx.array | PleWeights | None, ...]
-# The norms a kernel step reads besides attention's (DecoderLayer._step_leaves).
+# The norms a kernel step reads besides attention's (DecoderLayer._step_links).
 _STEP_NORMS = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -888,9 +873,28 @@ _STEP_NORMS = (
 
 
 def _normed_stream(stream: Stream, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """:func:`~turbospark.layers.norm_cuda.normed_input` of a kernel step's stream."""
-    h = Unjoined(*stream, eps=eps) if isinstance(stream, tuple) else stream
-    return norm_cuda.normed_input(h, weight, eps)
+    """:func:`~turbospark.layers.norm_cuda.normed_input` of a kernel step's
+    stream, ``(1, hidden)`` each (:func:`_flat`)."""
+    if isinstance(stream, tuple):
+        h, update, *rest = stream
+        return norm_cuda.normed_input(
+            Unjoined(_flat(h), _flat(update), *rest, eps=eps), weight, eps
+        )
+    return norm_cuda.normed_input(_flat(stream), weight, eps)
+
+
+def _flat(x: mx.array) -> mx.array:
+    """A lone token's row, ``(1, width)`` (from ``(1, 1, width)``, or an
+    attention output's heads): a kernel step's layer works in two
+    dimensions, since MLX wraps a matmul of a 3-D input in a flatten and an
+    unflatten (194 graph nodes a gemma4 step, each host time to replay and
+    to evaluate)."""
+    return x.reshape(1, -1)
+
+
+def _lifted(out: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+    """A kernel step's ``(1, hidden)`` outputs back as ``(1, 1, hidden)``."""
+    return tuple(x[None] for x in out)
 
 
 def owner_inputs(
@@ -902,12 +906,38 @@ def owner_inputs(
     eps: float,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A K/V-owning layer's kernel step up to its cache's writes: the joined
-    stream, then the step's queries, keys and values (:func:`joint_inputs`).
+    stream, then the step's queries, keys and values
+    (:func:`~turbospark.layers.heads_cuda.norm_rope`).
     *head* is the input norm's weight, the stacked projections' transpose,
     the joint norm weight and RoPE's frequencies."""
     input_w, qkv_t, joint_norm, freqs = head
     h, x = _normed_stream(stream, input_w, eps)
-    return h, *joint_inputs(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
+    return h, *heads_cuda.norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
+
+
+def owner_layer(
+    stream: Stream,
+    head: tuple[mx.array, ...],
+    start: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    row: mx.array,
+    per_layer_input: mx.array | None,
+    tail: StepTail,
+    heads: int,
+    kv_heads: int,
+    joins: bool,
+    eps: float,
+) -> tuple[mx.array, ...]:
+    """A K/V-owning layer's whole kernel step: :func:`owner_inputs`, the new
+    key and value written into the buffers *keys* and *values* at *row*
+    (``(1,)`` int32, on the device), then :func:`kernel_tail` over *rows*
+    of them; the tail's outputs, then both buffers."""
+    h, queries, new_keys, new_values = owner_inputs(stream, head, start, heads, kv_heads, eps)
+    keys, values = LayerKV.write(keys, new_keys, row), LayerKV.write(values, new_values, row)
+    out = kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps)
+    return *_lifted(out), keys, values
 
 
 def kernel_tail(
@@ -925,9 +955,12 @@ def kernel_tail(
     whole buffers and *rows* (:func:`~turbospark.layers.attention_cuda.decode`),
     the output projection, then the dense half: with the norm kernels
     (*joins*) :func:`dense_joins`'s ``(h, update)``, else the joined stream
-    (:func:`dense_tail`) alone."""
+    (:func:`dense_tail`) alone; *h* and these are ``(1, hidden)``
+    (:func:`_flat`)."""
     o_t, *weights, ple, scalar = tail
-    attn = merge_heads(attention_cuda.decode(queries, keys, values, rows, 1.0)) @ o_t
+    attn = _flat(attention_cuda.decode(queries, keys, values, rows, 1.0)) @ o_t
+    if per_layer_input is not None:
+        per_layer_input = _flat(per_layer_input)
     if joins:
         return dense_joins(h, attn, per_layer_input, tuple(weights), ple, eps)
     return (dense_tail(h, attn, per_layer_input, tuple(weights), ple, scalar, eps),)
@@ -943,24 +976,22 @@ def shared_layer(
     per_layer_input: mx.array | None,
     tail: StepTail,
     heads: int,
-    head_dim: int,
     joins: bool,
     eps: float,
 ) -> tuple[mx.array, ...]:
     """A KV-shared layer's whole kernel step: it writes no cache, so its
     queries, the attention over the rows its source layer attended and the
     rest (:func:`kernel_tail`) are one trace. *head* is the input norm's
-    weight, the query projection's transpose, q_norm's weight and RoPE's
-    frequencies."""
+    weight, the query projection's transpose, q_norm's weight for each head
+    (``Attention._joint_norm``) and RoPE's frequencies."""
     input_w, q_t, q_norm, freqs = head
     h, x = _normed_stream(stream, input_w, eps)
-    queries = apply_rope(normed_heads(x @ q_t, heads, q_norm, eps), start, head_dim, freqs)
-    return kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps)
+    (queries,) = heads_cuda.norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
+    return _lifted(kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps))
 
 
 # Traced once per stream form and buffer size (the caches grow 256 rows at a time).
-owner_inputs_step = mx.compile(owner_inputs)
-kernel_tail_step = mx.compile(kernel_tail)
+owner_step = mx.compile(owner_layer)
 shared_step = mx.compile(shared_layer)
 
 
