@@ -95,9 +95,9 @@ def install_stand_ins() -> None:
     real_norm_rope = heads_cuda.norm_rope
 
     def norm_rope(x: mx.array, weight: mx.array, *args: Any) -> tuple[mx.array, ...]:
-        if x.ndim != 2 or not heads_cuda.ENABLED:  # what the kernel does not take
-            return real_norm_rope(x, weight, *args)
-        return _norm_rope_stand_in(x, weight, *args)
+        if heads_cuda.takes(x, weight, args[0]):  # args[0]: RoPE's offset
+            return _norm_rope_stand_in(x, weight, *args)
+        return real_norm_rope(x, weight, *args)
 
     heads_cuda.norm_rope = norm_rope
 

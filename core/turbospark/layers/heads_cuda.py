@@ -137,6 +137,21 @@ def norm_rope_ops(
     return rotated[:, :heads], rotated[:, heads:], values
 
 
+def takes(x: mx.array, weight: mx.array, start: mx.array) -> bool:
+    """Whether :func:`norm_rope` runs the kernel: :func:`available`, a
+    decode step's ``(B, n*D)`` with *weight* of its dtype, one offset, and a
+    head dim whose pairs fill whole warps of one block."""
+    dim = weight.shape[-1]
+    return (
+        dim % 64 == 0
+        and dim <= 2048
+        and x.ndim == 2
+        and start.size == 1
+        and weight.dtype == x.dtype
+        and available()
+    )
+
+
 def norm_rope(
     x: mx.array,
     weight: mx.array,
@@ -146,14 +161,11 @@ def norm_rope(
     kv_heads: int,
     eps: float,
 ) -> tuple[mx.array, ...]:
-    """:func:`norm_rope_ops` in one kernel where :func:`available`, for a
-    decode step's ``(B, n*D)`` with *weight* of its dtype and *start* one
-    int32 offset; else in its ops."""
-    dim = weight.shape[-1]
-    # A head's pairs must fill whole warps of one block.
-    fits = dim % 64 == 0 and dim <= 2048 and x.ndim == 2 and start.size == 1
-    if not fits or weight.dtype != x.dtype or not available():
+    """:func:`norm_rope_ops` in one kernel where it :func:`takes` these
+    arrays, else in its ops."""
+    if not takes(x, weight, start):
         return norm_rope_ops(x, weight, start, freqs, heads, kv_heads, eps)
+    dim = weight.shape[-1]
     batch, n_in = x.shape[0], x.shape[1] // dim
     scaled = weight.shape[0]
     outputs = [(batch, heads, 1, dim)]
