@@ -25,8 +25,12 @@ calls it for its ``gpu_kernels`` field (on a GPU that field is ``kernels``
 itself).
 
 Run: ``uv run python bench/gpu_kernels.py [--family F ...] [--size host] [--dtype bfloat16] [--census]
-[--prefill ROWS TOKENS HELD] [--batch B] [--json]``; ``--prefill`` also counts a prefill group's
+[--prefill ROWS TOKENS HELD] [--batch B] [--host] [--json]``; ``--prefill`` also counts a prefill group's
 batched forward, ``--batch`` a batched decode step of B ragged rows (a server's).
+``--host`` also times the host's part of building that graph, ours and mlx-lm's
+(:func:`bench.decode_cost._measure`: medians over 48 steps, wall and thread CPU):
+the GPU's step built on the CPU, so a change to how the step is built (not to its
+kernels) can be compared without a GPU, each side in processes of its own.
 ``--census`` adds the step's non-view primitives by type: what to cut next.
 """
 
@@ -237,17 +241,19 @@ def count(
     depth: int = 4,
     prefill: tuple[int, int, int] | None = None,
     batch: int | None = None,
+    host: bool = False,
 ) -> dict[str, Any]:
     """In this process (stand-ins installed first): the GPU-equivalent kernels
     of one decode step on *path*, ours compiled and uncompiled, and mlx-lm's;
     and ours for a verify pass of ``depth + 1`` tokens (:func:`traced_pass`)
     and, with *prefill* ``(rows, tokens, held)``, for a prefill group's
     forward (:func:`group_prefill`); with *batch*, for a batched decode step
-    of that many ragged rows (:func:`batched_decode`)."""
+    of that many ragged rows (:func:`batched_decode`); with *host*, each
+    step's host time to build (``host``)."""
     install_stand_ins()
     from mlx_lm.utils import load_model
 
-    from bench.decode_cost import _ours_step, _theirs_step, compile_off, graph_primitives
+    from bench.decode_cost import _measure, _ours_step, _theirs_step, compile_off, graph_primitives
     from turbospark.runner import Runner
 
     prompt = list(range(6, 38))  # 32 tokens: a decode step's graph is the same after any prompt
@@ -260,6 +266,8 @@ def count(
         for warm in range(2):
             mx.eval(step(warm))
         out[name] = graph_primitives(step(2), census=census)
+    if host:
+        out["host"] = {name: _measure(step, 48) for name, step in steps.items()}
     with compile_off():
         step = _ours_step(runner, prompt)
         mx.eval(step(0))
@@ -280,6 +288,7 @@ def gpu_kernels(
     depth: int = 4,
     prefill: tuple[int, int, int] | None = None,
     batch: int | None = None,
+    host: bool = False,
 ) -> dict[str, Any]:
     """:func:`count` in a fresh interpreter (the stand-ins must precede every trace)."""
     command = [sys.executable, "-m", "bench.gpu_kernels", "--path", str(path), "--json"]
@@ -288,6 +297,8 @@ def gpu_kernels(
         command += ["--prefill", *map(str, prefill)]
     if batch is not None:
         command += ["--batch", str(batch)]
+    if host:
+        command.append("--host")
     done = subprocess.run(
         command + (["--census"] if census else []),
         cwd=ROOT, capture_output=True, text=True, check=True,
@@ -336,27 +347,34 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs=3, metavar=("ROWS", "TOKENS", "HELD"),
                         help="also a prefill group's forward (e.g. 3 145 80)")  # fmt: skip
     parser.add_argument("--batch", type=int, help="also a batched decode step of B ragged rows")
+    parser.add_argument("--host", action="store_true", help="also time building the step")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     prefill = tuple(args.prefill) if args.prefill else None
     if args.path is not None:
-        result: dict[str, Any] = count(args.path, args.census, args.depth, prefill, args.batch)
+        result: dict[str, Any] = count(
+            args.path, args.census, args.depth, prefill, args.batch, args.host
+        )
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return
     results = {}
     for family in args.family or ["gemma4", "qwen_gdn"]:
         path = install(family, args.size, args.dtype, DEFAULT_CACHE)
-        results[family] = gpu_kernels(path, args.census, args.depth, prefill, args.batch)
+        results[family] = gpu_kernels(path, args.census, args.depth, prefill, args.batch, args.host)
     if args.json:
         print(json.dumps(results))
         return
     for family, result in results.items():
+        host = result.pop("host", None)
         row = ", ".join(f"{name} {r['kernels']}" for name, r in result.items())
         print(f"{family} {args.size} {args.dtype}: GPU-equivalent kernels per pass: {row}")
         if args.census:
             for name, r in result.items():
                 print(f"  {name}: {r['census']}")
+        for name, r in (host or {}).items():
+            wall, cpu = r["host_us_per_step"], r["host_cpu_us_per_step"]
+            print(f"  {name} host µs to build a step: {wall:.0f} wall, {cpu:.0f} thread CPU")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ the kernels against the reference forms on the same GPU are
 ``tests/test_verify_gpu_forms.py`` and ``tests/test_prefill_gpu_forms.py``
 (their decode steps after a prefill or a cut); that the kernels follow the
 GPU forms' switch is ``tests/test_gdn_cuda.py``'s. The last test here runs
-Gemma 4's layer traces, which call the kernels inside traces of their own,
-against its modules' path with the same kernels.
+each family's layer traces (Gemma 4's and qwen_gdn's), which call the
+kernels inside traces of their own, against its modules' path with the same
+kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pytest
 from helpers import assert_states_close, greedy_both_paths, kind_install, state_arrays
 from turbospark.layers import attention_cuda
 from turbospark.runner import Runner
-from turbospark_gemma4.model import DecoderLayer
+from turbospark_gemma4 import model as gemma4_model
+from turbospark_qwen_gdn import model as qwen_model
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
@@ -118,19 +120,29 @@ def test_a_row_is_the_same_alone_and_batched() -> None:
     assert mx.array_equal(alone, batched[1:2])
 
 
-def test_gemma4_layer_traces_equal_its_modules_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+# family: (dims, its DecoderLayer, the method that takes the layer traces)
+LAYER_TRACES = {
+    "gemma4": ({"num_layers": 4, "sliding_window": 8}, gemma4_model.DecoderLayer, "_kernel_step"),
+    "qwen_gdn": ({"num_layers": 4}, qwen_model.DecoderLayer, "_layer_step"),
+}
+
+
+@pytest.mark.parametrize("family", list(LAYER_TRACES))
+def test_layer_traces_equal_the_modules_path(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Gemma 4's decode step in its layer traces (``DecoderLayer._kernel_step``)
-    against its modules' path with the same kernels, float32, over a window's
-    trim and a grown buffer: every step's logits, the state after, and
-    greedy tokens (with a drafter whose rejected drafts rewind)."""
+    """A family's decode step in its layer traces (gemma4's
+    ``DecoderLayer._kernel_step``, qwen_gdn's ``_layer_step``) against its
+    modules' path with the same kernels, float32, over a window's trim and a
+    grown buffer: every step's logits, the state after, and greedy tokens
+    (with a drafter whose rejected drafts rewind)."""
     mx.set_default_device(mx.gpu)
-    install = kind_install(tmp_path / "gemma4", "gemma4", {"num_layers": 4, "sliding_window": 8})
-    real = DecoderLayer._kernel_step
+    dims, layer, method = LAYER_TRACES[family]
+    install = kind_install(tmp_path / family, family, dims)
+    real = getattr(layer, method)
 
     def take(traces: bool) -> None:
-        monkeypatch.setattr(DecoderLayer, "_kernel_step", real if traces else lambda *a: None)
+        monkeypatch.setattr(layer, method, real if traces else lambda *a: None)
 
     def open_runner(path: Path, **kwargs) -> Runner:
         return Runner.open(path, context_length=1024, dtype="float32", **kwargs)

@@ -41,6 +41,7 @@ from turbospark.layers.attention import (
 )
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import geglu, residual_scale, runs_compiled, softcap
+from turbospark.layers.layer_step import Stream, flat, kept, lifted, normed_stream, stream_of
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norm_cuda import Unjoined
 from turbospark.layers.rope import apply_rope, rope_freqs
@@ -625,7 +626,7 @@ class DecoderLayer(nn.Module):
             return None
         head, tail = weights
         joins = norm_cuda.available()
-        stream = tuple(h)[:4] if isinstance(h, Unjoined) else h
+        stream = stream_of(h)
         attn = self["self_attn"]
         if kv is None:  # KV-shared: the rows the layer it shares attended
             if shared is None or not isinstance(shared[2], attention_cuda.Rows):
@@ -654,23 +655,13 @@ class DecoderLayer(nn.Module):
         """What a kernel step reads besides its activations: the input norm's
         weight, the projections before attention (stacked), their norm weights
         and RoPE's frequencies, then :data:`StepTail`; None where the layer
-        does not take the kernels' step. Derived once and kept in
-        ``__dict__`` with every module and parameter on the way to what it
-        came from (:meth:`_step_links`), rebuilt when any was replaced: the
-        modules' own accessors cost a step about 20 µs a layer of host time
-        to look up again, and checking one flat list of links about 2."""
-        held = self.__dict__.get("_step")
-        if held is not None and all([holder[key] is value for holder, key, value in held[0]]):
-            return held[1]
-        weights = self._derive_step_weights()
-        self.__dict__["_step"] = (self._step_links(), weights)
-        return weights
+        does not take the kernels' step. Derived once and kept
+        (:func:`~turbospark.layers.layer_step.kept`)."""
+        return kept(self, self._derive_step_weights, self._step_paths)
 
-    def _step_links(self) -> list[tuple[nn.Module, str, Any]]:
-        """``(holder, key, value)`` for every link from this layer to each
-        parameter :meth:`_derive_step_weights` reads (after it ran: stacking
-        re-points the projections at their rows of the stack), each once:
-        a replaced module breaks a link as a replaced weight does."""
+    def _step_paths(self) -> list[tuple[str, ...]]:
+        """The paths from this layer to each parameter
+        :meth:`_derive_step_weights` reads (:func:`~turbospark.layers.layer_step.kept`)."""
         attn = self["self_attn"]
         projections = ("q_proj", "o_proj") + (attn._names[1:] if attn.owns_kv else ())
         paths = [("self_attn", name, "weight") for name in projections]
@@ -681,14 +672,7 @@ class DecoderLayer(nn.Module):
         if self.ple:
             ple = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
             paths += [(name, "weight") for name in ple]
-        links: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}
-        for path in [*paths, ("layer_scalar",)]:
-            holder = self
-            for key in path:
-                value = holder[key]
-                links[id(holder), key] = (holder, key, value)
-                holder = value
-        return list(links.values())
+        return [*paths, ("layer_scalar",)]
 
     def _derive_step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
         """:meth:`_step_weights` from the modules' own accessors (stacks and
@@ -856,45 +840,17 @@ def dense_joins(
 # Traced as dense_tail_step is.
 dense_joins_step = mx.compile(dense_joins)
 
-# A layer's input stream in a kernel step: joined, or an Unjoined's arrays
-# (h, update, update_weight, scale), which a trace takes as a tuple.
-Stream = mx.array | tuple[mx.array | None, ...]
 # A kernel step from the attention output on: the output projection's weight
 # transposed, the dense half's weights as dense_joins takes them, the PLE
 # weights (or None) and the layer scalar.
 StepTail = tuple[mx.array | PleWeights | None, ...]
-# The norms a kernel step reads besides attention's (DecoderLayer._step_links).
+# The norms a kernel step reads besides attention's (DecoderLayer._step_paths).
 _STEP_NORMS = (
     "input_layernorm",
     "post_attention_layernorm",
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
 )
-
-
-def _normed_stream(stream: Stream, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """:func:`~turbospark.layers.norm_cuda.normed_input` of a kernel step's
-    stream, ``(1, hidden)`` each (:func:`_flat`)."""
-    if isinstance(stream, tuple):
-        h, update, *rest = stream
-        return norm_cuda.normed_input(
-            Unjoined(_flat(h), _flat(update), *rest, eps=eps), weight, eps
-        )
-    return norm_cuda.normed_input(_flat(stream), weight, eps)
-
-
-def _flat(x: mx.array) -> mx.array:
-    """A lone token's row, ``(1, width)`` (from ``(1, 1, width)``, or an
-    attention output's heads): a kernel step's layer works in two
-    dimensions, since MLX wraps a matmul of a 3-D input in a flatten and an
-    unflatten (194 graph nodes a gemma4 step, each host time to replay and
-    to evaluate)."""
-    return x.reshape(1, -1)
-
-
-def _lifted(out: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
-    """A kernel step's ``(1, hidden)`` outputs back as ``(1, 1, hidden)``."""
-    return tuple(x[None] for x in out)
 
 
 def owner_inputs(
@@ -911,7 +867,7 @@ def owner_inputs(
     *head* is the input norm's weight, the stacked projections' transpose,
     the joint norm weight and RoPE's frequencies."""
     input_w, qkv_t, joint_norm, freqs = head
-    h, x = _normed_stream(stream, input_w, eps)
+    h, x = normed_stream(stream, input_w, eps)
     return h, *heads_cuda.norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
 
 
@@ -937,7 +893,7 @@ def owner_layer(
     h, queries, new_keys, new_values = owner_inputs(stream, head, start, heads, kv_heads, eps)
     keys, values = LayerKV.write(keys, new_keys, row), LayerKV.write(values, new_values, row)
     out = kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps)
-    return *_lifted(out), keys, values
+    return *lifted(out), keys, values
 
 
 def kernel_tail(
@@ -956,11 +912,11 @@ def kernel_tail(
     the output projection, then the dense half: with the norm kernels
     (*joins*) :func:`dense_joins`'s ``(h, update)``, else the joined stream
     (:func:`dense_tail`) alone; *h* and these are ``(1, hidden)``
-    (:func:`_flat`)."""
+    (:func:`~turbospark.layers.layer_step.flat`)."""
     o_t, *weights, ple, scalar = tail
-    attn = _flat(attention_cuda.decode(queries, keys, values, rows, 1.0)) @ o_t
+    attn = flat(attention_cuda.decode(queries, keys, values, rows, 1.0)) @ o_t
     if per_layer_input is not None:
-        per_layer_input = _flat(per_layer_input)
+        per_layer_input = flat(per_layer_input)
     if joins:
         return dense_joins(h, attn, per_layer_input, tuple(weights), ple, eps)
     return (dense_tail(h, attn, per_layer_input, tuple(weights), ple, scalar, eps),)
@@ -985,9 +941,9 @@ def shared_layer(
     weight, the query projection's transpose, q_norm's weight for each head
     (``Attention._joint_norm``) and RoPE's frequencies."""
     input_w, q_t, q_norm, freqs = head
-    h, x = _normed_stream(stream, input_w, eps)
+    h, x = normed_stream(stream, input_w, eps)
     (queries,) = heads_cuda.norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
-    return _lifted(kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps))
+    return lifted(kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps))
 
 
 # Traced once per stream form and buffer size (the caches grow 256 rows at a time).

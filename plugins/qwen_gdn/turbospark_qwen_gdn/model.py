@@ -33,10 +33,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.batch import BatchKV, BatchLayerKV
 from turbospark.hookspecs import ArchConfig
-from turbospark.layers import norm_cuda
+from turbospark.layers import attention_cuda, gdn_cuda, norm_cuda
 from turbospark.layers.attention import cached_attention, heads_first, merge_heads, normed_heads
 from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
-from turbospark.layers.gated_delta import GatedDeltaNet, GDNComponent, GDNDims
+from turbospark.layers.gated_delta import (
+    IN_PROJECTIONS,
+    GatedDeltaNet,
+    GDNComponent,
+    GDNDims,
+    decay_rate,
+    float32_norm_weight,
+    mixer_input_bias,
+)
+from turbospark.layers.layer_step import Stream, flat, kept, lifted, normed_stream, stream_of
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norm_cuda import Unjoined
 from turbospark.layers.stacked import derived, gemm_add, project, stacked, transposed
@@ -376,6 +385,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.eps = arch.rms_norm_eps  # the layer's RMS norms' (a layer step passes it to its trace)
 
     def __call__(
         self,
@@ -395,6 +405,10 @@ class DecoderLayer(nn.Module):
         and makes the one after its mixer with the MLP's norm
         (:func:`~turbospark.layers.norm_cuda.join_norm`): a residual add is no
         kernel of its own."""
+        if join is None and positions is None and x.shape[:2] == (1, 1):
+            stepped = self._layer_step(x, kv, gdn, rope, offset)
+            if stepped is not None:
+                return stepped
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
         norm = self["input_layernorm"]
@@ -427,6 +441,114 @@ class DecoderLayer(nn.Module):
             return (mlp_tail_step if compiled else mlp_tail)(*args)
         # Steered: the steering traces into the compiled tail (one call, as unsteered).
         return join.fold(mlp_tail_parts, args, None, compiled)
+
+    def _layer_step(
+        self,
+        x: mx.array | Unjoined,
+        kv: KVComponent | BatchKV,
+        gdn: GDNComponent | None,
+        rope: QwenRope,
+        offset: int | mx.array,
+    ) -> mx.array | Unjoined | None:
+        """A lone row's decode step as one traced call, where the layer's CUDA
+        kernels run: a gated-DeltaNet layer's (:data:`linear_step`, with
+        :mod:`~turbospark.layers.gdn_cuda`'s decode kernel), a full-attention
+        layer's (:data:`attention_step`, which scatters its new key and value
+        into the cache's buffers at the row :meth:`LayerKV.claim
+        <turbospark.state.LayerKV.claim>` gave and attends with
+        :mod:`~turbospark.layers.attention_cuda`'s kernels). The modules' path
+        takes three to five traced calls, a few eager ops and the Python
+        between them; the kernels are the same. None where the step does not
+        take this path (sharded, a verify pass, a state not yet prefilled, a
+        shape or dtype the kernels do not take), with nothing changed: the
+        caller runs the modules."""
+        if self.is_linear:
+            if not gdn_cuda.available() or gdn is None or gdn.tracing:
+                return None
+            tail, recurrent = gdn.layer(self.slot)
+            weights = self._step_weights()
+            if tail is None or recurrent is None or weights is None:
+                return None
+            mixer = self["linear_attn"]
+            d = mixer.dims
+            dims = (d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim)
+            joins = norm_cuda.available()
+            *out, tail, recurrent = linear_step(
+                stream_of(x), weights, tail, recurrent, dims, joins, self.eps, d.eps
+            )
+            gdn.set_layer(self.slot, tail, recurrent)
+            return Unjoined(*out) if joins else out[0]
+        layer_kv = kv[self.slot]
+        if not isinstance(layer_kv, LayerKV) or layer_kv.keys is None:
+            return None
+        attn = self["self_attn"]
+        group = attn.heads // attn.kv_heads
+        if not attention_cuda.takes_shape(group, attn.head_dim, attn.head_dim):
+            return None
+        weights = self._step_weights()
+        h = x.h if isinstance(x, Unjoined) else x
+        if weights is None or not h.dtype == layer_kv.keys.dtype == weights[2].dtype:
+            return None  # the kernels read queries, keys and values as one type
+        if isinstance(offset, int):
+            offset = mx.array(offset, dtype=mx.int32)
+        first, stop = layer_kv.claim()
+        rows = attention_cuda.Rows(first, stop)
+        row = mx.array([stop - 1], dtype=mx.int32)  # where the new key goes (small: see Rows)
+        joins = norm_cuda.available()
+        # The buffers go in from layer_kv alone, and their successors replace
+        # them: once this returns, the trace holds the only reference, so the
+        # writes are in place.
+        *out, layer_kv.keys, layer_kv.values = attention_step(
+            stream_of(x), weights, offset, layer_kv.keys, layer_kv.values, rows.bounds, row,
+            (attn.heads, attn.kv_heads, attn["q_norm"].eps), rope.dims, rope.base, joins, self.eps,
+        )  # fmt: skip
+        return Unjoined(*out) if joins else out[0]
+
+    def _step_weights(self) -> tuple[mx.array, ...] | None:
+        """What :meth:`_layer_step` reads besides its activations and state:
+        the input norm's weight, the mixer's (:data:`LinearWeights` or
+        :data:`AttentionWeights`), then the MLP's norm and its stacked gate and
+        up rows and down projection, transposed; None where a projection is
+        sharded. Derived once and kept (:func:`~turbospark.layers.layer_step.kept`)."""
+        return kept(self, self._derive_step_weights, self._step_paths)
+
+    def _derive_step_weights(self) -> tuple[mx.array, ...] | None:
+        mlp = self["mlp"]
+        gate_up, down = stacked(mlp, ("gate_proj", "up_proj")), mlp["down_proj"]
+        if gate_up is None or type(down) is not nn.Linear:
+            return None
+        tail = (self["post_attention_layernorm"]["weight"], gate_up.weight_t, transposed(down))
+        input_w = self["input_layernorm"]["weight"]
+        if self.is_linear:
+            mixer = self["linear_attn"]
+            projections, out = stacked(mixer, IN_PROJECTIONS), mixer["out_proj"]
+            if projections is None or type(out) is not nn.Linear:
+                return None
+            in_t = projections.weight_t
+            mixing = (
+                in_t, mixer["conv1d"]["weight"], mixer_input_bias(mixer, in_t), decay_rate(mixer),
+                float32_norm_weight(mixer), transposed(out),
+            )  # fmt: skip
+            return (input_w, *mixing, *tail)
+        attn = self["self_attn"]
+        qkv, out = stacked(attn, ("q_proj", "k_proj", "v_proj")), attn["o_proj"]
+        if qkv is None or qkv.bias is not None or type(out) is not nn.Linear:
+            return None
+        norms = (scaled_query_norm(attn), attn["k_norm"]["weight"])
+        return (input_w, qkv.weight_t, *norms, transposed(out), *tail)
+
+    def _step_paths(self) -> list[tuple[str, ...]]:
+        """The paths from this layer to each parameter
+        :meth:`_derive_step_weights` reads (:func:`~turbospark.layers.layer_step.kept`)."""
+        paths = [("mlp", name, "weight") for name in ("gate_proj", "up_proj", "down_proj")]
+        paths += [(name, "weight") for name in ("input_layernorm", "post_attention_layernorm")]
+        if self.is_linear:
+            mixer = ("linear_attn",)
+            paths += [(*mixer, name, "weight") for name in (*IN_PROJECTIONS, "out_proj")]
+            paths += [(*mixer, "conv1d", "weight"), (*mixer, "norm", "weight")]
+            return [*paths, (*mixer, "A_log"), (*mixer, "dt_bias")]
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        return [*paths, *(("self_attn", name, "weight") for name in names)]
 
 
 def mlp_update(y: mx.array, gate_up_t: mx.array, down_t: mx.array) -> mx.array:
@@ -476,6 +598,97 @@ def mlp_tail(
 # Traced once per batch size (decode rows) and per short lone-row length (a
 # verify pass); other prefill runs it uncompiled (runs_compiled).
 mlp_tail_step = mx.compile(mlp_tail)
+
+
+# A layer step's weights: the input norm's weight, the mixer's, then the MLP's
+# (LayerEnd). A gated-DeltaNet layer's mixer: the input projections stacked and
+# transposed, the conv weight, the projections' bias, the decay rate, the gated
+# norm's weight (float32) and the output projection transposed; a full-attention
+# layer's: q/k/v stacked and transposed, the scaled q_norm and k_norm weights,
+# the output projection transposed.
+LinearWeights = tuple[mx.array, ...]
+AttentionWeights = tuple[mx.array, ...]
+# The MLP's norm weight, its gate and up rows stacked and transposed, the down projection's.
+LayerEnd = tuple[mx.array, mx.array, mx.array]
+
+
+def layer_end(
+    h: mx.array, out: mx.array, out_t: mx.array, end: LayerEnd, joins: bool, eps: float
+) -> tuple[mx.array, ...]:
+    """A layer step from its mixer's output *out* (before the output
+    projection *out_t*) on, over the stream *h*, all ``(1, width)``: with the
+    norm kernels (*joins*) the joined stream and the MLP's update, which the
+    next norm joins (as the modules hand on an :class:`Unjoined`), else the
+    layer's output alone. The modules' ops, in the forms each device takes
+    (:func:`~turbospark.layers.stacked.gemm_add`)."""
+    norm_w, gate_up_t, down_t = end
+    if joins:
+        h, y = norm_cuda.join_norm(h, out @ out_t, norm_w, eps)
+        return h, mlp_update(y, gate_up_t, down_t)
+    return (mlp_tail(gemm_add(h, out, out_t), norm_w, gate_up_t, down_t, eps),)
+
+
+def linear_layer(
+    stream: Stream,
+    weights: LinearWeights,
+    tail: mx.array,
+    recurrent: mx.array,
+    dims: tuple[int, int, int, int],
+    joins: bool,
+    eps: float,
+    mixer_eps: float,
+) -> tuple[mx.array, ...]:
+    """A gated-DeltaNet layer's whole decode step: the input norm, the
+    stacked input projections, :func:`~turbospark.layers.gdn_cuda.decode_mixer`
+    (the conv over *tail*, the recurrence from *recurrent*, the gated norm),
+    then :func:`layer_end`; its outputs, then the new conv tail and state.
+    *dims* are the key and value heads and their widths."""
+    input_w, in_t, conv_w, in_bias, rate, norm_w, out_t, *end = weights
+    h, x = normed_stream(stream, input_w, eps)
+    out, recurrent, tail = gdn_cuda.decode_mixer(
+        (x @ in_t)[None], tail, conv_w, in_bias, rate, recurrent, norm_w, *dims, mixer_eps
+    )
+    return *lifted(layer_end(h, flat(out), out_t, tuple(end), joins, eps)), tail, recurrent
+
+
+def attention_layer(
+    stream: Stream,
+    weights: AttentionWeights,
+    start: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    row: mx.array,
+    dims: tuple[int, int, float],
+    rotary_dims: int,
+    base: float,
+    joins: bool,
+    eps: float,
+) -> tuple[mx.array, ...]:
+    """A full-attention layer's whole decode step: the input norm, q/k/v
+    stacked, :func:`attention_inputs` (RoPE from *start*), the new key and
+    value written into the buffers *keys* and *values* at *row* (``(1,)``
+    int32, on the device: :meth:`LayerKV.write <turbospark.state.LayerKV.write>`),
+    :func:`~turbospark.layers.attention_cuda.decode` over *rows* of them,
+    the output gate, then :func:`layer_end`; its outputs, then both buffers."""
+    input_w, qkv_t, q_norm, k_norm, o_t, *end = weights
+    heads, kv_heads, _ = dims
+    h, x = normed_stream(stream, input_w, eps)
+    dim = q_norm.shape[-1]
+    splits = [2 * heads * dim, (2 * heads + kv_heads) * dim]
+    q, k, v = mx.split((x @ qkv_t)[None], splits, axis=-1)
+    queries, new_keys, new_values, gate = attention_inputs(
+        q, k, v, (q_norm, k_norm), start, dims, rotary_dims, base
+    )
+    keys, values = LayerKV.write(keys, new_keys, row), LayerKV.write(values, new_values, row)
+    out = sigmoid_gate(attention_cuda.decode(queries, keys, values, rows, 1.0), gate)
+    return *lifted(layer_end(h, flat(out), o_t, tuple(end), joins, eps)), keys, values
+
+
+# Traced once per stream form (and, for attention, per buffer size: the caches
+# grow 256 rows at a time).
+linear_step = mx.compile(linear_layer)
+attention_step = mx.compile(attention_layer)
 
 
 class TextStack(nn.Module):

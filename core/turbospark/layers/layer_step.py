@@ -1,0 +1,102 @@
+"""What the families' one-trace layer steps share: the stream, two-dimensional rows, kept weights.
+
+A lone row's decode step on a GPU is bound by the host: building the step's
+graph in Python, then MLX encoding each kernel. A family whose layers run as
+modules pays several traced calls, eager ops and accessor lookups a layer;
+run as one traced call per layer, with the weights that call reads derived
+once and kept, the same kernels cost a fraction of the host time
+(bench/README.md, nineteenth to twenty-first sessions). Each family writes its
+own layer functions; this module holds the pieces they would otherwise
+repeat:
+
+- :data:`Stream`, :func:`stream_of` and :func:`normed_stream`: a layer's
+  input as a traced call takes it, joined or
+  :class:`~turbospark.layers.norm_cuda.Unjoined`;
+- :func:`flat` and :func:`lifted`: rows in two dimensions inside the trace
+  (MLX wraps a matmul of a 3-D input in a ``Flatten`` and an ``Unflatten``);
+- :func:`kept`: the weights a layer's step reads, derived once and rebuilt
+  when any module or parameter on the way to them was replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from turbospark.layers import norm_cuda
+from turbospark.layers.norm_cuda import Unjoined
+
+# A layer's input stream in a traced step: joined, or an Unjoined's arrays
+# (h, update, update_weight, scale), which a trace takes as a tuple.
+Stream = mx.array | tuple[mx.array | None, ...]
+
+T = TypeVar("T")
+
+
+def stream_of(h: mx.array | Unjoined) -> Stream:
+    """*h* as a traced call takes it: an :class:`Unjoined`'s arrays as a
+    tuple (its eps is the layer's own, passed apart), else the array."""
+    return tuple(h)[:4] if isinstance(h, Unjoined) else h
+
+
+def normed_stream(stream: Stream, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """:func:`~turbospark.layers.norm_cuda.normed_input` of a traced step's
+    stream: the joined stream and its norm, ``(1, hidden)`` each (:func:`flat`)."""
+    if isinstance(stream, tuple):
+        h, update, *rest = stream
+        return norm_cuda.normed_input(Unjoined(flat(h), flat(update), *rest, eps=eps), weight, eps)
+    return norm_cuda.normed_input(flat(stream), weight, eps)
+
+
+def flat(x: mx.array) -> mx.array:
+    """A lone token's row, ``(1, width)`` (from ``(1, 1, width)``, or an
+    attention output's heads): a traced layer works in two dimensions, since
+    MLX wraps a matmul of a 3-D input in a flatten and an unflatten (194
+    graph nodes of a gemma4 step's 606, each host time to replay and to
+    evaluate)."""
+    return x.reshape(1, -1)
+
+
+def lifted(out: Sequence[mx.array]) -> tuple[mx.array, ...]:
+    """A traced step's ``(1, hidden)`` outputs back as ``(1, 1, hidden)``."""
+    return tuple(x[None] for x in out)
+
+
+Link = tuple[Any, Any, Any]  # (holder, key, value): holder[key] was value
+
+
+def links(owner: nn.Module, paths: Sequence[tuple[Any, ...]]) -> list[Link]:
+    """``(holder, key, value)`` for every link from *owner* along each of
+    *paths* (keys into modules, lists and dicts), each link once."""
+    found: dict[tuple[int, Any], Link] = {}
+    for path in paths:
+        holder: Any = owner
+        for key in path:
+            value = holder[key]
+            found[id(holder), key] = (holder, key, value)
+            holder = value
+    return list(found.values())
+
+
+def kept(
+    owner: nn.Module,
+    derive: Callable[[], T],
+    paths: Callable[[], Sequence[tuple[Any, ...]]],
+) -> T:
+    """``derive()``, kept in *owner*'s ``__dict__`` (no parameter) with every
+    link along ``paths()`` (each module and parameter on the way to what
+    *derive* read, taken after it ran: stacking re-points the projections at
+    their rows of the stack), and derived again when any link changed: a
+    replaced module breaks its link as a replaced weight does. The modules'
+    own accessors cost a step about 20 µs a layer of host time to look up
+    again, and checking one flat list of links about 2 (bench/README.md,
+    twentieth session)."""
+    held = owner.__dict__.get("_step")
+    if held is not None and all([holder[key] is value for holder, key, value in held[0]]):
+        return held[1]
+    value = derive()
+    owner.__dict__["_step"] = (links(owner, paths()), value)
+    return value
