@@ -206,6 +206,36 @@ def test_the_layer_step_sees_replaced_weights_and_modules(
         assert not np.allclose(np.array(got), np.array(before), atol=1e-3)
 
 
+class Wrapped(nn.Module):
+    """A projection that is not a plain ``nn.Linear`` and has no ``weight``
+    of its own (as an adapter or a sharded wrapper may be)."""
+
+    def __init__(self, inner: nn.Linear):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.inner(x)
+
+
+def test_a_wrapped_projection_falls_back_to_the_modules(
+    install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer whose projection is wrapped takes the modules' path, with the
+    same output; the other layers keep the layer step."""
+    taken = _kernels(monkeypatch, True)
+    runner = _open(install)
+    runner.prefill_chunk(PROMPT, 0)
+    want = runner.produce(5, len(PROMPT))  # every layer derives its step's weights
+    mixer = runner.model.model.layers[1]["linear_attn"]
+    mixer["out_proj"] = Wrapped(mixer["out_proj"])
+    runner.reset()
+    runner.prefill_chunk(PROMPT, 0)
+    before = dict(taken)
+    _close(runner.produce(5, len(PROMPT)), want, "with layer 1's out_proj wrapped")
+    assert taken["linear"] - before["linear"] == 2  # layers 0 and 2
+
+
 def test_a_steps_host_made_arrays_fit_the_small_pool(
     install: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -70,11 +70,16 @@ Link = tuple[Any, Any, Any]  # (holder, key, value): holder[key] was value
 
 def links(owner: nn.Module, paths: Sequence[tuple[Any, ...]]) -> list[Link]:
     """``(holder, key, value)`` for every link from *owner* along each of
-    *paths* (keys into modules, lists and dicts), each link once."""
+    *paths* (keys into modules, lists and dicts), each link once. A path
+    stops where a key is missing (a wrapped or sharded module with no
+    ``weight`` of its own): the links before it still break when that
+    module is replaced."""
     found: dict[tuple[int, Any], Link] = {}
     for path in paths:
         holder: Any = owner
         for key in path:
+            if key not in holder:
+                break
             value = holder[key]
             found[id(holder), key] = (holder, key, value)
             holder = value
