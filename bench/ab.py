@@ -8,8 +8,8 @@ never from one run each. This runs ``bench/gpu.py OUT --only forward`` in a
 fresh process per row, alternating this tree with another one's packages
 first on ``PYTHONPATH``, each into a directory of its own, and appends one
 summary line per process (decode rates, ratio, roofline fraction, host
-build µs, kernels) to ``OUT/summary.jsonl`` and the raw lines to
-``OUT/raw.jsonl``. It stops before a process could overrun *budget*
+build µs, kernels) to ``summary.jsonl`` in OUT and the raw lines to
+``raw.jsonl`` there. It stops before a process could overrun *budget*
 seconds, since a device call has a time limit::
 
     python bench/ab.py export REV                  # here: REV's packages to .ab/REV
