@@ -232,3 +232,20 @@ def kind_install(tmp_dir: Path, family: str, dims: dict) -> Path:
     *tmp_dir*, named for it (the kernel-path tests' module-scoped installs)."""
     build_synthetic_install(family, tmp_dir, vocab_size=128, model_id=tmp_dir.name, **dims)
     return tmp_dir
+
+
+def host_made_sizes(monkeypatch: object, module: object, name: str) -> list[int]:
+    """Record, from now on, the bytes of what a family's traced K/V-owning
+    layer step (*module*'s *name*: gemma4's ``owner_step``, qwen_gdn's
+    ``attention_step``) takes from the host each step: its RoPE offset, the
+    rows attended and the row written (arguments 2, 5 and 6 of both)."""
+    sizes: list[int] = []
+    real = getattr(module, name)
+
+    def recorded(*args: mx.array) -> object:
+        start, rows, row = args[2], args[5], args[6]
+        sizes.extend(a.nbytes for a in (start, rows, row))
+        return real(*args)
+
+    monkeypatch.setattr(module, name, recorded)  # type: ignore[attr-defined]
+    return sizes

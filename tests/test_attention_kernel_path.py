@@ -26,6 +26,7 @@ from helpers import (
     assert_states_close,
     chunks_and_steps,
     greedy_both_paths,
+    host_made_sizes,
     kind_install,
     mtp_drafts_both_paths,
     state_arrays,
@@ -200,15 +201,7 @@ def test_a_steps_host_made_arrays_fit_the_small_pool(
     _path(monkeypatch, True)
     from turbospark_gemma4 import model
 
-    sizes: list[int] = []
-    real = model.owner_step
-
-    def owner_step(*args: object) -> tuple[mx.array, ...]:
-        start, rows, row = args[2], args[5], args[6]
-        sizes.extend(a.nbytes for a in (start, rows, row))  # type: ignore[attr-defined]
-        return real(*args)
-
-    monkeypatch.setattr(model, "owner_step", owner_step)
+    sizes = host_made_sizes(monkeypatch, model, "owner_step")
     runner = _open(install)
     runner.prefill_chunk(PROMPT, 0)
     runner.produce(5, len(PROMPT))

@@ -15,7 +15,7 @@ replaced weights. Float32 on CPU.
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,6 +27,7 @@ from helpers import (
     assert_states_close,
     chunks_and_steps,
     greedy_both_paths,
+    host_made_sizes,
     kind_install,
     mtp_drafts_both_paths,
     state_arrays,
@@ -86,6 +87,16 @@ def _close(a: mx.array, b: mx.array, what: str) -> None:
     np.testing.assert_allclose(np.array(a), np.array(b), atol=ATOL, rtol=ATOL, err_msg=what)
 
 
+def _switch(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
+    """``take(on)``: the layer step on, or off (every layer runs its modules)."""
+    real = model.DecoderLayer._layer_step
+
+    def take(on: bool) -> None:
+        monkeypatch.setattr(model.DecoderLayer, "_layer_step", real if on else lambda *a: None)
+
+    return take
+
+
 def _both(monkeypatch: pytest.MonkeyPatch, norms: bool, run) -> tuple[object, object, dict]:
     """``run()`` with the modules' path, then with the layer step (each with
     every kernel's forms); both results and the layer steps taken."""
@@ -93,8 +104,7 @@ def _both(monkeypatch: pytest.MonkeyPatch, norms: bool, run) -> tuple[object, ob
     for on in (False, True):
         with monkeypatch.context() as patch:
             taken = _kernels(patch, norms)
-            if not on:
-                patch.setattr(model.DecoderLayer, "_layer_step", lambda *args: None)
+            _switch(patch)(on)
             out.append(run())
     return out[0], out[1], taken
 
@@ -139,13 +149,7 @@ def test_greedy_output_equals_the_modules(
     layer step with a drafter (verify passes run the modules; rejected drafts
     rewind the caches and the GDN states the next steps start from)."""
     _kernels(monkeypatch, norms)
-    off = partial(monkeypatch.setattr, model.DecoderLayer, "_layer_step")
-    real = model.DecoderLayer._layer_step
-
-    def take(on: bool) -> None:
-        off(real if on else (lambda *args: None))
-
-    plain, stepped, drafted = greedy_both_paths(install, take, _open, PROMPT)
+    plain, stepped, drafted = greedy_both_paths(install, _switch(monkeypatch), _open, PROMPT)
     assert stepped == plain == drafted
 
 
@@ -155,12 +159,7 @@ def test_the_mtp_head_drafts_as_with_the_modules(
     """The MTP head's attention layer takes the layer step too, over its
     own cache: the drafted output and the draft statistics match."""
     _kernels(monkeypatch, True)
-    real = model.DecoderLayer._layer_step
-
-    def take(on: bool) -> None:
-        monkeypatch.setattr(model.DecoderLayer, "_layer_step", real if on else lambda *a: None)
-
-    runs = mtp_drafts_both_paths(tmp_path / "mtp", DIMS, take, _open, PROMPT)
+    runs = mtp_drafts_both_paths(tmp_path / "mtp", DIMS, _switch(monkeypatch), _open, PROMPT)
     assert runs[0] == runs[1]
 
 
@@ -177,10 +176,10 @@ def test_the_layer_step_sees_replaced_weights_and_modules(
         _open(kind_install(tmp_path / name, "qwen_gdn", {**DIMS, "seed": seed}))
         for name, seed in (("a", 1), ("b", 2))
     )
-    real = model.DecoderLayer._layer_step
+    take = _switch(monkeypatch)
 
     def step(on: bool) -> mx.array:
-        monkeypatch.setattr(model.DecoderLayer, "_layer_step", real if on else lambda *a: None)
+        take(on)
         runner.reset()
         runner.prefill_chunk(PROMPT, 0)
         return runner.produce(5, len(PROMPT))
@@ -244,15 +243,7 @@ def test_a_steps_host_made_arrays_fit_the_small_pool(
     eight bytes: MLX's CUDA allocator serves that from its small pool
     (bench/README, twentieth session)."""
     _kernels(monkeypatch, True)
-    sizes: list[int] = []
-    real = model.attention_step
-
-    def attention_step(*args: object) -> tuple[mx.array, ...]:
-        start, rows, row = args[2], args[5], args[6]
-        sizes.extend(a.nbytes for a in (start, rows, row))  # type: ignore[attr-defined]
-        return real(*args)
-
-    monkeypatch.setattr(model, "attention_step", attention_step)
+    sizes = host_made_sizes(monkeypatch, model, "attention_step")
     runner = _open(install)
     runner.prefill_chunk(PROMPT, 0)
     runner.produce(5, len(PROMPT))

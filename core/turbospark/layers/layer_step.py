@@ -15,7 +15,9 @@ repeat:
 - :func:`flat` and :func:`lifted`: rows in two dimensions inside the trace
   (MLX wraps a matmul of a 3-D input in a ``Flatten`` and an ``Unflatten``);
 - :func:`kept`: the weights a layer's step reads, derived once and rebuilt
-  when any module or parameter on the way to them was replaced.
+  when any module or parameter on the way to them was replaced;
+- :func:`claim_rows`: a K/V-owning layer's rows for a trace that writes its
+  new key and value itself.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.layers import norm_cuda
+from turbospark.layers import attention_cuda, norm_cuda
 from turbospark.layers.norm_cuda import Unjoined
+from turbospark.state import LayerKV
 
 # A layer's input stream in a traced step: joined, or an Unjoined's arrays
 # (h, update, update_weight, scale), which a trace takes as a tuple.
@@ -105,3 +108,18 @@ def kept(
     value = derive()
     owner.__dict__["_step"] = (links(owner, paths()), value)
     return value
+
+
+def claim_rows(kv: LayerKV) -> tuple[attention_cuda.Rows, mx.array]:
+    """:meth:`LayerKV.claim <turbospark.state.LayerKV.claim>` for a traced
+    step that scatters its new key and value in itself (:meth:`LayerKV.write
+    <turbospark.state.LayerKV.write>`): the rows its query attends over and
+    the row it writes, ``(1,)`` int32. Each is at most eight bytes, what
+    MLX's CUDA allocator serves from its small pool (see
+    :class:`~turbospark.layers.attention_cuda.Rows`).
+
+    The caller passes the buffers to its trace from *kv* alone and replaces
+    them with the trace's outputs: the trace then holds the only reference,
+    so MLX writes them in place."""
+    first, stop = kv.claim()
+    return attention_cuda.Rows(first, stop), mx.array([stop - 1], dtype=mx.int32)

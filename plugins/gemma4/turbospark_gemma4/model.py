@@ -41,7 +41,15 @@ from turbospark.layers.attention import (
 )
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import geglu, residual_scale, runs_compiled, softcap
-from turbospark.layers.layer_step import Stream, flat, kept, lifted, normed_stream, stream_of
+from turbospark.layers.layer_step import (
+    Stream,
+    claim_rows,
+    flat,
+    kept,
+    lifted,
+    normed_stream,
+    stream_of,
+)
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norm_cuda import Unjoined
 from turbospark.layers.rope import apply_rope, rope_freqs
@@ -639,12 +647,7 @@ class DecoderLayer(nn.Module):
             return self._unjoined(*out) if joins else out[0], shared
         if not isinstance(kv, LayerKV) or kv.keys is None:
             return None
-        first, stop = kv.claim()
-        rows = attention_cuda.Rows(first, stop)
-        row = mx.array([stop - 1], dtype=mx.int32)  # where the new key goes (small: see Rows)
-        # The buffers go in from kv alone, and their successors replace them:
-        # once this returns, the trace holds the only reference, so the writes
-        # are in place.
+        rows, row = claim_rows(kv)  # the buffers then go in from kv alone (in place)
         *out, kv.keys, kv.values = owner_step(
             stream, head, start, kv.keys, kv.values, rows.bounds, row, per_layer_input, tail,
             attn.n_heads, attn.n_kv_heads, joins, self.eps,

@@ -45,7 +45,15 @@ from turbospark.layers.gated_delta import (
     float32_norm_weight,
     mixer_input_bias,
 )
-from turbospark.layers.layer_step import Stream, flat, kept, lifted, normed_stream, stream_of
+from turbospark.layers.layer_step import (
+    Stream,
+    claim_rows,
+    flat,
+    kept,
+    lifted,
+    normed_stream,
+    stream_of,
+)
 from turbospark.layers.mlp import GatedMLP
 from turbospark.layers.norm_cuda import Unjoined
 from turbospark.layers.stacked import derived, gemm_add, project, stacked, transposed
@@ -491,13 +499,8 @@ class DecoderLayer(nn.Module):
             return None  # the kernels read queries, keys and values as one type
         if isinstance(offset, int):
             offset = mx.array(offset, dtype=mx.int32)
-        first, stop = layer_kv.claim()
-        rows = attention_cuda.Rows(first, stop)
-        row = mx.array([stop - 1], dtype=mx.int32)  # where the new key goes (small: see Rows)
+        rows, row = claim_rows(layer_kv)  # the buffers then go in from layer_kv alone (in place)
         joins = norm_cuda.available()
-        # The buffers go in from layer_kv alone, and their successors replace
-        # them: once this returns, the trace holds the only reference, so the
-        # writes are in place.
         *out, layer_kv.keys, layer_kv.values = attention_step(
             stream_of(x), weights, offset, layer_kv.keys, layer_kv.values, rows.bounds, row,
             (attn.heads, attn.kv_heads, attn["q_norm"].eps), rope.dims, rope.base, joins, self.eps,
