@@ -17,7 +17,7 @@ per window (:func:`summarise`):
   launches, module loads, allocations, synchronisation), what a window's host
   time is spent inside CUDA on.
 
-Three kinds of window:
+Four kinds of window:
 
 1. **decode**: ``--tokens`` greedy tokens of our library loop
    (:func:`turbospark.generate.stream_generate`) and of mlx-lm's
@@ -36,11 +36,18 @@ Three kinds of window:
    most of it, on the host (on the H200, a 16-row gemma4 step at 320 tokens a
    row kept it busy 54 % of the step: bench/README.md, sixteenth session).
 
+4. **kernels**: our own CUDA kernels alone, ``--calls`` calls of each at a
+   decode step's shapes (:data:`ATTENTION_CASES`, :data:`JOIN_NORM_CASES`),
+   on synthetic bf16 arrays, no install: each kernel's mean device time, to
+   compare two versions of a kernel (each tree's packages first on
+   ``PYTHONPATH``, one process each) or ``--chunks`` of the attention's
+   partial kernel in one process.
+
 Run on a GPU machine whose Python has PyTorch (the lent H200's ``python3``):
 ``python3 bench/device_trace.py decode --family qwen_gdn --size large``,
 ``python3 bench/device_trace.py prefill --family gemma4 --size chat_large``,
 ``python3 bench/device_trace.py batch --family gemma4 --size chat_large
---rows 16 --prompt-tokens 320``;
+--rows 16 --prompt-tokens 320``, ``python3 bench/device_trace.py kernels --chunks 16 32``;
 ``--json`` for the raw summary. Only :func:`summarise` runs without a GPU
 (it reads a Chrome trace, as ``torch.profiler`` exports it).
 """
@@ -250,6 +257,54 @@ def batch(path: Path, rows: int, prompt_tokens: int, steps: int, top: int) -> di
     return {"rows": rows, "prompt_tokens": prompt_tokens, "steps": steps, "window": window}
 
 
+# (kv_heads, group, head dim, buffer rows, rows attended): a 2,048-token
+# prompt's decode at the large sizes, Gemma 4's global layers and qwen_gdn's.
+ATTENTION_CASES = [(2, 4, 512, 2304, 2176), (2, 8, 256, 2304, 2176)]
+# (width, with the update's norm, with a scale): the forms the families call
+# (gemma4's two, qwen_gdn's plain join), each with the joined stream's norm.
+JOIN_NORM_CASES = [(2048, True, True), (2048, True, False), (2048, False, False)]
+
+
+def kernels(calls: int, chunks: list[int], top: int) -> list[dict[str, Any]]:
+    """Each of :data:`ATTENTION_CASES` (at each of *chunks* keys a block) and
+    :data:`JOIN_NORM_CASES`, *calls* calls traced after three warm-ups: the
+    kernels' mean device time."""
+    import mlx.core as mx
+
+    from turbospark.layers import attention_cuda, norm_cuda
+
+    def window(kernel: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        for _ in range(3):
+            mx.eval(kernel(*args))
+        traced_window: dict[str, Any] = {}
+        with traced(traced_window, top):
+            for _ in range(calls):
+                mx.eval(kernel(*args))
+            mx.synchronize()
+        return {k["name"]: k["mean_us"] for k in traced_window["top_kernels"]}
+
+    mx.random.seed(0)
+    rows = []
+    for chunk in chunks:
+        attention_cuda.CHUNK = chunk  # read by decode() at each call
+        for kv_heads, group, dim, capacity, stop in ATTENTION_CASES:
+            q = mx.random.normal((1, kv_heads * group, 1, dim)).astype(mx.bfloat16)
+            k, v = (mx.random.normal((1, kv_heads, capacity, dim)).astype(mx.bfloat16) for _ in "kv")  # fmt: skip
+            bounds = mx.array([0, stop], dtype=mx.int32)
+            mean = window(attention_cuda.decode, q, k, v, bounds, dim**-0.5)
+            case = {"kv_heads": kv_heads, "group": group, "dim": dim, "rows": stop}
+            rows.append({"kernel": "attention", "chunk": chunk, **case, "mean_us": mean})
+    for width, update_norm, scale in JOIN_NORM_CASES:
+        h, update, weight, update_weight = (mx.random.normal((width,)).astype(mx.bfloat16) for _ in range(4))  # fmt: skip
+        h, update = h.reshape(1, 1, width), update.reshape(1, 1, width)
+        factor = mx.array([0.5], dtype=mx.bfloat16) if scale else None
+        extra = update_weight if update_norm else None
+        mean = window(norm_cuda.join_norm, h, update, weight, 1e-6, extra, factor)
+        case = {"width": width, "update_norm": update_norm, "scale": scale}
+        rows.append({"kernel": "join_norm", **case, "mean_us": mean})
+    return rows
+
+
 def _case(text: str) -> tuple[int, int, int]:
     rows, tokens, held = (int(x) for x in text.split(","))
     return rows, tokens, held
@@ -270,7 +325,7 @@ def main() -> None:
     from bench.common import install
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["decode", "prefill", "batch"])
+    parser.add_argument("mode", choices=["decode", "prefill", "batch", "kernels"])
     parser.add_argument("--family", action="append")
     parser.add_argument("--size", default="large")
     parser.add_argument("--dtype", default="bfloat16")
@@ -279,12 +334,22 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", type=_case, help="prefill: rows,tokens,held ...")
     parser.add_argument("--rows", type=int, default=16, help="batch: rows decoding together")
     parser.add_argument("--steps", type=int, default=50, help="batch: steps in the window")
+    parser.add_argument("--calls", type=int, default=200, help="kernels: calls of each")
+    parser.add_argument(
+        "--chunks", nargs="+", type=int, help="kernels: keys a block (default CHUNK)"
+    )
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/turbospark/bench")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from bench.prefill_cost import CASES
 
+    if args.mode == "kernels":
+        from turbospark.layers.attention_cuda import CHUNK
+
+        for row in kernels(args.calls, args.chunks or [CHUNK], args.top):
+            print(json.dumps({"piece": "device_trace_kernels", **row}), flush=True)
+        return
     for family in args.family or ["gemma4", "qwen_gdn"]:
         path = install(family, args.size, args.dtype, args.cache_dir)
         line: dict[str, Any] = {

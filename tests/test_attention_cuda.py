@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's 
 # (batch, kv_heads, group, D, Dv, buffer rows, start, stop): one key; Gemma 4's
 # sliding and global layers at their large sizes (2 key heads of 4 queries, D
 # 256 and 512) with rows past the last one; Qwen's (8 queries a key head); many
-# query heads on one key head, D 64, a window's start; chunk edges.
+# query heads on one key head, D 64, a window's start; chunk edges; more chunks
+# than a merge block has threads (each thread takes several in its max and sum).
 SHAPES = [
     (1, 2, 4, 256, 256, 256, 0, 1),
     (1, 2, 4, 256, 256, 768, 256, 767),
@@ -39,6 +40,7 @@ SHAPES = [
     (1, 2, 8, 256, 256, attention_cuda.CHUNK, 0, attention_cuda.CHUNK),
     (2, 2, 8, 256, 256, 256, 0, attention_cuda.CHUNK + 1),
     (3, 1, 32, 64, 64, 300, 3, 100),
+    (1, 1, 4, 64, 64, 40000, 5, 39000),
 ]
 
 

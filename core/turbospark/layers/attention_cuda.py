@@ -17,8 +17,9 @@ Here the keys are split into chunks of :data:`CHUNK` (flash decoding):
   that group held in registers (float32, scaled), keep an online softmax (the
   running max, the sum of weights, the weighted values), and merge their
   partial results through shared memory into one per head and chunk.
-- the second merges a head's chunks (one block a head, one thread a value
-  column) and rounds once, to the queries' dtype.
+- the second merges a head's chunks (one block a head, its threads spread
+  over the value columns and the chunks) and rounds once, to the queries'
+  dtype.
 
 Every sum is float32, so the result is the reference's math
 (:func:`~turbospark.layers.attention.decode_attention`: scores and weights
@@ -61,12 +62,33 @@ WARPS = 4  # warps a block; each takes every WARPS-th key of the chunk
 # form takes the shape (G = 8 query heads a key head at D = Dv = 256 is 128).
 MAX_REGISTERS = 160
 SHARED_FLOATS = 8192  # 32 KiB of float32 partial outputs a block (G * Dv * warps)
+MERGE_THREADS = 1024  # threads a merge block: its value columns, times the groups that fit
 
 _HEADER = """
 #define NEG_INF __int_as_float(static_cast<int>(0xff800000u))  // -infinity
 __device__ inline float warp_sum(float value) {
     for (int offset = 16; offset > 0; offset >>= 1)
         value += __shfl_xor_sync(0xffffffff, value, offset);
+    return value;
+}
+// A block's maximum or sum (BLOCK threads, a multiple of 32; every thread calls it).
+template <int BLOCK, bool MAX>
+__device__ inline float block_reduce(float value, float* scratch) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffff, value, offset);
+        value = MAX ? fmaxf(value, other) : value + other;
+    }
+    if constexpr (BLOCK > 32) {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        __syncthreads();  // scratch may still hold the last reduction's partials
+        if (lane == 0) scratch[warp] = value;
+        __syncthreads();
+        value = lane < BLOCK / 32 ? scratch[lane] : (MAX ? NEG_INF : 0.0f);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffff, value, offset);
+            value = MAX ? fmaxf(value, other) : value + other;
+        }
+    }
     return value;
 }
 """
@@ -180,22 +202,49 @@ _PARTIAL = """
 """
 
 # Inputs: partial_out and partial_stats as the first kernel wrote them. Output:
-# out (B, H, 1, DV) in T. One block a (row, head), one thread a value column.
+# out (B, H, 1, DV) in T. One block a (row, head) of GROUPS * DVP threads (DVP:
+# DV rounded up to a warp). The chunks' max score and weights' sum are shared
+# out over every thread and reduced across the block; the weighted outputs,
+# one thread a value column, over GROUPS groups of threads, each summing every
+# GROUPS-th chunk, then across the groups through shared memory. Each thread's
+# loads are independent, so they overlap; one thread a column walking every
+# chunk in turn took 16 us a call on the H200 at 72 chunks (bench/README.md,
+# twenty-second session), where the bytes it reads take well under one.
 _MERGE = """
+    constexpr int THREADS = GROUPS * DVP;
+    __shared__ float scratch[THREADS / 32];
+    __shared__ float partial[GROUPS][DVP];
     const int splits = partial_out_shape[2];
     const int head = blockIdx.x;  // b * H + h
-    const int d = threadIdx.x;
+    const int d = threadIdx.x % DVP;
+    const int group = threadIdx.x / DVP;
     const float* stats = partial_stats + static_cast<size_t>(head) * splits * 2;
     float top = NEG_INF;
-    for (int s = 0; s < splits; ++s) top = fmaxf(top, stats[2 * s]);
-    float total = 0.0f, sum = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        if (stats[2 * s + 1] == 0.0f) continue;  // a chunk past the last row
-        const float weight = expf(stats[2 * s] - top);
-        total += stats[2 * s + 1] * weight;
-        if (d < DV) sum += partial_out[(static_cast<size_t>(head) * splits + s) * DV + d] * weight;
+    for (int s = threadIdx.x; s < splits; s += THREADS) top = fmaxf(top, stats[2 * s]);
+    top = block_reduce<THREADS, true>(top, scratch);
+    // A chunk with no key (past the last row: its max is -infinity) weighs 0.
+    float total = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += THREADS) {
+        const float l = stats[2 * s + 1];
+        total += l == 0.0f ? 0.0f : l * expf(stats[2 * s] - top);
     }
-    if (d < DV) out[static_cast<size_t>(head) * DV + d] = static_cast<T>(sum / total);
+    total = block_reduce<THREADS, false>(total, scratch);
+    float sum = 0.0f;
+    if (d < DV) {
+        const float* column = partial_out + static_cast<size_t>(head) * splits * DV + d;
+#pragma unroll 8
+        for (int s = group; s < splits; s += GROUPS) {
+            const float l = stats[2 * s + 1];
+            const float weight = l == 0.0f ? 0.0f : expf(stats[2 * s] - top);
+            sum += column[static_cast<size_t>(s) * DV] * weight;
+        }
+    }
+    partial[group][d] = sum;
+    __syncthreads();
+    if (group == 0 && d < DV) {
+        for (int g = 1; g < GROUPS; ++g) sum += partial[g][d];
+        out[static_cast<size_t>(head) * DV + d] = static_cast<T>(sum / total);
+    }
 """
 
 
@@ -295,10 +344,17 @@ def decode(
         output_shapes=[(batch, heads, splits, value_dim), (batch, heads, splits, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    threads = -(-value_dim // 32) * 32
+    column_threads = -(-value_dim // 32) * 32
+    groups = max(1, MERGE_THREADS // column_threads)
+    threads = groups * column_threads
     (out,) = _merge_kernel()(
         inputs=[partial_out, partial_stats],
-        template=[("DV", value_dim), ("T", queries.dtype)],
+        template=[
+            ("DV", value_dim),
+            ("DVP", column_threads),
+            ("GROUPS", groups),
+            ("T", queries.dtype),
+        ],
         grid=(batch * heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(batch, heads, 1, value_dim)],
