@@ -285,6 +285,7 @@ def kernels(calls: int, chunks: list[int], top: int) -> list[dict[str, Any]]:
 
     mx.random.seed(0)
     rows = []
+    default_chunk = attention_cuda.CHUNK
     for chunk in chunks:
         attention_cuda.CHUNK = chunk  # read by decode() at each call
         for kv_heads, group, dim, capacity, stop in ATTENTION_CASES:
@@ -294,6 +295,7 @@ def kernels(calls: int, chunks: list[int], top: int) -> list[dict[str, Any]]:
             mean = window(attention_cuda.decode, q, k, v, bounds, dim**-0.5)
             case = {"kv_heads": kv_heads, "group": group, "dim": dim, "rows": stop}
             rows.append({"kernel": "attention", "chunk": chunk, **case, "mean_us": mean})
+    attention_cuda.CHUNK = default_chunk
     for width, update_norm, scale in JOIN_NORM_CASES:
         h, update, weight, update_weight = (mx.random.normal((width,)).astype(mx.bfloat16) for _ in range(4))  # fmt: skip
         h, update = h.reshape(1, 1, width), update.reshape(1, 1, width)

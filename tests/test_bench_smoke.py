@@ -7,6 +7,7 @@ The HTTP comparison starts two servers and is covered by ``bench/run.py``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from pathlib import Path
@@ -424,6 +425,52 @@ def test_batch_decode(bench: dict) -> None:
     assert set(out["levels"]) == {"P=8,B=2", "P=20,B=2"}
     for level in out["levels"].values():
         assert level["batched_tok_s"] > 0 and level["row_by_row_tok_s"] > 0 and level["ratio"] > 0
+
+
+def test_device_trace_kernels_mode_times_each_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device_trace.py kernels`` calls each attention case at each chunk
+    size (CHUNK set while it runs, restored after) and each join-norm case
+    with its inputs, one row each. The kernels run only on a GPU: here their
+    ops contracts and a stand-in window that counts the calls stand in."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import bench.device_trace as device_trace
+    finally:
+        sys.path.remove(str(ROOT))
+    from turbospark.layers import attention_cuda, norm_cuda
+
+    seen: list[tuple] = []
+
+    def attention(q, k, v, rows, scale):  # type: ignore[no-untyped-def]
+        seen.append(("attention", attention_cuda.CHUNK, q.shape, k.shape, rows.tolist()))
+        return attention_cuda.decode_ops(q, k, v, rows, scale)
+
+    def join_norm(h, update, weight, eps, update_weight=None, scale=None):  # type: ignore[no-untyped-def]
+        seen.append(("join_norm", update_weight is not None, scale is not None))
+        return norm_cuda.join_norm_ops(h, update, weight, eps, update_weight, scale)
+
+    @contextlib.contextmanager
+    def window(out: dict, top: int):  # type: ignore[no-untyped-def]
+        before = len(seen)
+        yield
+        out["top_kernels"] = [{"name": "calls", "mean_us": float(len(seen) - before)}]
+
+    monkeypatch.setattr(attention_cuda, "decode", attention)
+    monkeypatch.setattr(norm_cuda, "join_norm", join_norm)
+    monkeypatch.setattr(device_trace, "traced", window)
+    chunk = attention_cuda.CHUNK
+    rows = device_trace.kernels(calls=2, chunks=[16, 64], top=5)
+    assert chunk == attention_cuda.CHUNK
+    cases = device_trace.ATTENTION_CASES
+    assert [(r["chunk"], r["kv_heads"], r["group"], r["dim"]) for r in rows[: 2 * len(cases)]] == [
+        (c, kv, g, d) for c in (16, 64) for kv, g, d, _, _ in cases
+    ]
+    assert [(r["update_norm"], r["scale"]) for r in rows[2 * len(cases) :]] == [
+        (u, s) for _, u, s in device_trace.JOIN_NORM_CASES
+    ]
+    assert all(r["mean_us"] == {"calls": 2.0} for r in rows)  # the window holds the calls alone
+    first = (16, (1, 8, 1, 512), (1, 2, 2304, 512), [0, 2176])
+    assert seen[0] == ("attention", *first)  # the first of three warm-ups
 
 
 def test_device_trace_summary_of_a_chrome_trace() -> None:
