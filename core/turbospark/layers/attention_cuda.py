@@ -50,7 +50,7 @@ import os
 
 import mlx.core as mx
 
-from turbospark.layers import fused
+from turbospark.layers import fused, reduce_cuda
 
 # TURBOSPARK_ATTENTION_KERNEL=0 keeps the matmul form on CUDA too (the
 # benchmarks' A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
@@ -63,35 +63,6 @@ WARPS = 4  # warps a block; each takes every WARPS-th key of the chunk
 MAX_REGISTERS = 160
 SHARED_FLOATS = 8192  # 32 KiB of float32 partial outputs a block (G * Dv * warps)
 MERGE_THREADS = 1024  # threads a merge block: its value columns, times the groups that fit
-
-_HEADER = """
-#define NEG_INF __int_as_float(static_cast<int>(0xff800000u))  // -infinity
-__device__ inline float warp_sum(float value) {
-    for (int offset = 16; offset > 0; offset >>= 1)
-        value += __shfl_xor_sync(0xffffffff, value, offset);
-    return value;
-}
-// A block's maximum or sum (BLOCK threads, a multiple of 32; every thread calls it).
-template <int BLOCK, bool MAX>
-__device__ inline float block_reduce(float value, float* scratch) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(0xffffffff, value, offset);
-        value = MAX ? fmaxf(value, other) : value + other;
-    }
-    if constexpr (BLOCK > 32) {
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        __syncthreads();  // scratch may still hold the last reduction's partials
-        if (lane == 0) scratch[warp] = value;
-        __syncthreads();
-        value = lane < BLOCK / 32 ? scratch[lane] : (MAX ? NEG_INF : 0.0f);
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float other = __shfl_xor_sync(0xffffffff, value, offset);
-            value = MAX ? fmaxf(value, other) : value + other;
-        }
-    }
-    return value;
-}
-"""
 
 # Inputs: queries (B, KVH * G, 1, D); keys (B, KVH, N, D) and values (B, KVH, N,
 # DV), a cache's whole buffers, each read through its strides; rows (2,) int32,
@@ -207,9 +178,9 @@ _PARTIAL = """
 # out over every thread and reduced across the block; the weighted outputs,
 # one thread a value column, over GROUPS groups of threads, each summing every
 # GROUPS-th chunk, then across the groups through shared memory. Each thread's
-# loads are independent, so they overlap; one thread a column walking every
-# chunk in turn took 16 us a call on the H200 at 72 chunks (bench/README.md,
-# twenty-second session), where the bytes it reads take well under one.
+# loads are independent, so they overlap: at 68 chunks a call takes 5.3-7.4 us
+# on the H200, where one thread a column walking every chunk in turn took 18
+# (bench/README.md, twenty-third session).
 _MERGE = """
     constexpr int THREADS = GROUPS * DVP;
     __shared__ float scratch[THREADS / 32];
@@ -285,7 +256,7 @@ def _partial_kernel(scale: float) -> object:
         input_names=["queries", "keys", "values", "rows"],
         output_names=["partial_out", "partial_stats"],
         source=f"    constexpr float SCALE = {literal}f;\n" + _PARTIAL,
-        header=_HEADER,
+        header=reduce_cuda.HEADER,
         ensure_row_contiguous=False,
     )
 
@@ -297,7 +268,7 @@ def _merge_kernel() -> object:
         input_names=["partial_out", "partial_stats"],
         output_names=["out"],
         source=_MERGE,
-        header=_HEADER,
+        header=reduce_cuda.HEADER,
     )
 
 

@@ -56,23 +56,21 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.layers import fused
+from turbospark.layers import fused, reduce_cuda
 
 WARPS = 4  # warps per block: one block is WARPS rows of one value head's state
 # TURBOSPARK_GDN_KERNEL=0 keeps the ops forms on CUDA too (a kill switch, as
 # mlx-lm's MLX_GDN_PACKED; the benchmarks' A/B), read once at import.
 ENABLED = os.environ.get("TURBOSPARK_GDN_KERNEL", "1") != "0"
 
-_HEADER = """
-__device__ inline float warp_sum(float value) {
-    for (int offset = 16; offset > 0; offset >>= 1)
-        value += __shfl_xor_sync(0xffffffff, value, offset);
-    return value;
-}
+_HEADER = (
+    reduce_cuda.HEADER
+    + """
 __device__ inline float softplus(float x) {  // MLX's: logaddexp(x, 0)
     return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
 }
 """
+)
 
 # Inputs: mixed (B, T, 2 * Hk * Dk + Hv * Dv), the conv's output after SiLU, q | k | v;
 # proj (B, T, W), the input projection whose columns A_OFF .. A_OFF + Hv are a (its

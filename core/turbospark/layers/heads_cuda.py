@@ -34,7 +34,7 @@ import os
 
 import mlx.core as mx
 
-from turbospark.layers import fused, norm_cuda
+from turbospark.layers import fused, reduce_cuda
 from turbospark.layers.attention import normed_heads
 from turbospark.layers.rope import apply_rope
 
@@ -106,7 +106,7 @@ def _kernel(owner: bool, eps: float) -> object:
         input_names=["x", "weight", "offset", "freqs"],
         output_names=["queries", "keys", "values"] if owner else ["queries"],
         source=eps_line + _SOURCE.replace("{STORE}", _STORE_ALL if owner else _STORE_QUERIES),
-        header=norm_cuda.BLOCK_SUM,
+        header=reduce_cuda.HEADER,
     )
 
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from turbospark.layers import fused
+from turbospark.layers import fused, reduce_cuda
 
 # TURBOSPARK_NORM_KERNEL=0 keeps the ops forms on CUDA too (the benchmarks'
 # A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
@@ -66,33 +66,14 @@ def available() -> bool:
     return fused.takes_cuda_kernels(ENABLED)
 
 
-# A block's float32 sum (BLOCK threads, a multiple of 32), which heads_cuda shares.
-BLOCK_SUM = """
-template <int BLOCK>
-__device__ inline float block_sum(float value, float* scratch) {
-    for (int offset = 16; offset > 0; offset >>= 1)
-        value += __shfl_xor_sync(0xffffffff, value, offset);
-    if constexpr (BLOCK > 32) {
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        __syncthreads();  // scratch may still hold the last sum's partials
-        if (lane == 0) scratch[warp] = value;
-        __syncthreads();
-        value = lane < BLOCK / 32 ? scratch[lane] : 0.0f;
-        for (int offset = 16; offset > 0; offset >>= 1)
-            value += __shfl_xor_sync(0xffffffff, value, offset);
-    }
-    return value;
-}
-"""
-
 # One block a row of H; every thread holds PER of the row's values in registers.
 # T is the activations' dtype, which every input shares (join_norm checks). The
 # parts in braces are spliced in only for the kernels that have those inputs.
 # Every input is read into registers before anything is computed, so the
 # loads overlap: read where each is first used, after a reduction's
 # __syncthreads or a store, each waited a memory latency of its own in turn
-# (7 us a call on the H200, where MLX's one-read RMS norm takes 2.3:
-# bench/README.md, twenty-second session).
+# (3.8-5.2 us a call on the H200, against 2.0-2.8 us reading all first:
+# bench/README.md, twenty-third session).
 _SOURCE = """
     constexpr int PER = (H + BLOCK - 1) / BLOCK;
     __shared__ float scratch[BLOCK / 32];
@@ -172,7 +153,7 @@ def _kernel(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> object:
         input_names=[*inputs, *["weight"] * has_w],
         output_names=["joined", "normed"] if has_w else ["joined"],
         source=source(has_uw, has_scale, has_w, eps),
-        header=BLOCK_SUM,
+        header=reduce_cuda.HEADER,
     )
 
 

@@ -25,22 +25,9 @@ import functools
 
 import mlx.core as mx
 
-THREADS = 256  # threads per block (one block per token row)
+from turbospark.layers import reduce_cuda
 
-_HEADER = """
-__device__ inline float block_sum(float value, float* shared) {
-    // Every thread gets the sum over the block; shared holds one float per warp.
-    for (int offset = 16; offset > 0; offset >>= 1)
-        value += __shfl_xor_sync(0xffffffff, value, offset);
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    __syncthreads();  // shared may still be read by a previous call
-    if (lane == 0) shared[warp] = value;
-    __syncthreads();
-    float total = 0.0f;
-    for (int i = 0; i < (int)(blockDim.x / 32); ++i) total += shared[i];
-    return total;
-}
-"""
+THREADS = 256  # threads per block (one block per token row)
 
 # Inputs: h (B, H) the layer's output for one token per row, or in a joined
 # kernel (_JOINED) the residual h and the update whose join (h + update, or
@@ -67,8 +54,8 @@ _SOURCE = """
             hu += x[i] * static_cast<float>(ur[j]);
         }
     }
-    hh = block_sum(hh, shared);
-    hu = block_sum(hu, shared);
+    hh = block_sum<TPB>(hh, shared);
+    hu = block_sum<TPB>(hu, shared);
     const float a = coef[row * 3], t = coef[row * 3 + 1], r = coef[row * 3 + 2];
     const float along = a * (hu - t);
     float oo = 0.0f;
@@ -81,7 +68,7 @@ _SOURCE = """
     }
     float scale = 1.0f;
     if (r != 0.0f) {
-        oo = block_sum(oo, shared);
+        oo = block_sum<TPB>(oo, shared);
         scale = sqrtf(hh / oo);
     }
     for (int i = 0; i < N; ++i) {
@@ -115,7 +102,7 @@ def _kernel(join: int | None) -> object:
         input_names=names,
         output_names=["out"],
         source=_SOURCE.replace("/*JOIN*/", code),
-        header=_HEADER,
+        header=reduce_cuda.HEADER,
     )
 
 
