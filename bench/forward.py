@@ -173,7 +173,8 @@ def bench_forward(
             runner.model.model.embed_tokens if getattr(arch, "tie_word_embeddings", False) else None
         )
         weights = weights_read_per_token(runner.model, tied)
-        bandwidth = copy_bandwidth(1024 if mx.default_device() == mx.gpu else 256)
+        on_gpu = mx.default_device() == mx.gpu
+        bandwidth = copy_bandwidth(1024) if on_gpu else copy_bandwidth(256, reps=5, copies=1)
         roofline = bandwidth / weights
         result["roofline"] = {
             "weights_bytes_per_token": weights,
