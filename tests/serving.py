@@ -3,12 +3,19 @@ as ``turbospark serve`` serves it, driven by real clients."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import pytest
 
 from turbospark.plugins import FamilyRegistry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots
@@ -86,14 +93,23 @@ def sessions(server: ThreadedServer) -> list[tuple[int, int, int]]:
 
 @contextmanager
 def serving_with_disk(
-    install: Path, codec: TextCodec, directory: Path, slots: int
+    install: Path,
+    codec: TextCodec,
+    directory: Path,
+    slots: int,
+    max_session_disk_bytes: int | None = None,
 ) -> Iterator[ThreadedServer]:
-    """``turbospark serve --session-slots N --session-dir DIR``, as :func:`serving`."""
+    """``turbospark serve --session-slots N --session-dir DIR [--max-session-disk
+    SIZE]``, as :func:`serving`."""
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
         runner = Runner.open(
-            install, context_length=CONTEXT, session_slots=slots, session_dir=directory
+            install,
+            context_length=CONTEXT,
+            session_slots=slots,
+            session_dir=directory,
+            max_session_disk_bytes=max_session_disk_bytes,
         )
         runner.set_prefix_reuse(True)
         return runner
@@ -102,6 +118,45 @@ def serving_with_disk(
     with ThreadedServer(app) as server:
         server.service = app.state.service  # type: ignore[attr-defined]
         yield server
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def serve_process(
+    install: Path, *flags: str, family: str = "gemma4"
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``turbospark serve INSTALL FLAGS`` as its own process, output piped; yields
+    it and its base URL once /health answers, and kills it if it is still running."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "turbospark", "serve", str(install), "--port", str(port), *flags],
+        env={**os.environ, "TURBOSPARK_PLUGINS": family},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120  # a readiness wait, not a measurement
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"serve exited: {process.stdout.read()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("serve did not come up")
+            time.sleep(0.1)
+        yield process, base
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
 def forced_call(api: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str, str]:
@@ -130,3 +185,31 @@ WEATHER_PARAMS = {
     "required": ["city", "days"],
     "additionalProperties": False,
 }
+
+
+@contextmanager
+def reference(install: Path, codec: TextCodec) -> Iterator[ThreadedServer]:
+    """The server replies are compared against under faults: one slot, no prefix
+    reuse (``--session-slots 1 --no-prefix-reuse``)."""
+    with serving(install, codec, slots=1) as running:
+        service(running).runner.set_prefix_reuse(False)
+        yield running
+
+
+Reply = tuple[list[str], list[float], dict]
+
+
+def greedy_reply(api: openai.OpenAI, model: str, messages: list[dict[str, str]]) -> Reply:
+    """One greedy chat turn of 6 tokens: its tokens, their logprobs (random-weight
+    text hides differences they show), and usage's turbospark extension."""
+    done = api.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True
+    )
+    content = done.choices[0].logprobs.content
+    usage = done.usage.model_extra["turbospark"]
+    return [t.token for t in content], [t.logprob for t in content], usage
+
+
+def assert_same_reply(ours: Reply, theirs: Reply) -> None:
+    assert ours[0] == theirs[0]
+    assert ours[1] == pytest.approx(theirs[1], abs=1e-4)

@@ -5,19 +5,15 @@ request; everything warm again at shutdown)."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+from serving import serve_process
 
 from turbospark import build_synthetic_install
 from turbospark.text import TextCodec, load_text
@@ -34,41 +30,12 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def serve(install: Path, session_dir: Path) -> Iterator[tuple[subprocess.Popen, openai.OpenAI]]:
     """``turbospark serve`` as its own process; yields it once /health answers."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "turbospark", "serve", str(install), "--port", str(port),
-         "--session-slots", "2", "--session-dir", str(session_dir)],
-        env={**os.environ, "TURBOSPARK_PLUGINS": "gemma4"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120  # a readiness wait, not a measurement
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"serve exited: {process.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("serve did not come up")
-            time.sleep(0.1)
+    flags = ["--session-slots", "2", "--session-dir", str(session_dir)]
+    with serve_process(install, *flags) as (process, base):
         yield process, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
 
 
 def turn(api: openai.OpenAI, codec: TextCodec, messages: list[dict[str, str]]) -> tuple[int, dict]:

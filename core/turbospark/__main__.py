@@ -1,7 +1,5 @@
 """``python -m turbospark`` runs the CLI."""
 
-import sys
+from turbospark.cli import run
 
-from turbospark.cli import main
-
-sys.exit(main())
+run()

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
+import traceback
+from typing import NoReturn
 
 from turbospark.errors import TurbosparkError
 
@@ -49,5 +53,29 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The console entry point: :func:`main`, then leave at once with its code.
+
+    MLX's per-thread destructors take the GIL. A thread that ran MLX (the
+    server's runner thread) and ended just before the interpreter finalizes
+    can run them during finalization, which aborts the process ("terminate
+    called without an active exception", exit 134) instead of returning the
+    command's code. Every output is flushed and every log handler closed
+    first; nothing else is left to finalize once a command has returned."""
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse: --help, or a usage error it already printed
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

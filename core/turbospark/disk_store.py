@@ -12,9 +12,13 @@ that wins is loaded (and verified).
 A file that cannot be trusted (torn, corrupt, built under another model) is
 refused with a log line and a reason and moved into ``rejected/`` beside a
 ``.reason`` note: never served, never silently deleted. The directory is
-bounded by ``max_bytes``: the least recently used files are deleted to fit,
-each deletion logged and counted in :attr:`DiskTier.evictions` when its
-session is not also in memory (then nothing was lost).
+bounded by ``max_bytes``: files whose session is also in memory are deleted
+first (nothing is lost; the session is written again when it leaves memory),
+and only then, least recently used first, files that are a conversation's
+only copy, each such loss logged and counted in :attr:`DiskTier.evictions`.
+A file that changed since it was indexed is re-indexed from what it holds,
+and a session whose directory vanished is written to a recreated one; a
+failure to write is logged once per session state, however often it is retried.
 
 Everything here runs on the runner's thread; one process per directory
 (a second one is refused: an advisory lock on ``.lock``).
@@ -95,6 +99,8 @@ class DiskTier:
         self.evictions = 0  # files deleted for the bound whose session was not in memory
         self.rejected: list[tuple[str, str]] = []  # (file, reason) refused since opening
         self._clock = 0
+        # (conversation, tokens) of session states whose write failed: logged once each.
+        self._unwritten: set[tuple[int, int]] = set()
         self._lock = _lock(root)
         self._scan()
 
@@ -180,11 +186,15 @@ class DiskTier:
             return False  # built under a request's own steering: its files hold the server's
         name = session.disk_name or uuid.uuid4().hex
         try:
+            self._recreate()
             nbytes = write_session(
                 self.path(name), self._capture(session), self.model, self.components
             )
-        except (OSError, RuntimeError, ValueError) as exc:  # a full disk, a vanished directory
-            log.error("could not write session %s (%d tokens): %s", name, len(tokens), exc)
+        except (OSError, RuntimeError, ValueError) as exc:  # a full or read-only disk
+            state = (session.conversation, len(tokens))
+            if state not in self._unwritten:  # retried at every flush: one line a state
+                self._unwritten.add(state)
+                log.error("could not write session %s (%d tokens): %s", name, len(tokens), exc)
             return False
         session.disk_name = name
         self._index(name, tokens, [c.position for c in session.checkpoints], nbytes)
@@ -202,11 +212,21 @@ class DiskTier:
             log.error("could not read session file %s: %s", entry.name, exc)
             self.entries.pop(entry.name, None)
             return None
-        if meta.tokens != entry.record.tokens:  # replaced behind our back: index what is there
+        if meta.tokens != entry.record.tokens or meta.checkpoints != entry.checkpoints:
+            # Replaced since it was indexed (another copy, an older one): index what it
+            # holds, so the caller matches the prompt against that, not the old record.
+            log.warning(
+                "session file %s changed since it was indexed (%d tokens then, %d now); "
+                "re-indexed from its content", entry.name, len(entry.record), len(meta.tokens),
+            )  # fmt: skip
             self.entries.pop(entry.name)
-            self._index(entry.name, meta.tokens, meta.checkpoints, entry.nbytes)
+            nbytes = self.path(entry.name).stat().st_size
+            self._index(entry.name, meta.tokens, meta.checkpoints, nbytes)
         try:
             session = self._materialize(snapshot)
+            if session.position != len(meta.tokens):
+                raise ValueError(f"its state holds {session.position} tokens, its record "
+                                 f"{len(meta.tokens)}")  # fmt: skip
         except (KeyError, ValueError, TypeError, RuntimeError) as exc:
             # Verified, and ours, but not this family's state any more (a plugin changed it).
             self.reject(SessionFileError(self.path(entry.name), RejectReason.MALFORMED,
@@ -224,25 +244,30 @@ class DiskTier:
             os.utime(self.path(name))
 
     def enforce_bound(self, keep: str | None) -> bool:
-        """Delete least recently used files until the directory fits ``max_bytes``
-        (never *keep*, the file just written); False if *keep* alone does not fit."""
+        """Delete files until the directory fits ``max_bytes`` (never *keep*, the
+        file just written); False if *keep* alone does not fit.
+
+        Files of sessions still in memory go first, least recently used first:
+        deleting one loses nothing. A file that is its conversation's only copy
+        goes only when those are gone, and each is counted in :attr:`evictions`."""
         if self.max_bytes is None:
             return True
         if keep is not None and self.entries[keep].nbytes > self.max_bytes:
             self._delete(keep, f"it alone is larger than the bound of {self.max_bytes} bytes")
             return False
         resident = self._resident()
-        for entry in sorted(self.entries.values(), key=lambda e: e.tick):
+        order = sorted(self.entries.values(), key=lambda e: (e.name not in resident, e.tick))
+        for entry in order:
             if self.nbytes <= self.max_bytes:
                 break
             if entry.name == keep:
                 continue
             lost = entry.name not in resident
             self.evictions += lost
+            where = "it was the conversation's only copy" if lost else "its session is in memory"
             self._delete(
                 entry.name,
-                f"the session directory is over its bound of {self.max_bytes} bytes"
-                + ("" if lost else "; the session is still in memory"),
+                f"the session directory is over its bound of {self.max_bytes} bytes; {where}",
             )
         return True
 
@@ -253,23 +278,44 @@ class DiskTier:
         fsync_dir(self.root)
 
     def reject(self, error: SessionFileError) -> None:
-        """Move a file that cannot be trusted into ``rejected/`` with a note why."""
+        """Move a file that cannot be trusted into ``rejected/`` with a note why
+        (one log line: refused and moved, refused and left, or vanished)."""
         name = error.path.stem
         self.entries.pop(name, None)
+        if not error.path.exists():
+            log.warning("session file %s vanished; dropped from the index", error.path.name)
+            return
+        self.rejected.append((error.path.name, str(error.reason)))
         target = self.root / REJECTED / error.path.name
-        while target.exists():
-            target = target.with_name(f"{target.stem}-{uuid.uuid4().hex[:6]}{SUFFIX}")
         try:
+            target.parent.mkdir(exist_ok=True)
+            while target.exists():
+                target = target.with_name(f"{target.stem}-{uuid.uuid4().hex[:6]}{SUFFIX}")
             os.replace(error.path, target)
             target.with_suffix(".reason").write_text(f"{error.reason}: {error}\n")
             fsync_dir(self.root)
         except OSError as exc:
-            log.error("could not move %s aside: %s", error.path, exc)
+            log.error(
+                "refused session file %s (%s): %s; it could not be moved aside (%s), so it is "
+                "left in place and not indexed", error.path.name, error.reason, error, exc,
+            )  # fmt: skip
+            return
         log.warning(
             "refused session file %s (%s): %s; moved to %s", error.path.name, error.reason,
             error, target,
         )  # fmt: skip
-        self.rejected.append((error.path.name, str(error.reason)))
+
+    def _recreate(self) -> None:
+        """Recreate the directory (and take its lock again) if it was deleted
+        while serving; the files it held are gone from the index too."""
+        if self.root.is_dir():
+            return
+        log.warning("session directory %s was removed; recreating it", self.root)
+        lost = [name for name in self.entries if name not in self._resident()]
+        self.evictions += len(lost)
+        self.entries.clear()
+        self._lock.close()
+        self._lock = _lock(self.root)
 
     def close(self) -> None:
         self._lock.close()

@@ -982,9 +982,10 @@ class Engine:
         conversations out of the pool, and the client continues the first choice."""
         if row.fork:
             return False
+        losses = self.runner.disk_losses
         evicted = self.runner.checkin(row.session)
         self.runner.flush()  # write-through to the disk tier: a reply sent is a session kept
-        return evicted
+        return evicted or self.runner.disk_losses > losses
 
     def _fail(self, row: _Row, exc: Exception) -> None:
         log.warning("request failed: %s", exc, exc_info=exc)
@@ -1015,7 +1016,7 @@ class Engine:
             reuse_reason=str(row.report.reason),
             reuse_detail=row.report.detail,
             swapped=row.report.swapped,
-            evicted=row.evicted,
+            evicted=row.evicted or evicted_at_checkin,
             prefill_seconds=prefilled - row.started,
             decode_seconds=now - prefilled,
             queued_seconds=row.started - row.job.submitted,

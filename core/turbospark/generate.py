@@ -193,6 +193,7 @@ def acquire(
     already in state, why, and whether a parked session with content was
     discarded on the way."""
     runner.use_steering(steering)  # checked first: a refusal changes nothing
+    losses = runner.disk_losses
     kept = runner.try_reuse_prefix(ids)
     report = runner.last_reuse
     # A swap past the byte budget, or parking the live session to share a parked
@@ -203,7 +204,8 @@ def acquire(
         evicted = runner.session_slot_evicted()
         kept = runner.share_prefix(ids)
         report = runner.last_reuse if kept else report
-    return kept, report, evicted
+    # Writing a session that left memory may push another one's only copy off disk.
+    return kept, report, evicted or runner.disk_losses > losses
 
 
 def stream_generate(

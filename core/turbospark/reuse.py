@@ -215,8 +215,9 @@ def _restore_from_disk(
     shallow match (a chat template's opening) is cheaper to take from a
     parked session by reference, or to prefill, than a whole file is to read.
     The loaded session becomes live and the live one is parked (the LRU slot
-    it displaces goes to disk). None: no file qualifies (a refused file is
-    moved aside, logged, and the next candidate tried)."""
+    it displaces goes to disk). A file whose content changed since it was
+    indexed is scored again from what it holds. None: no file qualifies (a
+    refused file is moved aside, logged, and the next candidate tried)."""
     assert pool.disk is not None
     for entry, score in pool.disk.candidates(prompt):
         if score <= to_beat:
@@ -226,6 +227,11 @@ def _restore_from_disk(
         started = time.perf_counter()
         session = pool.disk.load(entry)
         if session is None:
+            continue
+        # The file may hold other tokens than its index said (replaced since, and
+        # re-indexed by load): the match is what the loaded session holds.
+        score = session.record.common_prefix(prompt)
+        if score <= to_beat or len(session.record) - score > score:
             continue
         target, checkpoint, _ = _reachable(session, score)
         if target == 0 or session.position - target > target:

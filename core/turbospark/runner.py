@@ -104,6 +104,7 @@ class Runner:
         )
         self._reuse_enabled = False
         self._evicted = False
+        self._checked_out: list[Session] = []  # sessions requests hold (checkout, checkin)
         self._vision: VisionMap | None = None
         self.last_reuse = ReuseReport(
             kept=0, swapped=False, reason=ReuseReason.NO_HISTORY, detail="no prompt yet"
@@ -657,8 +658,10 @@ class Runner:
         return session
 
     def _resident(self) -> set[str]:
+        """Files whose session is in memory: live, parked, or checked out to a request."""
         parked = [] if self._pool is None else self._pool.parked
-        return {s.disk_name for s in (self._live, *parked) if s.disk_name is not None}
+        sessions = (self._live, *parked, *self._checked_out)
+        return {s.disk_name for s in sessions if s.disk_name is not None}
 
     # -- the disk tier -----------------------------------------------------------
 
@@ -666,6 +669,12 @@ class Runner:
     def session_disk(self) -> DiskTier | None:
         """The disk tier (``session_dir``), for inspection: its index, evictions, refusals."""
         return self._disk
+
+    @property
+    def disk_losses(self) -> int:
+        """Session files deleted for the disk bound that were their conversation's
+        only copy, since opening (0 without a session directory)."""
+        return 0 if self._disk is None else self._disk.evictions
 
     @contextmanager
     def without_disk(self) -> Iterator[None]:
@@ -722,6 +731,7 @@ class Runner:
         contract) to that request; a fresh, empty live session takes its place.
         Batched requests each hold their own session while they run."""
         session, self._live = self._live, self._new_session()
+        self._checked_out.append(session)
         return session
 
     def fork(self, session: Session) -> Session:
@@ -737,6 +747,8 @@ class Runner:
         """A request is done with *session*: it becomes the live session again,
         and the one live before it is parked (the LRU rule, then the memory cap,
         decide what goes). True if a parked session with content was discarded."""
+        if session in self._checked_out:
+            self._checked_out.remove(session)
         evicted = False
         if self._live.has_content:
             if self._pool is None:

@@ -142,6 +142,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="deadline from a request's arrival to its last byte; past it the request ends "
         f"with a request_timeout error and its generation stops (default: {defaults.request_timeout:g})",
     )
+    parser.add_argument(
+        "--send-timeout",
+        type=float,
+        default=defaults.send_timeout,
+        metavar="SECONDS",
+        help="how long a reply may wait on a client that reads nothing; past it the reply is "
+        f"abandoned and its generation stops (default: {defaults.send_timeout:g})",
+    )
     add_steering_args(parser)
     parser.add_argument(
         "--distributed",
@@ -200,6 +208,7 @@ def check_args(args: argparse.Namespace) -> None:
         ("--max-request-bytes", args.max_request_bytes),
         ("--max-queue", args.max_queue),
         ("--request-timeout", args.request_timeout),
+        ("--send-timeout", args.send_timeout),
         ("--distributed-timeout", args.distributed_timeout),
     ]:
         if value <= 0:
@@ -211,6 +220,7 @@ def limits_of(args: argparse.Namespace) -> ServerLimits:
         max_request_bytes=args.max_request_bytes,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
+        send_timeout=args.send_timeout,
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -306,7 +306,7 @@ async def messages(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     service: Service = request.app.state.service
-    deadline = service.deadline()
+    deadline = service.deadline(request)
     body = await service.parse(request, CountTokensRequest, deadline)
     chat = body.chat()
     ids = await service.prompt_ids(chat.messages, deadline, chat.tools)
@@ -352,7 +352,7 @@ async def _stream(
     service: Service,
     body: MessagesRequest,
     ident: str,
-    chunks: AsyncIterator[tuple[int, Chunk]],
+    chunks: AsyncGenerator[tuple[int, Chunk], None],
     calling: ToolSyntax | None,
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
@@ -410,3 +410,5 @@ async def _stream(
             "error",
             anthropic_error_body(APIError(500, f"internal error: {type(exc).__name__}: {exc}")),
         )
+    finally:
+        await chunks.aclose()  # an abandoned stream frees its engine rows now

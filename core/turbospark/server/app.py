@@ -27,7 +27,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -63,7 +64,14 @@ from turbospark.server.errors import (
     refusal,
     validation_error,
 )
-from turbospark.server.limits import Admission, Deadline, Ticket, read_body
+from turbospark.server.limits import (
+    DEADLINE_KEY,
+    Admission,
+    Deadline,
+    SendDeadline,
+    Ticket,
+    read_body,
+)
 from turbospark.server.metrics import Metrics
 from turbospark.server.openapi import openapi_document
 from turbospark.server.prompt_bound import PromptBound
@@ -274,7 +282,7 @@ class Service:
     async def run(self, request: Request, handler: Callable[..., Any], model: type[R]) -> Response:
         """Parse *model* within the request's deadline, take a queue place, and
         hand both to ``handler(service, body, deadline, ticket, request)``."""
-        deadline = self.deadline()
+        deadline = self.deadline(request)
         body = await self.parse(request, model, deadline)
         with self.admission.admit() as ticket:
             return await handler(self, body, deadline, ticket, request)
@@ -287,7 +295,11 @@ class Service:
                 )
             return self._grammar
 
-    def deadline(self) -> Deadline:
+    def deadline(self, request: Request | None = None) -> Deadline:
+        """*request*'s deadline, started by ``SendDeadline`` as it arrived (a new
+        one when called outside a request)."""
+        if request is not None and DEADLINE_KEY in request.scope:
+            return request.scope[DEADLINE_KEY]
         return Deadline(self.limits.request_timeout)
 
     async def parse(self, request: Request, model: type[R], deadline: Deadline) -> R:
@@ -475,10 +487,13 @@ class Service:
 
 class EventStream(StreamingResponse):
     """An SSE response that holds its request's queue place until it ends,
-    however it ends (finished, failed, or cancelled by a disconnect)."""
+    however it ends (finished, failed, cancelled by a disconnect, or abandoned
+    with a client that stopped reading): then its events' generator is closed,
+    which cancels the generation at the engine's next step."""
 
-    def __init__(self, events: AsyncIterator[str], ticket: Ticket) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], ticket: Ticket) -> None:
         super().__init__(events, media_type="text/event-stream")
+        self.events = events
         self.ticket = ticket
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -486,10 +501,11 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.ticket.release()
+            await self.events.aclose()
 
 
 async def _sse_stream(
-    batches: AsyncIterator[list[tuple[int, Chunk]]],
+    batches: AsyncGenerator[list[tuple[int, Chunk]], None],
     render: Callable[[int, Chunk], BaseModel | str | None],
     usage_event: Callable[[Usage], BaseModel] | None,
     n: int,
@@ -521,6 +537,8 @@ async def _sse_stream(
         yield sse(error_json(refusal(exc, param).body))
     except Exception as exc:  # the headers are sent: report in-band, then end the stream
         yield sse(error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body))
+    finally:
+        await batches.aclose()  # an abandoned stream frees its engine rows now
     yield sse("[DONE]")
 
 
@@ -540,7 +558,7 @@ def _finish(done: Completion, syntax: ToolSyntax | None) -> str:
 
 async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    deadline = service.deadline()
+    deadline = service.deadline(request)
     body = await service.parse(request, ChatCompletionRequest, deadline)
     with service.admission.admit() as ticket:
         return await _chat(service, body, deadline, ticket, request)
@@ -639,7 +657,7 @@ async def _chat(
 
 async def completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    deadline = service.deadline()
+    deadline = service.deadline(request)
     body = await service.parse(request, CompletionRequest, deadline)
     with service.admission.admit() as ticket:
         return await _complete(service, body, deadline, ticket, request)
@@ -865,7 +883,14 @@ def create_app(
         ],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        middleware=access_middleware(api_key, cors_origins),
+        middleware=[
+            Middleware(
+                SendDeadline,
+                request_timeout=service.limits.request_timeout,
+                send_timeout=service.limits.send_timeout,
+            ),
+            *access_middleware(api_key, cors_origins),
+        ],
     )
     app.state.service = service
     app.state.metrics = metrics

@@ -1,33 +1,39 @@
 """Bounds on what one client can make the server hold: bytes, queue places, time.
 
-* :class:`ServerLimits` -- the knobs (``turbospark serve --max-request-bytes
-  --max-queue --request-timeout``) and the uvicorn settings derived from them.
+* :class:`ServerLimits` (``settings.py``) -- the knobs (``turbospark serve
+  --max-request-bytes --max-queue --request-timeout --send-timeout``).
 * :func:`read_body` -- the body, refused with 413 as soon as it is known to be
   too large: from ``Content-Length`` before reading anything, else while
   counting a chunked upload.
 * :class:`Admission` -- at most ``max_queue`` generation requests waiting for or
   using the runner; the next gets 503 with ``Retry-After``.
 * :class:`Deadline` -- one per request, from its first byte to its last.
-* :class:`HeaderTimeoutH11` -- uvicorn's h11 protocol plus a deadline on request
-  headers: uvicorn times out idle keep-alive connections but not a client that
-  connects and then sends its headers one byte at a time (any byte cancels
-  its keep-alive timer).
+* :class:`SendDeadline` -- the middleware that starts each request's deadline
+  and holds every send to it: a response whose client stops reading ends
+  there, or after ``send_timeout`` of waiting, whichever is first.
+
+What a connection may hold (its headers' time, an idle place) is bounded in
+``connections.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any
 
-import h11
 from starlette.requests import ClientDisconnect, Request
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from turbospark.server.connections import abandon, drained
 from turbospark.server.errors import APIError
 
 MiB = 1 << 20
+DEADLINE_KEY = "turbospark.deadline"  # where SendDeadline leaves the request's Deadline
+
+log = logging.getLogger("turbospark.server")
 
 
 def _too_large(limit: int) -> APIError:
@@ -150,35 +156,62 @@ class Ticket:
         self.release()
 
 
-class HeaderTimeoutH11(H11Protocol):
-    """Closes a connection whose request headers are not complete within
-    ``header_timeout`` seconds of the connection opening or of the previous
-    response ending (the body is under the request's own deadline)."""
+class ClientStalled(Exception):
+    """A send waited on a client that reads nothing, past its bound."""
 
-    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.header_timeout = header_timeout
-        self._header_timer: asyncio.TimerHandle | None = None
 
-    def _arm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+class SendDeadline:
+    """Every HTTP response ends by its request's deadline, whatever the client does.
 
-    def _headers_too_slow(self) -> None:
-        self._header_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
+    A send waits only while the client's socket is full, that is while the
+    client reads nothing; the check inside a streamed response's generator
+    never runs then. So each send is bounded here: by the deadline, and by
+    ``send_timeout`` of waiting. Past either, the connection is aborted and the
+    response abandoned; its stream's generator is closed (``EventStream``), so
+    the generation stops and its queue place and session are given back. The
+    request's :class:`Deadline` starts here and is the one its handler keeps
+    (``scope[DEADLINE_KEY]``), so both agree on when it ends.
+    """
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
+    def __init__(
+        self, app: ASGIApp, request_timeout: float | None, send_timeout: float | None
+    ) -> None:
+        self.app = app
+        self.request_timeout = request_timeout
+        self.send_timeout = send_timeout
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = scope[DEADLINE_KEY] = Deadline(self.request_timeout)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-        super().connection_lost(exc)
+        async def bounded(message: Message) -> None:
+            bounds = [b for b in (self.send_timeout, deadline.remaining()) if b is not None]
+            try:
+                async with asyncio.timeout(min(bounds, default=None)):
+                    await send(message)
+                    if message["type"] == "http.response.body" and not message.get("more_body"):
+                        await drained(scope)  # a reply ends when its client has taken it
+            except TimeoutError:
+                why = "past its --request-timeout" if deadline.expired else "past --send-timeout"
+                raise ClientStalled(why) from None
+
+        try:
+            await self.app(scope, receive, bounded)
+        except ClientStalled as exc:
+            await _abandon(scope, f"the client read nothing while a send waited {exc}")
+        except asyncio.CancelledError:  # the server is stopping, and its grace is over
+            task = asyncio.current_task()
+            if task is None or task.uncancel() > 0:  # a cancel that was not only that one
+                raise
+            await _abandon(scope, "the server stopped before the response ended")
+
+
+async def _abandon(scope: Scope, why: str) -> None:
+    """Abort the request's connection, one log line; then yield once, so uvicorn
+    has seen the connection go before the app returns (it would log an
+    unfinished response otherwise)."""
+    if abandon(scope):
+        log.warning("%s %s: %s; the response was abandoned", scope["method"], scope["path"], why)
+        await asyncio.sleep(0)

@@ -5,7 +5,7 @@ library's global one), so several apps in one process never share counters.
 Counters move where things happen: the HTTP handlers count requests by
 endpoint and outcome, and the engine's observer (called on the runner thread
 as each request ends) counts tokens and reuse reasons and times the first
-token. Gauges (queue depth, active rows, batch size) and the eviction count
+token. Gauges (queue depth, active rows, batch size) and the eviction counts
 are read from the engine at scrape time by a collector.
 
 The route stays open under ``--api-key`` as ``/health`` does (``access.py``
@@ -62,6 +62,12 @@ class _EngineCollector(Collector):
             "turbospark_evictions",
             "Requests that discarded a parked session with content.",
             engine.evictions,
+        )
+        yield CounterMetricFamily(
+            "turbospark_session_disk_evictions",
+            "Session files deleted to fit --max-session-disk that were their conversation's "
+            "only copy (files of sessions still in memory go first and are not counted).",
+            engine.runner.disk_losses,
         )
         yield from _expert_cache_metrics(engine)
 

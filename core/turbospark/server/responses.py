@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -295,7 +295,7 @@ async def _stream(
     body: ResponsesRequest,
     ident: str,
     created: int,
-    chunks: AsyncIterator[tuple[int, Chunk]],
+    chunks: AsyncGenerator[tuple[int, Chunk], None],
     calling: ToolSyntax | None,
 ) -> AsyncIterator[str]:
     sequence = 0
@@ -398,3 +398,5 @@ async def _stream(
     except Exception as exc:  # the headers are sent: report in-band, then end the stream
         failure = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
         yield event("error", **json.loads(error_json(failure.body))["error"])
+    finally:
+        await chunks.aclose()  # an abandoned stream frees its engine rows now

@@ -27,6 +27,12 @@ class ServerLimits(BaseModel):
     request_timeout: float | None = Field(
         default=600.0, gt=0, description="seconds from a request's arrival to its last byte"
     )
+    # A send may wait this long on a client that reads nothing (nginx's send_timeout
+    # is 60 s too); past it the response is abandoned and its generation stops.
+    send_timeout: float | None = Field(default=60.0, gt=0)
+    # On SIGTERM, responses in flight get this long to end before they are
+    # abandoned; then the warm sessions are written and the process exits.
+    shutdown_grace: float = Field(default=5.0, ge=0)
     # A client gets this long to send its request headers (slowloris).
     header_timeout: float = Field(default=10.0, gt=0)
     # Idle keep-alive connections close after this (uvicorn's own default, made explicit).
@@ -36,17 +42,26 @@ class ServerLimits(BaseModel):
     max_header_bytes: int = Field(default=64 * 1024, gt=0)
     # Open connections plus running handlers; beyond it uvicorn answers 503
     # at once. Well above max_queue, so /health and refusals still get through.
-    max_connections: int = Field(default=1024, gt=0)
+    # From 7/8 of it, the connections idle longest are closed down to 3/4
+    # (connections.py), so idle ones never lock real clients out.
+    max_connections: int = Field(default=1024, ge=8)
 
     def uvicorn_config(self, app: Any, **kwargs: Any) -> uvicorn.Config:
         import uvicorn
 
-        from turbospark.server.limits import HeaderTimeoutH11
+        from turbospark.server.connections import GuardedH11
 
+        protocol = functools.partial(
+            GuardedH11,
+            header_timeout=self.header_timeout,
+            crowded=self.max_connections * 7 // 8,
+            relieved=self.max_connections * 3 // 4,
+        )
         return uvicorn.Config(
             app,
-            http=functools.partial(HeaderTimeoutH11, header_timeout=self.header_timeout),
+            http=protocol,
             timeout_keep_alive=self.keep_alive_timeout,
+            timeout_graceful_shutdown=self.shutdown_grace,
             h11_max_incomplete_event_size=self.max_header_bytes,
             limit_concurrency=self.max_connections,
             **kwargs,
