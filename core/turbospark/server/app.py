@@ -558,10 +558,7 @@ def _finish(done: Completion, syntax: ToolSyntax | None) -> str:
 
 async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    deadline = service.deadline(request)
-    body = await service.parse(request, ChatCompletionRequest, deadline)
-    with service.admission.admit() as ticket:
-        return await _chat(service, body, deadline, ticket, request)
+    return await service.run(request, _chat, ChatCompletionRequest)
 
 
 async def _chat(
@@ -657,10 +654,7 @@ async def _chat(
 
 async def completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    deadline = service.deadline(request)
-    body = await service.parse(request, CompletionRequest, deadline)
-    with service.admission.admit() as ticket:
-        return await _complete(service, body, deadline, ticket, request)
+    return await service.run(request, _complete, CompletionRequest)
 
 
 async def _complete(
