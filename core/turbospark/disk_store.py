@@ -99,7 +99,8 @@ class DiskTier:
         self.evictions = 0  # files deleted for the bound whose session was not in memory
         self.rejected: list[tuple[str, str]] = []  # (file, reason) refused since opening
         self._clock = 0
-        # (conversation, tokens) of session states whose write failed: logged once each.
+        # (conversation, tokens) of session states whose write failed since the last
+        # write that worked: each is logged once, however often a flush retries it.
         self._unwritten: set[tuple[int, int]] = set()
         self._lock = _lock(root)
         self._scan()
@@ -196,6 +197,7 @@ class DiskTier:
                 self._unwritten.add(state)
                 log.error("could not write session %s (%d tokens): %s", name, len(tokens), exc)
             return False
+        self._unwritten.clear()  # the disk works again: a later failure is news
         session.disk_name = name
         self._index(name, tokens, [c.position for c in session.checkpoints], nbytes)
         return self.enforce_bound(keep=name)
@@ -311,8 +313,8 @@ class DiskTier:
         if self.root.is_dir():
             return
         log.warning("session directory %s was removed; recreating it", self.root)
-        lost = [name for name in self.entries if name not in self._resident()]
-        self.evictions += len(lost)
+        resident = self._resident()
+        self.evictions += sum(name not in resident for name in self.entries)
         self.entries.clear()
         self._lock.close()
         self._lock = _lock(self.root)
