@@ -290,9 +290,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = limits_of(args).uvicorn_config(app, host=args.host, port=args.port, log_level="info")
     uvicorn.Server(config).run()
-    if lockstep is not None:
-        leave_group()
-    return 0
+    return 0  # cli.run leaves without finalizing (the ring backend's threads would abort it)
 
 
 # Every flag that changes what the engine does at a step: ranks must agree on all.
@@ -357,16 +355,4 @@ def follow(
     print(f"rank {lockstep.rank} of {lockstep.group.size()}: following rank 0", flush=True)
     worker.run(loop)
     worker.shutdown()
-    leave_group()
     return 0
-
-
-def leave_group() -> None:
-    """Exit now, status 0: the ring backend's threads abort a normal interpreter
-    shutdown ("terminate called without an active exception"), which would read
-    as a crash to mlx.launch and to whoever watches it."""
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
