@@ -35,9 +35,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import random_tokens
-from turbospark.engine import Engine, Job
-from turbospark.generate import GenerationConfig
-from turbospark.runner import Runner
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 WAYS = ("batched", "row_by_row")

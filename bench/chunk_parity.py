@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.common import DEFAULT_CACHE, FAMILIES, install, random_tokens
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
 
 
 def _one_by_one(path: Path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:

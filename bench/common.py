@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from turbospark.install import MANIFEST, build_synthetic_install
-from turbospark.synthetic import SYNTHETIC_FORMAT
+from turbospark.loading.install import MANIFEST, build_synthetic_install
+from turbospark.loading.synthetic import SYNTHETIC_FORMAT
 
 FAMILIES = ("gemma4", "qwen_gdn")
 DEFAULT_CACHE = Path.home() / ".cache" / "turbospark" / "bench"

@@ -3,7 +3,7 @@
 Both servers run as subprocesses on 127.0.0.1, serve the same install
 directory and inherit the same environment (so the same BLAS). Both batch:
 ours decodes up to ``--max-batch`` rows in one forward (continuous batching,
-:mod:`turbospark.engine`); mlx-lm's server batches through its
+:mod:`turbospark.generation.engine`); mlx-lm's server batches through its
 ``BatchGenerator`` whenever every cache layer has ``merge`` and the request
 has no ``seed`` (``--decode-concurrency``, default 32 rows, and
 ``--prompt-concurrency``, default 8 prompts, are left at their defaults).

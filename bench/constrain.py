@@ -2,7 +2,7 @@
 
 Both libraries compute, before every token, the set of ids the grammar
 allows; turbospark turns that bitmask into an ``mx.where`` over the row's
-logits (:class:`turbospark.logits_processors.Grammar`). This measures, on one
+logits (:class:`turbospark.generation.logits_processors.Grammar`). This measures, on one
 realistic vocabulary (151,643 byte-level tokens, Qwen's size: the 256 bytes,
 word pieces with and without a leading space and capital, numbers,
 punctuation and JSON/code fragments, generated from a fixed seed), for a

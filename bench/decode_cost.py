@@ -50,8 +50,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from bench.gpu_kernels import gpu_kernels
-from turbospark.generate import GenerationConfig, stream_generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, stream_generate
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 # Primitives that are views or shape bookkeeping: no kernel runs for them.

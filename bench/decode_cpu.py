@@ -6,7 +6,7 @@ it compares two builds of the same loop where tok/s cannot. On a quiet
 machine wall time is what a user waits, and CPU time also counts OpenBLAS's
 threads (a stacked projection's larger GEMM runs on both cores where two
 small ones ran on one), so it prints both. Runs
-:func:`turbospark.generate.stream_generate` (a 512-token prompt, then 32
+:func:`turbospark.generation.generate.stream_generate` (a 512-token prompt, then 32
 tokens) with compilation on and off (``mx.disable_compile()``), alternating
 which goes first, and prints the median and minimum over reps::
 
@@ -31,8 +31,8 @@ if __package__ in (None, ""):
 import mlx.core as mx
 
 from bench.common import DEFAULT_CACHE, install, random_tokens
-from turbospark.generate import GenerationConfig, stream_generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, stream_generate
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 DECODE = 32

@@ -20,7 +20,7 @@ per window (:func:`summarise`):
 Four kinds of window:
 
 1. **decode**: ``--tokens`` greedy tokens of our library loop
-   (:func:`turbospark.generate.stream_generate`) and of mlx-lm's
+   (:func:`turbospark.generation.generate.stream_generate`) and of mlx-lm's
    ``generate_step`` on the same install, after a warm-up request of each
    (issue 17: how far each step is from the bandwidth limit, and in what);
    the summary is also given per token.
@@ -165,8 +165,8 @@ def decode(path: Path, tokens: int, prompt_tokens: int, top: int) -> dict[str, A
     from mlx_lm.utils import load_model
 
     from bench.common import random_tokens
-    from turbospark.generate import GenerationConfig, stream_generate
-    from turbospark.runner import Runner
+    from turbospark.generation.generate import GenerationConfig, stream_generate
+    from turbospark.generation.runner import Runner
     from turbospark.text import load_text
 
     runner = Runner.open(path, context_length=prompt_tokens + 2 * tokens + 64)
@@ -216,7 +216,7 @@ def prefill(path: Path, cases: list[tuple[int, int, int]], top: int) -> list[dic
     import numpy as np
 
     from bench.prefill_cost import timed_forward
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
 
     runner = Runner.open(path, context_length=4096, session_slots=16)
     rng = np.random.default_rng(0)
@@ -271,7 +271,8 @@ def kernels(calls: int, chunks: list[int], top: int) -> list[dict[str, Any]]:
     kernels' mean device time."""
     import mlx.core as mx
 
-    from turbospark.layers import attention_cuda, norm_cuda
+    from turbospark.layers.cuda import attention as attention_cuda
+    from turbospark.layers.cuda import norm as norm_cuda
 
     def window(kernel: Callable[..., Any], *args: Any) -> dict[str, Any]:
         for _ in range(3):
@@ -347,7 +348,7 @@ def main() -> None:
     from bench.prefill_cost import CASES
 
     if args.mode == "kernels":
-        from turbospark.layers.attention_cuda import CHUNK
+        from turbospark.layers.cuda.attention import CHUNK
 
         for row in kernels(args.calls, args.chunks or [CHUNK], args.top):
             print(json.dumps({"piece": "device_trace_kernels", **row}), flush=True)

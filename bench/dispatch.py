@@ -23,9 +23,9 @@ from typing import Any
 import mlx.core as mx
 
 from bench.common import interleaved, median_of, random_tokens
-from turbospark.install import read_manifest
-from turbospark.plugins import default_registry
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.loading.install import read_manifest
+from turbospark.loading.plugins import default_registry
 
 PREFIX = 8
 

@@ -1,7 +1,7 @@
 """Speculative decoding: decode tok/s against acceptance rate and depth, against ``off``.
 
 Random weights make a real drafter's acceptance meaningless, so the curve is
-drawn with oracles (:class:`turbospark.draft.ReplayDrafter`): each replays a
+drawn with oracles (:class:`turbospark.generation.drafters.ReplayDrafter`): each replays a
 recorded greedy reply, every token right with probability p (1: all accepted,
 0: hopeless, where the adaptive depth must keep the cost within 5% of ``off``).
 
@@ -43,12 +43,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import random_tokens
-from turbospark.draft import Drafter, NgramDrafter, ReplayDrafter
-from turbospark.generate import GenerationConfig, generate
-from turbospark.mtp import MtpDrafter
+from turbospark.generation.drafters import Drafter, NgramDrafter, ReplayDrafter
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.mtp import MtpDrafter
+from turbospark.generation.runner import Runner
+from turbospark.generation.sampling import Sampler, SamplingParams
 from turbospark.policies import DraftPolicies
-from turbospark.runner import Runner
-from turbospark.sampling import Sampler, SamplingParams
 from turbospark.text import TextCodec, load_text
 
 ACCURACIES = (1.0, 0.75, 0.5, 0.25, 0.0)

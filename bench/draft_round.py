@@ -11,7 +11,7 @@ it barely moves with the load other processes put on the machine. Wall time
 Each run is one greedy request (``ignore_eos``) decoding *tokens* tokens; the
 numbers are per generated token, from the first token yielded to the last
 (prefill and the first step left out). Drafted runs use the oracle
-(:class:`turbospark.draft.ReplayDrafter`) at 100% on a reference recorded
+(:class:`turbospark.generation.drafters.ReplayDrafter`) at 100% on a reference recorded
 from the drafted path itself (see ``bench/draft.py``), and at 0%. The phase
 split wraps the methods a round calls (the drafter's proposal, the verify
 forward's build and queueing, the read of the target's choices, the cut back
@@ -24,7 +24,7 @@ another phase's is taken out of that one's).
 ``kernels``: a plain step's graph and a verify pass's of ``depth + 1``
 tokens (a shadow probe adds none to its step: its guess is a host lookup).
 ``lookup_us``: the host time of one depth-1 lookup a probe makes, prompt
-lookup (:class:`turbospark.draft.NgramDrafter`) over a context as long as
+lookup (:class:`turbospark.generation.drafters.NgramDrafter`) over a context as long as
 the run's and the oracle's, to set against a step's host time.
 
     uv run python bench/draft_round.py [--family qwen_gdn] [--depth 4] [--tokens 96] [--reps 5]
@@ -55,11 +55,11 @@ import mlx.core as mx
 from bench.common import DEFAULT_CACHE, install, random_tokens
 from bench.decode_cost import graph_primitives
 from bench.draft import fixed_point_reference
-from turbospark import runner as runner_module
-from turbospark import speculative
-from turbospark.draft import NgramDrafter, ReplayDrafter
-from turbospark.generate import GenerationConfig, stream_generate
-from turbospark.runner import Runner
+from turbospark.generation import runner as runner_module
+from turbospark.generation import speculation as speculative
+from turbospark.generation.drafters import NgramDrafter, ReplayDrafter
+from turbospark.generation.generate import GenerationConfig, stream_generate
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 PROMPT_TOKENS = 16

@@ -41,9 +41,9 @@ from bench.common import (
     median_of,
     random_tokens,
 )
-from turbospark.install import peek_manifest_arch
+from turbospark.generation.runner import Runner
+from turbospark.loading.install import peek_manifest_arch
 from turbospark.policies import ExpertCacheSlots
-from turbospark.runner import Runner
 
 Sample = dict[str, float]
 

@@ -7,7 +7,7 @@ one token at a time, reading each token id back (``.item()``) before feeding
 it. That loop is what a forward costs with nothing hidden by pipelining.
 
 Each library's own generation loop is timed too (``mlx_lm.generate.generate_step``
-against :func:`turbospark.generate.stream_generate`): both overlap the next
+against :func:`turbospark.generation.generate.stream_generate`): both overlap the next
 forward with the host work of the current token via ``mx.async_eval``.
 
 With *uncompiled*, our two loops run again with ``mx.disable_compile()`` (the
@@ -30,8 +30,8 @@ from mlx_lm.utils import load_model
 
 from bench.common import interleaved, median_of, random_tokens
 from bench.decode_cost import compile_off, copy_bandwidth, decode_cost, weights_read_per_token
-from turbospark.generate import GenerationConfig, stream_generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, stream_generate
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 Sample = dict[str, float]

@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 
 from bench.common import default_dtype, install, random_tokens
 from turbospark import Runner
-from turbospark.layers import gated_delta
+from turbospark.layers.gated_delta import rule as gated_delta
 
 
 def lapack_on_cpu(m: mx.array) -> mx.array:

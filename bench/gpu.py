@@ -78,7 +78,7 @@ from bench.steering import bench_steering
 from bench.step_cost import measure as measure_step
 from bench.swap import bench_swap
 from bench.tp import bench_tp
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
 
 
 def server_step(path: Path) -> dict[str, object]:

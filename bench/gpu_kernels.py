@@ -75,7 +75,8 @@ def install_stand_ins() -> None:
     (attention_cuda), which get a stand-in of two."""
     for name in ("rms_norm", "layer_norm", "rope"):
         setattr(mx.fast, name, _stand_in(getattr(mx.fast, name)))
-    from turbospark.layers import fused, gdn_cuda
+    from turbospark.layers import fused
+    from turbospark.layers.cuda import gdn as gdn_cuda
 
     fused.BUILD_FOR_GPU = True  # the step's GPU forms (turbospark.layers.fused.builds_for_gpu)
     # MLX's CUDA backend takes the one-kernel gated delta rule (gdn_cuda): so does the count.
@@ -83,17 +84,17 @@ def install_stand_ins() -> None:
     gdn_cuda.gated_delta = _gated_delta_stand_in
     gdn_cuda.decode_mixer = _decode_mixer_stand_in
     # And the one-kernel residual joins with their norms (norm_cuda).
-    from turbospark.layers import norm_cuda
+    from turbospark.layers.cuda import norm as norm_cuda
 
     norm_cuda.available = lambda: norm_cuda.ENABLED
     norm_cuda.join_norm = _join_norm_stand_in
     # And a decode step's attention as its two kernels (attention_cuda).
-    from turbospark.layers import attention_cuda
+    from turbospark.layers.cuda import attention as attention_cuda
 
     attention_cuda.available = lambda: attention_cuda.ENABLED
     attention_cuda.decode = attention_cuda.decode_step = _decode_attention_stand_in
     # And the heads' norms and RoPE in one kernel (heads_cuda).
-    from turbospark.layers import heads_cuda
+    from turbospark.layers.cuda import heads as heads_cuda
 
     heads_cuda.available = lambda: heads_cuda.ENABLED
     real_norm_rope = heads_cuda.norm_rope
@@ -109,7 +110,7 @@ def install_stand_ins() -> None:
 def _decode_attention_stand_in(
     queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
 ) -> mx.array:
-    """Two kernels, as :func:`turbospark.layers.attention_cuda.decode` is:
+    """Two kernels, as :func:`turbospark.layers.cuda.attention.decode` is:
     a Scan over the queries for the chunks' partial results, a second over
     those for their merge. The keys and values are the cache's buffers
     (evaluated with the state anyway) and the rows a leaf, so leaving them
@@ -127,7 +128,7 @@ def _norm_rope_stand_in(
     kv_heads: int,
     eps: float,
 ) -> tuple[mx.array, ...]:
-    """One kernel, as :func:`turbospark.layers.heads_cuda.norm_rope` is: a
+    """One kernel, as :func:`turbospark.layers.cuda.heads.norm_rope` is: a
     Scan over the projection, its heads views of it (the rest are leaves)."""
     batch, dim = x.shape[0], weight.shape[-1]
     out = mx.cumsum(x, axis=-1).reshape(batch, -1, 1, dim)
@@ -144,7 +145,7 @@ def _join_norm_stand_in(
     update_weight: mx.array | None = None,
     scale: mx.array | None = None,
 ) -> tuple[mx.array, mx.array | None]:
-    """One kernel, as :func:`turbospark.layers.norm_cuda.join_norm` is: a Scan
+    """One kernel, as :func:`turbospark.layers.cuda.norm.join_norm` is: a Scan
     over the update, both outputs. *h* is the stream some earlier kernel made
     (the embeddings' scale or an earlier join, whose other outputs are read
     anyway) and the rest are leaves, so leaving them out drops no kernel."""
@@ -156,7 +157,7 @@ def _gated_delta_stand_in(
     mixed: mx.array, proj: mx.array, rate: mx.array, state: mx.array, key_heads: int,
     value_heads: int, key_head_dim: int, value_head_dim: int, a_offset: int, keep: bool = False,
 ) -> tuple[mx.array, ...]:  # fmt: skip
-    """One kernel, as :func:`turbospark.layers.gdn_cuda.gated_delta` is: a Scan
+    """One kernel, as :func:`turbospark.layers.cuda.gdn.gated_delta` is: a Scan
     over the values for the outputs, the states broadcast views of them. The
     kernel's other inputs are the projection (computed anyway: the gated norm
     reads it) and leaves, so leaving them out of the graph drops no kernel."""
@@ -173,7 +174,7 @@ def _decode_mixer_stand_in(
     state: mx.array, norm_weight: mx.array, key_heads: int, value_heads: int, key_head_dim: int,
     value_head_dim: int, eps: float,
 ) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
-    """One kernel, as :func:`turbospark.layers.gdn_cuda.decode_mixer` is: a Scan
+    """One kernel, as :func:`turbospark.layers.cuda.gdn.decode_mixer` is: a Scan
     over the projection (the GEMM before it) for the output, the state and the
     tail broadcast views of it; the other inputs are leaves or earlier steps'
     outputs, so leaving them out drops no kernel."""
@@ -190,7 +191,7 @@ def _decode_mixer_stand_in(
 def traced_pass(runner: Any, prompt: list[int], fed: int, census: bool = False) -> dict[str, Any]:
     """The graph of one lone row's traced pass of *fed* tokens after *prompt*
     (a draft's verify pass), as :meth:`Runner.verify
-    <turbospark.runner.Runner.verify>` runs it (its traced components told
+    <turbospark.generation.runner.Runner.verify>` runs it (its traced components told
     first), with every state array it leaves current (per-position states
     not asked for yet stay unbuilt). The second of two identical passes is counted, so
     compiled functions are traced already (what ``bench/draft_round.py``'s
@@ -254,7 +255,7 @@ def count(
     from mlx_lm.utils import load_model
 
     from bench.decode_cost import _measure, _ours_step, _theirs_step, compile_off, graph_primitives
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
 
     prompt = list(range(6, 38))  # 32 tokens: a decode step's graph is the same after any prompt
     runner = Runner.open(path, context_length=256)

@@ -44,7 +44,7 @@ def one_process(path: Path, reps: int) -> dict[str, list[float]]:
 
     from bench.common import random_tokens
     from bench.forward import _ours_generate, _theirs_generate
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
 
     runner = Runner.open(path, context_length=1024)
     model, _ = load_model(path)

@@ -38,7 +38,7 @@ from mlx_lm.utils import load_model
 from bench.common import DEFAULT_CACHE, FAMILIES, install, machine, random_tokens
 from bench.decode_cost import Step, _ours_step, _theirs_step, compile_off, graph_primitives
 from bench.step_cost import _engine, _jobs, merge
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
 
 PROMPT_TOKENS = 64
 BATCH = 8

@@ -1,7 +1,7 @@
 """Interleaved conversations in process: the session pool against no pool.
 
 The same :class:`~bench.workload.ChatWorkload` runs through
-:func:`turbospark.generate.generate` (the loop the server uses: reuse,
+:func:`turbospark.generation.generate.generate` (the loop the server uses: reuse,
 chunked prefill, checkpoint, decode) on a runner with ``session_slots=K`` and
 on one with ``session_slots=1``, both with prefix reuse on. Without a pool,
 round-robin turns find the live session holding another conversation, so
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.workload import ChatWorkload
-from turbospark.generate import GenerationConfig, generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 

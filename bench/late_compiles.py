@@ -4,7 +4,7 @@ MLX compiles a kernel the first time an op graph runs: on CUDA with NVRTC,
 seconds a module, into its PTX cache (``MLX_PTX_CACHE_DIR``); on the CPU with
 the system compiler, into ``$TMPDIR/mlx/<version>/cpu``. ``serve`` warms itself
 up so that real requests meet compiled kernels only (:meth:`Engine.warm_up
-<turbospark.engine.Engine.warm_up>`); a path its warm-up leaves out is
+<turbospark.generation.engine.Engine.warm_up>`); a path its warm-up leaves out is
 compiled by the first request that takes it, and every row batched with that
 request waits. On the H200 a 16-client qwen_gdn server stalled 8-12 s that way
 (bench/README.md, fourteenth session).

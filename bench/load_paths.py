@@ -1,5 +1,5 @@
 """Ways to read a session-sized safetensors file into MLX arrays, timed (and an
-SDPA check at gemma4's head dims), to choose ``turbospark.disk``'s loader.
+SDPA check at gemma4's head dims), to choose ``turbospark.sessions.session_file``'s loader.
 
 A 268 MB file of 16 bf16 tensors ``(1, 2, 16384, 256)`` (a 16k-token K/V), read
 from the page cache three times each way: ``mx.load``; a memory map copied into
@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 import mlx.core as mx
 import numpy as np
 
-from turbospark import disk
+from turbospark.sessions import session_file as disk
 
 
 def _reference_attention(q, k, v, scale, mask):

@@ -2,7 +2,7 @@
 
 ``Runner.produce`` is replaced, on one runner, by a stub that returns ready
 logits (no forward, nothing to wait for), so what is timed is the loop's own
-per-token work: :func:`turbospark.generate.stream_generate` (sampling,
+per-token work: :func:`turbospark.generation.generate.stream_generate` (sampling,
 detokenizing, stop strings, chunks) against a bare loop that only reads each
 id (``int(mx.argmax(logits).item())``, the forward benchmark's hand loop).
 On a launch-bound GPU this work is added to every step it does not overlap::
@@ -27,8 +27,8 @@ if __package__ in (None, ""):
 import mlx.core as mx
 
 from bench.common import DEFAULT_CACHE, install, random_tokens
-from turbospark.generate import GenerationConfig, stream_generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, stream_generate
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 

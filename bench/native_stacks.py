@@ -110,7 +110,7 @@ def sample(path: Path, workload: str, seconds: float, rate: int, spy: str) -> di
     import numpy as np
 
     from bench.prefill_cost import timed_forward
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
 
     runner = Runner.open(path, context_length=4096, session_slots=16)
     rng = np.random.default_rng(0)

@@ -47,10 +47,10 @@ if __package__ in (None, ""):
 import mlx.core as mx
 import numpy as np
 
-from turbospark.engine import Engine, Job, _Batch
-from turbospark.generate import GenerationConfig
-from turbospark.runner import Runner
-from turbospark.state import State
+from turbospark.generation.engine import Engine, Job, _Batch
+from turbospark.generation.generate import GenerationConfig
+from turbospark.generation.runner import Runner
+from turbospark.state.components import State
 from turbospark.text import load_text
 
 # (rows, new tokens a row, tokens each row holds already)

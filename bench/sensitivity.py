@@ -25,8 +25,8 @@ import mlx.core as mx
 import numpy as np
 
 from bench.common import DEFAULT_CACHE, FAMILIES, install, random_tokens
-from turbospark.runner import Runner
-from turbospark.steering import Steer, SteeringPolicy
+from turbospark.generation.runner import Runner
+from turbospark.policies.steering import Steer, SteeringPolicy
 
 
 class _Nudge:

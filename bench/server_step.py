@@ -204,7 +204,7 @@ def measure_server(
     """Serve *path* in this process and run *clients* chats against it, every
     step recorded; TimeoutError past *deadline* (``time.monotonic``)."""
     from turbospark.commands.serve import DEFAULT_PREFILL_BUDGET
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
     from turbospark.server.app import create_app
     from turbospark.server.background import ThreadedServer
     from turbospark.server.worker import RunnerWorker

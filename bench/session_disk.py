@@ -33,9 +33,9 @@ if __package__ in (None, ""):
 import mlx.core as mx
 
 from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine, random_tokens
-from turbospark import disk
-from turbospark.reuse import ReuseReason
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.sessions import session_file as disk
+from turbospark.sessions.reuse import ReuseReason
 
 CHUNK = 512
 

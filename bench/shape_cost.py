@@ -401,7 +401,7 @@ def modules(path: Path, cases: list[tuple[int, int, int]], seed: int = 0) -> lis
     import numpy as np
 
     from bench.prefill_cost import timed_forward
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
 
     runner = Runner.open(path, context_length=4096, session_slots=16)
     rng = np.random.default_rng(seed)

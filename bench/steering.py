@@ -46,8 +46,9 @@ from bench.common import (
     random_tokens,
 )
 from bench.decode_cost import graph_primitives
-from turbospark.runner import Runner
-from turbospark.steering import Parts, Steer, SteeringPolicy, joiner
+from turbospark.contract.protocols import Parts
+from turbospark.generation.runner import Runner
+from turbospark.policies.steering import Steer, SteeringPolicy, joiner
 
 PROMPT = 32
 MODES = ("add", "renorm")
@@ -68,7 +69,7 @@ def every_layer(runner: Runner, mode: str) -> SteeringPolicy:
 def step_kernels(path: Path) -> dict[str, dict[str, int]]:
     """Kernels (MLX graph primitives that are not views) in one decode step:
     unsteered, steered as the families run it (the join handed over,
-    :func:`turbospark.steering.joiner`), and through a plain ``steer(i, h)``
+    :func:`turbospark.policies.steering.joiner`), and through a plain ``steer(i, h)``
     hook after each layer. Exact, and independent of load; on the CPU
     ``rms_norm`` expands into element ops that fuse with a join, so CPU counts
     differ from a GPU's."""
@@ -134,7 +135,7 @@ def layer_host_us(runner: Runner, builds: int = 2000) -> dict[str, dict[str, flo
     """Host time to build one steered layer's decode tail, in µs, the least of
     *builds* (nothing is evaluated; the least is what other load did not add
     to): ``off`` the family's unsteered compiled tail, ``folded`` the tail and
-    the steering as one compiled call (:meth:`turbospark.steering.Join.fold`),
+    the steering as one compiled call (:meth:`turbospark.policies.steering.Join.fold`),
     ``two_calls`` the path the fold replaced (the tail compiled alone, then the
     steering's joined kernel)."""
     parts, whole, args, scale = _layer_tail(runner)

@@ -41,9 +41,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from turbospark.engine import Engine, Job, _Batch
-from turbospark.generate import GenerationConfig
-from turbospark.runner import Runner
+from turbospark.generation.engine import Engine, Job, _Batch
+from turbospark.generation.generate import GenerationConfig
+from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
 PROMPT_TOKENS = 24

@@ -28,8 +28,8 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.utils import load_model
 
 from bench.common import random_tokens
-from turbospark.prefix import PrefixRecord
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.sessions.prefix import PrefixRecord
 
 CHUNK = 512
 

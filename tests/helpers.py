@@ -13,11 +13,12 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark import MropePositions, Runner, build_synthetic_install
-from turbospark.draft import ReplayDrafter
-from turbospark.generate import GenerationConfig, generate
-from turbospark.layers.gated_delta import gated_delta_step, log_decay, normalize_qk_heads
+from turbospark.generation.drafters import ReplayDrafter
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.layers.gated_delta.gates import log_decay, normalize_qk_heads
+from turbospark.layers.gated_delta.rule import gated_delta_step
 from turbospark.policies import DraftPolicies
-from turbospark.state import State
+from turbospark.state.components import State
 from turbospark.text import load_text
 
 
@@ -170,7 +171,7 @@ def gdn_reference(
     dims: tuple[int, int, int, int],
     a_offset: int,
 ) -> tuple[mx.array, mx.array]:
-    """The gated-DeltaNet kernel's contract (:mod:`turbospark.layers.gdn_cuda`) from
+    """The gated-DeltaNet kernel's contract (:mod:`turbospark.layers.cuda.gdn`) from
     the layer's reference pieces in float32: the norm, the gates, one step a token;
     the outputs ``(B, T, Hv, Dv)`` and the state after every token."""
     hk, hv, dk, dv = dims

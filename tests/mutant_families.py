@@ -20,12 +20,12 @@ import mlx.nn as nn
 import pytest
 
 from turbospark.conformance import FamilyKit
-from turbospark.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
-from turbospark.install import MANIFEST, read_manifest
-from turbospark.plugins import FamilyRegistry, default_registry
-from turbospark.state import State
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.contract.hookspecs import ArchConfig, FamilySpec, LogitsWanted, hookimpl
+from turbospark.contract.protocols import LayerHook
+from turbospark.contract.vision import VisionMap
+from turbospark.loading.install import MANIFEST, read_manifest
+from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.state.components import State
 
 Mutation = Callable[[State, nn.Module], State]
 """A fault: the new state (and the model it was built for) -> the state to hand out."""

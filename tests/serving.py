@@ -17,14 +17,14 @@ import httpx
 import openai
 import pytest
 
-from turbospark.plugins import FamilyRegistry
+from turbospark.generation.runner import Runner
+from turbospark.loading.plugins import FamilyRegistry
 from turbospark.policies import DraftPolicies, ExpertCacheSlots
-from turbospark.runner import Runner
 from turbospark.server import ThreadedServer, create_app
-from turbospark.server.app import Service
+from turbospark.server.service import Service
 from turbospark.server.settings import ServerLimits
 from turbospark.server.worker import RunnerWorker
-from turbospark.state import state_position
+from turbospark.state.components import state_position
 from turbospark.text import TextCodec
 
 CONTEXT = 2048

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from helpers import assert_states_close, greedy_both_paths, kind_install, state_arrays
-from turbospark.layers import attention_cuda
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.layers.cuda import attention as attention_cuda
 from turbospark_gemma4 import model as gemma4_model
 from turbospark_qwen_gdn import model as qwen_model
 
@@ -92,7 +92,7 @@ def test_kernel_equals_attention_in_float64(shape: tuple[int, ...], dtype: mx.Dt
 
 
 def test_the_trace_serves_every_position_and_reads_only_its_rows() -> None:
-    """:data:`~turbospark.layers.attention_cuda.decode_step` traced at one
+    """:data:`~turbospark.layers.cuda.attention.decode_step` traced at one
     position gives what the eager kernels give at others, bit for bit, with
     the same buffers; what lies outside the rows never reaches the output;
     queries as a slice of the joint heads read in place."""

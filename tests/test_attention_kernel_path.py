@@ -1,12 +1,12 @@
 """A decode step's attention through the CUDA kernels' path equals the plain path, on the CPU.
 
 On MLX's CUDA backend a lone row's decode step hands
-:mod:`turbospark.layers.attention_cuda` a cache's whole buffers and the rows
-its query attends over (:class:`~turbospark.layers.attention_cuda.Rows`, which
+:mod:`turbospark.layers.cuda.attention` a cache's whole buffers and the rows
+its query attends over (:class:`~turbospark.layers.cuda.attention.Rows`, which
 KV-shared layers reuse), and the kernels run traced once per buffer size. The
 CUDA source runs only on a GPU (``tests/test_attention_cuda.py``); here the
 kernels are replaced by their contract in ops
-(:func:`~turbospark.layers.attention_cuda.decode_ops`), so what the layers
+(:func:`~turbospark.layers.cuda.attention.decode_ops`), so what the layers
 hand over (a window's first row, rows after a trim, a buffer that grew, a
 rewind after a rejected draft, the KV-shared tail, qwen_gdn's MTP head) is
 checked against the plain path wherever the suite runs. Float32 on CPU.
@@ -31,8 +31,10 @@ from helpers import (
     mtp_drafts_both_paths,
     state_arrays,
 )
-from turbospark.layers import attention, attention_cuda, norm_cuda
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.layers import attention
+from turbospark.layers.cuda import attention as attention_cuda
+from turbospark.layers.cuda import norm as norm_cuda
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
 # MLX's attention over the same rows either way: only the path that hands them over differs.
@@ -57,7 +59,7 @@ def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture(autouse=True)
 def _norm_forms(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """For a ``-norms`` kind, both paths take the norm kernels' forms
-    (:mod:`~turbospark.layers.norm_cuda`, in ops): layers hand their last
+    (:mod:`~turbospark.layers.cuda.norm`, in ops): layers hand their last
     join on unjoined, as they do on a GPU."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and str(callspec.params.get("install", "")).endswith("-norms"):

@@ -1,6 +1,6 @@
 """Batched K/V against a plain list per row, under random joins, leaves and steps.
 
-:class:`turbospark.batch.BatchLayerKV` builds new buffers with headroom when
+:class:`turbospark.state.kv.BatchLayerKV` builds new buffers with headroom when
 sessions merge, join (``extend``) and leave (``filter``), and right-aligns
 rows at different lengths. Whatever the schedule, each row extracted must hold
 exactly the columns it was given, in order (a windowed row at least its
@@ -14,9 +14,8 @@ import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark.batch import BatchLayerKV
 from turbospark.layers.attention import padding_bias
-from turbospark.state import LayerKV
+from turbospark.state.kv import BatchLayerKV, LayerKV
 
 HEADS, DIM = 2, 3
 

@@ -202,7 +202,7 @@ def test_server_step(bench: dict) -> None:
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
 def test_prefill_cost(bench: dict, family: str) -> None:
     """Each shape timed twice; the engine's phases timed, then its methods restored."""
-    from turbospark.engine import _Batch
+    from turbospark.generation.engine import _Batch
 
     module = bench["prefill_cost"]
     rows = module.shapes(bench[family], cases=[(2, 5, 3), (1, 4, 0)])
@@ -219,8 +219,8 @@ def test_prefill_cost(bench: dict, family: str) -> None:
 def test_shape_cost(bench: dict) -> None:
     """Both attention forms and both GEMMs timed on each case; a forward under
     every setting puts what it replaced back."""
+    from turbospark.generation.runner import Runner
     from turbospark.layers import attention
-    from turbospark.runner import Runner
 
     module = bench["shape_cost"]
     rows = module.ops([(1, 4, 2, 8, 5, 9), (2, 4, 1, 8, 3, 7)], mx.float32, times=2)
@@ -246,7 +246,7 @@ def test_shape_cost(bench: dict) -> None:
 
 
 def _model_modules(path: Path) -> list:
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
 
     runner = Runner.open(path)
     try:
@@ -361,9 +361,9 @@ def test_draft_reference_is_a_fixed_point_in_bf16(bench: dict, family: str, tmp_
         from bench import draft
     finally:
         sys.path.remove(str(ROOT))
-    from turbospark.draft import ReplayDrafter
-    from turbospark.generate import GenerationConfig, generate
-    from turbospark.runner import Runner
+    from turbospark.generation.drafters import ReplayDrafter
+    from turbospark.generation.generate import GenerationConfig, generate
+    from turbospark.generation.runner import Runner
     from turbospark.text import load_text
 
     runner, codec = Runner.open(path, context_length=96), load_text(path)
@@ -437,7 +437,8 @@ def test_device_trace_kernels_mode_times_each_case(monkeypatch: pytest.MonkeyPat
         import bench.device_trace as device_trace
     finally:
         sys.path.remove(str(ROOT))
-    from turbospark.layers import attention_cuda, norm_cuda
+    from turbospark.layers.cuda import attention as attention_cuda
+    from turbospark.layers.cuda import norm as norm_cuda
 
     seen: list[tuple] = []
 

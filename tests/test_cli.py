@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from turbospark.cli import main
-from turbospark.plugins import FamilyRegistry
+from turbospark.loading.plugins import FamilyRegistry
 
 
 def test_families_json_lists_every_builtin_with_capabilities(capsys):
@@ -119,7 +119,7 @@ def test_conformance_without_its_extra_names_the_extra():
 
 def test_import_dtypes_match_the_importer():
     from turbospark.commands import import_
-    from turbospark.importer import DTYPES
+    from turbospark.loading.importer import DTYPES
 
     assert import_.DTYPES == DTYPES
 

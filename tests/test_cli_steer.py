@@ -12,7 +12,7 @@ from test_steering import write_gguf
 
 from turbospark import Runner, build_synthetic_install
 from turbospark.cli import main
-from turbospark.steering import SteeringPolicy
+from turbospark.policies.steering import SteeringPolicy
 from turbospark.text import load_text
 
 POSITIVE = ["I love this, it is wonderful", "What a delight", "Happy days are here"]

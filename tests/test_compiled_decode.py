@@ -23,9 +23,9 @@ import pytest
 
 from helpers import batched_greedy
 from turbospark import build_synthetic_install
-from turbospark.generate import GenerationConfig, generate
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.layers.fused import STEP_TOKENS
-from turbospark.runner import Runner
 from turbospark.text import load_text
 
 T = TypeVar("T")
@@ -148,7 +148,7 @@ TRACED = {
     "qwen_gdn": [
         ("turbospark_qwen_gdn.model", "swiglu"),
         ("turbospark_qwen_gdn.model", "normed_heads"),
-        ("turbospark.layers.gated_delta", "gated_delta"),
+        ("turbospark.layers.gated_delta.layer", "gated_delta"),
     ],
 }
 

@@ -23,7 +23,8 @@ import mlx.nn as nn
 import pytest
 
 from turbospark.conformance import FamilyConformance, FamilyKit
-from turbospark.state import KVComponent, LayeredComponent, LayerKV, State
+from turbospark.state.components import LayeredComponent, State
+from turbospark.state.kv import KVComponent, LayerKV
 
 
 class DropsRowOnRegrow(LayerKV):

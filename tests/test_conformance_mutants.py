@@ -24,10 +24,11 @@ from mutant_families import MutantGemma4
 
 from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
-from turbospark.hookspecs import LogitsWanted, hookimpl
-from turbospark.state import KVComponent, Snapshot, State
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.contract.hookspecs import LogitsWanted, hookimpl
+from turbospark.contract.protocols import LayerHook
+from turbospark.contract.vision import VisionMap
+from turbospark.state.components import Snapshot, State
+from turbospark.state.kv import KVComponent
 
 
 class LeakyResetKV(KVComponent):

@@ -31,7 +31,11 @@ import mlx.core as mx
 import pytest
 
 from helpers import GDN_DIMS, gdn_inputs
-from turbospark.layers import attention_cuda, gdn_cuda, heads_cuda, norm_cuda, steer_cuda
+from turbospark.layers.cuda import attention as attention_cuda
+from turbospark.layers.cuda import gdn as gdn_cuda
+from turbospark.layers.cuda import heads as heads_cuda
+from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.layers.cuda import steer as steer_cuda
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")

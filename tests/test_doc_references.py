@@ -2,8 +2,8 @@
 
 A reference is a path with a ``/`` or a ``*.md`` name, ending in a source,
 doc or data extension (``docs/SEMANTICS.md``, ``bench/results/gpu/h200.jsonl``,
-``core/turbospark/hookspecs.py``). It resolves against the repository root,
-the naming file's folder, or one or two folders down (``turbospark/state.py``
+``core/turbospark/contract/hookspecs.py``). It resolves against the repository root,
+the naming file's folder, or one or two folders down (``turbospark/state/components.py``
 inside ``core/``), with ``*`` as a glob.
 """
 

@@ -2,7 +2,7 @@
 
 Every check compares two paths: the engine with several requests in flight
 (batched forward, joins and leaves between steps, chunked prefill interleaved
-with decode) against :func:`turbospark.generate.generate` run one request at a
+with decode) against :func:`turbospark.generation.generate.generate` run one request at a
 time on a fresh runner. Float32 on the CPU; temperature 0 unless said.
 """
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from turbospark.engine import Engine, Job
 from turbospark.errors import TurbosparkError
-from turbospark.generate import Chunk, GenerationConfig, generate
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import Chunk, GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.layers.fused import runs_compiled
-from turbospark.runner import Runner
-from turbospark.state import LayerKV
+from turbospark.state.kv import LayerKV
 from turbospark.text import TextCodec, load_text
 
 CONTEXT = 256
@@ -459,7 +459,7 @@ def _mixed_jobs() -> list[Job]:
     greedy and seeded rows that keep logprobs (drawn with the plain ones, their
     logprobs in one table), a row with a logits processor (sampled alone), and
     a plain seeded row."""
-    from turbospark.logits_processors import Penalties
+    from turbospark.generation.logits_processors import Penalties
 
     kinds = [
         ({"temperature": 0.0}, None, False),
@@ -533,7 +533,7 @@ def test_a_batched_step_reads_the_ids_queued_by_the_step_before(gemma4_install, 
     """The ids a step feeds, and the host then reads, are the very array the step
     before queued (no op built after the new step is queued, which would make
     the read wait for that step too); the outputs still equal each row alone."""
-    from turbospark.engine import _Batch
+    from turbospark.generation.engine import _Batch
 
     codec = load_text(gemma4_install)
     engine = Engine(open_runner(gemma4_install), codec, max_batch=3)

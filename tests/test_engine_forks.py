@@ -2,7 +2,7 @@
 same requests run alone.
 
 Each check compares two paths: the n completions of one prompt (a job and its
-forks, rows of one batch) against :func:`turbospark.generate.generate` run
+forks, rows of one batch) against :func:`turbospark.generation.generate.generate` run
 once per completion on a fresh runner. Float32 on the CPU.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from test_engine import Collector, alone, assert_sessions_sound, open_runner
 
-from turbospark.engine import Engine, Job
-from turbospark.generate import GenerationConfig
-from turbospark.reuse import ReuseReason
-from turbospark.runner import Runner
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig
+from turbospark.generation.runner import Runner
+from turbospark.sessions.reuse import ReuseReason
 from turbospark.text import load_text
 
 PROMPT = [2, 5, 9, 14, 20, 31, 40, 41, 42]

@@ -23,13 +23,13 @@ from test_engine import Collector
 from turbospark import ExpertCacheSlots, Runner, build_synthetic_install
 from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
-from turbospark.engine import Engine, Job
+from turbospark.contract.hookspecs import hookimpl
 from turbospark.errors import InstallError, InvalidInput
-from turbospark.generate import GenerationConfig, generate
-from turbospark.hookspecs import hookimpl
-from turbospark.install import load_weights, read_manifest, write_install
-from turbospark.plugins import FamilyRegistry, default_registry
-from turbospark.pool import Session
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.loading.install import load_weights, read_manifest, write_install
+from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.sessions.session import Session
 from turbospark.text import load_text
 
 TOP_K, EXPERTS = 2, 8
@@ -174,7 +174,7 @@ def test_refusals_come_before_any_weight_is_read(moe_install, qwen4_exp_install,
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read")
 
-    monkeypatch.setattr("turbospark.runner.load_weights", no_weights)
+    monkeypatch.setattr("turbospark.generation.runner.load_weights", no_weights)
     with pytest.raises(InvalidInput, match=f"top_k_experts={TOP_K}"):
         Runner.open(moe_install, expert_cache=ExpertCacheSlots.fixed(TOP_K - 1))
     for policy in (ExpertCacheSlots.fixed(4), ExpertCacheSlots.auto()):
@@ -209,7 +209,9 @@ def test_a_broken_expert_tensor_is_refused_by_name(moe_install, tmp_path, monkey
     weights = load_weights(moe_install, read_manifest(moe_install))
     change(weights)
     write_install(tmp_path / "broken", arch=arch, model_id="broken", weights=weights)
-    monkeypatch.setattr("turbospark.runner.load_weights", lambda *a: pytest.fail("weights read"))
+    monkeypatch.setattr(
+        "turbospark.generation.runner.load_weights", lambda *a: pytest.fail("weights read")
+    )
     for policy in (ExpertCacheSlots.fixed(TOP_K), ExpertCacheSlots.all()):
         with pytest.raises(InstallError, match=message):
             Runner.open(tmp_path / "broken", expert_cache=policy)

@@ -3,7 +3,7 @@
 Runs only where MLX has its CUDA backend (the H200 bench machine:
 ``TURBOSPARK_TEST_DEVICE=gpu python3 -m pytest tests/test_gdn_cuda.py``); on
 the CPU and Metal the layers keep the reference forms, which
-``plugins/qwen_gdn/tests/test_qwen_gdn_chunked.py`` checks. Whole forwards in
+``tests/test_gated_delta_forms.py`` checks. Whole forwards in
 the kernel's form against the reference forms on the same GPU are
 ``tests/test_prefill_gpu_forms.py`` and ``tests/test_verify_gpu_forms.py``
 (their GPU side is the kernel there).
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import GDN_DIMS, gdn_inputs, gdn_reference
-from turbospark.layers import gdn_cuda
+from turbospark.layers.cuda import gdn as gdn_cuda
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
@@ -82,7 +82,7 @@ def _mixer_inputs(
     batch: int, dims: tuple[int, int, int, int], dtype: mx.Dtype, seed: int
 ) -> tuple[mx.array, ...]:
     """Random ``(proj, tail, conv_weight, in_bias, rate, state, norm_weight)`` for
-    :func:`~turbospark.layers.gdn_cuda.decode_mixer` (a 4-tap conv)."""
+    :func:`~turbospark.layers.cuda.gdn.decode_mixer` (a 4-tap conv)."""
     hk, hv, dk, dv = dims
     rng = np.random.default_rng(seed)
     conv = 2 * hk * dk + hv * dv

@@ -1,13 +1,13 @@
 """The gated-DeltaNet layers' kernel path equals their reference forms, on the CPU.
 
 On MLX's CUDA backend a gated-DeltaNet layer hands its recurrence, q/k norm
-and gates to one kernel (:mod:`turbospark.layers.gdn_cuda`) for prefill
+and gates to one kernel (:mod:`turbospark.layers.cuda.gdn`) for prefill
 chunks, batched groups and verify passes alike, and a verify pass keeps every
 token's state from it; a decode step hands it everything between its two GEMMs
 (the bias, the conv and its tail, the gated norm as well). The CUDA source runs
 only on a GPU (``tests/test_gdn_cuda.py``); here the kernels are replaced by
-their specifications in ops (:func:`~turbospark.layers.gdn_cuda.gated_delta_ops`,
-:func:`~turbospark.layers.gdn_cuda.decode_mixer_ops`), so everything
+their specifications in ops (:func:`~turbospark.layers.cuda.gdn.gated_delta_ops`,
+:func:`~turbospark.layers.cuda.gdn.decode_mixer_ops`), so everything
 around it (the slices it reads, the conv tail, the traced states a cut keeps,
 batching) is checked against the reference forms wherever the suite runs.
 Float32 on CPU.
@@ -32,10 +32,10 @@ from helpers import (
     group_forward,
     verify_and_cut,
 )
-from turbospark.draft import ReplayDrafter
-from turbospark.generate import GenerationConfig, generate
-from turbospark.layers import gdn_cuda
-from turbospark.runner import Runner
+from turbospark.generation.drafters import ReplayDrafter
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
+from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.text import load_text
 
 FAMILIES = ["qwen_gdn", "qwen4_exp"]
@@ -145,10 +145,11 @@ def test_the_ops_form_equals_the_reference_recurrence() -> None:
 
 
 def test_the_decode_mixers_ops_equal_the_reference_layer() -> None:
-    """:func:`~turbospark.layers.gdn_cuda.decode_mixer_ops` (what the decode
+    """:func:`~turbospark.layers.cuda.gdn.decode_mixer_ops` (what the decode
     kernel is checked against on a GPU) against the layer's reference
     :func:`~turbospark.layers.gated_delta.mix` for one token, rows batched."""
-    from turbospark.layers.gated_delta import input_bias, mix
+    from turbospark.layers.gated_delta.gates import input_bias
+    from turbospark.layers.gated_delta.layer import mix
 
     rng = np.random.default_rng(4)
     for hk, hv, dk, dv in GDN_DIMS[:2]:

@@ -13,9 +13,9 @@ import pytest
 from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.errors import ContextOverflow, InvalidInput
-from turbospark.generate import GenerationConfig, check_prompt, generate, stream_generate
-from turbospark.runner import Runner
-from turbospark.sampling import Sampler, SamplingParams, apply_top_k, apply_top_p
+from turbospark.generation.generate import GenerationConfig, check_prompt, generate, stream_generate
+from turbospark.generation.runner import Runner
+from turbospark.generation.sampling import Sampler, SamplingParams, apply_top_k, apply_top_p
 from turbospark.text import TextCodec, load_text
 
 CONTEXT = 256

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from helpers import text_positions
 from turbospark import Runner
-from turbospark.generate import GenerationConfig, generate
+from turbospark.generation.generate import GenerationConfig, generate
 from turbospark.text import TextCodec, load_text
 
 OPENING = [1, 3, 20, 21]  # what every conversation's template starts with

@@ -2,7 +2,7 @@
 
 Runs only where MLX has its CUDA backend (the H200 bench machine:
 ``TURBOSPARK_TEST_DEVICE=gpu python3 -m pytest tests/test_heads_cuda.py``); on
-the CPU a step takes :func:`~turbospark.layers.heads_cuda.norm_rope_ops`,
+the CPU a step takes :func:`~turbospark.layers.cuda.heads.norm_rope_ops`,
 which ``tests/test_attention_kernel_path.py`` runs through Gemma 4's layer
 traces. The layer traces with this kernel against the modules' path on the
 same GPU are ``tests/test_attention_cuda.py``'s.
@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.layers import heads_cuda
+from turbospark.layers.cuda import heads as heads_cuda
 from turbospark.layers.rope import rope_freqs
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")

@@ -16,9 +16,9 @@ from mlx_lm.utils import load_model
 from turbospark import build_synthetic_install, peek_manifest_arch
 from turbospark.cli import main
 from turbospark.errors import FamilyNotFound, InstallError
-from turbospark.importer import import_checkpoint
-from turbospark.install import MANIFEST, read_manifest, tensor_names
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.loading.importer import import_checkpoint
+from turbospark.loading.install import MANIFEST, read_manifest, tensor_names
 from turbospark.text import load_text
 
 PROMPT = [1, 3, 40, 41, 42, 9, 17, 100, 6, 8, 11, 12]

@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 
 from turbospark import build_synthetic_install
-from turbospark.draft import Draft
-from turbospark.engine import Engine, Job
 from turbospark.errors import InvalidInput
-from turbospark.generate import GenerationConfig, generate
-from turbospark.install import load_weights, read_manifest
-from turbospark.mtp import MtpDrafter
+from turbospark.generation.drafters import Draft
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.mtp import MtpDrafter
+from turbospark.generation.runner import Runner
+from turbospark.generation.sampling import Sampler, SamplingParams
+from turbospark.generation.speculation import accept_sampled
+from turbospark.loading.install import load_weights, read_manifest
 from turbospark.policies import DraftPolicies
-from turbospark.runner import Runner
-from turbospark.sampling import Sampler, SamplingParams
-from turbospark.speculative import accept_sampled
-from turbospark.state import state_nbytes
+from turbospark.state.components import state_nbytes
 from turbospark.text import load_text
 
 PROMPT = [*range(3, 30), *range(3, 15)]

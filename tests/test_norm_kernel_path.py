@@ -2,11 +2,11 @@
 
 On MLX's CUDA backend an unsteered dense layer of gemma4 or qwen_gdn makes
 each residual join in one kernel with the RMS norms beside it
-(:func:`~turbospark.layers.norm_cuda.join_norm`) and hands its last join to
+(:func:`~turbospark.layers.cuda.norm.join_norm`) and hands its last join to
 the next layer's input norm (or the final norm) unjoined
-(:class:`~turbospark.layers.norm_cuda.Unjoined`). The CUDA source runs only on
+(:class:`~turbospark.layers.cuda.norm.Unjoined`). The CUDA source runs only on
 a GPU (``tests/test_norm_cuda.py``); here the kernel is replaced by its
-specification in ops (:func:`~turbospark.layers.norm_cuda.join_norm_ops`), so
+specification in ops (:func:`~turbospark.layers.cuda.norm.join_norm_ops`), so
 the restructured layers (what each join adds, which norm makes it, the
 KV-shared tail's last token, a steered layer between unjoined ones, the MTP
 head, batches) are checked against the plain forms wherever the suite runs.
@@ -32,9 +32,9 @@ from helpers import (
     mtp_drafts_both_paths,
     verify_and_cut,
 )
-from turbospark.layers import norm_cuda
-from turbospark.runner import Runner
-from turbospark.steering import SteeringPolicy
+from turbospark.generation.runner import Runner
+from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.policies.steering import SteeringPolicy
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
 # The plain forms add a projection's residual inside its GEMM (addmm); the joins

@@ -22,8 +22,8 @@ import pytest
 from serving import CONTEXT, serving_with_disk
 
 from turbospark import build_synthetic_install
-from turbospark.generate import GenerationConfig, generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.server import ThreadedServer
 from turbospark.text import TextCodec, load_text
 

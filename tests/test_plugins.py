@@ -17,11 +17,11 @@ import pytest
 
 from turbospark import Runner, build_synthetic_install, hookimpl
 from turbospark.cli import main
+from turbospark.contract.hookspecs import FamilySpec
 from turbospark.errors import FamilyNotFound, PluginError
-from turbospark.hf_config import HFConfig
-from turbospark.hookspecs import FamilySpec
-from turbospark.importer import resolve_arch
-from turbospark.plugins import FamilyRegistry, default_registry
+from turbospark.loading.checkpoint_config import HFConfig
+from turbospark.loading.importer import resolve_arch
+from turbospark.loading.plugins import FamilyRegistry, default_registry
 
 
 class WrongSignature:

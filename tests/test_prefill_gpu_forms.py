@@ -19,8 +19,8 @@ import pytest
 
 from helpers import assert_states_close, group_forward, state_arrays
 from turbospark import build_synthetic_install
+from turbospark.generation.runner import Runner
 from turbospark.layers import fused
-from turbospark.runner import Runner
 
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]
 # The GPU forms invert a chunk's unit-lower matrix by doubling where the CPU's

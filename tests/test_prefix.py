@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from turbospark.prefix import PrefixRecord
+from turbospark.sessions.prefix import PrefixRecord
 
 ids = st.lists(st.integers(0, 3), max_size=200)
 

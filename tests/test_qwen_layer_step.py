@@ -2,9 +2,9 @@
 
 On MLX's CUDA backend a lone row's decode step runs each qwen_gdn layer as one
 traced call (``DecoderLayer._layer_step``): a gated-DeltaNet layer with
-:mod:`~turbospark.layers.gdn_cuda`'s decode kernel, a full-attention layer with
+:mod:`~turbospark.layers.cuda.gdn`'s decode kernel, a full-attention layer with
 its cache's writes scattered in on the device and
-:mod:`~turbospark.layers.attention_cuda`'s kernels. The CUDA sources run only
+:mod:`~turbospark.layers.cuda.attention`'s kernels. The CUDA sources run only
 on a GPU (``tests/test_attention_cuda.py``, ``tests/test_gdn_cuda.py``); here
 every kernel is replaced by its contract in ops, as the other kernel-path
 tests do, and the layer step is compared with the modules' path over the same
@@ -32,8 +32,10 @@ from helpers import (
     mtp_drafts_both_paths,
     state_arrays,
 )
-from turbospark.layers import attention_cuda, gdn_cuda, norm_cuda
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.layers.cuda import attention as attention_cuda
+from turbospark.layers.cuda import gdn as gdn_cuda
+from turbospark.layers.cuda import norm as norm_cuda
 from turbospark_qwen_gdn import model
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]

@@ -14,7 +14,7 @@ from serving import client, serving, sessions
 
 from turbospark import build_synthetic_install
 from turbospark.errors import InvalidInput
-from turbospark.logits_processors import RepetitionPenalty
+from turbospark.generation.logits_processors import RepetitionPenalty
 from turbospark.server import ThreadedServer
 from turbospark.text import TextCodec, load_text
 

@@ -19,12 +19,12 @@ from turbospark import (
     TurbosparkError,
     VisionMapError,
 )
+from turbospark.contract.hookspecs import hookimpl
 from turbospark.errors import FamilyNotFound, RewindError
-from turbospark.hookspecs import hookimpl
-from turbospark.install import MANIFEST, sha256_file
-from turbospark.plugins import FamilyRegistry
-from turbospark.reuse import ReuseReason
-from turbospark.state import LayeredComponent
+from turbospark.loading.install import MANIFEST, sha256_file
+from turbospark.loading.plugins import FamilyRegistry
+from turbospark.sessions.reuse import ReuseReason
+from turbospark.state.components import LayeredComponent
 
 A = [100, 101, 5, 9, 2, 7, 1, 3, 8, 4, 6, 0, 11]
 A_MORE = [99, 98, 97]

@@ -236,7 +236,7 @@ def test_a_stop_id_fed_speculatively_is_taken_back(family, request):
     """Decoding builds each forward from the still-lazy id; when that id is a
     stop, the step is undone: the session holds the reply but not the stop id
     (as a loop that never fed it), and the next turn extends it exactly."""
-    from turbospark.generate import GenerationConfig, generate
+    from turbospark.generation.generate import GenerationConfig, generate
     from turbospark.text import load_text
 
     install = request.getfixturevalue(f"{family}_install")

@@ -6,7 +6,7 @@ import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark.sampling import Sampler, SamplingParams, sample_together
+from turbospark.generation.sampling import Sampler, SamplingParams, sample_together
 
 VOCAB = 40
 

@@ -11,8 +11,8 @@ import pytest
 from serving import CONTEXT, client, serving
 
 from turbospark.cli import main
-from turbospark.generate import GenerationConfig, generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.server import ThreadedServer, create_app
 from turbospark.text import TextCodec
 

@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from turbospark import build_synthetic_install
-from turbospark.generate import GenerationConfig, generate
-from turbospark.runner import Runner
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.server import ThreadedServer, create_app
-from turbospark.server.app import GIL_SWITCH_INTERVAL_S
+from turbospark.server.service import GIL_SWITCH_INTERVAL_S
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec, load_text
 

@@ -24,7 +24,7 @@ import openai
 import pytest
 from serving import assert_same_reply, greedy_reply, reference, serve_process
 
-from turbospark.disk import SUFFIX
+from turbospark.sessions.session_file import SUFFIX
 from turbospark.text import TextCodec
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from mutant_families import MutantGemma4
 from serving import client, serving
 
 from turbospark.errors import InvalidInput
-from turbospark.plugins import FamilyRegistry, default_registry
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.loading.plugins import FamilyRegistry, default_registry
 from turbospark.server import ThreadedServer
 from turbospark.text import TextCodec, load_text
 

@@ -28,10 +28,10 @@ from serving import (
     serving_with_disk,
 )
 
-from turbospark.disk import SUFFIX
 from turbospark.server import ThreadedServer
 from turbospark.server.connections import GuardedH11
 from turbospark.server.settings import ServerLimits
+from turbospark.sessions.session_file import SUFFIX
 from turbospark.text import TextCodec
 
 MODEL = "tiny-faults"
@@ -301,7 +301,7 @@ def test_a_failing_disk_logs_once_per_session_state(
 
     chats = [[{"role": "user", "content": text}] for text in CONVERSATIONS[:3]]
     with serving_with_disk(install, codec, tmp_path, slots=3) as running:
-        monkeypatch.setattr("turbospark.disk_store.write_session", full)
+        monkeypatch.setattr("turbospark.sessions.disk_tier.write_session", full)
         with caplog.at_level(logging.WARNING, logger="turbospark.sessions"):
             for chat in chats * 2:  # each flush tries every warm session again
                 turn(running, chat)

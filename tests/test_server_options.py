@@ -16,7 +16,7 @@ import pytest
 from serving import client, serving
 
 from turbospark import build_synthetic_install
-from turbospark.logits_processors import Penalties
+from turbospark.generation.logits_processors import Penalties
 from turbospark.server import ThreadedServer
 from turbospark.text import TextCodec, load_text
 
@@ -310,7 +310,7 @@ def test_logprobs_of_ids_a_grammar_rules_out_are_the_floor(server: ThreadedServe
     """An id a grammar's mask rules out has no finite log-probability; it is
     reported as vLLM reports it, -9999.0, where -inf made the whole reply a
     500 (JSON has no -inf). The OpenAI SDK reads the reply."""
-    from turbospark.sampling import LOGPROB_FLOOR
+    from turbospark.generation.sampling import LOGPROB_FLOOR
 
     reply = client(server).chat.completions.create(
         model=MODEL,

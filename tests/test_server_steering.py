@@ -14,12 +14,12 @@ from test_engine import CONTEXT, Collector, run_all
 from test_steering import random_directions, write_gguf
 
 from turbospark import build_synthetic_install
-from turbospark.engine import Engine, Job
-from turbospark.generate import GenerationConfig, generate
-from turbospark.runner import Runner
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
+from turbospark.policies.steering import SteeringPolicy
 from turbospark.server import ThreadedServer, create_app
 from turbospark.server.worker import RunnerWorker
-from turbospark.steering import SteeringPolicy
 from turbospark.text import TextCodec, load_text
 
 MODEL = "tiny-steer"

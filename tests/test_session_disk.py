@@ -17,8 +17,8 @@ import pytest
 
 from helpers import serve_turn, text_positions
 from turbospark import InvalidInput, ReuseReason, Runner, build_synthetic_install
-from turbospark.disk import read_meta
-from turbospark.disk_store import REJECTED
+from turbospark.sessions.disk_tier import REJECTED
+from turbospark.sessions.session_file import read_meta
 
 CONVERSATIONS = [[1, 3, 10 + i, *range(40 + i, 60 + i)] for i in range(3)]  # 23 tokens each
 
@@ -257,7 +257,7 @@ def test_a_kill_during_writes_leaves_a_whole_file(gemma4_install, tmp_path):
 def _as_version_1(path: Path) -> None:
     """Rewrite a session file the way format version 1 hashed it: one sha256 stream
     over the metadata and every tensor's name, dtype, shape and bytes (written here
-    independently of turbospark.disk)."""
+    independently of turbospark.sessions.session_file)."""
     import hashlib
     import json
 
@@ -293,8 +293,8 @@ def test_a_version_1_file_still_loads_and_is_still_verified(gemma4_install, save
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32, mx.int32, mx.bool_])
 def test_every_state_dtype_round_trips_bit_for_bit(tmp_path, dtype):
-    from turbospark.disk import ModelIdentity, read_session, write_session
-    from turbospark.pool import Checkpoint, SessionSnapshot
+    from turbospark.sessions.session import Checkpoint, SessionSnapshot
+    from turbospark.sessions.session_file import ModelIdentity, read_session, write_session
 
     values = mx.random.normal((3, 5, 7)) * 100
     state = {"kv": {"keys": values.astype(dtype), "offset": mx.array([4], dtype=mx.int32)}}
@@ -315,14 +315,14 @@ def test_every_state_dtype_round_trips_bit_for_bit(tmp_path, dtype):
 def test_a_tensor_of_a_dtype_no_session_holds_is_refused(tmp_path):
     """float64 (which MLX would quietly read back as float32) is refused as
     unreadable, naming the dtype, instead of coming back as another array."""
-    from turbospark.disk import (
+    from turbospark.sessions.session import SessionSnapshot
+    from turbospark.sessions.session_file import (
         ModelIdentity,
         RejectReason,
         SessionFileError,
         read_session,
         write_session,
     )
-    from turbospark.pool import SessionSnapshot
 
     state = {"kv": {"keys": mx.arange(6, dtype=mx.int64).reshape(2, 3)}}
     snapshot = SessionSnapshot(tokens=[1, 2], tainted=False, arrays=state, checkpoints=())

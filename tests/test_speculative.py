@@ -14,22 +14,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark.draft import Draft, NgramDrafter, ReplayDrafter
-from turbospark.engine import Engine, Job
+from turbospark.contract.hookspecs import FamilySpec, hookimpl
 from turbospark.errors import InvalidInput
-from turbospark.generate import GenerationConfig, generate, stream_generate
-from turbospark.hookspecs import FamilySpec, hookimpl
-from turbospark.plugins import FamilyRegistry
-from turbospark.policies import DraftPolicies
-from turbospark.runner import Runner
-from turbospark.sampling import Sampler, SamplingParams
-from turbospark.speculative import (
+from turbospark.generation.drafters import Draft, NgramDrafter, ReplayDrafter
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig, generate, stream_generate
+from turbospark.generation.runner import Runner
+from turbospark.generation.sampling import Sampler, SamplingParams
+from turbospark.generation.speculation import (
     MAX_IDLE_PAUSE,
     MTP_BACKOFF,
     DepthControl,
     Speculation,
     accept_sampled,
 )
+from turbospark.loading.plugins import FamilyRegistry
+from turbospark.policies import DraftPolicies
 from turbospark.text import load_text
 
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]

@@ -19,9 +19,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from turbospark import build_synthetic_install
+from turbospark.generation.runner import Runner
 from turbospark.layers import fused
 from turbospark.layers.stacked import gemm_add, project, stacked, transposed
-from turbospark.runner import Runner
 
 
 class Block(nn.Module):

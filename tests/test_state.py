@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from turbospark.errors import RewindError
 from turbospark.layers.attention import cached_attention
-from turbospark.state import KVComponent
+from turbospark.state.kv import KVComponent
 
 HEADS, DIM = 2, 4
 

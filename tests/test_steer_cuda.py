@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.layers import steer_cuda
-from turbospark.steering import Steer, SteeringPolicy
+from turbospark.layers.cuda import steer as steer_cuda
+from turbospark.policies.steering import Steer, SteeringPolicy
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 

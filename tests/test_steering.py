@@ -14,12 +14,12 @@ import pytest
 from mutant_families import MutantGemma4
 
 from turbospark import Runner, build_synthetic_install
-from turbospark.control_vectors import directions_from_states, read_control_vector
+from turbospark.contract.hookspecs import FamilySpec, hookimpl
 from turbospark.errors import InvalidInput
-from turbospark.hookspecs import FamilySpec, hookimpl
-from turbospark.plugins import FamilyRegistry, default_registry
-from turbospark.reuse import ReuseReason
-from turbospark.steering import Steer, SteeringPolicy
+from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.policies.control_vectors import directions_from_states, read_control_vector
+from turbospark.policies.steering import Steer, SteeringPolicy
+from turbospark.sessions.reuse import ReuseReason
 
 WIDTH = 16
 
@@ -108,7 +108,7 @@ def test_several_files_sum_and_layers_select(tmp_path: Path) -> None:
 def test_extracted_vector_round_trips_with_gguf_writer(tmp_path: Path) -> None:
     """`steer extract` math written by our writer reads back exactly as a file gguf's
     writer wrote independently, and both load as the same policy."""
-    from turbospark.control_vectors import write_control_vector
+    from turbospark.policies.control_vectors import write_control_vector
 
     rng = np.random.default_rng(5)
     pos = [random_directions([1, 2, 3], int(s)) for s in rng.integers(0, 99, 4)]

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from test_steering import numpy_reference
 
-import turbospark.steering
+import turbospark.policies.steering
 from turbospark import Runner, build_synthetic_install
-from turbospark.steering import Parts, Steer, SteeringPolicy, _LayerSteer, joiner
+from turbospark.contract.protocols import Parts
+from turbospark.policies.steering import Steer, SteeringPolicy, _LayerSteer, joiner
 from turbospark_gemma4.model import dense_tail_parts, dense_tail_step
 from turbospark_qwen_gdn.model import mlp_tail_parts, mlp_tail_step
 
@@ -81,7 +82,7 @@ def _policy(mode: str | None, scale: float = 1.5, seed: int = 3) -> SteeringPoli
 def _two_calls(entry: _LayerSteer, parts: Parts, args: tuple, scale: mx.array | None):
     """The path the fold replaces (for one layer of a :class:`Steer`): the tail
     compiled alone, then the steering's joined kernel."""
-    return entry.join(*turbospark.steering._compiled(parts)(*args), scale)
+    return entry.join(*turbospark.policies.steering._compiled(parts)(*args), scale)
 
 
 @pytest.mark.parametrize("rows", [*[[m] for m in ROWS if m], list(ROWS)], ids=str)
@@ -98,7 +99,7 @@ def test_fold_equals_the_two_call_path_bit_for_bit(
     for layer in (1, 2, 3):
         folded = joiner(steer, layer).fold(parts, args, scale, compiled=True)
         two = _two_calls(
-            steer.layers.get(layer, turbospark.steering._UNSTEERED), parts, args, scale
+            steer.layers.get(layer, turbospark.policies.steering._UNSTEERED), parts, args, scale
         )
         assert mx.array_equal(folded, two), layer
         plain = joiner(steer, layer).fold(parts, args, scale, compiled=False)
@@ -115,7 +116,7 @@ def test_fold_matches_numpy(tail: str, mode: str) -> None:
     policy = _policy(mode, scale=-0.7)
     steer = Steer.of([policy, policy], mx.float32)
     folded = np.array(joiner(steer, 1).fold(parts, args, scale, compiled=True))
-    joined = np.array(turbospark.steering._join(*parts(*args), scale))
+    joined = np.array(turbospark.policies.steering._join(*parts(*args), scale))
     expected = numpy_reference(joined, policy.directions[1], -0.7, mode)
     np.testing.assert_allclose(folded, expected, rtol=1e-4, atol=1e-4)
 
@@ -218,19 +219,19 @@ def test_steered_decode_at_scale_zero_equals_off(install: Path, mode: str) -> No
 
 
 def test_steered_decode_steps_do_not_retrace(install: Path, monkeypatch: pytest.MonkeyPatch):
-    """:func:`turbospark.steering.steered` runs only while a fold traces: after
+    """:func:`turbospark.policies.steering.steered` runs only while a fold traces: after
     the first step at a batch size, none."""
     runner = Runner.open(install, context_length=64, steering=_every_layer(install, "renorm", 1))
     runner.prefill_chunk(list(range(3, 14)), 0)
     mx.eval(runner.produce(5, 11))
     calls = {"n": 0}
-    real = turbospark.steering.steered
+    real = turbospark.policies.steering.steered
 
     def counted(*args: Any) -> mx.array:
         calls["n"] += 1
         return real(*args)
 
-    monkeypatch.setattr(turbospark.steering, "steered", counted)
+    monkeypatch.setattr(turbospark.policies.steering, "steered", counted)
     for step in range(4):
         mx.eval(runner.produce(7 + step, 12 + step))
     assert calls["n"] == 0

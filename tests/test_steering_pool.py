@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from turbospark import Runner
-from turbospark.reuse import ReuseReason
-from turbospark.steering import SteeringPolicy
+from turbospark.policies.steering import SteeringPolicy
+from turbospark.sessions.reuse import ReuseReason
 
 SETTINGS = ("off", "add", "clamp")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from turbospark import build_synthetic_install
-from turbospark.plugins import default_registry
+from turbospark.loading.plugins import default_registry
 
 mlx_lm_utils = pytest.importorskip("mlx_lm.utils", reason="mlx-lm is the oracle")
 UPSTREAM = {"gemma4", "qwen_gdn"}  # the built-in families mlx-lm implements

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
 from turbospark.errors import InvalidInput
-from turbospark.synthetic import GEMMA_TEXT, QWEN_TEXT, SyntheticText
+from turbospark.loading.synthetic import GEMMA_TEXT, QWEN_TEXT, SyntheticText
 from turbospark.text import StopStrings, TextCodec, load_text
 
 BOS_ID, EOS_ID = GEMMA_TEXT.id("<bos>"), GEMMA_TEXT.id("<eos>")

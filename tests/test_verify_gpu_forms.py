@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from helpers import assert_states_close, batched_greedy, verify_and_cut
-from turbospark.draft import ReplayDrafter
-from turbospark.generate import GenerationConfig, generate
+from turbospark.generation.drafters import ReplayDrafter
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.layers import fused
-from turbospark.runner import Runner
 from turbospark.text import load_text
 
 FAMILIES = ["gemma4", "qwen_gdn", "qwen4_exp"]

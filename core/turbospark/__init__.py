@@ -11,7 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from turbospark import _moved
+
 if TYPE_CHECKING:
+    from turbospark.contract.hookspecs import ArchConfig, ComponentSpec, FamilySpec, hookimpl
+    from turbospark.contract.vision import MropePositions, VisionInjection
     from turbospark.errors import (
         ContextOverflow,
         InstallError,
@@ -22,12 +26,10 @@ if TYPE_CHECKING:
         TurbosparkError,
         VisionMapError,
     )
-    from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, hookimpl
-    from turbospark.install import build_synthetic_install, peek_manifest_arch
+    from turbospark.generation.runner import Runner
+    from turbospark.loading.install import build_synthetic_install, peek_manifest_arch
     from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
-    from turbospark.reuse import ReuseReason, ReuseReport
-    from turbospark.runner import Runner
-    from turbospark.vision import MropePositions, VisionInjection
+    from turbospark.sessions.reuse import ReuseReason, ReuseReport
 
 __all__ = [
     "ArchConfig",
@@ -66,15 +68,18 @@ _MODULES = {
         "TurbosparkError",
         "VisionMapError",
     ],
-    "turbospark.hookspecs": ["ArchConfig", "ComponentSpec", "FamilySpec", "hookimpl"],
-    "turbospark.install": ["build_synthetic_install", "peek_manifest_arch"],
+    "turbospark.contract.hookspecs": ["ArchConfig", "ComponentSpec", "FamilySpec", "hookimpl"],
+    "turbospark.loading.install": ["build_synthetic_install", "peek_manifest_arch"],
     "turbospark.policies": ["DraftPolicies", "ExpertCacheSlots", "SteeringPolicy"],
-    "turbospark.reuse": ["ReuseReason", "ReuseReport"],
-    "turbospark.runner": ["Runner"],
-    "turbospark.vision": ["MropePositions", "VisionInjection"],
+    "turbospark.sessions.reuse": ["ReuseReason", "ReuseReport"],
+    "turbospark.generation.runner": ["Runner"],
+    "turbospark.contract.vision": ["MropePositions", "VisionInjection"],
 }
 _SOURCES = {name: module for module, names in _MODULES.items() for name in names}
 assert sorted(_SOURCES) == sorted(__all__), "every public name needs its module, and no more"
+
+
+_moved.install()  # old flat module paths keep importing, with a warning, for one SDK minor
 
 
 def __getattr__(name: str) -> Any:

@@ -37,7 +37,7 @@ from mlx_lm.utils import load_model
 
 from bench.common import install, random_tokens
 from bench.forward import _ours_generate, _theirs_generate
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
 
 family = sys.argv[1]
 path = install(family, "large", "bfloat16", Path.home() / ".cache/turbospark/bench")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` sta
 def install_text(path: str | Path) -> TextCodec:
     """The install's tokenizer, after checking *path* is an install at all (so a
     wrong directory is named as such, not as a missing tokenizer)."""
-    from turbospark.install import read_manifest
+    from turbospark.loading.install import read_manifest
     from turbospark.text import load_text
 
     read_manifest(path)
@@ -37,6 +37,13 @@ _UNITS = {
     "mb": 10**6,
     "gb": 10**9,
 }
+
+
+def prompt_ids(codec: TextCodec, prompt: str, raw: bool) -> list[int]:
+    """A command's prompt as ids: through the chat template unless *raw* (or none)."""
+    if raw or codec.chat_template is None:
+        return codec.encode(prompt, add_special_tokens=True)
+    return codec.encode_chat([{"role": "user", "content": prompt}])
 
 
 def byte_size(text: str) -> int:

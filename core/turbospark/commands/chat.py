@@ -26,8 +26,8 @@ from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import TurbosparkError
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
-    from turbospark.generate import Completion, GenerationConfig
-    from turbospark.runner import Runner
+    from turbospark.generation.generate import Completion, GenerationConfig
+    from turbospark.generation.runner import Runner
     from turbospark.text import TextCodec
 
 
@@ -64,7 +64,7 @@ def turn(
     runner: Runner, codec: TextCodec, messages: list[dict[str, str]], config: GenerationConfig
 ) -> Completion:
     """Stream one reply to stdout; a bad prompt is refused before any output."""
-    from turbospark.generate import check_prompt, collect, stream_generate
+    from turbospark.generation.generate import check_prompt, collect, stream_generate
 
     ids = codec.encode_chat(messages)
     check_prompt(runner, ids)
@@ -74,8 +74,8 @@ def turn(
 
 
 def run(args: argparse.Namespace) -> int:
+    from turbospark.generation.runner import Runner
     from turbospark.policies import ExpertCacheSlots
-    from turbospark.runner import Runner
 
     codec = install_text(args.model)
     config = generation_config(args)

@@ -3,7 +3,7 @@
 Builds (once, cached) a synthetic install, then serves the same workload of K
 conversations × T turns, round-robin, with ``session_slots=K`` and with
 ``session_slots=1``, and prints per-turn reuse, prefill time, reason and
-evictions, then the totals. Turns run through ``turbospark.generate``, the
+evictions, then the totals. Turns run through ``turbospark.generation.generate``, the
 loop the server uses. Each conversation opens with the chat template's own
 opening tokens, so the shallow-match rule is exercised too.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
     from turbospark.text import TextCodec
 
 # Per-family sizes for the demo: large enough that prefill time is visible.
@@ -66,8 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def demo_install(family: str, cache_dir: Path) -> Path:
     """The cached synthetic install for *family* (built on first use)."""
-    from turbospark.install import MANIFEST, build_synthetic_install
-    from turbospark.synthetic import SYNTHETIC_FORMAT
+    from turbospark.loading.install import MANIFEST, build_synthetic_install
+    from turbospark.loading.synthetic import SYNTHETIC_FORMAT
 
     dims = DEMO_DIMS[family]
     tag = "-".join(f"{k}{v}" for k, v in sorted(dims.items()))
@@ -91,7 +91,7 @@ def opening(codec: TextCodec) -> list[int]:
 
 def warm_up(runner: Runner, codec: TextCodec, args: argparse.Namespace) -> None:
     """One untimed request of a turn's size, then the runner as it was: empty."""
-    from turbospark.generate import GenerationConfig, generate
+    from turbospark.generation.generate import GenerationConfig, generate
 
     empty = runner.snapshot()
     prompt = opening(codec) + [32] * args.turn_tokens
@@ -103,7 +103,7 @@ def run_workload(
     runner: Runner, codec: TextCodec, args: argparse.Namespace, mode: str
 ) -> list[Turn]:
     """K conversations × T turns, round-robin, through the server's generation loop."""
-    from turbospark.generate import GenerationConfig, generate
+    from turbospark.generation.generate import GenerationConfig, generate
 
     rng = random.Random(0)
     histories = [opening(codec) for _ in range(args.conversations)]
@@ -125,7 +125,7 @@ def run_workload(
 
 
 def run(args: argparse.Namespace) -> int:
-    from turbospark.runner import Runner
+    from turbospark.generation.runner import Runner
     from turbospark.text import load_text
 
     path = demo_install(args.family, args.cache_dir)

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from turbospark.plugins import default_registry
+    from turbospark.loading.plugins import default_registry
 
     registry = default_registry()
     families = [

@@ -8,12 +8,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import add_draft_flags, add_expert_cache_flag, draft_policy, install_text
+from turbospark.commands import (
+    add_draft_flags,
+    add_expert_cache_flag,
+    draft_policy,
+    install_text,
+    prompt_ids,
+)
 from turbospark.commands.steer import add_steering_args, steering_policy
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
-    from turbospark.generate import GenerationConfig
-    from turbospark.text import TextCodec
+    from turbospark.generation.generate import GenerationConfig
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -28,7 +33,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
-    from turbospark.generate import GenerationConfig
+    from turbospark.generation.generate import GenerationConfig
 
     return GenerationConfig(
         max_tokens=args.max_tokens,
@@ -58,16 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def prompt_ids(codec: TextCodec, prompt: str, raw: bool) -> list[int]:
-    if raw or codec.chat_template is None:
-        return codec.encode(prompt, add_special_tokens=True)
-    return codec.encode_chat([{"role": "user", "content": prompt}])
-
-
 def run(args: argparse.Namespace) -> int:
-    from turbospark.generate import collect, stream_generate
+    from turbospark.generation.generate import collect, stream_generate
+    from turbospark.generation.runner import Runner
     from turbospark.policies import ExpertCacheSlots
-    from turbospark.runner import Runner
 
     codec = install_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# turbospark.importer.DTYPES, written out so building the parser loads no MLX
+# turbospark.loading.importer.DTYPES, written out so building the parser loads no MLX
 # (tests/test_cli.py holds the two equal).
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from turbospark.importer import import_checkpoint
+    from turbospark.loading.importer import import_checkpoint
 
     manifest = import_checkpoint(
         args.hf_dir, args.out, dtype=args.dtype, family=args.family, model_id=args.model_id

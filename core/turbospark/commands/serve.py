@@ -21,8 +21,8 @@ from turbospark.errors import InvalidInput
 from turbospark.server.settings import ServerLimits
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
-    from turbospark.distributed import Lockstep
-    from turbospark.runner import Runner
+    from turbospark.generation.distributed import Lockstep
+    from turbospark.generation.runner import Runner
     from turbospark.server.worker import RunnerWorker
     from turbospark.text import TextCodec
 
@@ -227,8 +227,8 @@ def limits_of(args: argparse.Namespace) -> ServerLimits:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from turbospark.generation.runner import Runner
     from turbospark.policies import ExpertCacheSlots
-    from turbospark.runner import Runner
     from turbospark.server.app import create_app
     from turbospark.server.worker import RunnerWorker
 
@@ -309,8 +309,8 @@ def join_group(args: argparse.Namespace) -> Lockstep:
 
     import mlx.core as mx
 
-    from turbospark.distributed import Lockstep, launcher_backend
-    from turbospark.sharding import check_agree
+    from turbospark.generation.distributed import Lockstep, launcher_backend
+    from turbospark.layers.sharding import check_agree
 
     if not mx.distributed.is_available():
         raise InvalidInput("--distributed: this MLX build has no distributed backend")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from turbospark.commands import install_text
 
 if TYPE_CHECKING:  # MLX loads in run(), so `turbospark --help` stays light
-    from turbospark.steering import SteeringPolicy
+    from turbospark.policies.steering import SteeringPolicy
 
 MODES = ["add", "ablate", "clamp", "renorm"]
 
@@ -45,7 +45,7 @@ def add_steering_args(parser: argparse.ArgumentParser) -> None:
 def steering_policy(args: argparse.Namespace) -> SteeringPolicy | None:
     """The flags as a policy (None without ``--steering``), checked before weights load."""
     from turbospark.errors import InvalidInput
-    from turbospark.steering import SteeringPolicy
+    from turbospark.policies.steering import SteeringPolicy
 
     if not args.steering:
         tuned = args.steering_layers is not None or args.steering_scale != 1.0
@@ -86,15 +86,15 @@ def run_extract(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from turbospark.commands.generate import prompt_ids
-    from turbospark.control_vectors import (
+    from turbospark.commands import prompt_ids
+    from turbospark.errors import InvalidInput
+    from turbospark.generation.runner import Runner
+    from turbospark.policies.control_vectors import (
         directions_from_states,
         read_prompts,
         write_control_vector,
     )
-    from turbospark.errors import InvalidInput
-    from turbospark.runner import Runner
-    from turbospark.steering import parse_layers
+    from turbospark.policies.steering import parse_layers
 
     codec = install_text(args.model)
     positive, negative = read_prompts(args.positive), read_prompts(args.negative)

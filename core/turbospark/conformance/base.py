@@ -34,7 +34,7 @@ from turbospark.conformance.reference_checks import ReferenceChecks
 from turbospark.conformance.state_checks import StateChecks
 from turbospark.conformance.steering_checks import SteeringChecks
 from turbospark.conformance.vision_checks import VisionChecks
-from turbospark.plugins import FamilyRegistry
+from turbospark.loading.plugins import FamilyRegistry
 
 
 # pytest collects base classes last-first: state checks run first, the property test last.

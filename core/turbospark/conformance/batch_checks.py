@@ -30,9 +30,9 @@ from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit, kit_settings
 from turbospark.conformance.turns import take_turn
 from turbospark.conformance.vision_checks import install_vision
-from turbospark.engine import Engine, Job
-from turbospark.generate import Chunk, GenerationConfig, generate
-from turbospark.state import State
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import Chunk, GenerationConfig, generate
+from turbospark.state.components import State
 from turbospark.text import load_text
 
 TEMPLATE = 3

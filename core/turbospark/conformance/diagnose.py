@@ -15,18 +15,30 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from enum import Enum
 from types import FunctionType, MethodType, ModuleType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from pydantic import BaseModel
 
-from turbospark.state import State
+from turbospark.state.components import State
 
 if TYPE_CHECKING:
-    from turbospark.conformance.kit import FamilyKit
-    from turbospark.runner import Runner
+    from turbospark.contract.hookspecs import ComponentSpec
+    from turbospark.generation.runner import Runner
+
+
+class Reference(Protocol):
+    """What a diagnosis compares against (the kit's :class:`~turbospark.conformance.kit.FamilyKit`):
+    the family's component specs, its tolerances, and a fresh state for a history."""
+
+    atol: float
+    rtol: float
+
+    def component(self, name: str) -> ComponentSpec: ...
+
+    def fresh_state(self, history: Sequence[int]) -> State: ...
 
 
 def fail(message: str) -> NoReturn:
@@ -161,7 +173,7 @@ def ring_tails(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | 
     return a[tuple(tail)], b[tuple(tail)]
 
 
-def component_differences(kit: FamilyKit, state: State, reference: State) -> list[str]:
+def component_differences(kit: Reference, state: State, reference: State) -> list[str]:
     """One line per component of *state* that differs from *reference*: position,
     then (for persistable components) the snapshot's keys, shapes and values,
     with the first index that differs. A sliding-window component (declared
@@ -210,7 +222,7 @@ def component_differences(kit: FamilyKit, state: State, reference: State) -> lis
 
 
 def explain_session(
-    kit: FamilyKit, runner: Runner, conversation: str, history: Sequence[int]
+    kit: Reference, runner: Runner, conversation: str, history: Sequence[int]
 ) -> str:
     """Why the live session, which should hold *conversation*, does not."""
     lines = shared_components(session_states(runner))

@@ -30,11 +30,11 @@ import pytest
 
 from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit
-from turbospark.draft import Drafter, NgramDrafter, ReplayDrafter
-from turbospark.generate import GenerationConfig, generate
+from turbospark.generation.drafters import Drafter, NgramDrafter, ReplayDrafter
+from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.generation.runner import has_mtp_hooks
 from turbospark.layers import fused
 from turbospark.policies import DraftPolicies
-from turbospark.runner import has_mtp_hooks
 from turbospark.text import load_text
 
 GREEDY = GenerationConfig(max_tokens=16, stop_token_ids=[])

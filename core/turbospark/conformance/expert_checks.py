@@ -18,8 +18,8 @@ import pytest
 
 from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit
+from turbospark.generation.runner import Runner
 from turbospark.policies import ExpertCacheSlots
-from turbospark.runner import Runner
 
 
 class ExpertCacheChecks:

@@ -24,13 +24,14 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from turbospark.conformance.diagnose import session_states, shared_components
-from turbospark.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
-from turbospark.install import load_weights, read_manifest, validate_arch
-from turbospark.plugins import Family, FamilyRegistry, default_registry
+from turbospark.contract.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
+from turbospark.contract.protocols import LayerHook
+from turbospark.generation.runner import Runner
+from turbospark.loading.install import load_weights, read_manifest, validate_arch
+from turbospark.loading.plugins import Family, FamilyRegistry, default_registry
 from turbospark.policies import DraftPolicies
-from turbospark.runner import Runner
-from turbospark.state import State
-from turbospark.steering import LayerHook, SteeringPolicy
+from turbospark.policies.steering import SteeringPolicy
+from turbospark.state.components import State
 
 EXAMPLES_ENV = "TURBOSPARK_CONFORMANCE_EXAMPLES"
 

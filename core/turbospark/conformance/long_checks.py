@@ -3,7 +3,7 @@
 The other checks feed a few dozen tokens, which never regrow a buffer, so a
 family whose K/V growth loses a row once a full 256-row block is regrown
 passes them all. These feed ``long_context`` tokens (600 by default: past two
-of the core's 256-row :class:`~turbospark.state.LayerKV` blocks, and past any
+of the core's 256-row :class:`~turbospark.state.kv.LayerKV` blocks, and past any
 tiny synthetic window) in uneven chunks whose edges straddle the block
 boundaries, then rewind, snapshot, park and resume across them. Every row of
 every chunk is compared with one chunk from a fresh state on a separately
@@ -27,7 +27,7 @@ from turbospark.conformance.diagnose import component_differences, fail
 from turbospark.conformance.kit import FamilyKit
 from turbospark.conformance.state_checks import return_others_to
 from turbospark.conformance.turns import Step, run_script
-from turbospark.state import State
+from turbospark.state.components import State
 
 PROMPT_SEED = 80  # one prompt for every check here, so its reference is computed once
 

@@ -17,8 +17,8 @@ from turbospark.conformance.diagnose import fail, live_state
 from turbospark.conformance.kit import FamilyKit
 from turbospark.conformance.turns import Step, Turn, run_script
 from turbospark.errors import SessionPoolUnsupported
-from turbospark.reuse import ReuseReason
-from turbospark.runner import Runner
+from turbospark.generation.runner import Runner
+from turbospark.sessions.reuse import ReuseReason
 
 TEMPLATE = 3  # leading tokens every conversation shares, as a chat template's do
 

@@ -4,7 +4,7 @@ Registered with pytest through turbospark's ``pytest11`` entry point, so a
 family's test module needs no conftest. Fixtures (override any of them in
 your own conftest or test class, keeping the shape documented here):
 
-``family_registry``  a :class:`~turbospark.plugins.FamilyRegistry` that holds the
+``family_registry``  a :class:`~turbospark.loading.plugins.FamilyRegistry` that holds the
                      class's ``family``. Default: the class's ``registry``
                      attribute, else the installed plugins.
 ``family_install``   a :class:`~pathlib.Path` to an install directory of that
@@ -27,8 +27,8 @@ import pytest
 
 from turbospark.conformance.base import FamilyConformance
 from turbospark.conformance.kit import FamilyKit, examples_from_env
-from turbospark.install import build_synthetic_install
-from turbospark.plugins import FamilyRegistry, default_registry
+from turbospark.loading.install import build_synthetic_install
+from turbospark.loading.plugins import FamilyRegistry, default_registry
 
 
 def conformance_class(cls: type | None) -> type[FamilyConformance]:

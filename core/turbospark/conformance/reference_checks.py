@@ -23,8 +23,8 @@ import pytest
 
 from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit
-from turbospark.importer import import_checkpoint
-from turbospark.plugins import FamilyRegistry
+from turbospark.loading.importer import import_checkpoint
+from turbospark.loading.plugins import FamilyRegistry
 
 REFERENCE = "reference.npz"
 

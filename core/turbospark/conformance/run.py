@@ -21,7 +21,7 @@ import pytest
 from pydantic import BaseModel
 
 from turbospark.conformance.kit import EXAMPLES_ENV
-from turbospark.plugins import default_registry
+from turbospark.loading.plugins import default_registry
 
 Outcome = Literal["passed", "failed", "skipped", "error"]
 

@@ -24,7 +24,7 @@ from turbospark.conformance.diagnose import (
 )
 from turbospark.conformance.kit import FamilyKit
 from turbospark.errors import RewindError
-from turbospark.state import Snapshot, State, StateComponent, state_nbytes
+from turbospark.state.components import Snapshot, State, StateComponent, state_nbytes
 
 CHUNK = 96  # long prompts are fed in chunks, so growing buffers drop and reallocate
 SHORT = 16  # prompt length for components that keep every token
@@ -93,7 +93,7 @@ class StateChecks:
     @final
     def test_state_matches_declaration(self, kit: FamilyKit) -> None:
         """A fresh state holds exactly the declared components, each a
-        :class:`~turbospark.state.StateComponent` at position 0, honestly sized,
+        :class:`~turbospark.state.components.StateComponent` at position 0, honestly sized,
         and sharing no mutable object or array with another fresh state or a
         reset one, anywhere below the components (a K/V list kept on the model
         object would make every "fresh" state one and the same)."""

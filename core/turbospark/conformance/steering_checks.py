@@ -1,7 +1,7 @@
 """Checks on activation steering, for a family whose spec says ``steerable``.
 
 The family's part is small (call ``steer(i, h)`` at every layer's output, or
-hand the layer's last residual join to :func:`turbospark.steering.joiner`), but
+hand the layer's last residual join to :func:`turbospark.policies.steering.joiner`), but
 a hook in the wrong place, a layer skipped, or a batched row steered with
 another row's vector changes every token after it silently. So: scale 0 equals
 off, a vector on one layer leaves every layer below it bit-identical, chunked
@@ -20,9 +20,10 @@ import pytest
 
 from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit
-from turbospark.reuse import ReuseReason
-from turbospark.state import State
-from turbospark.steering import LayerHook, Steer, SteeringPolicy
+from turbospark.contract.protocols import LayerHook
+from turbospark.policies.steering import Steer, SteeringPolicy
+from turbospark.sessions.reuse import ReuseReason
+from turbospark.state.components import State
 
 
 def policy(
@@ -121,7 +122,7 @@ class SteeringChecks:
     @final
     def test_joined_steering_equals_the_plain_hook(self, kit: FamilyKit) -> None:
         """A family may hand its last residual join to the steering
-        (:func:`turbospark.steering.joiner`; in a compiled step, folded into
+        (:func:`turbospark.policies.steering.joiner`; in a compiled step, folded into
         its compiled tail), so ``add`` costs no extra kernel: for each mode, a
         chunk and one-token steps after it give the logits that a plain
         ``steer(i, h)`` hook on each layer's output gives."""

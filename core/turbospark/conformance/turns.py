@@ -18,9 +18,9 @@ import mlx.core as mx
 from turbospark.conformance.diagnose import explain_session
 from turbospark.conformance.kit import FamilyKit
 from turbospark.errors import TurbosparkError
-from turbospark.generate import acquire
-from turbospark.reuse import ReuseReason
-from turbospark.runner import Runner
+from turbospark.generation.generate import acquire
+from turbospark.generation.runner import Runner
+from turbospark.sessions.reuse import ReuseReason
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import numpy as np
 from turbospark.conformance.diagnose import fail
 from turbospark.conformance.kit import FamilyKit
 from turbospark.conformance.turns import Step, check_turn, run_script, take_turn
-from turbospark.runner import Runner
-from turbospark.vision import MropePositions, VisionInjection
+from turbospark.contract.vision import MropePositions, VisionInjection
+from turbospark.generation.runner import Runner
 
 IMAGE_AT, IMAGE_ROWS = 4, 3  # where the injected "image" sits in a vision prompt
 

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention over a :class:`~turbospark.state.LayerKV`.
+"""Scaled dot-product attention over a :class:`~turbospark.state.kv.LayerKV`.
 
 Families compute queries/keys/values (with their own norms and RoPE) and call
 :func:`cached_attention`; the KV layer decides which rows are retained and
@@ -12,8 +12,9 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from turbospark.layers import attention_cuda, fused
-from turbospark.state import LayerKV
+from turbospark.layers import fused
+from turbospark.layers.cuda import attention as attention_cuda
+from turbospark.state.kv import LayerKV
 
 # What a layer attended: keys, values and the mask (or, for the CUDA kernels, the
 # whole buffers and the rows), which KV-shared layers attend over unchanged.
@@ -43,7 +44,7 @@ def cached_attention(
 
 def takes_kernels(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether one query a row over these heads takes
-    :mod:`~turbospark.layers.attention_cuda`'s kernels: on CUDA with their
+    :mod:`~turbospark.layers.cuda.attention`'s kernels: on CUDA with their
     switch on, where the heads' shape fits them and all three share a dtype
     (the kernels read them as one type)."""
     return (
@@ -98,7 +99,7 @@ def attend(
     the op (its fallback), which costs it no more.
 
     A lone row's decode step on CUDA (:func:`takes_kernels`) comes with
-    :class:`~turbospark.layers.attention_cuda.Rows` for a mask and a cache's
+    :class:`~turbospark.layers.cuda.attention.Rows` for a mask and a cache's
     whole buffers, and takes that module's kernels, traced once per buffer
     size."""
     if isinstance(mask, attention_cuda.Rows):
@@ -130,7 +131,7 @@ def decode_attention(
     fallback multiplies by 1 on every layer.
 
     With a batch's padding *mask* ``(B, 1, 1, T)`` (rows at different
-    positions: :meth:`~turbospark.batch.BatchLayerKV.mask`), the scale and the
+    positions: :meth:`~turbospark.state.kv.BatchLayerKV.mask`), the scale and the
     mask go into the scores' matmul as one ``addmm`` over an additive bias
     (:func:`padding_bias`, built once for every layer given that mask), three
     kernels a layer where the fallback takes five (a scale, two matmuls, a
@@ -159,7 +160,7 @@ def padding_bias(mask: mx.array, shape: tuple[int, int, int, int], dtype: mx.Dty
     *shape* ``(B, kv_heads, group, T)`` (0 where it is True, ``-inf`` where
     not), whole (no broadcast for ``addmm``'s backends to handle). Kept while
     *mask* is the mask given: the layers of a step share one mask
-    (:func:`~turbospark.batch.padding_mask`), so they share one bias, one
+    (:func:`~turbospark.state.kv.padding_mask`), so they share one bias, one
     kernel a step. The entry holds *mask*, so its ``id`` is not reused while
     it is kept."""
     key = (id(mask), shape, dtype)

@@ -4,7 +4,7 @@ A family subclasses :class:`ExpertLayer`, names its stacked ``(E, out, in)``
 projections as the checkpoint does (after ``sanitize``), and computes its
 experts inside :meth:`ExpertLayer.routed`; the same code then runs with every
 expert resident (``ExpertCacheSlots.all()``) or with a bounded cache streamed
-from the install (:mod:`turbospark.expert_cache`), with identical results.
+from the install (:mod:`turbospark.policies.expert_cache`), with identical results.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 if TYPE_CHECKING:
-    from turbospark.expert_cache import ExpertCache
+    from turbospark.contract.protocols import ExpertSlots
 
 # (tables: projection name -> (S, out, in), indices (N, k) into S) -> per-choice outputs (N, k, ...)
 ExpertFn = Callable[[dict[str, mx.array], mx.array], mx.array]
@@ -31,9 +31,9 @@ class ExpertLayer(nn.Module):
         object.__setattr__(self, "projections", tuple(shapes))
         for name, shape in shapes.items():
             setattr(self, name, mx.zeros((num_experts, *shape)))
-        self._cache: ExpertCache | None = None
+        self._cache: ExpertSlots | None = None
 
-    def stream_from(self, cache: ExpertCache) -> None:
+    def stream_from(self, cache: ExpertSlots) -> None:
         """Drop the resident matrices; read experts through *cache* from now on."""
         for name in self.projections:
             del self[name]

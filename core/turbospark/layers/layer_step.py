@@ -11,7 +11,7 @@ repeat:
 
 - :data:`Stream`, :func:`stream_of` and :func:`normed_stream`: a layer's
   input as a traced call takes it, joined or
-  :class:`~turbospark.layers.norm_cuda.Unjoined`;
+  :class:`~turbospark.layers.cuda.norm.Unjoined`;
 - :func:`flat` and :func:`lifted`: rows in two dimensions inside the trace
   (MLX wraps a matmul of a 3-D input in a ``Flatten`` and an ``Unflatten``);
 - :func:`kept`: the weights a layer's step reads, derived once and rebuilt
@@ -28,9 +28,10 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.layers import attention_cuda, norm_cuda
-from turbospark.layers.norm_cuda import Unjoined
-from turbospark.state import LayerKV
+from turbospark.layers.cuda import attention as attention_cuda
+from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.layers.cuda.norm import Unjoined
+from turbospark.state.kv import LayerKV
 
 # A layer's input stream in a traced step: joined, or an Unjoined's arrays
 # (h, update, update_weight, scale), which a trace takes as a tuple.
@@ -46,7 +47,7 @@ def stream_of(h: mx.array | Unjoined) -> Stream:
 
 
 def normed_stream(stream: Stream, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """:func:`~turbospark.layers.norm_cuda.normed_input` of a traced step's
+    """:func:`~turbospark.layers.cuda.norm.normed_input` of a traced step's
     stream: the joined stream and its norm, ``(1, hidden)`` each (:func:`flat`)."""
     if isinstance(stream, tuple):
         h, update, *rest = stream
@@ -111,12 +112,12 @@ def kept(
 
 
 def claim_rows(kv: LayerKV) -> tuple[attention_cuda.Rows, mx.array]:
-    """:meth:`LayerKV.claim <turbospark.state.LayerKV.claim>` for a traced
+    """:meth:`LayerKV.claim <turbospark.state.kv.LayerKV.claim>` for a traced
     step that scatters its new key and value in itself (:meth:`LayerKV.write
-    <turbospark.state.LayerKV.write>`): the rows its query attends over and
+    <turbospark.state.kv.LayerKV.write>`): the rows its query attends over and
     the row it writes, ``(1,)`` int32. Each is at most eight bytes, what
     MLX's CUDA allocator serves from its small pool (see
-    :class:`~turbospark.layers.attention_cuda.Rows`).
+    :class:`~turbospark.layers.cuda.attention.Rows`).
 
     The caller passes the buffers to its trace from *kv* alone and replaces
     them with the trace's outputs: the trace then holds the only reference,

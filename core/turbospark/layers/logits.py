@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from turbospark.hookspecs import LogitsWanted
+from turbospark.contract.hookspecs import LogitsWanted
 
 
 def logits_for(

@@ -3,7 +3,7 @@
 A request is translated into the chat path's own request (``system`` and the
 content blocks into messages, ``tools`` and ``tool_choice`` into OpenAI's, so
 the install's template renders them and ``tools.py`` parses the calls back)
-and runs through :class:`~turbospark.server.app.Service` as a chat request
+and runs through :class:`~turbospark.server.service.Service` as a chat request
 does: the same deadline, queue place and engine rows. Replies and refusals
 take Anthropic's shapes: ``content`` blocks (``text``, ``tool_use``),
 ``stop_reason``, SSE events with ``event:`` lines, and errors as
@@ -26,8 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from turbospark.errors import TurbosparkError
-from turbospark.generate import Chunk, Completion, GenerationStats
-from turbospark.server.app import EventStream, Service
+from turbospark.generation.generate import Chunk, Completion, GenerationStats
 from turbospark.server.errors import APIError, anthropic_error_body, refusal
 from turbospark.server.limits import Deadline, Ticket
 from turbospark.server.schemas import (
@@ -37,6 +36,7 @@ from turbospark.server.schemas import (
     TextPart,
     TurbosparkOptions,
 )
+from turbospark.server.service import EventStream, Service
 from turbospark.server.tools import (
     FunctionCall,
     FunctionDef,

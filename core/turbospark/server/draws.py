@@ -15,16 +15,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from turbospark.engine import Emit, Job
-from turbospark.generate import GenerationConfig
-from turbospark.logits_processors import (
+from turbospark.generation.engine import Emit, Job
+from turbospark.generation.generate import GenerationConfig
+from turbospark.generation.logits_processors import (
     Grammar,
     LogitBias,
     LogitsProcessor,
     Penalties,
     RepetitionPenalty,
 )
-from turbospark.sampling import TokenLogprobs
+from turbospark.generation.sampling import TokenLogprobs
 from turbospark.server.errors import APIError
 from turbospark.server.schemas import (
     BaseRequest,

@@ -1,5 +1,5 @@
 """OpenAI's ``POST /v1/embeddings``: each input's final hidden states, mean-pooled
-and L2-normalized (:meth:`turbospark.runner.Runner.embed`).
+and L2-normalized (:meth:`turbospark.generation.runner.Runner.embed`).
 
 An embedding runs on the runner thread between two engine steps, in a
 throwaway state: no session, live or parked, is read or changed, so an
@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from turbospark.errors import TurbosparkError
-from turbospark.generate import encode_prompt
-from turbospark.server.app import Service
+from turbospark.generation.generate import encode_prompt
 from turbospark.server.errors import APIError, refusal
 from turbospark.server.limits import Deadline, Ticket
 from turbospark.server.schemas import Text
+from turbospark.server.service import Service
 
 # Inputs one request may embed: each is a forward over up to the context length.
 MAX_INPUTS = 256

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 if TYPE_CHECKING:
-    from turbospark.server.app import Service
+    from turbospark.server.service import Service
 
 
 def _service(request: Request) -> Service:

@@ -24,8 +24,8 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
-from turbospark.engine import Engine, Job
-from turbospark.generate import GenerationStats
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationStats
 from turbospark.server.errors import APIError, ClientGone
 
 Handler = Callable[[Request], Awaitable[Response]]

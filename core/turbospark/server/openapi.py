@@ -13,6 +13,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from turbospark.server.anthropic import CountTokensRequest, MessagesRequest
+from turbospark.server.embeddings import EmbeddingList, EmbeddingRequest
+from turbospark.server.responses import ResponsesRequest
 from turbospark.server.schemas import (
     AnthropicErrorBody,
     ChatCompletion,
@@ -72,11 +75,6 @@ def _get(what: str, media: str | None = None, schema: dict[str, Any] | None = No
 
 def openapi_document() -> dict[str, Any]:
     """An OpenAPI 3.1 document: requests in their validation form, replies as serialised."""
-    # The Anthropic, Responses and embeddings modules build on app.py, which imports this one.
-    from turbospark.server.anthropic import CountTokensRequest, MessagesRequest
-    from turbospark.server.embeddings import EmbeddingList, EmbeddingRequest
-    from turbospark.server.responses import ResponsesRequest
-
     models: list[tuple[type[BaseModel], str]] = [
         (ChatCompletionRequest, "validation"),
         (CompletionRequest, "validation"),

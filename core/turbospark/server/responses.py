@@ -2,7 +2,7 @@
 
 The request (``input`` as a string or items, ``instructions``, function
 ``tools``) is translated into the chat path's own request and runs through
-:class:`~turbospark.server.app.Service` as a chat request does. The reply is a
+:class:`~turbospark.server.service.Service` as a chat request does. The reply is a
 ``response`` object whose ``output`` holds a ``message`` (``output_text``) and
 ``function_call`` items; streamed, it is the Responses event sequence
 (``response.created`` ... ``response.output_text.delta`` ...
@@ -24,11 +24,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from turbospark.errors import TurbosparkError
-from turbospark.generate import Chunk, GenerationStats
-from turbospark.server.app import EventStream, Service
+from turbospark.generation.generate import Chunk, GenerationStats
 from turbospark.server.errors import APIError, error_json, refusal
 from turbospark.server.limits import Deadline, Ticket
 from turbospark.server.schemas import ChatCompletionRequest, Message, Text, TurbosparkOptions
+from turbospark.server.service import EventStream, Service
 from turbospark.server.tools import (
     FunctionCall,
     FunctionDef,

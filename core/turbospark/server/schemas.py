@@ -22,10 +22,10 @@ from pydantic import (
     model_validator,
 )
 
-from turbospark.generate import FinishReason, GenerationConfig, GenerationStats
-from turbospark.logits_processors import REPETITION_PENALTY_RANGE
+from turbospark.generation.generate import FinishReason, GenerationConfig, GenerationStats
+from turbospark.generation.logits_processors import REPETITION_PENALTY_RANGE
+from turbospark.policies.steering import SteeringPolicy
 from turbospark.server.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
-from turbospark.steering import SteeringPolicy
 
 
 def _well_formed(text: str) -> str:

@@ -10,13 +10,13 @@ network, which its Content-Security-Policy enforces) chats through
 **Privacy.** Conversations are private, and whoever can see the page is not
 necessarily whoever had the conversation. So the view holds counts, sizes,
 positions and reasons, never a token id or a piece of text: a conversation is
-named by a counter (:attr:`turbospark.pool.Session.conversation`), not by a
+named by a counter (:attr:`turbospark.sessions.pool.Session.conversation`), not by a
 hash of its content (a hash would confirm a guessed prompt), and no field is
 a list of numbers. ``tests/test_page.py`` checks this against a real
 conversation's ids and text.
 
 **Threads.** Sessions belong to the runner thread. The view is built there,
-between two engine steps (:meth:`turbospark.engine.Engine.call`), and the
+between two engine steps (:meth:`turbospark.generation.engine.Engine.call`), and the
 event loop only awaits the result, so a poll never races a request.
 """
 
@@ -32,12 +32,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from turbospark.engine import RowInfo
-from turbospark.pool import Session
+from turbospark.generation.engine import RowInfo
 from turbospark.server.errors import APIError
+from turbospark.sessions.session import Session
 
 if TYPE_CHECKING:
-    from turbospark.server.app import Service
+    from turbospark.server.service import Service
 
 # The engine answers between two steps, so within milliseconds unless it is warming up.
 VIEW_TIMEOUT_SECONDS = 10.0

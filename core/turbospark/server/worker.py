@@ -3,9 +3,9 @@
 MLX binds a lazy array to a stream of the thread that built it, and another
 thread cannot evaluate it ("There is no Stream(cpu, 0) in current thread").
 So a runner is opened on this thread (:meth:`RunnerWorker.run`, which is what
-``turbospark serve`` does) and the engine's loop (:mod:`turbospark.engine`)
+``turbospark serve`` does) and the engine's loop (:mod:`turbospark.generation.engine`)
 then runs here for the server's lifetime; requests reach it through
-:class:`turbospark.engine.Job` and never touch MLX on the event loop.
+:class:`turbospark.generation.engine.Job` and never touch MLX on the event loop.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ weights (``tokenizer.json``, ``tokenizer_config.json``,
 ``generation_config.json``), so a real checkpoint and a synthetic install take
 the same path. One module per job:
 
-* :mod:`~turbospark.text.hf_config` -- the parts of those JSON files generation needs;
+* :mod:`~turbospark.text.tokenizer_files` -- the parts of those JSON files generation needs;
 * :mod:`~turbospark.text.templates` -- rendering a checkpoint's jinja2 chat template
   as ``transformers`` does, and the built-in families' template shapes;
 * :mod:`~turbospark.text.codec` -- :class:`TextCodec` (encode, decode, chat) and the
@@ -13,7 +13,7 @@ the same path. One module per job:
 * :mod:`~turbospark.text.stops` -- cutting a text stream at stop strings.
 
 The small synthetic tokenizers the tests use are built beside the synthetic
-weights, in :mod:`turbospark.synthetic`.
+weights, in :mod:`turbospark.loading.synthetic`.
 """
 
 from turbospark.text.codec import ChatMessage, StreamDecoder, TextCodec, load_text

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
 from turbospark.errors import InstallError, InvalidInput
-from turbospark.text.hf_config import StopIds, TokenizerConfig, read_validated
 from turbospark.text.templates import compile_template
+from turbospark.text.tokenizer_files import StopIds, TokenizerConfig, read_validated
 
 
 class ChatMessage(BaseModel):

@@ -57,7 +57,7 @@ def test_mlx_lm_tokenizes_a_chat_exactly_as_we_do(tmp_path: Path) -> None:
     """Llama 3's byte-level tokenizer and chat template: mlx-lm (through
     ``transformers``) and turbospark give the same prompt tokens."""
     tokenizer_utils = pytest.importorskip("mlx_lm.tokenizer_utils")
-    from turbospark.text import load_text
+    from turbospark.sdk import load_text
 
     build_synthetic_install("tinyllama", tmp_path, vocab_size=128, num_layers=1)
     chat = [

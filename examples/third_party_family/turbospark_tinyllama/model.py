@@ -2,7 +2,7 @@
 
 Read top to bottom it is the architecture mlx-lm's ``llama.py`` computes; the
 differences are only where the state lives. Attention appends to a
-:class:`turbospark.state.LayerKV` through the core's
+:class:`turbospark.state.kv.LayerKV` through the core's
 :func:`~turbospark.layers.attention.cached_attention` (one tested masking
 path for every family), and positions are absolute (``start``), so the runner
 can rewind, park and resume a session without the model knowing.
@@ -16,13 +16,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import Field, field_validator, model_validator
 
-from turbospark.hookspecs import ArchConfig
-from turbospark.layers.attention import cached_attention
-from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.rope import apply_rope, rope_freqs
-from turbospark.state import KVComponent, LayerKV
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.sdk import (
+    ArchConfig,
+    GatedMLP,
+    KVComponent,
+    LayerHook,
+    LayerKV,
+    VisionMap,
+    apply_rope,
+    cached_attention,
+    rope_freqs,
+)
 
 
 class LlamaConfig(ArchConfig):

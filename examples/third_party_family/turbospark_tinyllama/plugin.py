@@ -2,9 +2,9 @@
 
 The entry point ``turbospark:tinyllama`` in ``pyproject.toml`` names this
 module; turbospark registers it in a plugin manager of its own and calls the
-hooks below (see ``turbospark.hookspecs`` for what each must do). The three
+hooks below (see ``turbospark.contract.hookspecs`` for what each must do). The three
 that every family writes alike (declare the family, which components a pool
-may park, build a synthetic install) come from :class:`turbospark.family.CommonHooks`,
+may park, build a synthetic install) come from :class:`turbospark.loading.family_hooks.CommonHooks`,
 derived from what this package declares; the rest are tinyllama's own.
 """
 
@@ -13,18 +13,25 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.errors import InvalidInput
-from turbospark.family import CommonHooks
-from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
-from turbospark.install import load_checked
-from turbospark.layers.logits import logits_for
-from turbospark.state import KVComponent, State
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.sdk import (
+    ArchConfig,
+    CommonHooks,
+    InvalidInput,
+    KVComponent,
+    LayerHook,
+    LogitsWanted,
+    State,
+    VisionMap,
+    hookimpl,
+    load_checked,
+    logits_for,
+)
 from turbospark_tinyllama import state as state_module
 from turbospark_tinyllama import synthetic
 from turbospark_tinyllama.model import Llama, LlamaConfig, sanitize
 from turbospark_tinyllama.state import new_state
+
+TURBOSPARK_SDK = ">=1.0,<2"  # the turbospark.sdk versions this family is written for
 
 NAME = "tinyllama"
 

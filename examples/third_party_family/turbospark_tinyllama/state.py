@@ -1,6 +1,6 @@
 """tinyllama's per-session state: one component, the attention K/V of every layer.
 
-The core's :class:`~turbospark.state.KVComponent` already implements the whole
+The core's :class:`~turbospark.state.kv.KVComponent` already implements the whole
 state protocol (position, nbytes, rewind, snapshot/restore), so a plain
 decoder declares it and is done: K/V keeps every token, so it rewinds without
 limit, parks in a pool slot by reference, and snapshots to arrays.
@@ -8,8 +8,7 @@ limit, parks in a pool slot by reference, and snapshots to arrays.
 
 from __future__ import annotations
 
-from turbospark.hookspecs import ComponentSpec
-from turbospark.state import KVComponent, State
+from turbospark.sdk import ComponentSpec, KVComponent, State
 
 COMPONENTS = [
     ComponentSpec(

@@ -1,7 +1,7 @@
 """Random-weight tinyllama installs with the real Hugging Face tensor names.
 
-:mod:`turbospark.synthetic` does the shared part: seeded random tensors, and
-the write through :func:`turbospark.install.write_install` (the writer a real
+:mod:`turbospark.loading.synthetic` does the shared part: seeded random tensors, and
+the write through :func:`turbospark.loading.install.write_install` (the writer a real
 import uses). The family's own part is :data:`LLAMA3_TEXT`: a byte-level BPE
 tokenizer and the chat template of Llama 3, as its checkpoints ship them, so
 mlx-lm (through ``transformers``) tokenizes a chat exactly as turbospark does.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turbospark.synthetic import RandomWeights, SyntheticText, write_synthetic
+from turbospark.sdk import RandomWeights, SyntheticText, write_synthetic
 from turbospark_tinyllama.model import LlamaConfig
 
 # Llama 3's chat template (tools and dates trimmed): every message in a header

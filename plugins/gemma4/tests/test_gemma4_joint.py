@@ -9,8 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from turbospark.layers.heads_cuda import norm_rope_ops
-from turbospark.layers.rope import rope_freqs
+from turbospark.sdk import norm_rope_ops, rope_freqs
 from turbospark_gemma4.model import attention_inputs
 
 HEADS, KV_HEADS, DIM, EPS = 4, 2, 16, 1e-6

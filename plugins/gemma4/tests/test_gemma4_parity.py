@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from turbospark.install import (
+from turbospark.sdk import (
     build_synthetic_install,
+    family_hooks,
     load_weights,
     peek_manifest_arch,
     read_manifest,
 )
-from turbospark.plugins import default_registry
 
 PROMPT_LEN = 30
 WINDOW = 8
@@ -46,7 +46,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def _hook() -> Any:
-    return default_registry().get("gemma4").manager().hook
+    return family_hooks("gemma4")
 
 
 def _ours(path: Path) -> tuple[Any, nn.Module]:

@@ -12,18 +12,23 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from turbospark.errors import InstallError, InvalidInput, RewindError
-from turbospark.install import (
+from turbospark.sdk import (
+    GEMMA_TEXT,
+    InstallError,
+    InvalidInput,
+    MropePositions,
+    RewindError,
+    State,
+    VisionInjection,
+    VisionMap,
     build_synthetic_install,
+    family_hooks,
     load_weights,
     peek_manifest_arch,
     read_manifest,
+    state_position,
     write_install,
 )
-from turbospark.plugins import default_registry
-from turbospark.state import State, state_position
-from turbospark.synthetic import GEMMA_TEXT
-from turbospark.vision import MropePositions, VisionInjection, VisionMap
 from turbospark_gemma4.model import Gemma4Config
 
 WINDOW = 8
@@ -31,7 +36,7 @@ ATOL = 1e-4
 
 
 def _hook() -> Any:
-    return default_registry().get("gemma4").manager().hook
+    return family_hooks("gemma4")
 
 
 def _load(path: Path) -> tuple[Gemma4Config, nn.Module]:

@@ -17,7 +17,7 @@ the head is the tied embedding followed by a tanh logit softcap.
 
 Shapes: hidden states are ``(B, L, hidden)``: one session is ``B = 1``, a
 decode batch stacks several sessions, each at its own position (``start`` is
-then an array of ``B`` positions; see :mod:`turbospark.batch`).
+then an array of ``B`` positions; see :mod:`turbospark.state.kv`).
 """
 
 from __future__ import annotations
@@ -29,35 +29,50 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from turbospark.batch import BatchLayerKV
-from turbospark.hookspecs import ArchConfig, ExpertProjection, ExpertSlice, MoESpec
-from turbospark.layers import attention_cuda, heads_cuda, norm_cuda
-from turbospark.layers.attention import (
+from turbospark.sdk import (
+    ArchConfig,
     Attended,
-    cached_attention,
-    merge_heads,
-    normed_heads,
-    shared_attention,
-)
-from turbospark.layers.experts import ExpertLayer
-from turbospark.layers.fused import geglu, residual_scale, runs_compiled, softcap
-from turbospark.layers.layer_step import (
+    BatchLayerKV,
+    ExpertLayer,
+    ExpertProjection,
+    ExpertSlice,
+    GatedMLP,
+    Join,
+    LayerHook,
+    LayerKV,
+    MoESpec,
+    State,
     Stream,
+    Unjoined,
+    VisionMap,
+    apply_rope,
+    attention_cuda,
+    cached_attention,
     claim_rows,
     flat,
+    geglu,
+    heads_cuda,
+    joiner,
     kept,
+    kv_copies,
     lifted,
+    merge_heads,
+    norm_cuda,
+    normed_heads,
     normed_stream,
+    project,
+    require_divisible,
+    residual_scale,
+    rope_freqs,
+    runs_compiled,
+    shard_attention,
+    shard_mlp,
+    shared_attention,
+    softcap,
+    stacked,
     stream_of,
+    transposed,
 )
-from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.norm_cuda import Unjoined
-from turbospark.layers.rope import apply_rope, rope_freqs
-from turbospark.layers.stacked import project, stacked, transposed
-from turbospark.sharding import kv_copies, require_divisible, shard_attention, shard_mlp
-from turbospark.state import LayerKV, State
-from turbospark.steering import Join, LayerHook, joiner
-from turbospark.vision import VisionMap
 from turbospark_gemma4.state import COMPONENTS, kv_slots
 
 LayerType = Literal["sliding_attention", "full_attention"]
@@ -346,7 +361,7 @@ class Attention(nn.Module):
     def _joint_norm(self) -> mx.array:
         """``(heads [+ kv_heads], 1, D)``: q_norm's weight for each query
         head, then (a K/V-owning layer) k_norm's for each key head, as
-        :func:`~turbospark.layers.heads_cuda.norm_rope_ops` scales them
+        :func:`~turbospark.layers.cuda.heads.norm_rope_ops` scales them
         (evaluated once, kept in ``__dict__``, rebuilt when a weight was replaced)."""
         q_w = self["q_norm"]["weight"]
         k_w = self["k_norm"]["weight"] if self.owns_kv else None
@@ -560,8 +575,8 @@ class DecoderLayer(nn.Module):
         join: Join | None = None,
     ) -> tuple[mx.array | Unjoined, Attended]:
         """The layer's output and what it attended; with *join* (steering, see
-        :func:`turbospark.steering.joiner`) the last residual join is handed to it.
-        *h* may come unjoined (:class:`~turbospark.layers.norm_cuda.Unjoined`):
+        :func:`turbospark.policies.steering.joiner`) the last residual join is handed to it.
+        *h* may come unjoined (:class:`~turbospark.layers.cuda.norm.Unjoined`):
         the input norm then makes the last layer's join in the same kernel. On
         MLX's CUDA backend an unsteered dense layer makes each join with the
         norms beside it (:func:`dense_joins`) and hands its last one on that way."""
@@ -618,11 +633,11 @@ class DecoderLayer(nn.Module):
         per_layer_input: mx.array | None,
     ) -> tuple[mx.array | Unjoined, Attended] | None:
         """A lone row's decode step where attention takes the CUDA kernels
-        (:mod:`~turbospark.layers.attention_cuda`), each layer one traced
+        (:mod:`~turbospark.layers.cuda.attention`), each layer one traced
         call: a K/V-owning layer's (:data:`owner_step`) scatters its new key
         and value into the cache's buffers (:meth:`LayerKV.write
-        <turbospark.state.LayerKV.write>`) at the row :meth:`LayerKV.claim
-        <turbospark.state.LayerKV.claim>` gave; a KV-shared layer's
+        <turbospark.state.kv.LayerKV.write>`) at the row :meth:`LayerKV.claim
+        <turbospark.state.kv.LayerKV.claim>` gave; a KV-shared layer's
         (:data:`shared_step`) writes nothing. The modules' path takes four
         traced calls, four ops and their Python a layer (bench/README,
         nineteenth and twentieth sessions). The kernels are the same. None
@@ -826,7 +841,7 @@ def dense_joins(
     eps: float,
 ) -> tuple[mx.array, mx.array]:
     """:func:`dense_tail_parts` with every residual join made in one kernel
-    with the norms beside it (:func:`~turbospark.layers.norm_cuda.join_norm`):
+    with the norms beside it (:func:`~turbospark.layers.cuda.norm.join_norm`):
     ``(h, update)``, where the layer's output is ``(h + rms_norm(update, w)) *
     layer_scalar``, ``w`` the per-layer input block's norm weight (else the
     feed-forward's post norm), which the next norm joins."""
@@ -866,7 +881,7 @@ def owner_inputs(
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A K/V-owning layer's kernel step up to its cache's writes: the joined
     stream, then the step's queries, keys and values
-    (:func:`~turbospark.layers.heads_cuda.norm_rope`).
+    (:func:`~turbospark.layers.cuda.heads.norm_rope`).
     *head* is the input norm's weight, the stacked projections' transpose,
     the joint norm weight and RoPE's frequencies."""
     input_w, qkv_t, joint_norm, freqs = head
@@ -911,7 +926,7 @@ def kernel_tail(
     eps: float,
 ) -> tuple[mx.array, ...]:
     """A kernel step from the attention on: the kernels over the cache's
-    whole buffers and *rows* (:func:`~turbospark.layers.attention_cuda.decode`),
+    whole buffers and *rows* (:func:`~turbospark.layers.cuda.attention.decode`),
     the output projection, then the dense half: with the norm kernels
     (*joins*) :func:`dense_joins`'s ``(h, update)``, else the joined stream
     (:func:`dense_tail`) alone; *h* and these are ``(1, hidden)``
@@ -1082,7 +1097,7 @@ class Gemma4(nn.Module):
         return self.model(tokens, start, state, vision, last_only, steer)
 
     def shard(self, group: mx.distributed.Group) -> None:
-        """Tensor parallelism across *group* (:mod:`turbospark.sharding`): every
+        """Tensor parallelism across *group* (:mod:`turbospark.layers.sharding`): every
         layer's heads, MLP width and expert width split; embeddings, PLE, router,
         norms and the head stay whole. KV-shared layers own no K/V projections."""
         arch = self.arch

@@ -5,18 +5,26 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.expert_cache import ExpertStreams
-from turbospark.family import CommonHooks
-from turbospark.hookspecs import ArchConfig, LogitsWanted, MoESpec, hookimpl
-from turbospark.install import load_checked
-from turbospark.layers.logits import batch_logits_for, logits_for
-from turbospark.state import State
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.sdk import (
+    ArchConfig,
+    CommonHooks,
+    ExpertStreams,
+    LayerHook,
+    LogitsWanted,
+    MoESpec,
+    State,
+    VisionMap,
+    batch_logits_for,
+    hookimpl,
+    load_checked,
+    logits_for,
+)
 from turbospark_gemma4 import state as state_module
 from turbospark_gemma4 import synthetic
 from turbospark_gemma4.model import Gemma4, Gemma4Config, moe_spec, sanitize
 from turbospark_gemma4.state import new_state
+
+TURBOSPARK_SDK = ">=1.0,<2"  # the turbospark.sdk versions this family is written for
 
 common = CommonHooks(
     "gemma4", ["gemma4_text"], Gemma4Config, state_module, synthetic.build, steerable=True

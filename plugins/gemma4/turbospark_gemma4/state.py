@@ -1,6 +1,6 @@
 """Gemma 4's per-session state: attention K/V, split by layer kind.
 
-- ``kv``: one :class:`~turbospark.state.LayerKV` per full-attention layer that
+- ``kv``: one :class:`~turbospark.state.kv.LayerKV` per full-attention layer that
   owns K/V. It keeps every token, so it rewinds without limit.
 - ``window``: one windowed ``LayerKV`` per sliding-attention layer that owns
   K/V. It keeps ``sliding_window - 1 + headroom`` recent tokens, so an in-place
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from turbospark.hookspecs import ComponentSpec
-from turbospark.state import KVComponent, State
+from turbospark.sdk import ComponentSpec, KVComponent, State
 
 if TYPE_CHECKING:
     from turbospark_gemma4.model import Gemma4Config

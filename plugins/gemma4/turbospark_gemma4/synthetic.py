@@ -1,6 +1,6 @@
 """Random-weight Gemma 4 installs with the real Hugging Face tensor names.
 
-The install goes through :func:`turbospark.install.write_install`, the writer a
+The install goes through :func:`turbospark.loading.install.write_install`, the writer a
 real import uses, and loads unchanged in ``mlx_lm.utils.load_model``. Weights
 are deliberately not "neutral": norm scales, router scales and layer scalars
 are random, so a skipped norm or a misplaced scalar changes the logits.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turbospark.synthetic import GEMMA_TEXT, RandomWeights, write_synthetic
+from turbospark.sdk import GEMMA_TEXT, RandomWeights, write_synthetic
 from turbospark_gemma4.model import Gemma4Config
 
 

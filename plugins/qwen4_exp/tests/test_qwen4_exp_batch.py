@@ -21,10 +21,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark.errors import InvalidInput, RewindError
-from turbospark.install import build_synthetic_install, load_weights, read_manifest
-from turbospark.plugins import default_registry
-from turbospark.state import State
+from turbospark.sdk import (
+    InvalidInput,
+    RewindError,
+    State,
+    build_synthetic_install,
+    family_hooks,
+    load_weights,
+    read_manifest,
+)
 from turbospark_qwen4_exp.model import Qwen4ExpConfig
 from turbospark_qwen4_exp.state import (
     BatchQSA,
@@ -40,7 +45,7 @@ TOKENS = [(5 * i * i + 7 * i + 3) % 128 for i in range(64)]
 
 
 def _hook() -> Any:
-    return default_registry().get("qwen4_exp").manager().hook
+    return family_hooks("qwen4_exp")
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,18 @@ import numpy as np
 import pytest
 
 import turbospark_qwen4_exp.state
-from turbospark.errors import InvalidInput
-from turbospark.install import build_synthetic_install, load_weights, read_manifest
-from turbospark.plugins import default_registry
-from turbospark.state import State, state_position
-from turbospark.vision import MropePositions, VisionInjection, VisionMap
+from turbospark.sdk import (
+    InvalidInput,
+    MropePositions,
+    State,
+    VisionInjection,
+    VisionMap,
+    build_synthetic_install,
+    family_hooks,
+    load_weights,
+    read_manifest,
+    state_position,
+)
 from turbospark_qwen4_exp.model import Qwen4ExpConfig
 
 ATOL = 2e-4
@@ -28,7 +35,7 @@ LAST_DENSE = 14
 
 
 def _hook() -> Any:
-    return default_registry().get("qwen4_exp").manager().hook
+    return family_hooks("qwen4_exp")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.errors import RewindError
+from turbospark.sdk import RewindError
 from turbospark_qwen4_exp.qsa import QSABudget, qsa_attention
 from turbospark_qwen4_exp.state import LayerIndex, QSAComponent, StreamTail
 

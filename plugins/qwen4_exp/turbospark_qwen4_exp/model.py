@@ -17,7 +17,7 @@ by the hidden state, projected and normed. The head is a plain (optionally
 tied) linear.
 
 Shapes: hidden states are ``(B, L, hidden)``: one session is ``B = 1``; a
-batch (:mod:`turbospark.batch`) stacks several sessions, row ``i`` at its own
+batch (:mod:`turbospark.state.kv`) stacks several sessions, row ``i`` at its own
 position ``positions[i]``. Embeddings, the n-gram PLE, every gated-DeltaNet
 layer, the norms, MLPs and head run over the whole batch; a QSA layer's
 projections and RoPE do too, but its attention runs row by row (each row
@@ -33,14 +33,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import Field, model_validator
 
-from turbospark.batch import BatchLayerKV
-from turbospark.hookspecs import ArchConfig
-from turbospark.layers.gated_delta import GatedDeltaNet, GDNDims
-from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.rope import apply_rope, rope_freqs
-from turbospark.state import KVComponent, LayerKV, State
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.sdk import (
+    ArchConfig,
+    BatchLayerKV,
+    GatedDeltaNet,
+    GatedMLP,
+    GDNDims,
+    KVComponent,
+    LayerHook,
+    LayerKV,
+    State,
+    VisionMap,
+    apply_rope,
+    rope_freqs,
+)
 from turbospark_qwen4_exp.qsa import QSABudget, qsa_attention
 from turbospark_qwen4_exp.state import LayerIndex
 

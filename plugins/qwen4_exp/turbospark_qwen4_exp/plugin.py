@@ -5,18 +5,26 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.errors import InvalidInput
-from turbospark.family import CommonHooks
-from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
-from turbospark.install import load_checked
-from turbospark.layers.logits import batch_logits_for, logits_for
-from turbospark.state import State, state_position
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.sdk import (
+    ArchConfig,
+    CommonHooks,
+    InvalidInput,
+    LayerHook,
+    LogitsWanted,
+    State,
+    VisionMap,
+    batch_logits_for,
+    hookimpl,
+    load_checked,
+    logits_for,
+    state_position,
+)
 from turbospark_qwen4_exp import state as state_module
 from turbospark_qwen4_exp import synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig, sanitize
 from turbospark_qwen4_exp.state import check_batch_positions, new_state
+
+TURBOSPARK_SDK = ">=1.0,<2"  # the turbospark.sdk versions this family is written for
 
 common = CommonHooks(
     "qwen4_exp", ["qwen4_exp"], Qwen4ExpConfig, state_module, synthetic.build, steerable=True

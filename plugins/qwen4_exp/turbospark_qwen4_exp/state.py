@@ -20,7 +20,7 @@ every raw index key, so it can truncate exactly. The three that cannot go
 back are traceable: a speculative verify pass keeps their state after every
 token, so rejected drafts are dropped without a second forward.
 
-All five batch (:mod:`turbospark.batch`): ``kv`` and ``gdn`` are the core's
+All five batch (:mod:`turbospark.state.kv`): ``kv`` and ``gdn`` are the core's
 (left-padded K/V, stacked recurrent state), the two tails stack along the
 batch axis (:class:`BatchStreamTail`), and ``qsa`` keeps each row's own
 :class:`LayerIndex` side by side (:class:`BatchQSA`), because QSA picks key
@@ -34,11 +34,17 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from turbospark.batch import BatchedComponent
-from turbospark.errors import InvalidInput
-from turbospark.hookspecs import ComponentSpec
-from turbospark.layers.gated_delta import GDNComponent
-from turbospark.state import KVComponent, LayeredComponent, Snapshot, State, refuse_rewind
+from turbospark.sdk import (
+    BatchedComponent,
+    ComponentSpec,
+    GDNComponent,
+    InvalidInput,
+    KVComponent,
+    LayeredComponent,
+    Snapshot,
+    State,
+    refuse_rewind,
+)
 
 if TYPE_CHECKING:
     from turbospark_qwen4_exp.model import Qwen4ExpConfig
@@ -96,7 +102,7 @@ class LayerIndex:
     ``keys`` holds the raw ``(tokens, index_head_dim)`` index key of every past
     token; ``pooled`` holds ``(blocks, index_head_dim)`` means of the keys of
     each *complete* block of ``block_size`` tokens. Both grow in ``step``-row
-    chunks and are written in place, as :class:`~turbospark.state.LayerKV`
+    chunks and are written in place, as :class:`~turbospark.state.kv.LayerKV`
     does, so decode never re-copies the history.
     """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from mlx.utils import tree_flatten
 
-from turbospark.synthetic import QWEN_TEXT, write_synthetic
+from turbospark.sdk import QWEN_TEXT, write_synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig
 
 _DEPTHWISE = ("conv1d.weight", "ple_conv.weight")

@@ -18,13 +18,13 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from turbospark.install import (
+from turbospark.sdk import (
     build_synthetic_install,
+    family_hooks,
     load_weights,
     peek_manifest_arch,
     read_manifest,
 )
-from turbospark.plugins import default_registry
 
 PROMPT_LEN = 70
 CHUNKS = [32, 32, 6]
@@ -45,7 +45,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def _hook() -> Any:
-    return default_registry().get("qwen_gdn").manager().hook
+    return family_hooks("qwen_gdn")
 
 
 def _ours(path: Path, weights: dict[str, mx.array] | None = None) -> tuple[Any, nn.Module]:

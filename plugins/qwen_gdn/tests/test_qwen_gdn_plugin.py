@@ -10,10 +10,14 @@ import numpy as np
 import pytest
 
 import turbospark_qwen_gdn.state
-from turbospark.errors import InstallError, InvalidInput
-from turbospark.hf_config import HFConfig, arch_from_config
-from turbospark.install import build_synthetic_install
-from turbospark.plugins import default_registry
+from turbospark.sdk import (
+    HFConfig,
+    InstallError,
+    InvalidInput,
+    arch_from_config,
+    build_synthetic_install,
+    family_hooks,
+)
 from turbospark_qwen_gdn.model import QwenGdnConfig, sanitize
 
 TEXT = {
@@ -40,8 +44,8 @@ TEXT = {
 
 
 def test_family_declaration() -> None:
-    family = default_registry().get("qwen_gdn")
-    spec = family.spec
+    hooks = family_hooks("qwen_gdn")
+    spec = hooks.turbospark_family()
     assert spec.model_types == ["qwen3_5", "qwen3_5_text"]
     assert spec.state_source == inspect.getsourcefile(
         turbospark_qwen_gdn.state
@@ -54,7 +58,7 @@ def test_family_declaration() -> None:
     assert (kv.swappable, kv.rewindable, kv.persistable) == (True, True, True)
     assert (gdn.swappable, gdn.rewindable, gdn.persistable) == (True, False, True)
     arch = QwenGdnConfig.model_validate({**TEXT, "family": "qwen_gdn", "model_type": "qwen3_5"})
-    assert family.manager().hook.turbospark_pool_capability(arch=arch) == ["kv", "gdn"]
+    assert hooks.turbospark_pool_capability(arch=arch) == ["kv", "gdn"]
 
 
 def test_nested_hf_config_reads_its_text_config() -> None:

@@ -9,14 +9,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.install import (
+from turbospark.sdk import (
+    MropePositions,
+    VisionInjection,
+    VisionMap,
     build_synthetic_install,
+    family_hooks,
     load_weights,
     peek_manifest_arch,
     read_manifest,
 )
-from turbospark.plugins import default_registry
-from turbospark.vision import MropePositions, VisionInjection, VisionMap
 from turbospark_qwen_gdn.model import QwenGdnConfig, QwenRope
 
 PROMPT = np.random.default_rng(5).integers(0, 128, 24).tolist()
@@ -24,7 +26,7 @@ DECODE = [7, 70, 100]
 
 
 def _run(path: Path, vision: VisionMap | None) -> np.ndarray:
-    hook = default_registry().get("qwen_gdn").manager().hook
+    hook = family_hooks("qwen_gdn")
     arch = peek_manifest_arch(path)
     model = hook.turbospark_load_model(
         arch=arch, weights=load_weights(path, read_manifest(path)), dtype=mx.float32, experts=None

@@ -10,11 +10,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.errors import RewindError
-from turbospark.install import build_synthetic_install, load_weights, read_manifest
-from turbospark.layers.gated_delta import GDNComponent
-from turbospark.plugins import default_registry
-from turbospark.state import State, StateComponent
+from turbospark.sdk import (
+    GDNComponent,
+    RewindError,
+    State,
+    StateComponent,
+    build_synthetic_install,
+    family_hooks,
+    load_weights,
+    read_manifest,
+)
 
 PROMPT = np.random.default_rng(2).integers(0, 128, 50).tolist()
 
@@ -23,7 +28,7 @@ PROMPT = np.random.default_rng(2).integers(0, 128, 50).tolist()
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
     path: Path = tmp_path_factory.mktemp("qwen_gdn_state")
     arch = build_synthetic_install("qwen_gdn", path, vocab_size=128, model_id="tiny", seed=4)
-    hook = default_registry().get("qwen_gdn").manager().hook
+    hook = family_hooks("qwen_gdn")
     weights = load_weights(path, read_manifest(path))
     model = hook.turbospark_load_model(arch=arch, weights=weights, dtype=mx.float32, experts=None)
     return hook, arch, model

@@ -19,7 +19,7 @@ plain RoPE, which is what mlx-lm (text only) computes.
 
 Shapes: hidden states are ``(B, L, hidden)``: one session is ``B = 1``, a
 decode batch stacks several sessions, each at its own position (``offset`` is
-then an array of ``B`` positions; see :mod:`turbospark.batch`).
+then an array of ``B`` positions; see :mod:`turbospark.state.kv`).
 """
 
 from __future__ import annotations
@@ -31,42 +31,54 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from turbospark.batch import BatchKV, BatchLayerKV
-from turbospark.hookspecs import ArchConfig
-from turbospark.layers import attention_cuda, gdn_cuda, norm_cuda
-from turbospark.layers.attention import cached_attention, heads_first, merge_heads, normed_heads
-from turbospark.layers.fused import runs_compiled, sigmoid_gate, swiglu
-from turbospark.layers.gated_delta import (
+from turbospark.sdk import (
     IN_PROJECTIONS,
+    ArchConfig,
+    BatchKV,
+    BatchLayerKV,
     GatedDeltaNet,
+    GatedMLP,
     GDNComponent,
     GDNDims,
-    decay_rate,
-    float32_norm_weight,
-    mixer_input_bias,
-)
-from turbospark.layers.layer_step import (
+    Join,
+    KVComponent,
+    LayerHook,
+    LayerKV,
+    State,
     Stream,
+    Unjoined,
+    VisionMap,
+    attention_cuda,
+    cached_attention,
     claim_rows,
+    decay_rate,
+    derived,
     flat,
+    float32_norm_weight,
+    gdn_cuda,
+    gemm_add,
+    heads_first,
+    joiner,
     kept,
-    lifted,
-    normed_stream,
-    stream_of,
-)
-from turbospark.layers.mlp import GatedMLP
-from turbospark.layers.norm_cuda import Unjoined
-from turbospark.layers.stacked import derived, gemm_add, project, stacked, transposed
-from turbospark.sharding import (
     kv_copies,
+    lifted,
+    merge_heads,
+    mixer_input_bias,
+    norm_cuda,
+    normed_heads,
+    normed_stream,
+    project,
     require_divisible,
+    runs_compiled,
     shard_attention,
     shard_gated_delta,
     shard_mlp,
+    sigmoid_gate,
+    stacked,
+    stream_of,
+    swiglu,
+    transposed,
 )
-from turbospark.state import KVComponent, LayerKV, State
-from turbospark.steering import Join, LayerHook, joiner
-from turbospark.vision import VisionMap
 
 
 class RopeParameters(BaseModel):
@@ -406,12 +418,12 @@ class DecoderLayer(nn.Module):
         join: Join | None = None,
     ) -> mx.array | Unjoined:
         """The layer's output; with *join* (steering, see
-        :func:`turbospark.steering.joiner`) its last residual add is handed to it.
-        *x* may come unjoined (:class:`~turbospark.layers.norm_cuda.Unjoined`):
+        :func:`turbospark.policies.steering.joiner`) its last residual add is handed to it.
+        *x* may come unjoined (:class:`~turbospark.layers.cuda.norm.Unjoined`):
         the input norm then makes the last layer's join in the same kernel. On
         MLX's CUDA backend an unsteered layer hands its own last join on that way,
         and makes the one after its mixer with the MLP's norm
-        (:func:`~turbospark.layers.norm_cuda.join_norm`): a residual add is no
+        (:func:`~turbospark.layers.cuda.norm.join_norm`): a residual add is no
         kernel of its own."""
         if join is None and positions is None and x.shape[:2] == (1, 1):
             stepped = self._layer_step(x, kv, gdn, rope, offset)
@@ -460,11 +472,11 @@ class DecoderLayer(nn.Module):
     ) -> mx.array | Unjoined | None:
         """A lone row's decode step as one traced call, where the layer's CUDA
         kernels run: a gated-DeltaNet layer's (:data:`linear_step`, with
-        :mod:`~turbospark.layers.gdn_cuda`'s decode kernel), a full-attention
+        :mod:`~turbospark.layers.cuda.gdn`'s decode kernel), a full-attention
         layer's (:data:`attention_step`, which scatters its new key and value
         into the cache's buffers at the row :meth:`LayerKV.claim
-        <turbospark.state.LayerKV.claim>` gave and attends with
-        :mod:`~turbospark.layers.attention_cuda`'s kernels). The modules' path
+        <turbospark.state.kv.LayerKV.claim>` gave and attends with
+        :mod:`~turbospark.layers.cuda.attention`'s kernels). The modules' path
         takes three to five traced calls, a few eager ops and the Python
         between them; the kernels are the same. None where the step does not
         take this path (sharded, a verify pass, a state not yet prefilled, a
@@ -557,7 +569,7 @@ class DecoderLayer(nn.Module):
 def mlp_update(y: mx.array, gate_up_t: mx.array, down_t: mx.array) -> mx.array:
     """The MLP's update from its normed input *y*: the SwiGLU activation and
     the down projection (the join and the norm are
-    :func:`~turbospark.layers.norm_cuda.join_norm`'s)."""
+    :func:`~turbospark.layers.cuda.norm.join_norm`'s)."""
     return activation(y, gate_up_t) @ down_t
 
 
@@ -642,7 +654,7 @@ def linear_layer(
     mixer_eps: float,
 ) -> tuple[mx.array, ...]:
     """A gated-DeltaNet layer's whole decode step: the input norm, the
-    stacked input projections, :func:`~turbospark.layers.gdn_cuda.decode_mixer`
+    stacked input projections, :func:`~turbospark.layers.cuda.gdn.decode_mixer`
     (the conv over *tail*, the recurrence from *recurrent*, the gated norm),
     then :func:`layer_end`; its outputs, then the new conv tail and state.
     *dims* are the key and value heads and their widths."""
@@ -671,8 +683,8 @@ def attention_layer(
     """A full-attention layer's whole decode step: the input norm, q/k/v
     stacked, :func:`attention_inputs` (RoPE from *start*), the new key and
     value written into the buffers *keys* and *values* at *row* (``(1,)``
-    int32, on the device: :meth:`LayerKV.write <turbospark.state.LayerKV.write>`),
-    :func:`~turbospark.layers.attention_cuda.decode` over *rows* of them,
+    int32, on the device: :meth:`LayerKV.write <turbospark.state.kv.LayerKV.write>`),
+    :func:`~turbospark.layers.cuda.attention.decode` over *rows* of them,
     the output gate, then :func:`layer_end`; its outputs, then both buffers."""
     input_w, qkv_t, q_norm, k_norm, o_t, *end = weights
     heads, kv_heads, _ = dims
@@ -767,7 +779,7 @@ class QwenGdn(nn.Module):
         return norm_cuda.normed_input(h, norm["weight"], norm.eps)[1]
 
     def shard(self, group: mx.distributed.Group) -> None:
-        """Tensor parallelism across *group* (:mod:`turbospark.sharding`): full
+        """Tensor parallelism across *group* (:mod:`turbospark.layers.sharding`): full
         attention by head, gated DeltaNet by key/value head, the MLP by width;
         embeddings, norms and the head stay whole."""
         arch = self.arch

@@ -1,7 +1,7 @@
 """Qwen3.5's multi-token-prediction head (``mtp.*``) as ``DraftPolicies.mtp``'s drafter.
 
 The module (weights) is ``model.MtpHead``; this file binds it to the main
-model for :class:`turbospark.mtp.MultiTokenHead`.
+model for :class:`turbospark.generation.mtp.MultiTokenHead`.
 
 One MTP step at position ``j`` reads the main model's hidden state there and
 the token that follows it, and predicts the token after that (as vLLM's
@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from turbospark.layers import norm_cuda
-from turbospark.state import KVComponent, LayerKV
+from turbospark.sdk import KVComponent, LayerKV, norm_cuda
 from turbospark_qwen_gdn.model import MtpHead, QwenGdn
 
 
 class QwenMtp:
-    """The head bound to its model: what :class:`turbospark.mtp.MultiTokenHead`
+    """The head bound to its model: what :class:`turbospark.generation.mtp.MultiTokenHead`
     asks of a family."""
 
     def __init__(self, model: QwenGdn):

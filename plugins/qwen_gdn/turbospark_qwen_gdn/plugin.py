@@ -5,18 +5,25 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark.family import CommonHooks
-from turbospark.hookspecs import ArchConfig, LogitsWanted, hookimpl
-from turbospark.install import load_checked
-from turbospark.layers.logits import batch_logits_for, logits_for
-from turbospark.state import State
-from turbospark.steering import LayerHook
-from turbospark.vision import VisionMap
+from turbospark.sdk import (
+    ArchConfig,
+    CommonHooks,
+    LayerHook,
+    LogitsWanted,
+    State,
+    VisionMap,
+    batch_logits_for,
+    hookimpl,
+    load_checked,
+    logits_for,
+)
 from turbospark_qwen_gdn import state as state_module
 from turbospark_qwen_gdn import synthetic
 from turbospark_qwen_gdn.model import QwenGdn, QwenGdnConfig, sanitize
 from turbospark_qwen_gdn.mtp import QwenMtp
 from turbospark_qwen_gdn.state import new_state
+
+TURBOSPARK_SDK = ">=1.0,<2"  # the turbospark.sdk versions this family is written for
 
 # Checkpoints (and mlx-lm) use "qwen3_5"; transformers writes "qwen3_5_text" too.
 common = CommonHooks(

@@ -1,6 +1,6 @@
 """Qwen3.5's per-session state: attention K/V plus the gated-DeltaNet state.
 
-- ``kv``: one :class:`~turbospark.state.LayerKV` per full-attention layer; it
+- ``kv``: one :class:`~turbospark.state.kv.LayerKV` per full-attention layer; it
   keeps every token, so it rewinds without limit.
 - ``gdn``: per linear layer, the conv tail and the float32 recurrent matrix
   (:class:`~turbospark.layers.gated_delta.GDNComponent`). It can be parked and
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from turbospark.hookspecs import ComponentSpec
-from turbospark.layers.gated_delta import GDNComponent
-from turbospark.state import KVComponent, State
+from turbospark.sdk import ComponentSpec, GDNComponent, KVComponent, State
 
 if TYPE_CHECKING:
     from turbospark_qwen_gdn.model import QwenGdnConfig

@@ -3,7 +3,7 @@
 Tensors are named ``model.language_model.*`` (as Qwen's multimodal releases
 name them), conv1d weights are stored ``(C, 1, K)`` and the RMSNorm weights
 zero-centred, so loading goes through the same sanitize a real checkpoint
-does. The install is written by :func:`turbospark.install.write_install` and
+does. The install is written by :func:`turbospark.loading.install.write_install` and
 loads unchanged in ``mlx_lm.utils.load_model``. Nothing is neutral: norms,
 decays (``A_log``, ``dt_bias``) and step sizes are random, so a skipped norm
 or a mis-wired gate changes the logits.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from turbospark.synthetic import QWEN_TEXT, RandomWeights, write_synthetic
+from turbospark.sdk import QWEN_TEXT, RandomWeights, write_synthetic
 from turbospark_qwen_gdn.model import QwenGdnConfig, RopeParameters
 
 

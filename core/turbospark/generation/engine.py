@@ -1,0 +1,1041 @@
+"""Continuous batching: every active request advances in one forward per step.
+
+One :class:`Engine` runs on the runner's thread and owns the requests in
+flight. Each :meth:`Engine.step`:
+
+1. **admits** queued requests while fewer than ``max_batch`` rows are active.
+   The caller contract of SEMANTICS.md (:func:`turbospark.generation.generate.acquire`)
+   picks each request's session and explains the choice; the session is then
+   checked out of the runner for the request's lifetime, so concurrent
+   requests never share state. A job's ``forks`` (the other completions of a
+   request with ``n > 1``) are admitted with it and become rows of their own
+   when its prefill ends, each holding the prefilled state by reference, so
+   the prompt is prefilled once; a fork's session is dropped when it ends;
+2. **prefills** waiting prompts, at most ``prefill_budget`` tokens per step
+   in all, so a long prompt never stalls the streams already decoding.
+   Several prompts go together in one batched forward (the same number of
+   tokens each, the shortest remainder: :meth:`Engine._prefill_together`); a
+   prompt left alone goes on in the one-request loop's chunks;
+3. **decodes** one token for every decoding row. With two rows or more (and a
+   family whose components are all ``batchable``) the sessions are merged
+   into one batched state (:mod:`turbospark.state.kv`) and advance in one
+   forward, and its rows sample together (:func:`turbospark.generation.sampling.sample_together`;
+   logprobs in one :class:`turbospark.generation.sampling.LogprobTable`);
+   a lone row, or a family without a batched forward, steps through
+   the one-row forward exactly as :func:`turbospark.generation.generate.stream_generate`
+   does;
+4. **retires** rows that finished, failed or were cancelled (their client went
+   away): a batched row is copied back out of the batch, and its session is
+   checked back in as the runner's live session (the previous live one is
+   parked by the pool's rules).
+
+Decoding is pipelined as in the one-request loop: a step is built from the
+still-lazy sampled ids and queued before those ids are read (a batch keeps
+its rows' ids in one array and reads the ids of step *t* with one
+``tolist()`` once step *t+1* is queued, as mlx-lm's ``BatchGenerator``
+does), and a row whose
+id turns out to be a stop goes back one token (rewindable components drop a
+column; the others come back from references held before the step).
+
+A row that fails (a plugin raising, an id the model cannot take) fails only
+its own request: a failed batched step is undone from held references and
+every row is retried alone, so only the culprit sees the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal, TypeVar
+
+import mlx.core as mx
+
+from turbospark.generation.drafters import Drafter
+from turbospark.generation.generate import (
+    Chunk,
+    FinishReason,
+    GenerationConfig,
+    GenerationStats,
+    acquire,
+    check_prompt,
+    prompt_chunks,
+)
+from turbospark.generation.runner import Runner
+from turbospark.generation.sampling import LogprobTable, Sampler, sample_together
+from turbospark.generation.speculation import Speculation, settle, speculation_for
+from turbospark.layers.fused import STEP_TOKENS
+from turbospark.policies.steering import Steer
+from turbospark.sessions.reuse import ReuseReason, ReuseReport
+from turbospark.sessions.session import Session
+from turbospark.state.components import State
+from turbospark.text import StopStrings, StreamDecoder, TextCodec
+
+log = logging.getLogger("turbospark.generation.engine")
+
+Emit = Callable[[Chunk | Exception], None]
+# Told of every real request's end: its stats when it finished, None when it failed.
+Observer = Callable[["Job", GenerationStats | None], None]
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as submitted: prompt ids, its knobs, and where its chunks go.
+
+    ``emit`` is called on the engine's thread with each :class:`Chunk` (the last
+    one carries ``finish_reason`` and stats) or with the exception that failed
+    the request. Setting ``cancelled`` (a client that hung up) frees the row at
+    the next step."""
+
+    ids: list[int]
+    config: GenerationConfig
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    warm_up: bool = False  # the engine's own start-up request, admitted first
+    # Per-row sampling extras (turbospark.generation.logits_processors; fresh objects per job).
+    processors: list[object] = field(default_factory=list)
+    top_logprobs: int | None = None  # keep each sample's log-probabilities (Chunk.logprobs)
+    # The other completions of the same prompt (a request's n > 1): they become
+    # rows when this job's prefill ends, each starting from its state by reference.
+    forks: list[Job] = field(default_factory=list)
+    drafter: Drafter | None = None  # replaces the runner's draft policy (benchmarks' oracles)
+
+
+@dataclass(eq=False)
+class _Row:
+    job: Job
+    session: Session
+    kept: int
+    report: ReuseReport
+    evicted: bool
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    decoder: StreamDecoder
+    stops: StopStrings
+    started: float
+    next_prefill: int  # the next prompt index to feed
+    context_length: int
+    position: int = 0  # decode: where `pending` is fed
+    pending: mx.array | None = None  # the sampled, maybe still lazy, next id
+    following: mx.array | None = None  # the id sampled from `pending`'s logits
+    generated: list[int] = field(default_factory=list)
+    prefilled: float = 0.0
+    batch_peak: int = 1  # the most rows this request decoded beside
+    leaves_at: int = 0  # the session's position once the row leaves the batch
+    finish: FinishReason = "stop"
+    fork: bool = False  # one of a request's n copies: its session is never checked in
+    spec: Speculation | None = None  # drafting, while the row decodes alone (solo)
+
+    @property
+    def final(self) -> bool:
+        """Whether `pending` is the last token: it is emitted but never fed."""
+        limit = self.job.config.max_tokens
+        return (limit is not None and len(self.generated) + 1 >= limit) or (
+            self.position >= self.context_length
+        )
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """One request in flight as the sessions view shows it: where it is, what its
+    session holds, and why that session was chosen. Counts only, never ids."""
+
+    phase: Literal["prefilling", "decoding", "batched"]  # batched: in the merged state
+    session: Session
+    prompt_tokens: int
+    position: int  # tokens in the session's state now
+    generated: int
+    kept: int
+    reuse_reason: str
+    reuse_detail: str
+    batch_size: int  # rows decoding in the same forward now (1 when alone)
+
+
+class _Batch:
+    """Decoding rows whose sessions are merged into one batched state.
+
+    While rows decode here, their next ids live in one ``(B,)`` array,
+    :attr:`tokens`, not one lazy scalar per row: a step feeds it as is,
+    samples the next one in a few ops for all rows, and the host reads the
+    ids it fed with one ``tolist()``. That array was queued a step earlier,
+    so reading it waits only for that step's forward, never for the one just
+    queued (step *t+1* runs while the host handles step *t*'s ids, as in
+    mlx-lm's ``BatchGenerator``). A row's own ``pending`` is set again only
+    when it leaves (or, for a row that samples alone, kept for its processors)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.rows: list[_Row] = []
+        self.state: State = {}
+        self.held: dict[str, object] = {}
+        self.steer: Steer | None = None  # each row's own steering, rebuilt as rows come and go
+        self.tokens: mx.array | None = None  # (B,) the ids the next step feeds (decoding rows)
+        self._held_tokens: mx.array | None = None
+        self._kept: list[Sampler] = []  # samplers that kept a record in the last step
+        self._keys: list[tuple[Sampler, mx.array]] = []  # their PRNG keys before it
+
+    def join(self, rows: list[_Row]) -> None:
+        merged = self.runner.merge_states([row.session for row in rows])
+        if not self.rows:
+            self.state = merged
+        else:
+            for name, component in self.state.items():
+                component.extend(merged[name])
+        if rows[0].pending is not None:  # decoding rows (a prefill group has none yet)
+            ids = mx.concatenate([row.pending.reshape(1).astype(mx.uint32) for row in rows])
+            self.tokens = ids if self.tokens is None else mx.concatenate([self.tokens, ids])
+        self.rows.extend(rows)
+        self.steer = self.runner.batch_steer([row.session for row in self.rows])
+
+    def feed(self, chunks: list[list[int]], starts: list[int]) -> mx.array:
+        """Prompt tokens, as many for every row (row ``i`` at ``starts[i]``):
+        last-token logits ``(B, vocab)``. A forward that raises is undone."""
+        for component in self.state.values():
+            component.prepare(len(chunks[0]))
+        self.held = {name: component.hold() for name, component in self.state.items()}
+        try:
+            logits = self.runner.forward_batch(
+                mx.array(chunks, dtype=mx.int32), starts, self.state, self.steer
+            )
+        except Exception:
+            self.rollback()
+            raise
+        mx.async_eval(logits, [a for component in self.state.values() for a in component.arrays()])
+        return logits
+
+    def step(self) -> mx.array:
+        """Feed :attr:`tokens` and queue the next ids in their place; return the
+        ids fed (``(B,)``, queued by the step before, so reading them does not
+        wait for this one)."""
+        fed = self.tokens
+        for component in self.state.values():
+            component.prepare(1)
+        self.held = {name: component.hold() for name, component in self.state.items()}
+        self._held_tokens, self._kept = fed, []
+        self._keys = [(row.sampler, row.sampler.key) for row in self.rows if isinstance(row.sampler, Sampler)]  # fmt: skip
+        try:
+            logits = self.runner.forward_batch(
+                self.runner.clip_ids(fed)[:, None],
+                [row.position for row in self.rows],
+                self.state,
+                self.steer,
+            )
+            following, tables = self._sample(logits)
+        except Exception:
+            self.rollback()
+            raise
+        self.tokens = following
+        mx.async_eval(
+            following,
+            [a for table in tables for a in table.arrays()],
+            [a for component in self.state.values() for a in component.arrays()],
+        )
+        return fed
+
+    def _sample(self, logits: mx.array) -> tuple[mx.array, list[LogprobTable]]:
+        """The next id of every row, ``(B,)``: greedy rows in one argmax, random
+        rows in one :func:`sample_together`, rows that only keep logprobs in those
+        too (their logprobs in one :class:`LogprobTable` per kind), and rows with
+        logits processors (or a sampler that must see each id) one by one."""
+        greedy: list[int] = []
+        drawn: list[int] = []
+        alone: list[int] = []
+        for i, row in enumerate(self.rows):
+            sampler = row.sampler
+            if sampler.plain_greedy or (sampler.keeps_logprobs_only and not sampler.params.temperature):  # fmt: skip
+                greedy.append(i)
+            elif sampler.plain_random or sampler.keeps_logprobs_only:
+                drawn.append(i)
+            else:
+                alone.append(i)
+        following = mx.argmax(logits, axis=-1) if greedy else mx.zeros((len(self.rows),), mx.uint32)
+        tables: list[LogprobTable] = []
+        if drawn:
+            index = mx.array(drawn)
+            ids = sample_together([self.rows[i].sampler for i in drawn], logits[index])
+            following[index] = ids
+        for i in alone:  # such a row keeps its own lazy id (`pending`) for its processors
+            row = self.rows[i]
+            row.following = row.sampler(logits[i], fed=row.pending)
+            following[i] = row.following
+        for group in (greedy, drawn):
+            keeping = [i for i in group if self.rows[i].sampler.keeps_logprobs_only]
+            if keeping:
+                index = mx.array(keeping)
+                samplers = [self.rows[i].sampler for i in keeping]
+                k = max(sampler.top_logprobs or 0 for sampler in samplers)
+                table = LogprobTable(logits[index], following[index], k)
+                tables.append(table)
+                for j, sampler in enumerate(samplers):
+                    sampler.keep(table, j)
+                    self._kept.append(sampler)
+        for i in greedy + drawn:
+            self.rows[i].following = None  # its next id is in `tokens`
+        return following, tables
+
+    def rollback(self) -> None:
+        for name, component in self.state.items():
+            component.rollback(self.held[name])
+        if self._held_tokens is not None:
+            self.tokens = self._held_tokens
+        for sampler in self._kept:
+            sampler.unkeep()
+        for sampler, key in self._keys:
+            sampler.rewind(key)
+        self._kept, self._keys = [], []
+
+    def leave(self, going: dict[_Row, int]) -> None:
+        """Copy each row in *going* back into its session, *back* tokens earlier."""
+        if not going:
+            return
+        for i, row in enumerate(self.rows):
+            if row in going:
+                back = going[row]
+                row.session.state = {
+                    name: component.extract(i, row.leaves_at, back, self.held.get(name))
+                    for name, component in self.state.items()
+                }
+                if self.tokens is not None and row.pending is None:
+                    row.pending = self.tokens[i]
+        stay = [i for i, row in enumerate(self.rows) if row not in going]
+        self.rows = [self.rows[i] for i in stay]
+        if not self.rows:
+            self.state, self.held, self.steer, self.tokens = {}, {}, None, None
+            self._held_tokens, self._kept, self._keys = None, [], []
+            return
+        for component in self.state.values():
+            component.filter(stay)
+        if self.tokens is not None:
+            self.tokens = self.tokens[mx.array(stay)]
+        self._held_tokens, self._kept, self._keys = None, [], []
+        self.steer = self.runner.batch_steer([row.session for row in self.rows])
+
+
+class Engine:
+    """The scheduler loop over one runner (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        codec: TextCodec,
+        *,
+        max_batch: int = 8,
+        prefill_budget: int | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.runner = runner
+        self.codec = codec
+        self.max_batch = max_batch
+        self.prefill_budget = prefill_budget
+        self._queue: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._prefilling: list[_Row] = []
+        self._solo: list[_Row] = []
+        self._batch = _Batch(runner)
+        self._groups: list[_Batch] = []  # prompts prefilled together (Engine._prefill_together)
+        self._regrouped: list[_Row] = []  # this step's rows of a failed group: they go alone
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+        self.warming = False
+        # Requests that discarded a parked session with content (at admission or
+        # at check-in): the sessions view shows it, so an eviction is seen when it happens.
+        self.evictions = 0
+        self.observer = observer  # called on the runner thread (metrics)
+
+    # -- the outside: any thread ----------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if any(fork.ids != job.ids or fork.forks for fork in job.forks):
+            raise ValueError("a job's forks must have its prompt and no forks of their own")
+        with self._wake:
+            self._queue.append(job)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run *fn* on the runner thread between two steps (the loop owns that
+        thread while it runs): inspection, a disk flush, a test's probe."""
+        future: Future[T] = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active_rows(self) -> int:
+        """Rows held now, a prefilling job's forks included (they start with it)."""
+        forks = sum(len(row.job.forks) for row in self._prefilling)
+        return len(self._prefilling) + forks + len(self._solo) + len(self._batch.rows)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows decoding in the merged batched state now (0 when none)."""
+        return len(self._batch.rows)
+
+    def in_flight(self) -> list[RowInfo]:
+        """Every request holding a session now. Call on the runner thread
+        (through :meth:`call`): the rows change at every step."""
+        batched = len(self._batch.rows)
+        rows = [(row, "prefilling", 1, row.next_prefill) for row in self._prefilling]
+        rows += [(row, "decoding", 1, row.position) for row in self._solo]
+        rows += [(row, "batched", batched, row.position) for row in self._batch.rows]
+        return [
+            RowInfo(
+                phase=phase,
+                session=row.session,
+                prompt_tokens=len(row.job.ids),
+                position=position,
+                generated=len(row.generated),
+                kept=row.kept,
+                reuse_reason=str(row.report.reason),
+                reuse_detail=row.report.detail,
+                batch_size=size,
+            )
+            for row, phase, size, position in rows
+            if not row.job.warm_up
+        ]
+
+    @property
+    def batch_nbytes(self) -> int:
+        """Bytes of the merged state the batched rows decode in (0 when none)."""
+        return sum(c.nbytes for c in self._batch.state.values())
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until *stop* is set, sleeping while there is nothing to do. A
+        failure the rows could not contain fails every request in flight, and
+        the loop goes on serving."""
+        while not stop.is_set():
+            self._run_calls()
+            try:
+                busy = self.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
+            if not busy:
+                with self._wake:
+                    if not self._queue and not self._calls:
+                        self._wake.wait(timeout=0.05)
+        self._run_calls()
+
+    def warm_up(self, ids: list[int], rows: int | None = None) -> None:
+        """Run short requests to the end in four rounds, so the paths real
+        traffic takes are built (and, on a GPU, their kernels compiled) before
+        the first real request is admitted. Requests that arrive meanwhile
+        wait in the queue; the warm-up's sessions are forgotten afterwards.
+
+        1. The first request prefills *ids*; *rows* - 1 more (default
+           ``max_batch`` - 1) take a few of its tokens, and they stop one step
+           apart, so the batch decodes at each size from *rows* down to one
+           (compiled pieces that are not shapeless trace once per batch size,
+           e.g. the gated-DeltaNet step).
+        2. A short fresh prompt alone: a lone row's short forward and its
+           decode, through the one-row forward (the compiled step functions).
+        3. Two distinct fresh prompts prefill together (a batched group). Their
+           lengths differ by a few tokens, as real prompts' do, so the longer
+           row's last few run alone after the group's forward: a lone row with
+           history through the compiled step functions.
+        4. Each of those again with more tokens after it (uneven again), as a
+           chat's next turn sends it: the sessions are reused, so the rows
+           prefill together *with history* (held keys and recurrent state).
+
+        On a GPU the first use of an op graph compiles its kernels (NVRTC,
+        seconds each), and a path left out here is paid by the first request
+        that takes it while every row batched with it waits: a 16-client
+        qwen_gdn server stalled 8-12 s in its first second turn when only the
+        decode step had warmed the prefill's compiled pieces, and 14 s when
+        its groups were warmed but only at even lengths (bench/README.md,
+        fifteenth session). ``tests/test_engine.py`` checks that chat
+        traffic runs no kind of forward this has not."""
+        count = min(rows or self.max_batch, self.max_batch)
+        short = ids[: min(len(ids), 8)]
+        first = [  # the long prompt joins the batch last, so it stops last
+            (list(ids if k == 0 else short), 8 + (count + 2 if k == 0 else k)) for k in range(count)
+        ]
+        vocab = self.runner.vocab_size
+        # A group's compiled pieces are shapeless and its other ops' kernels do
+        # not depend on its shape, so two rows of a few tokens build what any
+        # group runs (short enough that two turns and their replies fit any context).
+        span = max(1, min(16, (self.runner.context_length - 8) // 3))
+        uneven = min(3, span // 2)  # the longer row's tokens left after the group's forward
+        fresh = [  # distinct from their first token: no row reuses another's prefix
+            [(1 + k + 7 * j) % vocab for j in range(span - uneven * k)]
+            for k in range(min(count, 2))
+        ]
+        more = [
+            [(5 + 3 * j) % vocab for j in range(span - uneven * (1 - k))] for k in range(len(fresh))
+        ]
+        alone = [(3 + 11 * j) % vocab for j in range(min(span, STEP_TOKENS))]
+        rounds = [
+            first,
+            [(alone, 3)],
+            [(p, 2) for p in fresh],
+            [([*p, *extra], 2) for p, extra in zip(fresh, more, strict=True)],
+        ]
+        self.warming = True
+        started = time.perf_counter()
+        try:
+            with self.runner.without_disk():  # its sessions are throwaway: never on disk
+                for round_ in rounds:
+                    jobs = [
+                        Job(
+                            ids=prompt,
+                            config=GenerationConfig(
+                                max_tokens=tokens, temperature=0.0, stop_token_ids=[]
+                            ),
+                            emit=lambda item: None,
+                            warm_up=True,
+                        )
+                        for prompt, tokens in round_
+                    ]
+                    with self._wake:
+                        self._queue.extendleft(reversed(jobs))
+                    while self.step():
+                        pass
+                self.runner.forget_sessions()
+        finally:
+            self.warming = False
+        log.info("warmed up in %.1f s", time.perf_counter() - started)
+
+    def _fail_all(self, exc: Exception) -> None:
+        forks = [fork for row in self._prefilling for fork in row.job.forks]  # not rows yet
+        rows = self._prefilling + self._solo + self._batch.rows
+        self._prefilling, self._solo, self._batch = [], [], _Batch(self.runner)
+        self._groups = []
+        for row in rows:
+            row.session.clear()  # its state may be half-written: never resume it
+            self._fail(row, exc)
+        for fork in forks:
+            fork.emit(exc)
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    # -- the loop: the runner's thread ---------------------------------------------
+
+    def step(self) -> bool:
+        """One scheduling round; False when there was nothing to do."""
+        self._admit()
+        if not self.active_rows:
+            return False
+        self._prefill()
+        self._decode()
+        return True
+
+    def _admit(self) -> None:
+        """A job and its forks are admitted together, when their rows fit (or,
+        so that an n above ``max_batch`` still runs, when nothing else is active)."""
+        while self._queue:
+            with self._wake:
+                head = self._queue[0]
+                if self.warming and not head.warm_up:
+                    return  # real requests wait for the warm-up to finish
+                rows = 1 + len(head.forks)
+                if self.active_rows and self.active_rows + rows > self.max_batch:
+                    return
+                job = self._queue.popleft()
+            group = [job, *job.forks]
+            if all(j.cancelled.is_set() for j in group):  # given up while queued
+                for j in group:
+                    j.emit(Chunk(text="", finish_reason="stop"))
+                continue
+            try:
+                row = self._start(job)
+            except Exception as exc:  # refused before any session changed
+                for j in group:
+                    j.emit(exc)
+                continue
+            self._prefilling.append(row)
+
+    def _start(self, job: Job) -> _Row:
+        runner, config = self.runner, job.config
+        check_prompt(runner, job.ids)
+        sampler = self._new_sampler(job)
+        started = time.perf_counter()
+        kept, report, evicted = acquire(runner, job.ids, config.steering)
+        self._evicted(job, evicted)
+        session = runner.checkout()
+        row = _Row(
+            job=job,
+            session=session,
+            kept=kept,
+            report=report,
+            evicted=evicted,
+            sampler=sampler,
+            stop_ids=self._stop_ids(config),
+            decoder=self.codec.stream_decoder(),
+            stops=StopStrings(config.stop),
+            started=started,
+            next_prefill=kept,
+            context_length=runner.context_length,
+        )
+        row.spec = speculation_for(
+            runner,
+            sampler,
+            job.ids,
+            row.generated,
+            enabled=config.draft,
+            drafter=job.drafter,
+            session=session,
+        )
+        return row
+
+    def _stop_ids(self, config: GenerationConfig) -> frozenset[int]:
+        ids = self.codec.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids
+        return frozenset(ids)
+
+    def _new_sampler(self, job: Job) -> Sampler:
+        """The row's sampler (a distributed engine shares rank 0's samples instead)."""
+        return Sampler(job.config, job.processors, job.top_logprobs)
+
+    def _prefill(self) -> None:
+        """Prompts, up to the budget: several together in batched forwards when
+        the family batches (:meth:`_prefill_together`); a prompt with no other
+        to go with, or whose session must first rewind, one chunk at a time
+        (:meth:`_prefill_alone`). Prompts that could go together but found no
+        budget left wait for the next step rather than go alone: alone, each
+        costs a forward where together they cost one, and on a host-bound
+        device a forward costs about what a decode step does, whatever its
+        tokens."""
+        for row in list(self._prefilling):
+            if all(j.cancelled.is_set() for j in (row.job, *row.job.forks)):
+                group = self._group_of(row)
+                if group is not None:
+                    row.leaves_at = row.next_prefill
+                    group.leave({row: 0})
+                    if not group.rows:
+                        self._groups.remove(group)
+                self._prefilling.remove(row)
+                self._finish(row, "stop")
+                for fork in row.job.forks:
+                    fork.emit(Chunk(text="", finish_reason="stop"))
+        budget = self.prefill_budget
+        waiting = list(self._prefilling)
+        if self.runner.batchable:
+            self._regrouped = []
+            budget = self._prefill_together(budget)
+            waiting = self._ungrouped()
+            if sum(1 for row in waiting if self._ready(row)) >= 2:
+                waiting = [r for r in waiting if not self._ready(r) or r in self._regrouped]
+        for row in waiting:
+            if budget is not None and budget <= 0:
+                break
+            budget = self._prefill_alone(row, budget)
+
+    @staticmethod
+    def _ready(row: _Row) -> bool:
+        """Whether the row's session holds exactly the prompt fed so far (one
+        that must rewind first goes alone: the one-row forward rewinds)."""
+        return row.session.position == row.next_prefill
+
+    def _group_of(self, row: _Row) -> _Batch | None:
+        return next((group for group in self._groups if row in group.rows), None)
+
+    def _ungrouped(self) -> list[_Row]:
+        grouped = {row for group in self._groups for row in group.rows}
+        return [row for row in self._prefilling if row not in grouped]
+
+    def _prefill_together(self, budget: int | None) -> int | None:
+        """One batched forward for each prefill group (oldest first), then for
+        each new group the budget left can take. Returns the budget left.
+
+        A group forms from two or more waiting prompts (the first that fit in
+        the budget: :meth:`_group_within`), as mlx-lm's ``BatchGenerator``
+        prefills several prompts at once; their sessions are merged once and
+        stay merged until each prompt ends. A new group forms only where the
+        budget left lets its shortest prompt end in its first forward (or the
+        step has spent nothing yet), so a sliver of budget never starts one.
+        See :meth:`_feed_group` for each forward."""
+        for group in list(self._groups):
+            if budget is not None and budget <= 0:
+                return budget
+            budget = self._feed_group(group, budget)
+        while (budget is None or budget > 0) and not self._regrouped:
+            ready = [row for row in self._ungrouped() if self._ready(row)]
+            if len(ready) < 2:
+                break
+            rows = self._group_within(ready, budget)
+            need = min(self._need(row) for row in rows)
+            if budget is not None and budget != self.prefill_budget and need * len(rows) > budget:
+                break
+            group = _Batch(self.runner)
+            group.join(rows)
+            self._groups.append(group)
+            budget = self._feed_group(group, budget)
+        return budget
+
+    @staticmethod
+    def _need(row: _Row) -> int:
+        """Prompt tokens the row's next forward can take: its remainder, within a chunk."""
+        return min(len(row.job.ids) - row.next_prefill, row.job.config.chunk_size)
+
+    def _feed_group(self, group: _Batch, budget: int | None) -> int | None:
+        """One batched forward of the same number of prompt tokens for every row
+        of *group* (the shortest remainder, within the chunk size and the
+        budget, at least one token a row); returns the budget left.
+
+        A row whose prompt ends samples its first id from the forward's
+        last-token logits, is copied out, and decodes from the next step.
+        Equal lengths mean no padding between a row's state and its new tokens,
+        so every batchable component (a recurrent one included) takes them as
+        is; prompts of different lengths end over a few steps. If the forward
+        fails, the group is undone from the references held before it and its
+        rows go on alone."""
+        rows = list(group.rows)
+        length = min(len(row.job.ids) - row.next_prefill for row in rows)
+        length = min(length, *(row.job.config.chunk_size for row in rows))
+        if budget is not None:
+            length = max(1, min(length, budget // len(rows)))
+        starts = [row.next_prefill for row in rows]
+        chunks = [
+            row.job.ids[start : start + length] for row, start in zip(rows, starts, strict=True)
+        ]
+        try:
+            logits = group.feed(chunks, starts)
+        except Exception:
+            log.warning("a batched prefill failed; its rows go on alone", exc_info=True)
+            for row in rows:
+                row.leaves_at = row.next_prefill
+            group.leave({row: 0 for row in rows})
+            self._groups.remove(group)
+            self._regrouped.extend(rows)
+            return budget
+        done: dict[_Row, int] = {}
+        for i, row in enumerate(rows):
+            row.session.record.write(starts[i], chunks[i])
+            row.next_prefill += length
+            if row.next_prefill == len(row.job.ids):
+                row.leaves_at = row.next_prefill
+                done[row] = i
+        group.leave({row: 0 for row in done})
+        if not group.rows:
+            self._groups.remove(group)
+        for row, i in done.items():
+            self.runner.checkpoint(row.session)
+            self._prefilled(row, logits[i])
+        return None if budget is None else budget - length * len(rows)
+
+    @staticmethod
+    def _group_within(ready: list[_Row], budget: int | None) -> list[_Row]:
+        """The first prompts (in arrival order, two at least) whose shortest
+        remainder, fed to each, fits in the budget. A group spread over every
+        waiting prompt would give each a sliver of the budget per step, and
+        none would see its first token before all of them; a group that fits
+        ends in one forward, and the next group follows, so first tokens come
+        in arrival order as they did one prompt at a time."""
+        if budget is None:
+            return ready
+        group: list[_Row] = []
+        shortest = None
+        for row in ready:
+            need = Engine._need(row)
+            widest = need if shortest is None else min(shortest, need)
+            if len(group) >= 2 and (len(group) + 1) * widest > budget:
+                break
+            group.append(row)
+            shortest = widest
+        return group
+
+    def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
+        """Whole chunks (the one-request loop's boundaries) of one row, up to
+        the budget; the last one with its last token's logits."""
+        ids = row.job.ids
+        try:
+            for begin, end in prompt_chunks(len(ids), row.next_prefill, row.job.config.chunk_size):
+                if budget is not None and budget <= 0:
+                    break
+                logits = self.runner.feed(
+                    row.session, ids[begin:end], begin, logits=end == len(ids)
+                )
+                budget = None if budget is None else budget - (end - begin)
+                row.next_prefill = end
+                if end == len(ids):
+                    self.runner.checkpoint(row.session)
+                    self._prefilled(row, logits)
+        except Exception as exc:
+            self._prefilling.remove(row)
+            self._fail(row, exc)
+            for fork in row.job.forks:
+                fork.emit(exc)
+        return budget
+
+    def _prefilled(self, row: _Row, logits: mx.array) -> None:
+        """The prompt is in: the row, and its forks (each from its state by
+        reference), sample their first ids from *logits* and decode from the next step."""
+        rows = [row] + [self._fork(row, job) for job in row.job.forks]
+        for each in rows:
+            each.pending = each.sampler(logits)
+        mx.async_eval([each.pending for each in rows])
+        self._prefilling.remove(row)
+        for each in rows:
+            each.position = len(row.job.ids)
+            each.prefilled = time.perf_counter()
+            self._solo.append(each)
+
+    def _fork(self, row: _Row, job: Job) -> _Row:
+        """A row for *job*, another completion of *row*'s just-prefilled prompt: a
+        session holding *row*'s state by reference (the prompt is prefilled once)."""
+        session = self.runner.fork(row.session)
+        report = ReuseReport(
+            kept=len(job.ids),
+            swapped=False,
+            reason=ReuseReason.FORKED,
+            detail=f"one of {1 + len(row.job.forks)} completions of one prompt: the first's "
+            "prefilled state was taken by reference",
+            prompt_tokens=len(job.ids),
+        )
+        return dataclasses.replace(
+            row,
+            job=job,
+            session=session,
+            kept=len(job.ids),
+            report=report,
+            evicted=False,
+            sampler=self._new_sampler(job),
+            stop_ids=self._stop_ids(job.config),
+            decoder=self.codec.stream_decoder(),
+            stops=StopStrings(job.config.stop),
+            generated=[],
+            fork=True,
+            spec=None,  # a fork decodes in the batch, never drafting on another's session
+        )
+
+    def _decode(self) -> None:
+        for row in self._solo + self._batch.rows:
+            if row.job.cancelled.is_set():
+                self._cancel(row)
+        decoding = len(self._solo) + len(self._batch.rows)
+        if self.runner.batchable and decoding >= 2 and self._solo:
+            joining, self._solo = self._solo, []
+            self._batch.join(joining)
+        if self._batch.rows:
+            self._decode_batch()
+        for row in list(self._solo):
+            self._decode_solo(row)
+
+    def _decode_solo(self, row: _Row) -> None:
+        """One token for one row through the one-row forward (stream_generate's
+        step), or a drafted round of several when the row drafts; a shadow probe
+        is such a step beside which the drafter guesses the token it computes
+        (stream_generate's)."""
+        depth = 0 if row.spec is None else self._decode_drafted(row)
+        if depth is None:
+            return
+        fed = not row.final
+        try:
+            if fed:
+                if depth:  # compared with row.following once read
+                    row.spec.probe(row.pending, row.position)
+                sample = partial(row.sampler, fed=row.pending)
+                if row.sampler.reads_on_host:
+                    # Queue the forward first so it runs while the host waits.
+                    row.following = sample(self.runner.feed(row.session, [row.pending], row.position, logits=True))  # fmt: skip
+                    mx.async_eval(row.following)
+                else:  # the forward and its sample queued together (stream_generate's order)
+                    row.following = self.runner.feed(row.session, [row.pending], row.position, logits=True, then=sample)  # fmt: skip
+            token = int(row.pending.item())
+            if row.spec is not None:  # settle the probe that guessed this id; guess after it
+                row.spec.observe(token, row.position, ends=token in row.stop_ids or not fed)
+        except Exception as exc:
+            self._solo.remove(row)
+            self._fail(row, exc)
+            return
+        if token in row.stop_ids and fed:
+            self.runner.take_back_session(row.session)
+        self._advance(row, token, fed)
+
+    def _decode_drafted(self, row: _Row) -> int | None:
+        """A speculative round (stream_generate's, see turbospark.generation.speculation):
+        None when it ran; otherwise the row takes a plain step, with a shadow
+        probe beside it when the depth returned is not 0 (0: paused, no draft,
+        or the last probe's guess not compared yet)."""
+        assert row.spec is not None
+        if row.spec.probing:
+            return 0  # comparing the probe's guess now would wait for the step
+        limit = row.job.config.max_tokens
+        remaining = None if limit is None else limit - len(row.generated)
+        depth = row.spec.plan(row.position, remaining)
+        if not depth or row.spec.shadow:
+            return depth
+        try:
+            token = int(row.pending.item())
+            verified = None if token in row.stop_ids else row.spec.round(token, row.position, depth)
+            if verified is None:
+                return 0
+            emit, keep = settle(verified.tokens, row.stop_ids, remaining)
+            row.spec.commit(row.position, keep)
+        except Exception as exc:
+            self._solo.remove(row)
+            self._fail(row, exc)
+            return None
+        tokens = [*verified.tokens, verified.following]
+        for j in range(min(emit + 1, len(verified.tokens))):  # a stop id after the emitted ends it
+            row.following = mx.array(tokens[j + 1])
+            if not self._advance(row, tokens[j], fed=j < keep):
+                return None
+        return None
+
+    def _decode_batch(self) -> None:
+        batch = self._batch
+        # A row whose pending id is its last is never fed: it leaves first.
+        last = {row: 0 for row in batch.rows if row.final}
+        if last:
+            for row in last:
+                row.leaves_at = row.position
+            batch.leave(last)
+            for row in last:
+                self._solo.append(row)  # emitted, unfed, by _decode_solo below
+        if not batch.rows:
+            return
+        size = len(batch.rows)
+        for row in batch.rows:
+            if row.batch_peak < size:
+                row.batch_peak = size
+        try:
+            tokens = batch.step().tolist()  # the ids fed: one read for every row
+            self.runner.check_ids(tokens)
+        except Exception:
+            # Undo the step and retry every row alone: only the culprit fails.
+            batch.rollback()
+            going = {row: 0 for row in batch.rows}
+            for row in going:
+                row.leaves_at = row.position
+            batch.leave(going)
+            self._solo.extend(going)
+            return
+        going: dict[_Row, int] = {}
+        for row, token in zip(list(batch.rows), tokens, strict=True):
+            stop = token in row.stop_ids
+            row.leaves_at = row.position + (0 if stop else 1)
+            if not stop:
+                row.session.record.write(row.position, [token])
+            if not self._advance(row, token, fed=True, retire=False):
+                going[row] = 1 if stop else 0
+        batch.leave(going)
+        for row in going:
+            self._finish(row, row.finish)
+
+    def _advance(self, row: _Row, token: int, fed: bool, retire: bool = True) -> bool:
+        """Account for *token*; False (and, with *retire*, the row retired) when the
+        request is over. Mirrors stream_generate's loop body."""
+        finish: FinishReason | None = None
+        if token in row.stop_ids:
+            finish = "stop"
+        else:
+            row.generated.append(token)
+            text = row.stops.feed(row.decoder.add(token))
+            if row.stops.stopped is not None:
+                finish = "stop"
+            elif not fed:
+                finish = "length"
+            logprobs = row.sampler.logprobs(len(row.generated) - 1)
+            row.job.emit(Chunk(text=text, token=token, logprobs=logprobs))
+            if finish is None:
+                row.position += 1
+                row.pending = row.following
+                return True
+        row.finish = finish
+        if retire:
+            self._solo.remove(row)
+            self._finish(row, finish)
+        return False
+
+    def _cancel(self, row: _Row) -> None:
+        """A client that went away: its row leaves and its session is checked in."""
+        if row in self._solo:
+            self._solo.remove(row)
+        else:
+            row.leaves_at = row.position
+            self._batch.leave({row: 0})
+        self._finish(row, "stop")
+
+    def _evicted(self, job: Job, evicted: bool) -> None:
+        """Count a real request's eviction (the warm-up's sessions are forgotten anyway)."""
+        if evicted and not job.warm_up:
+            self.evictions += 1
+
+    def _checkin(self, row: _Row) -> bool:
+        """Check *row*'s session back in (True: a parked one was evicted). A fork's
+        is dropped instead: n near-copies of one conversation would push the other
+        conversations out of the pool, and the client continues the first choice."""
+        if row.fork:
+            return False
+        losses = self.runner.disk_losses
+        evicted = self.runner.checkin(row.session)
+        self.runner.flush()  # write-through to the disk tier: a reply sent is a session kept
+        return evicted or self.runner.disk_losses > losses
+
+    def _fail(self, row: _Row, exc: Exception) -> None:
+        log.warning("request failed: %s", exc, exc_info=exc)
+        self._evicted(row.job, self._checkin(row))
+        row.job.emit(exc)
+        self._observe(row.job, None)
+
+    def _observe(self, job: Job, stats: GenerationStats | None) -> None:
+        if self.observer is None or job.warm_up:
+            return
+        try:
+            self.observer(job, stats)
+        except Exception:  # metrics never fail a request
+            log.exception("the engine's observer failed")
+
+    def _finish(self, row: _Row, finish: FinishReason) -> None:
+        tail = ""
+        if row.stops.stopped is None:
+            tail = row.stops.feed(row.decoder.flush()) + row.stops.flush()
+        evicted_at_checkin = self._checkin(row)
+        self._evicted(row.job, evicted_at_checkin)
+        now = time.perf_counter()
+        prefilled = row.prefilled or now
+        stats = GenerationStats(
+            prompt_tokens=len(row.job.ids),
+            reused_tokens=row.kept,
+            generated_tokens=len(row.generated),
+            reuse_reason=str(row.report.reason),
+            reuse_detail=row.report.detail,
+            swapped=row.report.swapped,
+            evicted=row.evicted or evicted_at_checkin,
+            prefill_seconds=prefilled - row.started,
+            decode_seconds=now - prefilled,
+            queued_seconds=row.started - row.job.submitted,
+            batch_size=row.batch_peak,
+            draft_proposed=0 if row.spec is None else row.spec.proposed,
+            draft_accepted=0 if row.spec is None else row.spec.accepted,
+            draft_probed=0 if row.spec is None else row.spec.probed,
+        )
+        row.job.emit(Chunk(text=tail, finish_reason=finish, stats=stats))
+        self._observe(row.job, stats)
+        if row.job.warm_up:
+            return
+        log.info(
+            "request done: reuse %s kept %d/%d, batch %d, ttft %.3fs, %.1f tok/s%s",
+            stats.reuse_reason,
+            stats.reused_tokens,
+            stats.prompt_tokens,
+            stats.batch_size,
+            stats.queued_seconds + stats.prefill_seconds,
+            stats.decode_tokens_per_second,
+            ", a parked session was evicted at check-in" if evicted_at_checkin else "",
+        )

@@ -1,0 +1,1018 @@
+"""The runner: one loaded model, a live session, and (optionally) a pool of parked ones.
+
+Everything that is not family math lives here: opening an install, validating
+every input before any state changes, feeding tokens through the family's
+forward hook, keeping the prefix record honest, and delegating reuse
+decisions to :mod:`turbospark.sessions.reuse`. See SEMANTICS.md for the rules.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pluggy
+
+from turbospark.contract.hookspecs import ArchConfig, FamilySpec, LogitsWanted, MoESpec
+from turbospark.contract.protocols import MultiTokenHead
+from turbospark.contract.vision import MropePositions, VisionInjection, VisionMap
+from turbospark.errors import (
+    ContextOverflow,
+    InstallError,
+    InvalidInput,
+    RewindError,
+    SessionPoolUnsupported,
+    TurbosparkError,
+)
+from turbospark.layers.sharding import check_same_install
+from turbospark.loading.install import (
+    MANIFEST,
+    Manifest,
+    load_weights,
+    read_manifest,
+    tensor_names,
+    validate_arch,
+    verify_files,
+)
+from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
+from turbospark.policies.expert_cache import (
+    ExpertCacheStats,
+    StreamedExperts,
+    check_policy,
+    plan_streams,
+    resident_stats,
+)
+from turbospark.policies.steering import LastTokenRecorder, Steer, cannot_steer
+from turbospark.sessions.disk_tier import DiskTier
+from turbospark.sessions.mtp_track import MtpTrack
+from turbospark.sessions.pool import SessionPool
+from turbospark.sessions.reuse import ReuseReason, ReuseReport, plan_reuse, plan_share
+from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
+from turbospark.sessions.session_file import ModelIdentity
+from turbospark.state.components import LayeredComponent, Snapshot, State
+
+MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
+
+
+class Runner:
+    """Serve one model to many conversations. Build with :meth:`open`."""
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        manifest: Manifest,
+        arch: ArchConfig,
+        spec: FamilySpec,
+        pm: pluggy.PluginManager,
+        model: object,
+        context_length: int,
+        session_slots: int,
+        max_parked_bytes: int | None,
+        expert_cache: ExpertCacheSlots,
+        draft: DraftPolicies,
+        steering: SteeringPolicy,
+        dtype: mx.Dtype | None = None,
+        session_dir: Path | None = None,
+        max_session_disk_bytes: int | None = None,
+        group: mx.distributed.Group | None = None,
+    ) -> None:
+        self.path = path
+        # The processes this model is sharded across (None: not sharded).
+        self.group = group if group is not None and group.size() > 1 else None
+        self.manifest = manifest
+        self.arch = arch
+        self.family = spec
+        self.model = model
+        self.context_length = context_length
+        self.expert_cache = expert_cache
+        self.draft = draft
+        self.steering = steering  # the default; a request may ask for its own (use_steering)
+        self._requested = steering
+        self._steers: dict[str | None, Steer | None] = {}  # compiled, by identity
+        self.dtype = dtype or _dtype(manifest.dtype)
+        self._hook = pm.hook
+        self._live = self._new_session()
+        self._pool = (
+            SessionPool([self._new_session() for _ in range(session_slots - 1)], max_parked_bytes)
+            if session_slots > 1
+            else None
+        )
+        self._reuse_enabled = False
+        self._evicted = False
+        self._checked_out: list[Session] = []  # sessions requests hold (checkout, checkin)
+        self._vision: VisionMap | None = None
+        self.last_reuse = ReuseReport(
+            kept=0, swapped=False, reason=ReuseReason.NO_HISTORY, detail="no prompt yet"
+        )
+        self._disk: DiskTier | None = None
+        self._experts: StreamedExperts | None = None  # set by open when experts stream
+        # The checkpoint's MTP head, set by open for DraftPolicies.mtp: every feed
+        # then keeps the hidden states it reads (Session.mtp, turbospark.generation.mtp).
+        self.mtp_head: MultiTokenHead | None = None
+        self._moe: MoESpec | None = None
+        if session_dir is not None and self._pool is not None:
+            self._disk = self._pool.disk = DiskTier(
+                session_dir,
+                ModelIdentity.of(manifest, self.dtype, steering.identity),
+                components=[c.name for c in spec.components],
+                context_length=context_length,
+                max_bytes=max_session_disk_bytes,
+                capture=self._capture,
+                materialize=self._materialize,
+                resident=self._resident,
+            )
+
+    # -- opening ---------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        arch: ArchConfig | None = None,
+        context_length: int = 4096,
+        expert_cache: ExpertCacheSlots | None = None,
+        draft: DraftPolicies | None = None,
+        steering: SteeringPolicy | None = None,
+        session_slots: int = 1,
+        *,
+        max_parked_bytes: int | None = None,
+        session_dir: str | Path | None = None,
+        max_session_disk_bytes: int | None = None,
+        dtype: str | mx.Dtype | None = None,
+        registry: FamilyRegistry | None = None,
+        group: mx.distributed.Group | None = None,
+    ) -> Runner:
+        """Open an install. Cheap checks (manifest, arch, pool capability,
+        policies) run before any weight is read, so refusals are instant.
+
+        ``max_parked_bytes`` caps the memory of parked sessions: whenever a
+        session is parked, the least recently used ones are cleared until the
+        rest fit (reported like any eviction).
+
+        ``session_dir`` adds the disk tier (SEMANTICS.md): sessions leaving
+        memory are written there instead of dropped, the directory's sessions
+        are indexed now and scored like parked ones, and :meth:`flush` /
+        :meth:`close` write the warm ones. ``max_session_disk_bytes`` bounds it.
+
+        ``expert_cache`` (default ``ExpertCacheSlots.all()``) bounds the routed
+        experts resident per MoE layer; the rest stream from the install
+        (:mod:`turbospark.policies.expert_cache`), with identical logits.
+
+        ``group`` (``mx.distributed.init()`` under ``mlx.launch``) shards the
+        model across its processes (tensor parallelism, the family's
+        ``turbospark_shard_model``); every process opens the same install and
+        runs the same calls (``docs/SCALING.md``). A group of one changes nothing."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        distributed = group is not None and group.size() > 1
+        if distributed:  # first, so every rank refuses a mismatch at the same point
+            check_same_install(group, path)
+        family = (registry or default_registry()).get(manifest.family)
+        spec = family.spec
+        installed = validate_arch(path, manifest, spec.arch_config)
+        if arch is not None and arch != installed:
+            raise InstallError(
+                f"the arch passed to Runner.open does not match {path / MANIFEST}; "
+                "pass arch=None or peek_manifest_arch(path)"
+            )
+        if context_length <= 0:
+            raise InvalidInput(f"context_length must be positive, got {context_length}")
+        if session_slots < 0:
+            raise InvalidInput(f"session_slots must be 0 or more, got {session_slots}")
+        if max_parked_bytes is not None and max_parked_bytes < 0:
+            raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
+        _check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
+        pm = family.manager()
+        draft = draft or DraftPolicies.off()
+        if draft.enabled:
+            check_rollback(spec, draft.mode)
+        if draft.mode == "mtp":
+            _check_mtp(spec, pm, path, manifest)
+        expert_cache = expert_cache or ExpertCacheSlots.all()
+        steering = steering or SteeringPolicy.off()
+        _check_steering(spec, installed, steering)
+        moe = pm.hook.turbospark_moe(arch=installed)
+        check_policy(expert_cache, moe, spec.name)
+        if distributed:
+            _check_shardable(pm, spec, group, session_dir)
+            if moe is not None and expert_cache.mode != "all":
+                raise InvalidInput(
+                    f"--expert-cache-slots {expert_cache} streams experts into one process's "
+                    "slots and cannot be sharded across a group; use --expert-cache-slots all "
+                    "with --distributed"
+                )
+        if session_slots > 1:
+            _check_pool_capability(
+                spec, pm.hook.turbospark_pool_capability(arch=installed), session_slots
+            )
+        compute_dtype = _dtype(dtype or manifest.dtype)
+        streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
+        verify_files(path, manifest)
+        weights = load_weights(path, manifest)
+        for name in set() if streams is None else streams.tensor_names:
+            weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read
+        model = pm.hook.turbospark_load_model(
+            arch=installed, weights=weights, dtype=compute_dtype, experts=streams
+        )
+        if distributed:
+            pm.hook.turbospark_shard_model(model=model, group=group)
+            mx.eval(model.parameters())  # drop the unsharded weights now
+        runner = cls(
+            path=path,
+            manifest=manifest,
+            arch=installed,
+            spec=spec,
+            pm=pm,
+            model=model,
+            context_length=context_length,
+            session_slots=session_slots,
+            max_parked_bytes=max_parked_bytes,
+            expert_cache=expert_cache,
+            draft=draft,
+            steering=steering,
+            dtype=compute_dtype,
+            session_dir=None if session_dir is None else Path(session_dir),
+            max_session_disk_bytes=max_session_disk_bytes,
+            group=group,
+        )
+        runner._experts = streams
+        runner._moe = moe
+        if draft.mode == "mtp":
+            runner.mtp_head = pm.hook.turbospark_mtp_head(model=model)
+            if runner.mtp_head is None:
+                raise InstallError(
+                    f"DraftPolicies.mtp: the install at {path} names mtp.* tensors but "
+                    f"family '{spec.name}' built no MTP head from them; re-import the checkpoint"
+                )
+        return runner
+
+    def _new_session(self) -> Session:
+        """An empty session, under the steering the next request asked for."""
+        return Session(self._new_state(), steering=self._requested)
+
+    def _new_state(self) -> State:
+        return self._hook.turbospark_new_state(
+            arch=self.arch, model=self.model, context_length=self.context_length
+        )
+
+    # -- introspection -----------------------------------------------------------
+
+    def expert_cache_stats(self) -> ExpertCacheStats | None:
+        """Hits, misses, bytes read, resident bytes and slots per layer of the
+        routed-expert cache; ``None`` for a model without MoE experts."""
+        if self._experts is not None:
+            return self._experts.stats()
+        return (
+            None if self._moe is None else resident_stats(self._moe, self.model, self.expert_cache)
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def position(self) -> int:
+        """The live session's next write position."""
+        return self._live.position
+
+    @property
+    def session_pool_size(self) -> int:
+        """Slots including the live one (1 when there is no pool)."""
+        return 1 if self._pool is None else len(self._pool.parked) + 1
+
+    def session_states(self) -> list[State]:
+        """Every session's state, live first, then parked slots: for inspection
+        (the conformance kit names leaks with it), never to feed directly."""
+        parked = [] if self._pool is None else [s.state for s in self._pool.parked]
+        return [self._live.state, *parked]
+
+    def session_nbytes(self) -> list[int]:
+        """Bytes held by each session, live first, then parked slots."""
+        parked = [] if self._pool is None else [s.nbytes for s in self._pool.parked]
+        return [self._live.nbytes, *parked]
+
+    def sessions(self) -> list[Session]:
+        """The live session, then the parked slots, as objects: for inspection
+        on the runner thread (the server's sessions view), never to feed."""
+        return [self._live, *([] if self._pool is None else self._pool.parked)]
+
+    @property
+    def max_parked_bytes(self) -> int | None:
+        """The parked-memory cap (``--max-parked-memory``); None: slots alone bound it."""
+        return None if self._pool is None else self._pool.max_bytes
+
+    def session_slot_evicted(self) -> bool:
+        """Whether the last :meth:`reset` (or a swap in :meth:`try_reuse_prefix`
+        that pushed the pool past ``max_parked_bytes``) discarded a parked
+        session with real content."""
+        return self._evicted
+
+    # -- feeding -----------------------------------------------------------------
+
+    def produce(
+        self,
+        token: int | mx.array,
+        position: int,
+        then: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array:
+        """Feed one token at *position*; float32 logits ``(vocab,)`` for the next.
+
+        *token* may be a still-lazy scalar ``mx.array`` (a sampler's output): the
+        next forward is then queued before its id is read, so building the
+        graph overlaps the previous step's compute. Its id is checked once read,
+        and :meth:`take_back` can undo the step (the id may turn out a stop).
+
+        *then* (a sampler) maps the logits to what is returned, and is queued
+        with the forward, before the wait for *token*: the device then never
+        waits for the host between a forward and its sample (mlx-lm's
+        ``generate_step`` order)."""
+        return self._feed([token], position, "last", then=then)
+
+    def produce_prefill(self, token: int, position: int) -> None:
+        """Feed one prompt token whose logits nobody reads (the head is skipped)."""
+        self._feed([token], position, "none")
+
+    def prefill_chunk(
+        self, tokens: Sequence[int], start: int, logits: bool = True
+    ) -> mx.array | None:
+        """Feed *tokens* at ``start..`` in one forward; logits after the last one."""
+        return self._feed(list(tokens), start, "last" if logits else "none")
+
+    def feed(
+        self,
+        session: Session,
+        tokens: Sequence[int | mx.array],
+        start: int,
+        logits: bool = False,
+        then: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array | None:
+        """:meth:`prefill_chunk` (or, with one lazy id, :meth:`produce`) on a session
+        checked out to a request (see :meth:`checkout`) instead of the live one."""
+        return self._feed(list(tokens), start, "last" if logits else "none", session, then)
+
+    def _feed(
+        self,
+        tokens: list[int | mx.array],
+        start: int,
+        want: LogitsWanted,
+        session: Session | None = None,
+        then: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array | None:
+        """Feed *session* (the live one by default; the engine passes the session
+        a request checked out) through the family's one-row forward; *then*
+        (logits only) is applied before anything is queued (see :meth:`produce`).
+        The first token may be a lazy id (:meth:`produce`, :meth:`verify`): it is
+        read after the forward is queued."""
+        live = session or self._live
+        lazy, known = _split_lazy(tokens)
+        ids = self._validate_write(known if lazy is None else [0, *known], start, live)
+        if lazy is None:
+            fed = mx.array(ids, dtype=mx.int32)
+        elif not known:
+            fed = self.clip_ids(lazy.reshape(1))
+        else:  # a chained round's verify pass: the unread bonus, then drafts
+            fed = mx.concatenate([self.clip_ids(lazy.reshape(1)), mx.array(ids[1:], mx.int32)])
+        if start < live.position:
+            self._rewind(live, live.position - start)
+        # The components that cannot rewind, by reference: a failed forward puts them back.
+        before = Checkpoint(start, self._rigid_snapshots(live))
+        live.undo = before if lazy is not None and not known else None
+        try:
+            forward = dict(
+                model=self.model,
+                tokens=fed,
+                start=start,
+                state=live.state,
+                vision=self._vision if session is None else None,
+                logits=want,
+                steer=self._compiled(live.steering),
+            )
+            if self.mtp_head is None:
+                out = self._hook.turbospark_forward(**forward)
+            else:
+                out, hidden = self._hook.turbospark_forward_with_hidden(**forward)
+                self.mtp_track(live).write(start, hidden)
+            if then is not None and out is not None:
+                out = then(out)
+            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
+            if lazy is not None:
+                # The id itself, queued by the step before: a node made from it
+                # (a reshape) would queue behind this step and wait for its end.
+                ids = self._validate_write([lazy.item(), *known], start, live)  # waits
+        except Exception:
+            self._recover(live, before)
+            raise
+        live.record.write(start, ids, taint=self._vision is not None and session is None)
+        return out
+
+    def clip_ids(self, lazy: mx.array) -> mx.array:
+        """Lazy sampled ids, clipped so an impossible one cannot index past the
+        embedding table before it is read and refused (MLX's gather does not
+        bounds-check)."""
+        return _clip_ids(lazy, self.vocab_size - 1)
+
+    def take_back(self) -> None:
+        """Undo the last :meth:`produce` of a lazy token: non-rewindable state goes
+        back to its held references, the rest rewinds one token, and the record
+        forgets the id. The generation loop calls it when that id is a stop."""
+        self.take_back_session(self._live)
+
+    def take_back_session(self, live: Session) -> None:
+        """:meth:`take_back` for any session (the engine's checked-out ones)."""
+        undo = live.undo
+        if undo is None or live.position != undo.position + 1:
+            raise InvalidInput(
+                "take_back() undoes the last produce() of a lazily sampled token, and the "
+                "session has moved since (or never took one)"
+            )
+        live.cut_to(undo.position, undo)
+        live.undo = None
+
+    # -- speculative decoding: one verify forward, then a cut (turbospark.generation.speculation) ----
+
+    def verify(
+        self,
+        session: Session | None,
+        tokens: Sequence[int | mx.array],
+        start: int,
+        then: Callable[[mx.array], Any] | None = None,
+    ) -> Any:
+        """Feed *tokens* (a confirmed token, then drafts) at ``start..`` in one
+        forward; float32 logits ``(L, vocab)``, row ``j`` for the token after
+        ``tokens[j]``. Traceable components can give their state after any token, so
+        :meth:`accept` cuts back to any prefix without a second forward.
+
+        The confirmed token may be a still-lazy id (a chained round's bonus,
+        :meth:`Speculation.launch_after
+        <turbospark.generation.speculation.Speculation.launch_after>`): the pass is queued
+        before it is read, as :meth:`produce` does; *then* maps the logits to
+        what is returned (arrays) and is queued with them."""
+        live = session or self._live
+        _, known = _split_lazy(tokens)
+        if known:
+            self.check_ids(known)  # before any component traces
+        for name in self.traced_components:
+            live.state[name].trace()  # type: ignore[attr-defined]
+        return self._feed(list(tokens), start, "all", session, then)
+
+    def accept(
+        self,
+        session: Session | None,
+        start: int,
+        keep: int,
+        held: dict[str, object] | None = None,
+    ) -> None:
+        """After :meth:`verify` at *start*: keep its first *keep* tokens. The rest
+        leave every component (rewound, or the traced state at ``start + keep``)
+        and the record, so the session never holds a rejected token. *held*
+        (:meth:`hold`, taken after that verify): a later verify was queued since,
+        and it leaves too."""
+        live = session or self._live
+        for name in self.traced_components:
+            trace = None if held is None else held[name]
+            live.state[name].keep_traced(keep, trace)  # type: ignore[attr-defined]
+        live.cut_to(start + keep)  # the others rewind; the record and checkpoints follow
+
+    def hold(self, session: Session | None) -> dict[str, object]:
+        """The last :meth:`verify`'s traces, so :meth:`accept` can cut inside it
+        after another verify was queued behind it (a chained round)."""
+        live = session or self._live
+        return {name: live.state[name].held_trace() for name in self.traced_components}  # type: ignore[attr-defined]
+
+    def mtp_track(self, session: Session | None) -> MtpTrack:
+        """*session*'s (None: the live one's) MTP K/V and hidden-state record."""
+        live = session or self._live
+        if live.mtp is None:
+            live.mtp = MtpTrack()
+        return live.mtp
+
+    @property
+    def traced_components(self) -> list[str]:
+        """The components a verify forward traces (non-rewindable, declared traceable)."""
+        return [c.name for c in self.family.components if c.traceable]
+
+    @property
+    def rigid_components(self) -> list[str]:
+        """The components that cannot rewind (restored from held references instead)."""
+        return [c.name for c in self.family.components if c.rewindable is False]
+
+    def _rigid_snapshots(self, session: Session) -> dict[str, Snapshot]:
+        """Held references to every component of *session* that cannot rewind."""
+        return {name: session.state[name].snapshot() for name in self.rigid_components}
+
+    def check_ids(self, tokens: Sequence[int]) -> list[int]:
+        """*tokens* as plain ints, refused (changing nothing) if empty or outside
+        the vocabulary; the generation loop checks whole prompts with it up front."""
+        if not tokens:
+            raise InvalidInput("no tokens to feed: pass at least one token id")
+        ids = []
+        for token in tokens:
+            try:
+                value = operator.index(token)  # ints and numpy integers, not floats or bools
+            except TypeError:
+                value = None
+            if value is None or isinstance(token, bool) or not 0 <= value < self.vocab_size:
+                raise InvalidInput(
+                    f"token id {token!r} is outside this model's vocabulary (0..{self.vocab_size - 1}); "
+                    "check the tokenizer matches the install"
+                )
+            ids.append(value)
+        return ids
+
+    def _validate_write(self, tokens: Sequence[int], start: int, live: Session) -> list[int]:
+        """The token ids as plain ints, once every check passed (nothing fed yet)."""
+        ids = self.check_ids(tokens)
+        position = live.position
+        if start < 0 or start > position:
+            raise InvalidInput(
+                f"position gap: a write at {start} but the live session is at {position}; "
+                f"feed from position {position} (or an earlier one), or call reset() first"
+            )
+        if start + len(tokens) > self.context_length:
+            raise ContextOverflow(
+                f"writing {len(tokens)} token(s) at {start} would reach {start + len(tokens)}, past the "
+                f"context length {self.context_length}; shorten the prompt or open the runner with "
+                "a larger context_length"
+            )
+        return ids
+
+    def _rewind(self, live: Session, back: int) -> None:
+        """Rewind every component of *live* by *back*, all or nothing."""
+        state = live.state
+        blocked = {n: c.max_safe_rewind for n, c in state.items() if c.max_safe_rewind < back}
+        if blocked:
+            limits = ", ".join(f"'{n}' at most {m}" for n, m in blocked.items())
+            raise RewindError(
+                f"a write {back} token(s) before the session's end needs a rewind this state cannot "
+                f"make ({limits}); call try_reuse_prefix() or reset() and prefill again"
+            )
+        live.cut_to(live.position - back)
+
+    def _recover(self, live: Session, before: Checkpoint) -> None:
+        """After a forward failed midway: put state back where it started, the
+        components that cannot rewind from their references in *before*, the
+        layers that ran ahead of their component's position taken back; or, when
+        the components disagree even so, clear it."""
+        live.record.taint()
+        live.undo = None
+        try:
+            for component in live.state.values():
+                if isinstance(component, LayeredComponent):
+                    component.realign()
+            live.cut_to(before.position, before)
+            live.position  # noqa: B018 -- raises if components now disagree
+        except (TurbosparkError, RuntimeError):
+            live.clear()
+            live.record.taint()
+
+    # -- sessions ----------------------------------------------------------------
+
+    def set_prefix_reuse(self, enabled: bool) -> None:
+        self._reuse_enabled = bool(enabled)
+
+    def try_reuse_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading *tokens* are already in the (possibly swapped-in) live
+        session; commits the swap/rewind. See ``last_reuse`` for why."""
+        prompt = list(tokens)
+        if not self._reuse_enabled:
+            self.last_reuse = ReuseReport(
+                kept=0,
+                swapped=False,
+                reason=ReuseReason.DISABLED,
+                detail="prefix reuse is off; runner.set_prefix_reuse(True) turns it on",
+                prompt_tokens=len(prompt),
+            )
+        else:
+            self._live, report = plan_reuse(
+                self._live,
+                self._pool,
+                prompt,
+                self.family,
+                self._vision is not None,
+                self._requested,
+            )
+            if report.swapped and self._pool.trim():
+                report = report.model_copy(update={"evicted": True})
+            self.last_reuse = report
+        self._evicted = self.last_reuse.evicted
+        return self.last_reuse.kept
+
+    def share_prefix(self, tokens: Sequence[int]) -> int:
+        """After :meth:`reset`, start the fresh live session from the longest
+        prefix of *tokens* a parked conversation holds (say, a shared system
+        prompt), leaving that conversation parked. Returns the tokens now in
+        state (0: nothing shared; ``last_reuse`` is then unchanged)."""
+        if not self._reuse_enabled:
+            return 0
+        report = plan_share(
+            self._live, self._pool, list(tokens), self._vision is not None, self._requested
+        )
+        if report is None:
+            return 0
+        self.last_reuse = report
+        return report.kept
+
+    def reset(self) -> None:
+        """Start a new conversation: park the live one (evicting the LRU slot
+        when full) if there is a pool, then clear the live session."""
+        self._evicted = False
+        if self._pool is not None and self._live.has_content:
+            self._live, self._evicted = self._pool.rotate_lru(self._live)
+            self._evicted = self._pool.trim() or self._evicted
+        self._live.clear()
+        self._live.steering = self._requested
+
+    def checkpoint(self, session: Session | None = None) -> None:
+        """Remember the non-rewindable components at the current position (the
+        generation loop calls this where the prompt ends). Held references only."""
+        live = session or self._live
+        snapshots = self._rigid_snapshots(live)
+        if not snapshots or live.position == 0 or live.record.tainted:
+            return
+        live.drop_checkpoints_after(live.position - 1)
+        live.checkpoints.append(Checkpoint(live.position, snapshots))
+        del live.checkpoints[:-MAX_CHECKPOINTS]
+
+    def snapshot(self) -> SessionSnapshot:
+        """The live session as arrays plus its record (speculative rollback, disk spill)."""
+        return self._capture(self._live)
+
+    def _capture(self, session: Session) -> SessionSnapshot:
+        return SessionSnapshot(
+            tokens=list(session.record.tokens),
+            tainted=session.record.tainted,
+            arrays=self._hook.turbospark_snapshot_state(state=session.state),
+            checkpoints=tuple(session.checkpoints),
+        )
+
+    def _materialize(self, snapshot: SessionSnapshot) -> Session:
+        """A new session holding *snapshot* (a loaded session file)."""
+        session = Session(self._new_state(), steering=self.steering)  # the tier's identity
+        self._hook.turbospark_restore_state(state=session.state, snapshot=snapshot.arrays)
+        session.load(snapshot, arrays_loaded=True)
+        return session
+
+    def _resident(self) -> set[str]:
+        """Files whose session is in memory: live, parked, or checked out to a request."""
+        parked = [] if self._pool is None else self._pool.parked
+        sessions = (self._live, *parked, *self._checked_out)
+        return {s.disk_name for s in sessions if s.disk_name is not None}
+
+    # -- the disk tier -----------------------------------------------------------
+
+    @property
+    def session_disk(self) -> DiskTier | None:
+        """The disk tier (``session_dir``), for inspection: its index, evictions, refusals."""
+        return self._disk
+
+    @property
+    def disk_losses(self) -> int:
+        """Session files deleted for the disk bound that were their conversation's
+        only copy, since opening (0 without a session directory)."""
+        return 0 if self._disk is None else self._disk.evictions
+
+    @contextmanager
+    def without_disk(self) -> Iterator[None]:
+        """The session directory detached for a while (the engine's warm-up):
+        nothing is read from it or written to it, and a session that leaves
+        memory meanwhile is dropped. A warm-up's throwaway sessions would
+        otherwise be written at every start, and a later start's warm-up would
+        restore them instead of running the paths it is there to build."""
+        disk = self._disk
+        if disk is None or self._pool is None:
+            yield
+            return
+        self._disk = self._pool.disk = None
+        try:
+            yield
+        finally:
+            self._disk = self._pool.disk = disk
+
+    def flush(self) -> int:
+        """Write every warm session (live and parked) that changed since its last
+        write to the session directory; the number written. The server calls it
+        after each request (write-through), so a killed process loses nothing.
+        A failed write is logged and changes nothing in memory."""
+        return self._write_warm(everything=False)
+
+    def close(self) -> None:
+        """At shutdown: write every warm session, then let go of the session directory."""
+        if self._disk is not None:
+            self._write_warm(everything=True)
+            self._disk.close()
+
+    def _write_warm(self, everything: bool) -> int:
+        disk = self._disk
+        if disk is None:
+            return 0
+        dirty = [
+            s
+            for s in (self._live, *self._pool.parked)
+            if s.has_content and not disk.is_saved(s) and (everything or not disk.backup_evicted(s))
+        ]
+        return sum(disk.save(s) for s in dirty)
+
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        """Make the live session exactly what :meth:`snapshot` captured, its
+        checkpoints included (the previous conversation's are dropped)."""
+        live = self._live
+        self._hook.turbospark_restore_state(state=live.state, snapshot=snapshot.arrays)
+        live.load(snapshot, arrays_loaded=True)
+
+    # -- the engine's view: sessions checked out to requests -------------------------
+
+    def checkout(self) -> Session:
+        """Hand the live session (just chosen for a request by the caller
+        contract) to that request; a fresh, empty live session takes its place.
+        Batched requests each hold their own session while they run."""
+        session, self._live = self._live, self._new_session()
+        self._checked_out.append(session)
+        return session
+
+    def fork(self, session: Session) -> Session:
+        """A new session holding *session*'s state by reference (MLX arrays are
+        never written in place, so neither sees the other's later tokens): the
+        other completions of one prompt start from its single prefill. It is not
+        the live session nor parked; the engine drops it when its request ends."""
+        forked = Session(self._new_state())
+        forked.load(session.held())
+        return forked
+
+    def checkin(self, session: Session) -> bool:
+        """A request is done with *session*: it becomes the live session again,
+        and the one live before it is parked (the LRU rule, then the memory cap,
+        decide what goes). True if a parked session with content was discarded."""
+        if session in self._checked_out:
+            self._checked_out.remove(session)
+        evicted = False
+        if self._live.has_content:
+            if self._pool is None:
+                evicted = True
+            else:
+                promoted, evicted = self._pool.rotate_lru(self._live)
+                promoted.clear()
+                evicted = self._pool.trim() or evicted
+        self._live = session
+        return evicted
+
+    def forget_sessions(self) -> None:
+        """Clear the live session and every parked one (after a warm-up)."""
+        self._live.clear()
+        for session in [] if self._pool is None else self._pool.parked:
+            session.clear()
+
+    @property
+    def batchable(self) -> bool:
+        """Whether sessions decode together in one forward: every component is
+        ``batchable`` and the family implements ``turbospark_forward_batch``."""
+        return all(c.batchable for c in self.family.components) and bool(
+            self._hook.turbospark_forward_batch.get_hookimpls()
+        )
+
+    def merge_states(self, sessions: Sequence[Session]) -> State:
+        """The sessions' states stacked along the batch axis (one copy each)."""
+        return {
+            name: type(component).merge([s.state[name] for s in sessions])
+            for name, component in sessions[0].state.items()
+        }
+
+    def forward_batch(
+        self, tokens: mx.array, positions: list[int], state: State, steer: Steer | None = None
+    ) -> mx.array:
+        """Last-token logits ``(B, vocab)`` for ``tokens`` ``(B, L)``, row ``i`` at
+        ``positions[i]..``; *steer* from :meth:`batch_steer` over the same rows."""
+        return self._hook.turbospark_forward_batch(
+            model=self.model,
+            tokens=tokens,
+            positions=positions,
+            state=state,
+            logits="last",
+            steer=steer,
+        )
+
+    # -- embeddings --------------------------------------------------------------
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the family gives final hidden states (``turbospark_forward_hidden``)."""
+        return bool(self._hook.turbospark_forward_hidden.get_hookimpls())
+
+    def embed(self, tokens: Sequence[int], chunk_size: int = 512) -> mx.array:
+        """The mean of *tokens*' final-normed hidden states, L2-normalized (float32,
+        ``(hidden,)``), computed in a throwaway state in chunks: no session, live
+        or parked, is read or changed."""
+        if not self.embeds:
+            raise InvalidInput(
+                f"the {self.family.name} family gives no hidden states (it implements no "
+                "turbospark_forward_hidden hook), so it cannot serve embeddings"
+            )
+        ids = self.check_ids(tokens)
+        if len(ids) > self.context_length:
+            raise ContextOverflow(
+                f"an embedding input is {len(ids)} tokens but the context length is "
+                f"{self.context_length}; shorten it or serve with a larger --context-length"
+            )
+        state = self._new_state()
+        total = mx.zeros((self.arch.hidden_size,), dtype=mx.float32)
+        for start in range(0, len(ids), chunk_size):
+            chunk = mx.array(ids[start : start + chunk_size], dtype=mx.int32)
+            hidden = self._hook.turbospark_forward_hidden(
+                model=self.model, tokens=chunk, start=start, state=state
+            )  # (L, hidden)
+            total = total + hidden.astype(mx.float32).sum(axis=0)
+            mx.eval(total, *_state_arrays(state))  # one chunk's graph at a time
+        mean = total / len(ids)
+        return mean / mx.maximum(mx.linalg.norm(mean), 1e-12)
+
+    def batch_steer(self, sessions: Sequence[Session]) -> Steer | None:
+        """Each session's own steering, row by row (None when no row steers)."""
+        return Steer.of([s.steering for s in sessions], self.dtype)
+
+    # -- steering ------------------------------------------------------------------
+
+    def use_steering(self, steering: SteeringPolicy | None) -> None:
+        """The steering of the next prompt (None: the runner's default). Checked
+        first, so a refusal changes nothing; a session built under another
+        setting is then never reused for it (reason ``steering_changed``)."""
+        steering = steering or self.steering
+        _check_steering(self.family, self.arch, steering)
+        self._requested = steering
+        if not self._live.has_content:
+            self._live.steering = steering
+
+    def _compiled(self, steering: SteeringPolicy) -> Steer | None:
+        key = steering.identity
+        if key not in self._steers:
+            if len(self._steers) >= 16:
+                self._steers.clear()
+            self._steers[key] = Steer.of([steering], self.dtype)
+        return self._steers[key]
+
+    def layer_outputs(self, tokens: Sequence[int]) -> dict[int, mx.array]:
+        """The last token's hidden state at every layer's output ``{layer: (hidden,)}``
+        for *tokens* run from position 0 on a scratch state, unsteered; no session
+        is touched (``turbospark steer extract`` reads these)."""
+        if not self.family.steerable:
+            raise InvalidInput(cannot_steer(self.family.name))
+        ids = self.check_ids(tokens)
+        recorder = LastTokenRecorder()
+        self._hook.turbospark_forward(
+            model=self.model,
+            tokens=mx.array(ids, dtype=mx.int32),
+            start=0,
+            state=self._new_state(),
+            vision=None,
+            logits="none",
+            steer=recorder,
+        )
+        mx.eval(list(recorder.states.values()))
+        return recorder.states
+
+    # -- vision ------------------------------------------------------------------
+
+    def set_prompt_vision(
+        self, injections: Sequence[VisionInjection], positions: MropePositions, prompt_len: int
+    ) -> None:
+        """Install a vision map for the next prompt; validated first, so a bad
+        map changes nothing. Taints the live record (ids cannot prove a match)."""
+        self._vision = VisionMap.validated(
+            list(injections), positions, prompt_len, self.arch.hidden_size
+        )
+        self._live.record.taint()
+
+    def clear_prompt_vision(self) -> None:
+        self._vision = None
+
+
+@partial(mx.compile, shapeless=True)
+def _clip_ids(ids: mx.array, top: int) -> mx.array:
+    """Clip and cast as one kernel: the decode step's first launch."""
+    return mx.clip(ids, 0, top).astype(mx.int32)
+
+
+def _state_arrays(state: State) -> list[mx.array]:
+    return [a for component in state.values() for a in component.arrays()]
+
+
+def _dtype(value: str | mx.Dtype) -> mx.Dtype:
+    if isinstance(value, mx.Dtype):
+        return value
+    dtype = getattr(mx, str(value).removeprefix("mlx.core."), None)
+    if not isinstance(dtype, mx.Dtype):
+        raise InvalidInput(f"unknown dtype {value!r}; use bfloat16, float16 or float32")
+    return dtype
+
+
+def _check_steering(spec: FamilySpec, arch: ArchConfig, steering: SteeringPolicy) -> None:
+    steering.check_model(spec.name, spec.steerable, arch.hidden_size, arch.num_hidden_layers)
+
+
+def _check_shardable(
+    pm: pluggy.PluginManager,
+    spec: FamilySpec,
+    group: mx.distributed.Group,
+    session_dir: str | Path | None,
+) -> None:
+    """Refuse tensor parallelism a family or these options cannot do, before
+    any weight is read."""
+    if not pm.hook.turbospark_shard_model.get_hookimpls():
+        raise InvalidInput(
+            f"family '{spec.name}' cannot be sharded across {group.size()} processes: it does "
+            "not implement turbospark_shard_model; run it in one process (no mlx.launch -n N)"
+        )
+    if session_dir is not None:
+        raise InvalidInput(
+            "session_dir with a group of processes: each process holds only its shard of a "
+            "session, and the disk tier's files hold whole ones; drop --session-dir, or run "
+            "replicas instead (docs/SCALING.md)"
+        )
+
+
+def _check_disk_options(
+    spec: FamilySpec, slots: int, session_dir: str | Path | None, max_bytes: int | None
+) -> None:
+    if session_dir is None:
+        if max_bytes is not None:
+            raise InvalidInput(
+                "max_session_disk_bytes bounds the session_dir; pass session_dir too"
+            )
+        return
+    if slots < 2:
+        raise InvalidInput(
+            f"session_dir extends the session pool, but session_slots is {slots}; "
+            "use session_slots 2 or more"
+        )
+    if max_bytes is not None and max_bytes < 0:
+        raise InvalidInput(f"max_session_disk_bytes must be 0 or more, got {max_bytes}")
+    unsaved = [c.name for c in spec.components if not c.persistable]
+    if unsaved:
+        raise SessionPoolUnsupported(
+            f"session_dir needs every state component of family '{spec.name}' to be "
+            f"persistable, but {', '.join(unsaved)} cannot be written (see {spec.state_source})"
+        )
+
+
+def _check_mtp(spec: FamilySpec, pm: pluggy.PluginManager, path: Path, manifest: Manifest) -> None:
+    """``DraftPolicies.mtp`` needs a family with an MTP head (both optional hooks)
+    and a checkpoint that carries its weights; checked before any weight is read."""
+    if not has_mtp_hooks(pm):
+        raise InvalidInput(
+            f"DraftPolicies.mtp: family '{spec.name}' has no multi-token-prediction head "
+            "(hooks turbospark_mtp_head and turbospark_forward_with_hidden); use "
+            "DraftPolicies.ngram() or off()"
+        )
+    if not any(name.startswith("mtp.") for name in tensor_names(path, manifest)):
+        raise InvalidInput(
+            f"DraftPolicies.mtp: the install at {path} carries no mtp.* weights (the "
+            "checkpoint's multi-token-prediction head); use DraftPolicies.ngram() or off()"
+        )
+
+
+def has_mtp_hooks(pm: pluggy.PluginManager) -> bool:
+    """Whether the family implements both hooks ``DraftPolicies.mtp`` drafts through."""
+    hook = pm.hook
+    return bool(
+        hook.turbospark_mtp_head.get_hookimpls()
+        and hook.turbospark_forward_with_hidden.get_hookimpls()
+    )
+
+
+def check_rollback(spec: FamilySpec, mode: str) -> None:
+    """Drafting needs every component to drop rejected tokens: rewind, or trace."""
+    stuck = [c.name for c in spec.components if c.rewindable is False and not c.traceable]
+    if stuck:
+        raise InvalidInput(
+            f"the {mode!r} draft policy needs every state component of family "
+            f"'{spec.name}' to roll back a rejected draft, but {', '.join(stuck)} can neither "
+            f"rewind nor trace (see {spec.state_source}); use DraftPolicies.off()"
+        )
+
+
+def _check_pool_capability(spec: FamilySpec, swappable: list[str], slots: int) -> None:
+    missing = [c.name for c in spec.components if c.name not in swappable]
+    if missing:
+        raise SessionPoolUnsupported(
+            f"--session-slots {slots} needs every state component of family '{spec.name}' to be "
+            f"swappable, but {', '.join(missing)} cannot be parked (see {spec.state_source}); "
+            "run with --session-slots 1"
+        )
+
+
+def _split_lazy(tokens: Sequence[int | mx.array]) -> tuple[mx.array | None, list[int]]:
+    """``(lazy first id or None, the read ids after it)``; a lazy id anywhere
+    but first is refused before anything is fed (only the confirmed token can
+    still be computing when a forward is queued)."""
+    lazy = tokens[0] if tokens and isinstance(tokens[0], mx.array) else None
+    known = list(tokens if lazy is None else tokens[1:])
+    if any(isinstance(t, mx.array) for t in known):
+        raise InvalidInput(
+            "only the first token fed may be a lazy (unread) id; read the others first"
+        )
+    return lazy, known  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""CUDA kernels for MLX's CUDA backend, each behind the portable layer that picks it."""

@@ -1,0 +1,354 @@
+"""One-query attention (a decode step) as two CUDA kernels, on MLX's CUDA backend.
+
+MLX 0.32's CUDA backend has no fused kernel for a decode step's attention, so
+:func:`~turbospark.layers.attention.decode_attention` spends three launches a
+layer on it: the scores' matmul, a softmax and the values' matmul. Both
+matmuls go through cuBLAS, which MLX captures into a CUDA graph one call at a
+time (the largest host cost of a step after the graph launches themselves:
+bench/README's sixteenth-session trace), and on a long context the values'
+product runs as a split-N GEMM at 71 µs a call, where the bytes it reads take
+a microsecond or two (the eleventh session's trace: 14 % of gemma4's device
+time).
+
+Here the keys are split into chunks of :data:`CHUNK` (flash decoding):
+
+- :func:`decode`'s first kernel gives each block one row's key/value head
+  and one chunk. Its warps walk the chunk's keys with every query head of
+  that group held in registers (float32, scaled), keep an online softmax (the
+  running max, the sum of weights, the weighted values), and merge their
+  partial results through shared memory into one per head and chunk.
+- the second merges a head's chunks (one block a head, its threads spread
+  over the value columns and the chunks) and rounds once, to the queries'
+  dtype.
+
+Every sum is float32, so the result is the reference's math
+(:func:`~turbospark.layers.attention.decode_attention`: scores and weights
+rounded to the activations' dtype between its three kernels) without those
+roundings.
+
+The kernels take a :class:`~turbospark.state.kv.LayerKV`'s whole buffers and the
+rows the query attends over as an int32 pair on the device (:class:`Rows`),
+not the buffers sliced to those rows: every step's slice has a new shape, and
+a custom kernel called outside a trace costs its own host time (MLX builds
+its whole source on each call), so :data:`decode_step` is traced once per
+buffer size and replayed (Gemma 4's layers call :func:`decode` inside traces
+of their own, which hold the rest of the layer too). Chunks past the last row hold no key and cost a
+block that exits. Only a lone row's step takes them; a batch's steps (left
+padding, a mask) keep the matmul form.
+
+``tests/test_attention_cuda.py`` checks the kernels against attention in
+float64 on a GPU. On the CPU a decode step keeps MLX's op; there
+:func:`decode_ops`, the contract in ops, stands in for the kernels, so the
+tests check how the layers hand them a cache's buffers and rows
+(``tests/test_attention_kernel_path.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+
+from turbospark.layers import fused
+from turbospark.layers.cuda import reduce as reduce_cuda
+
+# TURBOSPARK_ATTENTION_KERNEL=0 keeps the matmul form on CUDA too (the
+# benchmarks' A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
+ENABLED = os.environ.get("TURBOSPARK_ATTENTION_KERNEL", "1") != "0"
+CHUNK = 32  # keys a block: a 2k context over two key/value heads is 128 blocks
+WARPS = 4  # warps a block; each takes every WARPS-th key of the chunk
+# Registers a lane holds for the group's queries and their running outputs
+# (G * (D + Dv) / 32 floats); past this the kernel would spill, so the matmul
+# form takes the shape (G = 8 query heads a key head at D = Dv = 256 is 128).
+MAX_REGISTERS = 160
+SHARED_FLOATS = 8192  # 32 KiB of float32 partial outputs a block (G * Dv * warps)
+MERGE_THREADS = 1024  # threads a merge block: its value columns, times the groups that fit
+
+# Inputs: queries (B, KVH * G, 1, D); keys (B, KVH, N, D) and values (B, KVH, N,
+# DV), a cache's whole buffers, each read through its strides; rows (2,) int32,
+# the buffer rows [start, stop) the query attends over. Outputs, float32, for
+# S = ceil(N / CHUNK) chunks of rows start.. (those past stop hold no key):
+# partial_out (B, KVH * G, S, DV), each chunk's softmax-weighted values not yet
+# divided by their weights' sum, and partial_stats (B, KVH * G, S, 2), the
+# chunk's max score and the sum of its weights relative to that max (-inf and
+# 0 for a chunk with no key).
+_PARTIAL = """
+    constexpr int ND = (D + 31) / 32;
+    constexpr int NV = (DV + 31) / 32;
+    __shared__ float s_max[NW][G];
+    __shared__ float s_sum[NW][G];
+    __shared__ float s_out[NW][G][DV];
+    const int kv_heads = keys_shape[1];
+    const int splits = (keys_shape[2] + CHUNK - 1) / CHUNK;
+    const int split = blockIdx.x % splits;
+    const int first = rows[0] + split * CHUNK;
+    const int end = min(rows[1], first + CHUNK);
+    const int kvh = (blockIdx.x / splits) % kv_heads;
+    const int b = blockIdx.x / splits / kv_heads;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    float q[G][ND];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const T* row = queries + b * queries_strides[0] + (kvh * G + g) * queries_strides[1];
+#pragma unroll
+        for (int i = 0; i < ND; ++i) {
+            const int j = lane + 32 * i;
+            q[g][i] = j < D ? static_cast<float>(row[j * queries_strides[3]]) * SCALE : 0.0f;
+        }
+    }
+    float m[G], l[G], acc[G][NV];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) acc[g][i] = 0.0f;
+    }
+    const T* key_head = keys + b * keys_strides[0] + kvh * keys_strides[1];
+    const T* value_head = values + b * values_strides[0] + kvh * values_strides[1];
+    for (int t = first + warp; t < end; t += NW) {
+        const T* key = key_head + t * keys_strides[2];
+        float k[ND];
+#pragma unroll
+        for (int i = 0; i < ND; ++i) {
+            const int j = lane + 32 * i;
+            k[i] = j < D ? static_cast<float>(key[j * keys_strides[3]]) : 0.0f;
+        }
+        const T* value = value_head + t * values_strides[2];
+        float v[NV];
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int j = lane + 32 * i;
+            v[i] = j < DV ? static_cast<float>(value[j * values_strides[3]]) : 0.0f;
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ND; ++i) dot += q[g][i] * k[i];
+            const float score = warp_sum(dot);
+            const float top = fmaxf(m[g], score);
+            const float rescale = expf(m[g] - top);  // 0 for the first key (m = -infinity)
+            const float weight = expf(score - top);
+            l[g] = l[g] * rescale + weight;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) acc[g][i] = acc[g][i] * rescale + weight * v[i];
+            m[g] = top;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) {
+            s_max[warp][g] = m[g];
+            s_sum[warp][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int j = lane + 32 * i;
+            if (j < DV) s_out[warp][g][j] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * DV; idx += NW * 32) {
+        const int g = idx / DV;
+        const int d = idx % DV;
+        float top = NEG_INF;
+        for (int w = 0; w < NW; ++w) top = fmaxf(top, s_max[w][g]);
+        float total = 0.0f, out = 0.0f;
+        if (top != NEG_INF) {
+            for (int w = 0; w < NW; ++w) {
+                const float weight = expf(s_max[w][g] - top);
+                total += s_sum[w][g] * weight;
+                out += s_out[w][g][d] * weight;
+            }
+        }
+        const size_t at = (static_cast<size_t>(b * kv_heads + kvh) * G + g) * splits + split;
+        partial_out[at * DV + d] = out;
+        if (d == 0) {
+            partial_stats[2 * at] = top;
+            partial_stats[2 * at + 1] = total;
+        }
+    }
+"""
+
+# Inputs: partial_out and partial_stats as the first kernel wrote them. Output:
+# out (B, H, 1, DV) in T. One block a (row, head) of GROUPS * DVP threads (DVP:
+# DV rounded up to a warp). The chunks' max score and weights' sum are shared
+# out over every thread and reduced across the block; the weighted outputs,
+# one thread a value column, over GROUPS groups of threads, each summing every
+# GROUPS-th chunk, then across the groups through shared memory. Each thread's
+# loads are independent, so they overlap: at 68 chunks a call takes 5.3-7.4 us
+# on the H200, where one thread a column walking every chunk in turn took 18
+# (bench/README.md, twenty-third session).
+_MERGE = """
+    constexpr int THREADS = GROUPS * DVP;
+    __shared__ float scratch[THREADS / 32];
+    __shared__ float partial[GROUPS][DVP];
+    const int splits = partial_out_shape[2];
+    const int head = blockIdx.x;  // b * H + h
+    const int d = threadIdx.x % DVP;
+    const int group = threadIdx.x / DVP;
+    const float* stats = partial_stats + static_cast<size_t>(head) * splits * 2;
+    float top = NEG_INF;
+    for (int s = threadIdx.x; s < splits; s += THREADS) top = fmaxf(top, stats[2 * s]);
+    top = block_reduce<THREADS, true>(top, scratch);
+    // A chunk with no key (past the last row: its max is -infinity) weighs 0.
+    float total = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += THREADS) {
+        const float l = stats[2 * s + 1];
+        total += l == 0.0f ? 0.0f : l * expf(stats[2 * s] - top);
+    }
+    total = block_reduce<THREADS, false>(total, scratch);
+    float sum = 0.0f;
+    if (d < DV) {
+        const float* column = partial_out + static_cast<size_t>(head) * splits * DV + d;
+#pragma unroll 8
+        for (int s = group; s < splits; s += GROUPS) {
+            const float l = stats[2 * s + 1];
+            const float weight = l == 0.0f ? 0.0f : expf(stats[2 * s] - top);
+            sum += column[static_cast<size_t>(s) * DV] * weight;
+        }
+    }
+    partial[group][d] = sum;
+    __syncthreads();
+    if (group == 0 && d < DV) {
+        for (int g = 1; g < GROUPS; ++g) sum += partial[g][d];
+        out[static_cast<size_t>(head) * DV + d] = static_cast<T>(sum / total);
+    }
+"""
+
+
+def available() -> bool:
+    """True where a decode step's attention takes these kernels (:func:`~turbospark.layers.fused.takes_cuda_kernels`)."""
+    return fused.takes_cuda_kernels(ENABLED)
+
+
+def warps(group: int, value_dim: int) -> int:
+    """Warps a block: :data:`WARPS`, fewer where their partial outputs would
+    not fit :data:`SHARED_FLOATS` of shared memory."""
+    n = WARPS
+    while n > 1 and n * group * value_dim > SHARED_FLOATS:
+        n //= 2
+    return n
+
+
+def fits(group: int, dim: int, value_dim: int) -> bool:
+    """Whether the kernels take this shape: a lane's queries and outputs fit
+    :data:`MAX_REGISTERS`, and one warp's partial outputs fit shared memory."""
+    lanes = (dim + 31) // 32 + (value_dim + 31) // 32
+    return group * lanes <= MAX_REGISTERS and group * value_dim <= SHARED_FLOATS
+
+
+def takes_shape(group: int, dim: int, value_dim: int) -> bool:
+    """Whether a lone row's decode step over heads of this shape takes the
+    kernels: :func:`available` and :func:`fits`."""
+    return available() and fits(group, dim, value_dim)
+
+
+@functools.cache
+def _partial_kernel(scale: float) -> object:
+    literal = repr(float(scale))
+    suffix = "s" + literal.replace(".", "p").replace("-", "m")
+    return mx.fast.cuda_kernel(
+        # MLX caches a kernel by its name and template: the scale, a literal, is in the name.
+        name=f"turbospark_decode_attention_{suffix}",
+        input_names=["queries", "keys", "values", "rows"],
+        output_names=["partial_out", "partial_stats"],
+        source=f"    constexpr float SCALE = {literal}f;\n" + _PARTIAL,
+        header=reduce_cuda.HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+@functools.cache
+def _merge_kernel() -> object:
+    return mx.fast.cuda_kernel(
+        name="turbospark_decode_attention_merge",
+        input_names=["partial_out", "partial_stats"],
+        output_names=["out"],
+        source=_MERGE,
+        header=reduce_cuda.HEADER,
+    )
+
+
+class Rows:
+    """The buffer rows ``[start, stop)`` a decode step's query attends over,
+    as :meth:`~turbospark.state.kv.LayerKV.update` gives them, on the device:
+    the kernels' bounds, so a trace over a cache's whole buffers serves every
+    position until the buffers grow. Stands where attention's mask goes in
+    what a layer attended (KV-shared layers attend over the same)."""
+
+    def __init__(self, start: int, stop: int):
+        # Two int32, eight bytes: MLX's CUDA allocator serves that from its
+        # small pool; a larger array made on the host each step reuses a
+        # buffer the GPU last touched, and writing it migrates the page back
+        # (a third element cost a gemma4 step 8 x 138 µs on the H200).
+        self.bounds = mx.array([start, stop], dtype=mx.int32)
+
+
+def decode(
+    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+) -> mx.array:
+    """``(B, heads, 1, Dv)``: the attention of one query a row ``(B, heads,
+    1, D)`` over rows ``rows[0]:rows[1]`` (an int32 pair on the device) of
+    the buffers ``(B, kv_heads, N, D)`` and ``(B, kv_heads, N, Dv)`` (the
+    module docstring). Callers check :func:`available` and :func:`fits`."""
+    batch, heads, _, dim = queries.shape
+    _, kv_heads, capacity, value_dim = values.shape
+    group = heads // kv_heads
+    splits = -(-capacity // CHUNK)
+    n_warps = warps(group, value_dim)
+    partial_out, partial_stats = _partial_kernel(scale)(
+        inputs=[queries, keys, values, rows],
+        # The dtype is in the kernel's name (its cache key), not only in its signature.
+        template=[
+            ("D", dim),
+            ("DV", value_dim),
+            ("G", group),
+            ("NW", n_warps),
+            ("CHUNK", CHUNK),
+            ("T", queries.dtype),
+        ],
+        grid=(batch * kv_heads * splits * n_warps * 32, 1, 1),
+        threadgroup=(n_warps * 32, 1, 1),
+        output_shapes=[(batch, heads, splits, value_dim), (batch, heads, splits, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    column_threads = -(-value_dim // 32) * 32
+    groups = max(1, MERGE_THREADS // column_threads)
+    threads = groups * column_threads
+    (out,) = _merge_kernel()(
+        inputs=[partial_out, partial_stats],
+        template=[
+            ("DV", value_dim),
+            ("DVP", column_threads),
+            ("GROUPS", groups),
+            ("T", queries.dtype),
+        ],
+        grid=(batch * heads * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(batch, heads, 1, value_dim)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+def decode_ops(
+    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+) -> mx.array:
+    """:func:`decode`'s contract in MLX ops (MLX's attention over the whole
+    buffers, masked to the rows *rows* names): the CPU tests' stand-in for
+    the kernels (``tests/test_attention_kernel_path.py``). Reads *rows* on
+    the device, as the kernels do, so it traces as they do."""
+    index = mx.arange(keys.shape[2])
+    visible = (index >= rows[0]) & (index < rows[1])
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=visible)
+
+
+# Traced once per buffer size (a cache grows 256 rows at a time), then replayed:
+# MLX builds a custom kernel's whole source on every eager call, which cost a
+# gemma4 step 300 µs of host time over its 16 layers on the H200 (bench/README,
+# eighteenth session), more than the launches it saved.
+decode_step = mx.compile(decode)

@@ -1,0 +1,1 @@
+"""From a directory to a model: plugin discovery, the install format, importing checkpoints, synthetic installs."""

@@ -1,0 +1,461 @@
+"""The server's one service over the runner: admission, deadlines, the engine's thread, and what every route shares.
+
+Each route module (``chat.py``, ``anthropic.py``, ``responses.py``, ``embeddings.py``,
+``sessions.py``, ``gateway.py``) reads the :class:`Service` from ``request.app.state``;
+``app.py`` assembles them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import sys
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from turbospark.errors import TurbosparkError
+from turbospark.generation.engine import Engine
+from turbospark.generation.generate import (
+    Chunk,
+    Completion,
+    check_prompt,
+    collect,
+    encode_prompt,
+)
+from turbospark.generation.logits_processors import Grammar, GrammarCompiler
+from turbospark.generation.runner import Runner
+from turbospark.policies.steering import SteeringPolicy
+from turbospark.server.bridge import LoopBridge
+from turbospark.server.draws import Draw, draws, leads
+from turbospark.server.errors import (
+    APIError,
+    ClientGone,
+    refusal,
+    validation_error,
+)
+from turbospark.server.limits import (
+    DEADLINE_KEY,
+    Admission,
+    Deadline,
+    Ticket,
+    read_body,
+)
+from turbospark.server.prompt_bound import PromptBound
+from turbospark.server.schemas import (
+    BaseRequest,
+    ChatCompletionRequest,
+    Message,
+    ResponseFormat,
+)
+from turbospark.server.settings import ServerLimits
+from turbospark.server.tools import (
+    Tool,
+    ToolSyntax,
+    check_choice,
+)
+from turbospark.server.worker import RunnerWorker
+from turbospark.text import TextCodec
+
+R = TypeVar("R", bound=BaseModel)  # every request body has a ``model``
+
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
+GIL_SWITCH_INTERVAL_S = 0.0005  # see Service.start: the runner thread gets the GIL back fast
+
+
+class Service:
+    """One runner, its text codec, the worker thread that owns them, the engine
+    that batches their requests (:mod:`turbospark.generation.engine`), and the limits.
+
+    Prompts are rendered and tokenized on a small pool of their own, neither on
+    the event loop (every other request would wait) nor on the runner thread
+    (generation would wait); ``TextCodec.encode`` releases the GIL meanwhile.
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        codec: TextCodec,
+        *,
+        model_id: str,
+        chunk_size: int,
+        default_max_tokens: int | None,
+        worker: RunnerWorker,
+        limits: ServerLimits,
+        engine: Engine,
+    ) -> None:
+        self.runner = runner
+        self.codec = codec
+        self.model_id = model_id
+        self.chunk_size = chunk_size
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+        self.worker = worker
+        self.limits = limits
+        self.admission = Admission(limits.max_queue)
+        self.bound = PromptBound.of(codec.tokenizer)
+        self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turbospark-text")
+        self.engine = engine
+        self._loop_bridge: LoopBridge | None = None
+        self._switch_interval = sys.getswitchinterval()
+        self._stop = threading.Event()
+        self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
+        self._grammar_lock = threading.Lock()
+        self.tool_syntax = ToolSyntax.of(codec.chat_template)  # how this template calls tools
+
+    def start(self, warm_up: list[int] | None) -> None:
+        """Warm up (when given prompt ids), then run the engine's loop on the
+        runner thread until :meth:`stop`. Requests queue meanwhile."""
+        self._stop.clear()
+        self.engine.warming = warm_up is not None
+        # The runner thread drops the GIL while it waits for a step's ids; the
+        # event loop then formats every row's chunk. Python hands the GIL back
+        # only after a switch interval (5 ms by default), which a 16-row step
+        # paid every step. A short one lets the runner queue the next step as
+        # soon as the ids are in.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+        def loop() -> None:
+            if warm_up is not None:
+                self.engine.warm_up(warm_up)
+            self.engine.run(self._stop)
+
+        self.worker.submit(loop)
+
+    def stop(self) -> None:
+        """SIGTERM ends up here: stop the loop, write every warm session to the
+        disk tier (when there is one), then let the runner thread go."""
+        self._stop.set()
+        self.engine.wake()
+        self.text_pool.shutdown(wait=True, cancel_futures=True)
+        self.worker.run(self.runner.close)
+        self.worker.shutdown()
+        sys.setswitchinterval(self._switch_interval)
+
+    async def response_grammar(
+        self,
+        response_format: ResponseFormat | None,
+        deadline: Deadline,
+        forced_call: str | None = None,
+    ) -> Callable[[], Grammar] | None:
+        """A factory of per-row grammar constraints for *response_format* (or a
+        forced tool call's Lark grammar), the grammar checked on the text pool:
+        one that cannot compile is a 400 naming its parameter."""
+        if forced_call is not None:
+            param, source = "tools", forced_call
+        elif response_format is None or response_format.type == "text":
+            return None
+        else:
+            spec = response_format.json_schema
+            param, source = "response_format", spec.schema_ if spec is not None else None
+
+        def compile_() -> Callable[[], Grammar]:
+            compiler = self._grammar_compiler()
+            try:
+                grammar = source if isinstance(source, str) else compiler.json_schema(source)
+                grammar = compiler.check(grammar, param)
+            except (TurbosparkError, ValueError) as exc:
+                raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+            return functools.partial(compiler.processor, grammar)
+
+        future = asyncio.get_running_loop().run_in_executor(self.text_pool, compile_)
+        return await deadline.run(future, "while the grammar was compiled")
+
+    async def chat_draws(
+        self, body: ChatCompletionRequest, deadline: Deadline
+    ) -> tuple[list[Draw], ToolSyntax | None]:
+        """A chat request's draws (its prompt rendered with its tools, a forced
+        call's grammar) and, when tool calls are parsed out of the replies, the
+        install's tool syntax bound to the request's tools (their parameter
+        types). The Anthropic and Responses endpoints translate into this request."""
+        why = check_choice(body.tools, body.tool_choice)
+        if why is not None:
+            raise APIError(400, why, param="tool_choice", code="invalid_value")
+        calling = bool(body.tools) and body.tool_choice != "none"
+        syntax = self.tool_syntax.bound(body.tools or [])
+        try:
+            forced = syntax.forced(body.tools or [], body.tool_choice) if calling else None
+        except ValueError as exc:  # a schema the forcing grammar cannot follow
+            raise APIError(400, str(exc), param="tools", code="invalid_value") from exc
+        if forced is not None and body.response_format is not None:
+            raise APIError(
+                400,
+                "response_format cannot be combined with a forced tool_choice",
+                param="response_format",
+                code="invalid_value",
+            )
+        ids = await self.prompt_ids(body.messages, deadline, body.tools)
+        grammar = await self.response_grammar(body.response_format, deadline, forced)
+        config = body.generation_config(
+            self.chunk_size, self.default_max_tokens, self.steering_of(body)
+        )
+        choices = draws(
+            [ids],
+            body,
+            config,
+            vocab_size=self.codec.vocab_size,
+            top_logprobs=body.kept_logprobs,
+            grammar=grammar,
+        )
+        return choices, syntax if calling else None
+
+    def steering_of(self, body: BaseRequest) -> SteeringPolicy | None:
+        """The request's steering: the served setting (None), or its override of
+        it, checked against the model here so a bad one is a 400 before queueing."""
+        override = body.turbospark.steering if body.turbospark else None
+        if override is None:
+            return None
+        if self.runner.group is not None:  # its directions would have to reach every rank
+            raise APIError(
+                400,
+                "per-request steering is not carried between ranks under --distributed; start "
+                "every rank with --steering instead",
+                param="turbospark.steering",
+                code="unsupported",
+            )
+        if override.mode == "off":
+            return SteeringPolicy.off()
+        try:
+            steering = self.runner.steering.with_settings(
+                override.scale, override.mode, override.layers
+            )
+            spec, arch = self.runner.family, self.runner.arch
+            steering.check_model(
+                spec.name, spec.steerable, arch.hidden_size, arch.num_hidden_layers
+            )
+        except TurbosparkError as exc:
+            raise refusal(exc, "turbospark.steering") from None
+        return steering
+
+    async def run(self, request: Request, handler: Callable[..., Any], model: type[R]) -> Response:
+        """Parse *model* within the request's deadline, take a queue place, and
+        hand both to ``handler(service, body, deadline, ticket, request)``."""
+        deadline = self.deadline(request)
+        body = await self.parse(request, model, deadline)
+        with self.admission.admit() as ticket:
+            return await handler(self, body, deadline, ticket, request)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(
+                    self.codec.tokenizer.to_str(), self.codec.eos_token_ids
+                )
+            return self._grammar
+
+    def deadline(self, request: Request | None = None) -> Deadline:
+        """*request*'s deadline, started by ``SendDeadline`` as it arrived (a new
+        one when called outside a request)."""
+        if request is not None and DEADLINE_KEY in request.scope:
+            return request.scope[DEADLINE_KEY]
+        return Deadline(self.limits.request_timeout)
+
+    async def parse(self, request: Request, model: type[R], deadline: Deadline) -> R:
+        raw = await deadline.run(
+            read_body(request, self.limits.max_request_bytes), "while the body was sent", 408
+        )
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # bad JSON or UTF-8, or an integer past Python's digit limit
+            raise APIError(
+                400, f"the request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        except RecursionError:
+            raise APIError(
+                400, "the request body is nested too deeply to parse", code="invalid_json"
+            ) from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+        asked = getattr(parsed, "model", None)
+        if asked != self.model_id:
+            raise APIError(
+                404,
+                f"the model '{asked}' does not exist; this server serves "
+                f"'{self.model_id}' (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        return parsed
+
+    async def prompt_ids(
+        self,
+        prompt: list[Message] | str | list[int],
+        deadline: Deadline,
+        tools: list[Tool] | None = None,
+    ) -> list[int]:
+        """The prompt's ids, checked, rendered and tokenized on the text pool."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            work = functools.partial(self._completion_ids, prompt)
+        else:
+            work = functools.partial(self._chat_ids, prompt, tools)
+        future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+        return await deadline.run(future, "while the prompt was tokenized")
+
+    def _chat_ids(self, messages: list[Message], tools: list[Tool] | None) -> list[int]:
+        extra: dict[str, Any] = {}
+        if tools:
+            if "tools" not in (self.codec.chat_template or ""):
+                raise APIError(
+                    400,
+                    "tools are not supported by this install: its chat template does not "
+                    "render them",
+                    param="tools",
+                    code="invalid_value",
+                )
+            extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
+        try:
+            text = self.codec.apply_chat_template([m.template_dict() for m in messages], **extra)
+        except TurbosparkError as exc:
+            raise refusal(exc, "messages") from exc
+        self._fits(len(text), "messages")
+        return self._checked(self.codec.encode(text), "messages")
+
+    def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            self._fits(len(prompt), "prompt")
+        return self._checked(encode_prompt(self.codec, prompt), "prompt")
+
+    def _fits(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit the context (prompt_bound.py)."""
+        least = self.bound.min_tokens(chars)
+        if least > self.runner.context_length:
+            raise APIError(
+                400,
+                f"the prompt is {chars} characters, so at least {least} tokens "
+                f"({self.bound.why}), but the context length is {self.runner.context_length}; "
+                "shorten the prompt or serve with a larger --context-length",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
+        """Validate a prompt, refusing it as a 4xx before the runner sees it."""
+        try:
+            check_prompt(self.runner, ids)
+        except TurbosparkError as exc:
+            raise refusal(exc, param) from exc
+        return ids
+
+    def _bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
+        """The one bridge to *loop* (one wake-up per engine step for all its requests)."""
+        if self._loop_bridge is None or self._loop_bridge.loop is not loop:
+            self._loop_bridge = LoopBridge(loop)
+        return self._loop_bridge
+
+    async def chunks(
+        self, draws: list[Draw], deadline: Deadline
+    ) -> AsyncIterator[tuple[int, Chunk]]:
+        """Each draw's chunks, tagged with its index, one at a time (:meth:`chunk_batches`)."""
+        async with contextlib.aclosing(self.chunk_batches(draws, deadline)) as batches:
+            async for batch in batches:
+                for pair in batch:
+                    yield pair
+
+    async def chunk_batches(
+        self, draws: list[Draw], deadline: Deadline
+    ) -> AsyncIterator[list[tuple[int, Chunk]]]:
+        """Each draw's chunks, tagged with its index, as the engine produces them,
+        within the deadline: every chunk queued by the time the consumer asks,
+        in order, so a stream that fell behind the engine catches up in one
+        write. The draws are rows of the engine's batch. When the consumer
+        stops (a client that left, the deadline, a draw that failed) every draw
+        is cancelled: its row is freed at the engine's next step, and one given
+        up while still queued never starts."""
+        bridge = self._bridge(asyncio.get_running_loop())
+        queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
+
+        def emitter(index: int) -> Callable[[Chunk | Exception], None]:
+            return lambda item: bridge.put(queue, (index, item))
+
+        jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
+        for job in leads(jobs):  # one prefill per prompt, its other choices forked
+            self.engine.submit(job)
+        running = len(jobs)
+        # One timer for the whole generation puts the deadline's error in the
+        # queue, instead of a timeout armed around every chunk's wait.
+        remaining = deadline.remaining()
+        timer = None
+        if remaining is not None:
+            overdue = deadline.error("while generating")
+            timer = asyncio.get_running_loop().call_later(
+                remaining, queue.put_nowait, (-1, overdue)
+            )
+        try:
+            while running:
+                if deadline.expired:  # chunks queued ahead of the timer's error
+                    raise deadline.error("while generating")
+                batch: list[tuple[int, Chunk]] = []
+                failed: Exception | None = None
+                pair = await queue.get()
+                while True:
+                    index, item = pair
+                    if isinstance(item, Exception):
+                        failed = item
+                        break
+                    batch.append((index, item))
+                    if item.finish_reason is not None:
+                        running -= 1
+                    if not running or queue.empty():
+                        break
+                    pair = queue.get_nowait()
+                if batch:
+                    yield batch
+                if failed is not None:
+                    raise failed
+        finally:
+            if timer is not None:
+                timer.cancel()
+            for job in jobs:
+                job.cancelled.set()
+            self.engine.wake()
+
+    async def complete(
+        self, draws: list[Draw], deadline: Deadline, request: Request
+    ) -> list[Completion]:
+        """Every draw's whole completion; a client that hangs up meanwhile frees the rows."""
+
+        async def gather() -> list[Completion]:
+            parts: list[list[Chunk]] = [[] for _ in draws]
+            async for index, chunk in self.chunks(draws, deadline):
+                parts[index].append(chunk)
+            return [collect(chunks) for chunks in parts]
+
+        task = asyncio.ensure_future(gather())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # closes the stream: the engine drops the rows next step
+                raise ClientGone
+        return task.result()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that holds its request's queue place until it ends,
+    however it ends (finished, failed, cancelled by a disconnect, or abandoned
+    with a client that stopped reading): then its events' generator is closed,
+    which cancels the generation at the engine's next step."""
+
+    def __init__(self, events: AsyncGenerator[str, None], ticket: Ticket) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.events = events
+        self.ticket = ticket
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
+            await self.events.aclose()
