@@ -197,7 +197,7 @@ def test_a_steps_host_made_arrays_fit_the_small_pool(
     offset, the rows attended, the row written) is at most eight bytes:
     MLX's CUDA allocator serves that from its small pool, while a larger
     array reuses a buffer the GPU last used and its write migrates the page
-    back (138 µs an array on the H200: bench/README, twentieth session)."""
+    back (138 µs an array on the H200)."""
     if "gemma4" not in install.name:
         pytest.skip("the layer step is Gemma 4's")
     _path(monkeypatch, True)

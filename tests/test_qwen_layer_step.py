@@ -242,8 +242,8 @@ def test_a_steps_host_made_arrays_fit_the_small_pool(
 ) -> None:
     """What an attention layer's step takes from the host each step (the RoPE
     offset, the rows attended, the row written) is at most
-    eight bytes: MLX's CUDA allocator serves that from its small pool
-    (bench/README, twentieth session)."""
+    eight bytes: MLX's CUDA allocator serves that from its small pool, so no
+    write migrates a page the GPU last used back to the host."""
     _kernels(monkeypatch, True)
     sizes = host_made_sizes(monkeypatch, model, "attention_step")
     runner = _open(install)

@@ -1,4 +1,4 @@
-"""Runner-level behaviour beyond the seed: exact resumes, checkpoints, every reason.
+"""Runner-level behaviour past the seed scenarios: exact resumes, checkpoints, every reason.
 
 Logits equality between two paths (parked-and-resumed vs uninterrupted,
 chunked vs sequential) is the main check: it fails on any cross-talk.
@@ -288,8 +288,8 @@ def test_an_impossible_lazy_id_on_a_gdn_session_is_undone_not_lost(qwen_gdn_inst
 
 
 def test_restore_brings_its_own_checkpoints_not_the_last_conversations(qwen_gdn_install):
-    """Issue 11's cross-talk: restoring B after A had taken a checkpoint must
-    never resume B from A's recurrent state."""
+    """Cross-talk through checkpoints: restoring B after A had taken a
+    checkpoint must never resume B from A's recurrent state."""
     runner = open_runner(qwen_gdn_install, 1)
     b = [1, 3, *range(40, 78)]  # 40 tokens
     runner.prefill_chunk(b, 0)
@@ -333,7 +333,7 @@ def test_restore_keeps_the_snapshots_checkpoints(qwen_gdn_install):
 
 @pytest.mark.parametrize("slots", [2, 4])
 def test_a_shallow_match_on_a_parked_session_leaves_it_intact(gemma4_install, slots):
-    """Issue 11: a new conversation matching a parked one's first 3 of 12 tokens
+    """A new conversation matching a parked one's first 3 of 12 tokens
     takes that opening by reference; the parked conversation later resumes whole."""
     runner = open_runner(gemma4_install, slots)
     parked = [1, 3, 7, *range(40, 49)]  # 12 tokens

@@ -1,4 +1,4 @@
-"""The disk tier (issue 11): sessions evicted from memory, flushed and restarted
+"""The disk tier: sessions evicted from memory, flushed and restarted
 are found again and resume exactly; untrustworthy files are refused, moved
 aside and never served; the directory stays within its bound."""
 

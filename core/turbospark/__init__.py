@@ -26,20 +26,32 @@ if TYPE_CHECKING:
         TurbosparkError,
         VisionMapError,
     )
+    from turbospark.generation.engine import Engine, Job
+    from turbospark.generation.generate import (
+        Completion,
+        GenerationConfig,
+        generate,
+        stream_generate,
+    )
     from turbospark.generation.runner import Runner
     from turbospark.loading.install import build_synthetic_install, peek_manifest_arch
     from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
     from turbospark.sessions.reuse import ReuseReason, ReuseReport
+    from turbospark.text import TextCodec, load_text
 
 __all__ = [
     "ArchConfig",
+    "Completion",
     "ComponentSpec",
     "ContextOverflow",
     "DraftPolicies",
+    "Engine",
     "ExpertCacheSlots",
     "FamilySpec",
+    "GenerationConfig",
     "InstallError",
     "InvalidInput",
+    "Job",
     "MropePositions",
     "PluginError",
     "ReuseReason",
@@ -48,12 +60,16 @@ __all__ = [
     "Runner",
     "SessionPoolUnsupported",
     "SteeringPolicy",
+    "TextCodec",
     "TurbosparkError",
     "VisionInjection",
     "VisionMapError",
     "build_synthetic_install",
+    "generate",
     "hookimpl",
+    "load_text",
     "peek_manifest_arch",
+    "stream_generate",
 ]
 
 # The module defining each public name, imported when the name is first used.
@@ -72,7 +88,15 @@ _MODULES = {
     "turbospark.loading.install": ["build_synthetic_install", "peek_manifest_arch"],
     "turbospark.policies": ["DraftPolicies", "ExpertCacheSlots", "SteeringPolicy"],
     "turbospark.sessions.reuse": ["ReuseReason", "ReuseReport"],
+    "turbospark.generation.engine": ["Engine", "Job"],
+    "turbospark.generation.generate": [
+        "Completion",
+        "GenerationConfig",
+        "generate",
+        "stream_generate",
+    ],
     "turbospark.generation.runner": ["Runner"],
+    "turbospark.text": ["TextCodec", "load_text"],
     "turbospark.contract.vision": ["MropePositions", "VisionInjection"],
 }
 _SOURCES = {name: module for module, names in _MODULES.items() for name in names}

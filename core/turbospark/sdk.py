@@ -135,6 +135,7 @@ from turbospark.policies.steering import joiner
 from turbospark.state.components import (
     BatchedComponent,
     LayeredComponent,
+    LayerPart,
     Snapshot,
     State,
     StateComponent,
@@ -177,6 +178,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "StateComponent",
     "Snapshot",
     "LayeredComponent",
+    "LayerPart",
     "BatchedComponent",
     "state_position",
     "refuse_rewind",

@@ -30,9 +30,9 @@ DEFAULT_MAX_TOKENS = 2048
 DEFAULT_MAX_BATCH = 8
 # Prompt tokens prefilled per engine step, all waiting prompts together, as
 # mlx_lm.server's --prefill-step-size: prompts that arrive together go in
-# fewer, larger batched forwards. Against the old bound (the chunk size, 512)
-# it gave the same throughput within the spread, on the H200 and on the CPU,
-# and a lower TTFT p50 on the CPU (bench/README.md, run 10).
+# fewer, larger batched forwards. Against a bound of one chunk (512) it gives
+# the same throughput within the spread, on the H200 and on the CPU, and a
+# lower TTFT p50 on the CPU.
 DEFAULT_PREFILL_BUDGET = 2048
 
 

@@ -465,8 +465,8 @@ class Engine:
         that takes it while every row batched with it waits: a 16-client
         qwen_gdn server stalled 8-12 s in its first second turn when only the
         decode step had warmed the prefill's compiled pieces, and 14 s when
-        its groups were warmed but only at even lengths (bench/README.md,
-        fifteenth session). ``tests/test_engine.py`` checks that chat
+        its groups were warmed but only at even lengths (measured on the
+        H200). ``tests/test_engine.py`` checks that chat
         traffic runs no kind of forward this has not."""
         count = min(rows or self.max_batch, self.max_batch)
         short = ids[: min(len(ids), 8)]

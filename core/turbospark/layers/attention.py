@@ -91,7 +91,7 @@ def attend(
     and mask: tens of milliseconds, where the forward it serves takes about
     ten. A server's prefill shapes rarely repeat (every chunk's key count
     grows; every group's rows and lengths differ), so it paid that build on
-    almost every prefill (bench/prefill_cost.py, bench/README's "#10"). The
+    almost every prefill (``bench/prefill_cost.py`` measures it). The
     matmul form costs the same for a shape met before and one not. It holds
     the scores whole, so past :data:`MATMUL_SCORES` of them (a long prompt's
     chunk over a long context) the op's fused kernel, whose build the chunk's

@@ -4,8 +4,8 @@ A lone row's decode step on a GPU is bound by the host: building the step's
 graph in Python, then MLX encoding each kernel. A family whose layers run as
 modules pays several traced calls, eager ops and accessor lookups a layer;
 run as one traced call per layer, with the weights that call reads derived
-once and kept, the same kernels cost a fraction of the host time
-(bench/README.md, nineteenth to twenty-first sessions). Each family writes its
+once and kept, the same kernels cost a fraction of the host time (profiled
+on the H200). Each family writes its
 own layer functions; this module holds the pieces they would otherwise
 repeat:
 
@@ -101,8 +101,7 @@ def kept(
     their rows of the stack), and derived again when any link changed: a
     replaced module breaks its link as a replaced weight does. The modules'
     own accessors cost a step about 20 µs a layer of host time to look up
-    again, and checking one flat list of links about 2 (bench/README.md,
-    twentieth session)."""
+    again, and checking one flat list of links about 2 (on the H200)."""
     held = owner.__dict__.get("_step")
     if held is not None and all([holder[key] is value for holder, key, value in held[0]]):
         return held[1]

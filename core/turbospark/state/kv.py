@@ -18,7 +18,7 @@ retention (``window - 1 + headroom``) trims leading columns for all rows at
 once. RoPE takes the per-row positions as an offset array.
 
 Recurrent state (gated DeltaNet) needs no padding: its arrays are simply
-concatenated (see :class:`turbospark.layers.gated_delta.GDNComponent`).
+concatenated (see :class:`turbospark.layers.gated_delta.state.GDNComponent`).
 
 A component opts in with a ``merge(parts)`` classmethod returning a batched
 component that offers ``extend``, ``filter`` and ``extract``

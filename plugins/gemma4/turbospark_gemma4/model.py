@@ -639,8 +639,8 @@ class DecoderLayer(nn.Module):
         <turbospark.state.kv.LayerKV.write>`) at the row :meth:`LayerKV.claim
         <turbospark.state.kv.LayerKV.claim>` gave; a KV-shared layer's
         (:data:`shared_step`) writes nothing. The modules' path takes four
-        traced calls, four ops and their Python a layer (bench/README,
-        nineteenth and twentieth sessions). The kernels are the same. None
+        traced calls, four ops and their Python a layer, and a lone row's step
+        is bound by that host time. The kernels are the same. None
         where the step does not take this path (sharded, a shape the kernels
         do not take, a shared layer whose source did not, a cache not yet
         prefilled), with nothing changed: the caller runs the modules."""

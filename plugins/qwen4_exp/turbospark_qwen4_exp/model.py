@@ -5,7 +5,7 @@ One layer stack of two mixers, chosen by ``full_attention_interval`` (layer
 full-attention layers):
 
 - gated DeltaNet (``linear_attn.*``): the core
-  :class:`~turbospark.layers.gated_delta.GatedDeltaNet`, unchanged;
+  :class:`~turbospark.layers.gated_delta.layer.GatedDeltaNet`, unchanged;
 - query-sparse attention (``self_attn.*``): GQA with q/k RMSNorm and partial
   RoPE, plus a one-head indexer choosing which key blocks each query sees
   (:mod:`turbospark_qwen4_exp.qsa`).

@@ -3,7 +3,7 @@
 - ``kv``: one :class:`~turbospark.state.kv.LayerKV` per full-attention layer; it
   keeps every token, so it rewinds without limit.
 - ``gdn``: per linear layer, the conv tail and the float32 recurrent matrix
-  (:class:`~turbospark.layers.gated_delta.GDNComponent`). It can be parked and
+  (:class:`~turbospark.layers.gated_delta.state.GDNComponent`). It can be parked and
   snapshotted, but not rewound: the recurrence cannot be run backwards. A
   speculative verify pass traces it instead (its state after every token).
 """

@@ -4,11 +4,10 @@ MLX 0.32's CUDA backend has no fused kernel for a decode step's attention, so
 :func:`~turbospark.layers.attention.decode_attention` spends three launches a
 layer on it: the scores' matmul, a softmax and the values' matmul. Both
 matmuls go through cuBLAS, which MLX captures into a CUDA graph one call at a
-time (the largest host cost of a step after the graph launches themselves:
-bench/README's sixteenth-session trace), and on a long context the values'
-product runs as a split-N GEMM at 71 µs a call, where the bytes it reads take
-a microsecond or two (the eleventh session's trace: 14 % of gemma4's device
-time).
+time (in a profiler trace, the largest host cost of a step after the graph
+launches themselves), and on a long context the values' product runs as a
+split-N GEMM at 71 µs a call, where the bytes it reads take a microsecond or
+two (14 % of gemma4's device time in a trace on the H200).
 
 Here the keys are split into chunks of :data:`CHUNK` (flash decoding):
 
@@ -180,8 +179,7 @@ _PARTIAL = """
 # one thread a value column, over GROUPS groups of threads, each summing every
 # GROUPS-th chunk, then across the groups through shared memory. Each thread's
 # loads are independent, so they overlap: at 68 chunks a call takes 5.3-7.4 us
-# on the H200, where one thread a column walking every chunk in turn took 18
-# (bench/README.md, twenty-third session).
+# on the H200, where one thread a column walking every chunk in turn took 18.
 _MERGE = """
     constexpr int THREADS = GROUPS * DVP;
     __shared__ float scratch[THREADS / 32];
@@ -349,6 +347,6 @@ def decode_ops(
 
 # Traced once per buffer size (a cache grows 256 rows at a time), then replayed:
 # MLX builds a custom kernel's whole source on every eager call, which cost a
-# gemma4 step 300 µs of host time over its 16 layers on the H200 (bench/README,
-# eighteenth session), more than the launches it saved.
+# gemma4 step 300 µs of host time over its 16 layers on the H200, more than
+# the launches it saved.
 decode_step = mx.compile(decode)

@@ -73,8 +73,7 @@ def available() -> bool:
 # Every input is read into registers before anything is computed, so the
 # loads overlap: read where each is first used, after a reduction's
 # __syncthreads or a store, each waited a memory latency of its own in turn
-# (3.8-5.2 us a call on the H200, against 2.0-2.8 us reading all first:
-# bench/README.md, twenty-third session).
+# (3.8-5.2 us a call on the H200, against 2.0-2.8 us reading all first).
 _SOURCE = """
     constexpr int PER = (H + BLOCK - 1) / BLOCK;
     __shared__ float scratch[BLOCK / 32];
