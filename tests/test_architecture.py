@@ -9,6 +9,8 @@ into a function still ties the two modules together.
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,3 +138,16 @@ def test_families_import_only_the_sdk(path: Path) -> None:
         if target.split(".")[0] == "turbospark" and target not in allowed
     ]
     assert not wrong, f"{path.relative_to(ROOT)} imports turbospark internals:\n" + "\n".join(wrong)
+
+
+def test_every_test_file_is_in_the_index() -> None:
+    """docs/ARCHITECTURE.md says where each part's tests are: every tests/test_*.py
+    matches one of its patterns, and every pattern matches a file."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Where the tests are") :]
+    rows = [line.split("|") for line in section.splitlines()[4:] if line.startswith("| ")]
+    patterns = [p for row in rows for p in re.findall(r"`([^`]+\.py)`", row[2])]
+    files = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    unindexed = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    stale = [p for p in patterns if not any(fnmatch.fnmatch(f, p) for f in files)]
+    assert not unindexed and not stale, f"not in the index: {unindexed}; matching nothing: {stale}"
