@@ -87,3 +87,21 @@ def test_an_old_name_of_the_state_module_warns() -> None:
 
     with pytest.warns(DeprecationWarning, match=r"turbospark\.state\.kv\.KVComponent"):
         assert turbospark.state.KVComponent is sdk.KVComponent  # type: ignore[attr-defined]
+
+
+def test_a_component_spec_takes_its_capabilities_from_the_class() -> None:
+    spec = sdk.ComponentSpec.of(sdk.GDNComponent.CAPABILITIES, "gdn", "recurrent state")
+    assert (spec.swappable, spec.rewindable, spec.batchable, spec.traceable) == (
+        True, False, True, True,
+    )  # fmt: skip
+    ring = sdk.ComponentSpec.of(sdk.KVComponent.WINDOWED, "window", "a ring")
+    assert ring.rewindable == "window" and ring.batchable
+    narrowed = sdk.ComponentSpec.of(sdk.KVComponent.CAPABILITIES, "kv", "k/v", swappable=False)
+    assert not narrowed.swappable and narrowed.rewindable is True
+
+
+def test_a_component_spec_never_widens_its_class() -> None:
+    with pytest.raises(ValueError, match=r"component 'gdn': rewindable=True widens"):
+        sdk.ComponentSpec.of(sdk.GDNComponent.CAPABILITIES, "gdn", "recurrent", rewindable=True)
+    with pytest.raises(ValueError, match=r"rewindable=True widens .* rewindable='window'"):
+        sdk.ComponentSpec.of(sdk.KVComponent.WINDOWED, "window", "a ring", rewindable=True)

@@ -134,6 +134,7 @@ from turbospark.loading.synthetic import (
 from turbospark.policies.steering import joiner
 from turbospark.state.components import (
     BatchedComponent,
+    Capabilities,
     LayeredComponent,
     LayerPart,
     Snapshot,
@@ -176,6 +177,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     # state
     "State",
     "StateComponent",
+    "Capabilities",
     "Snapshot",
     "LayeredComponent",
     "LayerPart",

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from turbospark.contract.protocols import ExpertStreams, LayerHook, MultiTokenHead
     from turbospark.contract.vision import VisionMap
-    from turbospark.state.components import State
+    from turbospark.state.components import Capabilities, State
 
 hookspec = pluggy.HookspecMarker("turbospark")
 hookimpl = pluggy.HookimplMarker("turbospark")
@@ -97,6 +97,29 @@ class ComponentSpec(BaseModel):
         "turbospark.generation.speculation), so a non-rewindable component can drop rejected draft "
         "tokens without a second forward, even after a later verify forward",
     )
+
+    @classmethod
+    def of(
+        cls, capabilities: Capabilities, name: str, description: str, **narrowed: Any
+    ) -> ComponentSpec:
+        """The spec of a component whose class declares *capabilities* (its
+        ``CAPABILITIES``), so the declaration is the class's own. A family may
+        narrow a capability it has not proven for its use (``swappable=False``),
+        never widen one: that would promise behaviour the class lacks."""
+        declared = vars(capabilities)
+        for field, value in narrowed.items():
+            if field not in declared:
+                raise TypeError(f"ComponentSpec.of: {field!r} is not a capability")
+            if _RANK[value] > _RANK[declared[field]]:
+                raise ValueError(
+                    f"component '{name}': {field}={value!r} widens its class's "
+                    f"{field}={declared[field]!r}"
+                )
+        return cls(name=name, description=description, **{**declared, **narrowed})
+
+
+# How much each capability value allows, to tell a narrowing from a widening.
+_RANK: dict[bool | str, int] = {False: 0, "window": 1, True: 2}
 
 
 class FamilySpec(BaseModel):

@@ -186,17 +186,6 @@ class QwenGdnConfig(ArchConfig):
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
 
-    def gdn_dims(self) -> GDNDims:
-        return GDNDims(
-            hidden_size=self.hidden_size,
-            num_key_heads=self.linear_num_key_heads,
-            num_value_heads=self.linear_num_value_heads,
-            key_head_dim=self.linear_key_head_dim,
-            value_head_dim=self.linear_value_head_dim,
-            conv_kernel=self.linear_conv_kernel_dim,
-            eps=self.rms_norm_eps,
-        )
-
 
 # -- weights ------------------------------------------------------------------
 
@@ -399,7 +388,7 @@ class DecoderLayer(nn.Module):
         self.is_linear = not full and arch.is_linear(layer)
         self.slot = slot  # index of this layer inside its state component
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(arch.gdn_dims())
+            self.linear_attn = GatedDeltaNet(GDNDims.of(arch))
         else:
             self.self_attn = GatedAttention(arch)
         self.input_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
