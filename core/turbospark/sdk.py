@@ -95,12 +95,19 @@ from turbospark.layers.gated_delta.layer import IN_PROJECTIONS, GatedDeltaNet, G
 from turbospark.layers.gated_delta.state import GDNComponent
 from turbospark.layers.layer_step import (
     Stream,
+    attend,
+    cache_step,
     claim_rows,
     flat,
     kept,
+    kernel_cache,
+    kernel_rows,
+    kernels_available,
+    kernels_take,
     lifted,
     normed_stream,
     stream_of,
+    written,
 )
 from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.layers.mlp import GatedMLP
@@ -227,6 +234,13 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "lifted",
     "kept",
     "claim_rows",
+    "kernels_available",
+    "kernels_take",
+    "kernel_cache",
+    "kernel_rows",
+    "cache_step",
+    "written",
+    "attend",
     "attention_cuda",
     "gdn_cuda",
     "heads_cuda",
