@@ -51,7 +51,6 @@ from turbospark.sdk import (
     cached_attention,
     flat,
     geglu,
-    heads_cuda,
     joiner,
     kept,
     kernel_cache,
@@ -62,6 +61,8 @@ from turbospark.sdk import (
     lifted,
     merge_heads,
     norm_cuda,
+    norm_rope,
+    norm_rope_ops,
     normed_heads,
     normed_stream,
     project,
@@ -450,7 +451,7 @@ attention_inputs_step = mx.compile(attention_inputs)
 # A K/V-owning layer's q, k and v normed together in its compiled forwards (a
 # decode step, a lone row's verify pass: runs_compiled), traced once per batch
 # size and short lone-row length.
-joint_inputs_step = mx.compile(heads_cuda.norm_rope_ops)
+joint_inputs_step = mx.compile(norm_rope_ops)
 
 
 class Router(nn.Module):
@@ -890,7 +891,7 @@ def owner_inputs(
     the joint norm weight and RoPE's frequencies."""
     input_w, qkv_t, joint_norm, freqs = head
     h, x = normed_stream(stream, input_w, eps)
-    return h, *heads_cuda.norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
+    return h, *norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
 
 
 def owner_layer(
@@ -964,7 +965,7 @@ def shared_layer(
     (``Attention._joint_norm``) and RoPE's frequencies."""
     input_w, q_t, q_norm, freqs = head
     h, x = normed_stream(stream, input_w, eps)
-    (queries,) = heads_cuda.norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
+    (queries,) = norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
     return lifted(kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps))
 
 
