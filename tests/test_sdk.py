@@ -87,3 +87,43 @@ def test_an_old_name_of_the_state_module_warns() -> None:
 
     with pytest.warns(DeprecationWarning, match=r"turbospark\.state\.kv\.KVComponent"):
         assert turbospark.state.KVComponent is sdk.KVComponent  # type: ignore[attr-defined]
+
+
+def test_a_component_spec_takes_its_capabilities_from_the_class() -> None:
+    spec = sdk.ComponentSpec.of(sdk.GDNComponent.CAPABILITIES, "gdn", "recurrent state")
+    assert (spec.swappable, spec.rewindable, spec.batchable, spec.traceable) == (
+        True, False, True, True,
+    )  # fmt: skip
+    ring = sdk.ComponentSpec.of(sdk.KVComponent.WINDOWED, "window", "a ring")
+    assert ring.rewindable == "window" and ring.batchable
+    narrowed = sdk.ComponentSpec.of(sdk.KVComponent.CAPABILITIES, "kv", "k/v", swappable=False)
+    assert not narrowed.swappable and narrowed.rewindable is True
+
+
+def test_a_component_spec_never_widens_its_class() -> None:
+    with pytest.raises(ValueError, match=r"component 'gdn': rewindable=True widens"):
+        sdk.ComponentSpec.of(sdk.GDNComponent.CAPABILITIES, "gdn", "recurrent", rewindable=True)
+    with pytest.raises(ValueError, match=r"rewindable=True widens .* rewindable='window'"):
+        sdk.ComponentSpec.of(sdk.KVComponent.WINDOWED, "window", "a ring", rewindable=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "module", "replacement"),
+    [
+        ("attention_cuda", "turbospark.layers.cuda.attention", "kernel_cache"),
+        ("heads_cuda", "turbospark.layers.cuda.heads", "norm_rope"),
+    ],
+)
+def test_a_kernel_module_the_families_no_longer_need_warns(
+    name: str, module: str, replacement: str
+) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"sdk\.{name} .* SDK 1\.2; use .*{replacement}"):
+        assert getattr(sdk, name) is importlib.import_module(module)
+    assert name not in sdk.__all__
+
+
+def test_claim_rows_warns_and_still_claims() -> None:
+    from turbospark.layers.layer_step import claim_rows
+
+    with pytest.warns(DeprecationWarning, match=r"claim_rows .* use turbospark\.sdk\.cache_step"):
+        assert sdk.claim_rows is claim_rows

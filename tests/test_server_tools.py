@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -13,6 +15,10 @@ from serving import WEATHER_PARAMS as PARAMS
 from serving import client, forced_call, serving
 
 from turbospark import build_synthetic_install
+from turbospark.errors import InstallError
+from turbospark.generation.runner import Runner
+from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.sdk import hookimpl
 from turbospark.server import ThreadedServer
 from turbospark.server.tools import StreamSplitter, parse
 from turbospark.text import load_text
@@ -120,3 +126,39 @@ def test_langchain_bind_tools(server: ThreadedServer) -> None:
     message = chat.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Rome?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(message.tool_calls[0]["args"], PARAMS)
+
+
+def _gemma4_saying(name: str, syntax: str | None) -> types.ModuleType:
+    """The gemma4 plugin's hooks in a module of its own whose tool syntax
+    hook says *syntax* (None: the module has no such hook)."""
+    plugin = types.ModuleType(name)
+    source = default_registry().get("gemma4").plugin
+    for attr in dir(source):
+        if attr.startswith("turbospark_") and attr != "turbospark_tool_syntax":
+            setattr(plugin, attr, getattr(source, attr))
+    if syntax is not None:
+
+        @hookimpl
+        def turbospark_tool_syntax(chat_template: str | None) -> str:
+            return syntax
+
+        plugin.turbospark_tool_syntax = turbospark_tool_syntax
+    return plugin
+
+
+@pytest.mark.parametrize(("syntax", "named"), [(None, "qwen3_json"), ("qwen3_xml", "qwen3_xml")])
+def test_the_family_names_its_tool_syntax(syntax: str | None, named: str, tmp_path: Path) -> None:
+    registry = FamilyRegistry()
+    registry.register(_gemma4_saying("gemma4_tools", syntax), name="gemma4")
+    build_synthetic_install("gemma4", tmp_path, registry=registry, num_layers=2)
+    runner = Runner.open(tmp_path, registry=registry)
+    assert runner.tool_syntax(load_text(tmp_path).chat_template) == named
+
+
+def test_a_tool_syntax_core_does_not_read_is_refused_by_name(tmp_path: Path) -> None:
+    registry = FamilyRegistry()
+    registry.register(_gemma4_saying("gemma4_yaml", "yaml"), name="gemma4")
+    build_synthetic_install("gemma4", tmp_path, registry=registry, num_layers=2)
+    runner = Runner.open(tmp_path, registry=registry)
+    with pytest.raises(InstallError, match=r"family 'gemma4' names tool syntax 'yaml'"):
+        runner.tool_syntax(None)

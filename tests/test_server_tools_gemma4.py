@@ -17,6 +17,7 @@ from serving import WEATHER_PARAMS as PARAMS
 from serving import client, forced_call, serving
 
 from turbospark import build_synthetic_install
+from turbospark.sdk import family_hooks
 from turbospark.server import ThreadedServer
 from turbospark.server.tools import GEMMA4_SYNTAX, StreamSplitter, ToolSyntax
 from turbospark.text import TextCodec, load_text
@@ -65,7 +66,8 @@ def server(codec: tuple[Path, TextCodec]) -> Iterator[ThreadedServer]:
 
 def test_the_template_writes_gemma4_tool_syntax(codec: tuple[Path, TextCodec]) -> None:
     text_codec = codec[1]
-    assert ToolSyntax.of(text_codec.chat_template) is GEMMA4_SYNTAX
+    name = family_hooks("gemma4").turbospark_tool_syntax(chat_template=text_codec.chat_template)
+    assert ToolSyntax.named(name) is GEMMA4_SYNTAX
     messages = [
         CALLED[0],
         {

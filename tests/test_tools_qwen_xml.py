@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from turbospark import build_synthetic_install
+from turbospark.sdk import family_hooks
 from turbospark.server.tools import (
     QWEN_XML_SYNTAX,
     StreamSplitter,
@@ -62,9 +63,14 @@ CALLS = [
 
 
 @pytest.fixture(scope="module", params=["qwen_gdn", "qwen4_exp"])
-def codec(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TextCodec:
-    path: Path = tmp_path_factory.mktemp(request.param)
-    build_synthetic_install(request.param, path, vocab_size=160, num_layers=2, model_id="xml")
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def codec(family: str, tmp_path_factory: pytest.TempPathFactory) -> TextCodec:
+    path: Path = tmp_path_factory.mktemp(family)
+    build_synthetic_install(family, path, vocab_size=160, num_layers=2, model_id="xml")
     return load_text(path)
 
 
@@ -87,8 +93,11 @@ def rendered_reply(codec: TextCodec, prose: str) -> str:
 
 
 @pytest.mark.parametrize("prose", ["", "Let me plan that."])
-def test_the_template_writes_the_xml_calls_and_they_parse_back(codec: TextCodec, prose: str):
-    assert ToolSyntax.of(codec.chat_template) is QWEN_XML_SYNTAX
+def test_the_template_writes_the_xml_calls_and_they_parse_back(
+    family: str, codec: TextCodec, prose: str
+):
+    name = family_hooks(family).turbospark_tool_syntax(chat_template=codec.chat_template)
+    assert ToolSyntax.named(name) is QWEN_XML_SYNTAX
     assert "<function=" in codec.apply_chat_template([{"role": "user", "content": "hi"}], tools=[
         t.model_dump(exclude_none=True) for t in TOOLS
     ])  # fmt: skip
@@ -114,3 +123,11 @@ def test_untyped_values_read_as_json_and_malformed_blocks_stay_prose() -> None:
     assert parse_qwen_xml(stray) == (stray, [])
     json_form = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
     assert parse_qwen_xml(json_form) == (json_form, [])
+
+
+@pytest.mark.parametrize("family", ["qwen_gdn", "qwen4_exp"])
+def test_a_qwen3_style_template_gets_the_json_syntax(family: str) -> None:
+    """The family reads its install's template: one without ``<function=``
+    blocks (Qwen3's Hermes form) calls tools in JSON."""
+    hermes = "{% for t in tools %}{{ t }}{% endfor %}<tool_call>{json}</tool_call>"
+    assert family_hooks(family).turbospark_tool_syntax(chat_template=hermes) == "qwen3_json"

@@ -14,7 +14,7 @@ import sys
 import warnings
 from types import ModuleType
 
-REMOVED_IN = "1.1"  # the SDK minor version that drops these aliases
+REMOVED_IN = "1.2"  # the SDK minor version that drops these aliases
 
 MOVED = {
     "turbospark.hookspecs": "turbospark.contract.hookspecs",

@@ -28,7 +28,8 @@ What is here, in the order a family meets it:
   composes (:class:`KVComponent`, :class:`LayeredComponent`), batched ones;
 * layers -- attention over the K/V components, RoPE, the gated MLP, the
   gated-DeltaNet mixer and its state, routed experts, stacked projections,
-  compiled elementwise chains, the LM head, and the CUDA kernels' layers;
+  compiled elementwise chains, the LM head, the one-trace layer steps (which
+  take the CUDA kernels themselves where they run) and the kernels' layers;
 * sharding -- tensor-parallel helpers for ``turbospark_shard_model``;
 * steering -- :func:`joiner`, a layer's last residual join with its steering;
 * installs -- loading checked weights, the checkpoint's config, the hooks
@@ -75,11 +76,9 @@ from turbospark.layers.attention import (
     normed_heads,
     shared_attention,
 )
-from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
-from turbospark.layers.cuda import heads as heads_cuda
 from turbospark.layers.cuda import norm as norm_cuda
-from turbospark.layers.cuda.heads import norm_rope_ops
+from turbospark.layers.cuda.heads import norm_rope, norm_rope_ops
 from turbospark.layers.cuda.norm import Unjoined
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import (
@@ -95,12 +94,18 @@ from turbospark.layers.gated_delta.layer import IN_PROJECTIONS, GatedDeltaNet, G
 from turbospark.layers.gated_delta.state import GDNComponent
 from turbospark.layers.layer_step import (
     Stream,
-    claim_rows,
+    attend,
+    cache_step,
     flat,
     kept,
+    kernel_cache,
+    kernel_rows,
+    kernels_available,
+    kernels_take,
     lifted,
     normed_stream,
     stream_of,
+    written,
 )
 from turbospark.layers.logits import batch_logits_for, logits_for
 from turbospark.layers.mlp import GatedMLP
@@ -134,6 +139,7 @@ from turbospark.loading.synthetic import (
 from turbospark.policies.steering import joiner
 from turbospark.state.components import (
     BatchedComponent,
+    Capabilities,
     LayeredComponent,
     LayerPart,
     Snapshot,
@@ -147,7 +153,22 @@ from turbospark.text import load_text
 
 # A removed or renamed name -> (its replacement, the version that removes it). Served by
 # __getattr__ with a DeprecationWarning for one minor version; docs/SDK_CHANGES.md lists each.
-DEPRECATED: dict[str, tuple[str, str]] = {}
+DEPRECATED: dict[str, tuple[str, str]] = {
+    "attention_cuda": (
+        "turbospark.sdk.kernels_available, kernels_take, kernel_cache, kernel_rows, "
+        "cache_step, written and attend",
+        "1.2",
+    ),
+    "heads_cuda": ("turbospark.sdk.norm_rope", "1.2"),
+    "claim_rows": ("turbospark.sdk.cache_step", "1.2"),
+}
+# Where a deprecated name that is not its replacement still lives: (module, attribute),
+# None for the module itself.
+_STILL_AT: dict[str, tuple[str, str | None]] = {
+    "attention_cuda": ("turbospark.layers.cuda.attention", None),
+    "heads_cuda": ("turbospark.layers.cuda.heads", None),
+    "claim_rows": ("turbospark.layers.layer_step", "claim_rows"),
+}
 
 __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "API_VERSION",
@@ -176,6 +197,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     # state
     "State",
     "StateComponent",
+    "Capabilities",
     "Snapshot",
     "LayeredComponent",
     "LayerPart",
@@ -224,11 +246,16 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "flat",
     "lifted",
     "kept",
-    "claim_rows",
-    "attention_cuda",
+    "kernels_available",
+    "kernels_take",
+    "kernel_cache",
+    "kernel_rows",
+    "cache_step",
+    "written",
+    "attend",
     "gdn_cuda",
-    "heads_cuda",
     "norm_cuda",
+    "norm_rope",
     "norm_rope_ops",
     "Unjoined",
     # sharding
@@ -267,6 +294,10 @@ def __getattr__(name: str) -> Any:
             DeprecationWarning,
             stacklevel=2,
         )
-        module, _, attr = replacement.rpartition(".")
-        return getattr(importlib.import_module(module), attr)
+        if name in _STILL_AT:
+            module, attr = _STILL_AT[name]
+        else:
+            module, _, attr = replacement.rpartition(".")
+        found = importlib.import_module(module)
+        return found if attr is None else getattr(found, attr)
     raise AttributeError(f"module 'turbospark.sdk' has no attribute {name!r}")

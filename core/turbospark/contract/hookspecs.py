@@ -8,7 +8,7 @@ family hooks take no "which family" argument and are all ``firstresult``.
 Lifecycle, in the order a runner calls the hooks:
 
 1. declare   -- :func:`turbospark_family`, :func:`turbospark_pool_capability`,
-   :func:`turbospark_moe`
+   :func:`turbospark_moe`, :func:`turbospark_tool_syntax`
 2. load      -- :func:`turbospark_load_model`, :func:`turbospark_shard_model`
 3. serve     -- :func:`turbospark_new_state`, :func:`turbospark_forward`
                 (optional: :func:`turbospark_forward_batch`, :func:`turbospark_forward_hidden`;
@@ -32,12 +32,20 @@ if TYPE_CHECKING:
 
     from turbospark.contract.protocols import ExpertStreams, LayerHook, MultiTokenHead
     from turbospark.contract.vision import VisionMap
-    from turbospark.state.components import State
+    from turbospark.state.components import Capabilities, State
 
 hookspec = pluggy.HookspecMarker("turbospark")
 hookimpl = pluggy.HookimplMarker("turbospark")
 
 LogitsWanted = Literal["last", "all", "none"]
+
+# The tool-call syntaxes the server reads and forces (turbospark.server.tools):
+# Qwen3's Hermes-style ``<tool_call>{json}</tool_call>`` (the default), Qwen3.5's
+# ``<tool_call><function=NAME><parameter=K>...`` and Gemma 4's
+# ``<|tool_call>call:NAME{...}<tool_call|>``.
+ToolSyntaxName = Literal["qwen3_json", "qwen3_xml", "gemma4"]
+TOOL_SYNTAXES: tuple[str, ...] = ("qwen3_json", "qwen3_xml", "gemma4")
+DEFAULT_TOOL_SYNTAX = "qwen3_json"
 
 
 class ArchConfig(BaseModel):
@@ -89,6 +97,29 @@ class ComponentSpec(BaseModel):
         "turbospark.generation.speculation), so a non-rewindable component can drop rejected draft "
         "tokens without a second forward, even after a later verify forward",
     )
+
+    @classmethod
+    def of(
+        cls, capabilities: Capabilities, name: str, description: str, **narrowed: Any
+    ) -> ComponentSpec:
+        """The spec of a component whose class declares *capabilities* (its
+        ``CAPABILITIES``), so the declaration is the class's own. A family may
+        narrow a capability it has not proven for its use (``swappable=False``),
+        never widen one: that would promise behaviour the class lacks."""
+        declared = vars(capabilities)
+        for field, value in narrowed.items():
+            if field not in declared:
+                raise TypeError(f"ComponentSpec.of: {field!r} is not a capability")
+            if _RANK[value] > _RANK[declared[field]]:
+                raise ValueError(
+                    f"component '{name}': {field}={value!r} widens its class's "
+                    f"{field}={declared[field]!r}"
+                )
+        return cls(name=name, description=description, **{**declared, **narrowed})
+
+
+# How much each capability value allows, to tell a narrowing from a widening.
+_RANK: dict[bool | str, int] = {False: 0, "window": 1, True: 2}
 
 
 class FamilySpec(BaseModel):
@@ -182,6 +213,16 @@ def turbospark_moe(arch: ArchConfig) -> MoESpec | None:
     blocks as :class:`turbospark.layers.experts.ExpertLayer` and takes the
     ``experts`` argument of :func:`turbospark_load_model`; the conformance kit
     then checks that every ``ExpertCacheSlots`` gives the same logits.
+    """
+
+
+@hookspec(firstresult=True)
+def turbospark_tool_syntax(chat_template: str | None) -> str | None:
+    """The syntax this family's models write tool calls in, one of
+    :data:`TOOL_SYNTAXES`, given the install's *chat_template* (a family whose
+    checkpoints differ reads its own template). The server parses replies and
+    forces calls in it; a name core does not implement is refused by name
+    when the server loads. ``None``, or no implementation: ``"qwen3_json"``.
     """
 
 

@@ -18,7 +18,14 @@ from typing import Any
 import mlx.core as mx
 import pluggy
 
-from turbospark.contract.hookspecs import ArchConfig, FamilySpec, LogitsWanted, MoESpec
+from turbospark.contract.hookspecs import (
+    DEFAULT_TOOL_SYNTAX,
+    TOOL_SYNTAXES,
+    ArchConfig,
+    FamilySpec,
+    LogitsWanted,
+    MoESpec,
+)
 from turbospark.contract.protocols import MultiTokenHead
 from turbospark.contract.vision import MropePositions, VisionInjection, VisionMap
 from turbospark.errors import (
@@ -796,6 +803,22 @@ class Runner:
             logits="last",
             steer=steer,
         )
+
+    # -- tools -------------------------------------------------------------------
+
+    def tool_syntax(self, chat_template: str | None) -> str:
+        """The name of the syntax this family's models call tools in, for the
+        install's *chat_template* (``turbospark_tool_syntax``; without one, the
+        Hermes JSON form). One core does not implement is refused by name."""
+        name = self._hook.turbospark_tool_syntax(chat_template=chat_template)
+        if name is None:
+            return DEFAULT_TOOL_SYNTAX
+        if name not in TOOL_SYNTAXES:
+            raise InstallError(
+                f"family '{self.family.name}' names tool syntax {name!r}; "
+                f"turbospark reads {', '.join(TOOL_SYNTAXES)}"
+            )
+        return name
 
     # -- embeddings --------------------------------------------------------------
 

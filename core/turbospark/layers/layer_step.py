@@ -17,7 +17,13 @@ repeat:
 - :func:`kept`: the weights a layer's step reads, derived once and rebuilt
   when any module or parameter on the way to them was replaced;
 - :func:`claim_rows`: a K/V-owning layer's rows for a trace that writes its
-  new key and value itself.
+  new key and value itself;
+- the attention kernels' step, which a family's layer takes without naming
+  the kernels: whether they take a layer (:func:`kernels_take`,
+  :func:`kernel_cache`, :func:`kernel_rows`), the trace that writes the new
+  key and value and attends (:func:`cache_step`, :func:`written`,
+  :func:`attend`). Each reads the kernel module when it runs, so a switch or a
+  test's stand-in (``decode_ops`` on the CPU) reaches every family.
 """
 
 from __future__ import annotations
@@ -123,3 +129,72 @@ def claim_rows(kv: LayerKV) -> tuple[attention_cuda.Rows, mx.array]:
     so MLX writes them in place."""
     first, stop = kv.claim()
     return attention_cuda.Rows(first, stop), mx.array([stop - 1], dtype=mx.int32)
+
+
+def kernels_available() -> bool:
+    """Whether a lone row's decode attention takes the CUDA kernels here
+    (MLX's CUDA backend, the switch on: :func:`~turbospark.layers.cuda.attention.available`)."""
+    return attention_cuda.available()
+
+
+def kernels_take(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the attention kernels take a layer of *heads* queries over
+    *kv_heads* keys and values of *head_dim*, here
+    (:func:`~turbospark.layers.cuda.attention.takes_shape`)."""
+    return attention_cuda.takes_shape(heads // kv_heads, head_dim, head_dim)
+
+
+def kernel_cache(kv: object) -> bool:
+    """Whether *kv* is what a kernel step writes into: one session's
+    :class:`~turbospark.state.kv.LayerKV` with buffers (a prefilled cache;
+    a batch's rows and a fresh cache take the modules' path)."""
+    return isinstance(kv, LayerKV) and kv.keys is not None
+
+
+def kernel_rows(attended: tuple[Any, Any, Any] | None) -> attention_cuda.Rows | None:
+    """The rows a kernel step attended, from what a layer attended (its
+    buffers and, where the mask goes, :class:`~turbospark.layers.cuda.attention.Rows`);
+    None where that layer ran the modules: a layer that shares its K/V then
+    runs them too."""
+    if attended is None or not isinstance(attended[2], attention_cuda.Rows):
+        return None
+    return attended[2]
+
+
+def cache_step(
+    step: Callable[..., Sequence[mx.array]],
+    kv: LayerKV,
+    stream: Stream,
+    weights: Any,
+    start: mx.array,
+    *rest: Any,
+) -> tuple[list[mx.array], tuple[mx.array, mx.array, attention_cuda.Rows]]:
+    """A K/V-owning layer's one-trace decode step over *kv*'s buffers:
+    ``step(stream, weights, start, keys, values, rows, row, *rest)`` returns
+    its outputs, then both buffers with the new key and value written
+    (:func:`written`). The rows come from :func:`claim_rows`; the buffers go
+    in from *kv* alone and its fields take the trace's outputs, so MLX writes
+    them in place. The step's outputs, and what the layer attended (for the
+    layers that share its K/V)."""
+    rows, row = claim_rows(kv)
+    *out, kv.keys, kv.values = step(
+        stream, weights, start, kv.keys, kv.values, rows.bounds, row, *rest
+    )
+    return out, (kv.keys, kv.values, rows)
+
+
+def written(
+    keys: mx.array, values: mx.array, new_keys: mx.array, new_values: mx.array, row: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Inside a step's trace: the buffers with the step's key and value
+    scattered in at *row* (:meth:`LayerKV.write <turbospark.state.kv.LayerKV.write>`)."""
+    return LayerKV.write(keys, new_keys, row), LayerKV.write(values, new_values, row)
+
+
+def attend(
+    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+) -> mx.array:
+    """Inside a step's trace: one query a head over *rows* (an int32 pair on
+    the device) of the whole buffers, by the kernels
+    (:func:`~turbospark.layers.cuda.attention.decode`); ``(1, heads, 1, Dv)``."""
+    return attention_cuda.decode(queries, keys, values, rows, scale)

@@ -109,7 +109,8 @@ class Service:
         self._stop = threading.Event()
         self._grammar: GrammarCompiler | None = None  # built on first use (a vocabulary walk)
         self._grammar_lock = threading.Lock()
-        self.tool_syntax = ToolSyntax.of(codec.chat_template)  # how this template calls tools
+        # How this family's models call tools: the family says, from the install's template.
+        self.tool_syntax = ToolSyntax.named(runner.tool_syntax(codec.chat_template))
 
     def start(self, warm_up: list[int] | None) -> None:
         """Warm up (when given prompt ids), then run the engine's loop on the

@@ -2,18 +2,19 @@
 
 The chat template renders ``tools`` in the family's own syntax; a template
 that never mentions ``tools`` cannot, and a request with tools is refused for
-it (never silently dropped). Three syntaxes (:class:`ToolSyntax`, picked from
-the template):
+it (never silently dropped). Three syntaxes (:data:`SYNTAXES`); the family names its
+own (``turbospark_tool_syntax``, reading the install's template where its
+checkpoints differ), and core never guesses one from the template's text:
 
-- Qwen3.5's (and Qwen3-Coder's) XML form, which the real Qwen3.5 checkpoints'
+- ``qwen3_xml``: Qwen3.5's (and Qwen3-Coder's) XML form, which the real Qwen3.5 checkpoints'
   ``chat_template`` writes and the synthetic qwen_gdn / qwen4_exp templates
   copy: ``<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n
   </function>\n</tool_call>``, a string value written raw and any other value
   as JSON; values are read back by the tool's parameter types, as vLLM's
   ``qwen3_coder`` parser reads them;
-- Qwen3's JSON-in-``<tool_call>`` blocks (``{"name": ..., "arguments": ...}``),
-  for checkpoints whose template asks for those;
-- Gemma 4's native ``<|tool_call>call:NAME{...}<tool_call|>``.
+- ``qwen3_json``: Qwen3's (Hermes-style) JSON-in-``<tool_call>`` blocks
+  (``{"name": ..., "arguments": ...}``), the default for a family that names none;
+- ``gemma4``: Gemma 4's native ``<|tool_call>call:NAME{...}<tool_call|>``.
 
 ``tool_choice: "required"`` or a named function is enforced with an
 llguidance grammar in the install's syntax: the reply is one block naming an
@@ -543,15 +544,10 @@ class ToolSyntax:
         return dataclasses.replace(self, tools=tuple(tools))
 
     @staticmethod
-    def of(chat_template: str | None) -> ToolSyntax:
-        """The syntax the template writes: Qwen3.5's XML when it writes ``<function=``,
-        Gemma 4's when it writes ``<|tool_call>``, else Qwen3's ``<tool_call>`` JSON."""
-        template = chat_template or ""
-        if QWEN_XML_FUNCTION in template:
-            return QWEN_XML_SYNTAX
-        if GEMMA4_OPEN in template:
-            return GEMMA4_SYNTAX
-        return QWEN_JSON_SYNTAX
+    def named(name: str) -> ToolSyntax:
+        """The syntax a family names (``turbospark_tool_syntax``; the runner has
+        refused a name not here)."""
+        return SYNTAXES[name]
 
 
 def _untyped(parse_: Callable[[str], tuple[str, list[ToolCall]]]) -> Callable[..., Any]:
@@ -567,3 +563,5 @@ def _untyped(parse_: Callable[[str], tuple[str, list[ToolCall]]]) -> Callable[..
 QWEN_JSON_SYNTAX = ToolSyntax(OPEN, _untyped(parse), forced_grammar)
 QWEN_XML_SYNTAX = ToolSyntax(OPEN, parse_qwen_xml, forced_qwen_xml_grammar)
 GEMMA4_SYNTAX = ToolSyntax(GEMMA4_OPEN, _untyped(parse_gemma4), forced_gemma4_grammar)
+# The names of turbospark.contract.hookspecs.TOOL_SYNTAXES -> how each is read and forced.
+SYNTAXES = {"qwen3_json": QWEN_JSON_SYNTAX, "qwen3_xml": QWEN_XML_SYNTAX, "gemma4": GEMMA4_SYNTAX}

@@ -8,13 +8,28 @@ state (recurrent matrices, conv tails) implement the same protocol.
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from dataclasses import dataclass
+from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import mlx.core as mx
 
 from turbospark.errors import RewindError
 
 Snapshot = dict[str, mx.array]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the runner may do with a kind of component, declared once on the
+    component class that has the behaviour (its ``CAPABILITIES``), so a family's
+    :class:`~turbospark.contract.hookspecs.ComponentSpec` cannot drift from it
+    (``ComponentSpec.of``). The fields mean what ``ComponentSpec``'s do."""
+
+    swappable: bool
+    rewindable: bool | Literal["window"]
+    persistable: bool
+    batchable: bool = False
+    traceable: bool = False
 
 
 @runtime_checkable

@@ -28,11 +28,12 @@ says ``batchable=True``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import mlx.core as mx
 
-from turbospark.state.components import BatchedComponent, LayeredComponent, Snapshot
+from turbospark.state.components import BatchedComponent, Capabilities, LayeredComponent, Snapshot
 
 
 class LayerKV:
@@ -190,6 +191,11 @@ class KVComponent(LayeredComponent[LayerKV]):
 
     Rewindable without limit when full; within the ring's headroom when windowed.
     """
+
+    # Parks by reference, rewinds, snapshots to arrays and merges into a batch.
+    CAPABILITIES = Capabilities(swappable=True, rewindable=True, persistable=True, batchable=True)
+    # A windowed ring rewinds exactly only within its headroom.
+    WINDOWED = replace(CAPABILITIES, rewindable="window")
 
     def __init__(self, num_layers: int, window: int | None = None, headroom: int = 0):
         name = "kv" if window is None else "window"

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from turbospark.sdk import ComponentSpec, KVComponent, State
 
+# The class declares what it can do (park, rewind, snapshot, batch); tinyllama
+# writes no turbospark_forward_batch, so it does not claim to batch.
 COMPONENTS = [
-    ComponentSpec(
-        name="kv",
-        description="keys/values of every attention layer",
-        swappable=True,
-        rewindable=True,
-        persistable=True,
+    ComponentSpec.of(
+        KVComponent.CAPABILITIES, "kv", "keys/values of every attention layer", batchable=False
     ),
 ]
 

@@ -46,18 +46,23 @@ from turbospark.sdk import (
     Unjoined,
     VisionMap,
     apply_rope,
-    attention_cuda,
+    attend,
+    cache_step,
     cached_attention,
-    claim_rows,
     flat,
     geglu,
-    heads_cuda,
     joiner,
     kept,
+    kernel_cache,
+    kernel_rows,
+    kernels_available,
+    kernels_take,
     kv_copies,
     lifted,
     merge_heads,
     norm_cuda,
+    norm_rope,
+    norm_rope_ops,
     normed_heads,
     normed_stream,
     project,
@@ -72,6 +77,7 @@ from turbospark.sdk import (
     stacked,
     stream_of,
     transposed,
+    written,
 )
 from turbospark_gemma4.state import COMPONENTS, kv_slots
 
@@ -445,7 +451,7 @@ attention_inputs_step = mx.compile(attention_inputs)
 # A K/V-owning layer's q, k and v normed together in its compiled forwards (a
 # decode step, a lone row's verify pass: runs_compiled), traced once per batch
 # size and short lone-row length.
-joint_inputs_step = mx.compile(heads_cuda.norm_rope_ops)
+joint_inputs_step = mx.compile(norm_rope_ops)
 
 
 class Router(nn.Module):
@@ -580,7 +586,7 @@ class DecoderLayer(nn.Module):
         the input norm then makes the last layer's join in the same kernel. On
         MLX's CUDA backend an unsteered dense layer makes each join with the
         norms beside it (:func:`dense_joins`) and hands its last one on that way."""
-        if join is None and not self.moe and h.shape[:2] == (1, 1) and attention_cuda.available():
+        if join is None and not self.moe and h.shape[:2] == (1, 1) and kernels_available():
             stepped = self._kernel_step(h, start, kv, shared, per_layer_input)
             if stepped is not None:
                 return stepped
@@ -652,22 +658,22 @@ class DecoderLayer(nn.Module):
         stream = stream_of(h)
         attn = self["self_attn"]
         if kv is None:  # KV-shared: the rows the layer it shares attended
-            if shared is None or not isinstance(shared[2], attention_cuda.Rows):
+            rows = kernel_rows(shared)
+            if rows is None:
                 return None
-            keys, values, rows = shared
+            keys, values, _ = shared
             out = shared_step(
                 stream, head, start, keys, values, rows.bounds, per_layer_input, tail,
                 attn.n_heads, joins, self.eps,
             )  # fmt: skip
             return self._unjoined(*out) if joins else out[0], shared
-        if not isinstance(kv, LayerKV) or kv.keys is None:
+        if not kernel_cache(kv):
             return None
-        rows, row = claim_rows(kv)  # the buffers then go in from kv alone (in place)
-        *out, kv.keys, kv.values = owner_step(
-            stream, head, start, kv.keys, kv.values, rows.bounds, row, per_layer_input, tail,
-            attn.n_heads, attn.n_kv_heads, joins, self.eps,
+        out, attended = cache_step(
+            owner_step, kv, stream, head, start, per_layer_input, tail, attn.n_heads,
+            attn.n_kv_heads, joins, self.eps,
         )  # fmt: skip
-        return self._unjoined(*out) if joins else out[0], (kv.keys, kv.values, rows)
+        return self._unjoined(*out) if joins else out[0], attended
 
     def _step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
         """What a kernel step reads besides its activations: the input norm's
@@ -696,8 +702,7 @@ class DecoderLayer(nn.Module):
         """:meth:`_step_weights` from the modules' own accessors (stacks and
         transposes, each evaluated once: :mod:`turbospark.layers.stacked`)."""
         attn = self["self_attn"]
-        group = attn.n_heads // attn.n_kv_heads
-        if not attention_cuda.takes_shape(group, attn.head_dim, attn.head_dim):
+        if not kernels_take(attn.n_heads, attn.n_kv_heads, attn.head_dim):
             return None
         dense, o_proj = self._dense_weights(), attn["o_proj"]
         if dense is None or type(o_proj) is not nn.Linear:  # sharded
@@ -886,7 +891,7 @@ def owner_inputs(
     the joint norm weight and RoPE's frequencies."""
     input_w, qkv_t, joint_norm, freqs = head
     h, x = normed_stream(stream, input_w, eps)
-    return h, *heads_cuda.norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
+    return h, *norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
 
 
 def owner_layer(
@@ -909,7 +914,7 @@ def owner_layer(
     (``(1,)`` int32, on the device), then :func:`kernel_tail` over *rows*
     of them; the tail's outputs, then both buffers."""
     h, queries, new_keys, new_values = owner_inputs(stream, head, start, heads, kv_heads, eps)
-    keys, values = LayerKV.write(keys, new_keys, row), LayerKV.write(values, new_values, row)
+    keys, values = written(keys, values, new_keys, new_values, row)
     out = kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps)
     return *lifted(out), keys, values
 
@@ -932,7 +937,7 @@ def kernel_tail(
     (:func:`dense_tail`) alone; *h* and these are ``(1, hidden)``
     (:func:`~turbospark.layers.layer_step.flat`)."""
     o_t, *weights, ple, scalar = tail
-    attn = flat(attention_cuda.decode(queries, keys, values, rows, 1.0)) @ o_t
+    attn = flat(attend(queries, keys, values, rows, 1.0)) @ o_t
     if per_layer_input is not None:
         per_layer_input = flat(per_layer_input)
     if joins:
@@ -960,7 +965,7 @@ def shared_layer(
     (``Attention._joint_norm``) and RoPE's frequencies."""
     input_w, q_t, q_norm, freqs = head
     h, x = normed_stream(stream, input_w, eps)
-    (queries,) = heads_cuda.norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
+    (queries,) = norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
     return lifted(kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps))
 
 

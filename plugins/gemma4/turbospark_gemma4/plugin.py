@@ -41,6 +41,11 @@ def turbospark_moe(arch: ArchConfig) -> MoESpec | None:
 
 
 @hookimpl
+def turbospark_tool_syntax(chat_template: str | None) -> str:
+    return "gemma4"  # <|tool_call>call:NAME{...}<tool_call|>, every Gemma 4 template
+
+
+@hookimpl
 def turbospark_load_model(
     arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype, experts: ExpertStreams | None
 ) -> nn.Module:

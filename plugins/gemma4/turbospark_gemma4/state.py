@@ -21,21 +21,13 @@ if TYPE_CHECKING:
     from turbospark_gemma4.model import Gemma4Config
 
 COMPONENTS = [
-    ComponentSpec(
-        name="kv",
-        description="keys/values of the full-attention layers that own K/V",
-        swappable=True,
-        rewindable=True,
-        persistable=True,
-        batchable=True,
+    ComponentSpec.of(
+        KVComponent.CAPABILITIES, "kv", "keys/values of the full-attention layers that own K/V"
     ),
-    ComponentSpec(
-        name="window",
-        description="sliding-window ring of keys/values of the sliding layers that own K/V",
-        swappable=True,
-        rewindable="window",
-        persistable=True,
-        batchable=True,
+    ComponentSpec.of(
+        KVComponent.WINDOWED,
+        "window",
+        "sliding-window ring of keys/values of the sliding layers that own K/V",
     ),
 ]
 

@@ -131,17 +131,6 @@ class Qwen4ExpConfig(ArchConfig):
     def budget(self) -> QSABudget:
         return QSABudget(self.qsa_block_size, self.qsa_top_blocks, self.qsa_local_window)
 
-    def gdn_dims(self) -> GDNDims:
-        return GDNDims(
-            hidden_size=self.hidden_size,
-            num_key_heads=self.linear_num_key_heads,
-            num_value_heads=self.linear_num_value_heads,
-            key_head_dim=self.linear_key_head_dim,
-            value_head_dim=self.linear_value_head_dim,
-            conv_kernel=self.linear_conv_kernel_dim,
-            eps=self.rms_norm_eps,
-        )
-
 
 def sanitize(weights: dict[str, mx.array], arch: Qwen4ExpConfig) -> dict[str, mx.array]:
     """HF tensors -> this module's parameters (pure: returns a new dict).
@@ -272,7 +261,7 @@ class DecoderLayer(nn.Module):
         if self.is_qsa:
             self.self_attn = QSAttention(arch)
         else:
-            self.linear_attn = GatedDeltaNet(arch.gdn_dims())
+            self.linear_attn = GatedDeltaNet(GDNDims.of(arch))
         hidden = arch.hidden_size
         self.input_layernorm = nn.RMSNorm(hidden, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps=arch.rms_norm_eps)

@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from turbospark.sdk import (
     BatchedComponent,
+    Capabilities,
     ComponentSpec,
     GDNComponent,
     InvalidInput,
@@ -48,52 +49,6 @@ from turbospark.sdk import (
 
 if TYPE_CHECKING:
     from turbospark_qwen4_exp.model import Qwen4ExpConfig
-
-COMPONENTS = [
-    ComponentSpec(
-        name="kv",
-        description="keys/values of the query-sparse attention layers",
-        swappable=True,
-        rewindable=True,
-        persistable=True,
-        batchable=True,
-    ),
-    ComponentSpec(
-        name="gdn",
-        description="per gated-DeltaNet layer: float32 recurrent matrix and conv tail",
-        swappable=False,
-        rewindable=False,
-        persistable=True,
-        batchable=True,
-        traceable=True,
-    ),
-    ComponentSpec(
-        name="qsa",
-        description="per QSA layer: raw index keys of every token and pooled block means",
-        swappable=False,
-        rewindable=True,
-        persistable=True,
-        batchable=True,
-    ),
-    ComponentSpec(
-        name="ngram_context",
-        description="the last ngram_n - 1 token ids (EOS before the first token)",
-        swappable=False,
-        rewindable=False,
-        persistable=True,
-        batchable=True,
-        traceable=True,
-    ),
-    ComponentSpec(
-        name="ple_conv_tail",
-        description="the last (kernel - 1) * dilation n-gram embedding rows of the PLE conv",
-        swappable=False,
-        rewindable=False,
-        persistable=True,
-        batchable=True,
-        traceable=True,
-    ),
-]
 
 
 class LayerIndex:
@@ -206,6 +161,9 @@ class QSAComponent(LayeredComponent[LayerIndex]):
     pooled mean of a block that is still complete after a rewind is unchanged.
     """
 
+    # Not swappable: parking it is not proven lossless (see the module docstring).
+    CAPABILITIES = Capabilities(swappable=False, rewindable=True, persistable=True, batchable=True)
+
     def __init__(self, num_layers: int, block_size: int):
         super().__init__("qsa", [LayerIndex(block_size) for _ in range(num_layers)])
         self.block_size = block_size
@@ -302,6 +260,11 @@ class StreamTail:
     tails merge into a :class:`BatchStreamTail`; both take and return a batch
     axis first, so the model calls either the same way.
     """
+
+    # Not swappable: parking it is not proven lossless (see the module docstring).
+    CAPABILITIES = Capabilities(
+        swappable=False, rewindable=False, persistable=True, batchable=True, traceable=True
+    )
 
     def __init__(self, name: str, initial: mx.array):
         self.name = name
@@ -470,6 +433,35 @@ def check_batch_positions(state: State, positions: list[int]) -> None:
                     f"qwen4_exp batch row {row} is at position {index.fill}, asked to write at "
                     f"{position}; pass each row's own position"
                 )
+
+
+COMPONENTS = [
+    ComponentSpec.of(
+        KVComponent.CAPABILITIES, "kv", "keys/values of the query-sparse attention layers"
+    ),
+    # Not swappable here: this family has not proven parking lossless (above).
+    ComponentSpec.of(
+        GDNComponent.CAPABILITIES,
+        "gdn",
+        "per gated-DeltaNet layer: float32 recurrent matrix and conv tail",
+        swappable=False,
+    ),
+    ComponentSpec.of(
+        QSAComponent.CAPABILITIES,
+        "qsa",
+        "per QSA layer: raw index keys of every token and pooled block means",
+    ),
+    ComponentSpec.of(
+        StreamTail.CAPABILITIES,
+        "ngram_context",
+        "the last ngram_n - 1 token ids (EOS before the first token)",
+    ),
+    ComponentSpec.of(
+        StreamTail.CAPABILITIES,
+        "ple_conv_tail",
+        "the last (kernel - 1) * dilation n-gram embedding rows of the PLE conv",
+    ),
+]
 
 
 def new_state(arch: Qwen4ExpConfig, dtype: mx.Dtype) -> State:

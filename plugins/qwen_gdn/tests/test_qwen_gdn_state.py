@@ -12,6 +12,7 @@ import pytest
 
 from turbospark.sdk import (
     GDNComponent,
+    GDNDims,
     RewindError,
     State,
     StateComponent,
@@ -97,7 +98,7 @@ def test_nbytes_is_the_arrays_held(loaded: tuple[Any, Any, Any]) -> None:
     gdn = state["gdn"]
     assert gdn.nbytes == 0 and gdn.arrays() == []
     _feed(loaded, state, PROMPT[:9], 0)
-    d = arch.gdn_dims()
+    d = GDNDims.of(arch)
     conv_tail = (d.conv_kernel - 1) * d.conv_dim * 4  # float32 bytes
     recurrent = d.num_value_heads * d.value_head_dim * d.key_head_dim * 4
     linear = sum(arch.is_linear(i) for i in range(arch.num_hidden_layers))

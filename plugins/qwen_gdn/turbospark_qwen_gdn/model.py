@@ -48,9 +48,9 @@ from turbospark.sdk import (
     Stream,
     Unjoined,
     VisionMap,
-    attention_cuda,
+    attend,
+    cache_step,
     cached_attention,
-    claim_rows,
     decay_rate,
     derived,
     flat,
@@ -60,6 +60,8 @@ from turbospark.sdk import (
     heads_first,
     joiner,
     kept,
+    kernel_cache,
+    kernels_take,
     kv_copies,
     lifted,
     merge_heads,
@@ -78,6 +80,7 @@ from turbospark.sdk import (
     stream_of,
     swiglu,
     transposed,
+    written,
 )
 
 
@@ -185,17 +188,6 @@ class QwenGdnConfig(ArchConfig):
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
-
-    def gdn_dims(self) -> GDNDims:
-        return GDNDims(
-            hidden_size=self.hidden_size,
-            num_key_heads=self.linear_num_key_heads,
-            num_value_heads=self.linear_num_value_heads,
-            key_head_dim=self.linear_key_head_dim,
-            value_head_dim=self.linear_value_head_dim,
-            conv_kernel=self.linear_conv_kernel_dim,
-            eps=self.rms_norm_eps,
-        )
 
 
 # -- weights ------------------------------------------------------------------
@@ -399,7 +391,7 @@ class DecoderLayer(nn.Module):
         self.is_linear = not full and arch.is_linear(layer)
         self.slot = slot  # index of this layer inside its state component
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(arch.gdn_dims())
+            self.linear_attn = GatedDeltaNet(GDNDims.of(arch))
         else:
             self.self_attn = GatedAttention(arch)
         self.input_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
@@ -499,11 +491,10 @@ class DecoderLayer(nn.Module):
             gdn.set_layer(self.slot, tail, recurrent)
             return Unjoined(*out) if joins else out[0]
         layer_kv = kv[self.slot]
-        if not isinstance(layer_kv, LayerKV) or layer_kv.keys is None:
+        if not kernel_cache(layer_kv):
             return None
         attn = self["self_attn"]
-        group = attn.heads // attn.kv_heads
-        if not attention_cuda.takes_shape(group, attn.head_dim, attn.head_dim):
+        if not kernels_take(attn.heads, attn.kv_heads, attn.head_dim):
             return None
         weights = self._step_weights()
         h = x.h if isinstance(x, Unjoined) else x
@@ -511,10 +502,9 @@ class DecoderLayer(nn.Module):
             return None  # the kernels read queries, keys and values as one type
         if isinstance(offset, int):
             offset = mx.array(offset, dtype=mx.int32)
-        rows, row = claim_rows(layer_kv)  # the buffers then go in from layer_kv alone (in place)
         joins = norm_cuda.available()
-        *out, layer_kv.keys, layer_kv.values = attention_step(
-            stream_of(x), weights, offset, layer_kv.keys, layer_kv.values, rows.bounds, row,
+        out, _ = cache_step(
+            attention_step, layer_kv, stream_of(x), weights, offset,
             (attn.heads, attn.kv_heads, attn["q_norm"].eps), rope.dims, rope.base, joins, self.eps,
         )  # fmt: skip
         return Unjoined(*out) if joins else out[0]
@@ -695,8 +685,8 @@ def attention_layer(
     queries, new_keys, new_values, gate = attention_inputs(
         q, k, v, (q_norm, k_norm), start, dims, rotary_dims, base
     )
-    keys, values = LayerKV.write(keys, new_keys, row), LayerKV.write(values, new_values, row)
-    out = sigmoid_gate(attention_cuda.decode(queries, keys, values, rows, 1.0), gate)
+    keys, values = written(keys, values, new_keys, new_values, row)
+    out = sigmoid_gate(attend(queries, keys, values, rows, 1.0), gate)
     return *lifted(layer_end(h, flat(out), o_t, tuple(end), joins, eps)), keys, values
 
 

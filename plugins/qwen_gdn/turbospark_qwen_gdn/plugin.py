@@ -40,6 +40,12 @@ turbospark_build_synthetic_install = common.turbospark_build_synthetic_install
 
 
 @hookimpl
+def turbospark_tool_syntax(chat_template: str | None) -> str:
+    # Qwen3.5's templates write <function=NAME> blocks; a Qwen3-style template, JSON ones.
+    return "qwen3_xml" if "<function=" in (chat_template or "") else "qwen3_json"
+
+
+@hookimpl
 def turbospark_load_model(
     arch: ArchConfig, weights: dict[str, mx.array], dtype: mx.Dtype
 ) -> nn.Module:

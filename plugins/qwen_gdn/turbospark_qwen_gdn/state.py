@@ -18,22 +18,11 @@ if TYPE_CHECKING:
     from turbospark_qwen_gdn.model import QwenGdnConfig
 
 COMPONENTS = [
-    ComponentSpec(
-        name="kv",
-        description="keys/values of the full-attention layers",
-        swappable=True,
-        rewindable=True,
-        persistable=True,
-        batchable=True,
-    ),
-    ComponentSpec(
-        name="gdn",
-        description="conv tail and float32 recurrent matrix of each gated-DeltaNet layer",
-        swappable=True,
-        rewindable=False,
-        persistable=True,
-        batchable=True,
-        traceable=True,
+    ComponentSpec.of(KVComponent.CAPABILITIES, "kv", "keys/values of the full-attention layers"),
+    ComponentSpec.of(
+        GDNComponent.CAPABILITIES,
+        "gdn",
+        "conv tail and float32 recurrent matrix of each gated-DeltaNet layer",
     ),
 ]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from turbospark.sdk import QWEN_TEXT, RandomWeights, write_synthetic
+from turbospark.sdk import QWEN_TEXT, GDNDims, RandomWeights, write_synthetic
 from turbospark_qwen_gdn.model import QwenGdnConfig, RopeParameters
 
 
@@ -90,7 +90,7 @@ def build(
     w.centred(f"{root}.norm.weight", (hidden,))
     if not tie_word_embeddings:
         w.linear("lm_head.weight", (vocab_size, hidden))
-    gdn = arch.gdn_dims()
+    gdn = GDNDims.of(arch)
     layers = [(f"{root}.layers.{i}", arch.is_linear(i)) for i in range(num_layers)]
     if mtp:
         w.centred("mtp.pre_fc_norm_embedding.weight", (hidden,))

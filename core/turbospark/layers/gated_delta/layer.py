@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,6 +60,20 @@ class GDNDims:
     value_head_dim: int
     conv_kernel: int
     eps: float
+
+    @classmethod
+    def of(cls, arch: Any) -> GDNDims:
+        """The sizes from a checkpoint config under the ``linear_*`` keys Qwen3.5
+        writes (every gated-DeltaNet family's), so no family derives them itself."""
+        return cls(
+            hidden_size=arch.hidden_size,
+            num_key_heads=arch.linear_num_key_heads,
+            num_value_heads=arch.linear_num_value_heads,
+            key_head_dim=arch.linear_key_head_dim,
+            value_head_dim=arch.linear_value_head_dim,
+            conv_kernel=arch.linear_conv_kernel_dim,
+            eps=arch.rms_norm_eps,
+        )
 
     @property
     def key_dim(self) -> int:

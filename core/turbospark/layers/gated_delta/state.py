@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from turbospark.state.components import Snapshot, refuse_rewind
+from turbospark.state.components import Capabilities, Snapshot, refuse_rewind
 
 # -- the state ------------------------------------------------------------------
 
@@ -41,6 +41,10 @@ class GDNComponent:
     """
 
     name = "gdn"
+    # Parks and snapshots by reference, merges into a batch, traces a verify pass.
+    CAPABILITIES = Capabilities(
+        swappable=True, rewindable=False, persistable=True, batchable=True, traceable=True
+    )
 
     def __init__(self, num_layers: int):
         self._tails: list[mx.array | None] = [None] * num_layers
