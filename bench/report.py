@@ -248,7 +248,7 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
             e = result["engines"]
             rows.append((f"decode tok/s, every layer steered ({mode}) ÷ off",
                          f"{result[f'paired_decode_ratio_{mode}']:.2f}",
-                         f"spread {e[mode]['spread']:.2f} (steered), {e['off']['spread']:.2f} (off)"))  # fmt: skip
+                         f"tok/s (max − min) ÷ median over reps: {e[mode]['spread']:.2f} steered, {e['off']['spread']:.2f} off"))  # fmt: skip
     elif section == "step_cost":
         for r in result["rows"]:
             rows.append((f"batched decode step, B={r['batch']}: mlx-lm ÷ ours, wall ms",
@@ -260,6 +260,35 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
                      f"{theirs['cpu_us'] / ours['cpu_us']:.2f}",
                      f"{ours['cpu_us']} vs {theirs['cpu_us']} µs (least of rounds {ours['cpu_us_rounds']}, "
                      f"{theirs['cpu_us_rounds']})"))  # fmt: skip
+    elif section == "concurrency":
+        for n, level in result["levels"].items():
+            if "tok_s_ratio" not in level:
+                rows.append((f"N={n} clients", "no ratio", level["ratio_refused"]))
+                continue
+            a, b = level["turbospark"], level["mlx_lm"]
+            rows.append((f"N={n} clients: completion tok/s ÷ mlx_lm.server", f"{level['tok_s_ratio']:.2f}",
+                         f"{a['completion_tok_s']:.0f} vs {b['completion_tok_s']:.0f} tok/s"))  # fmt: skip
+            rows.append((f"N={n} clients: TTFT p50, mlx_lm.server ÷ ours", f"{1 / level['ttft_p50_ratio']:.2f}",
+                         f"{a['ttft_p50_s'] * 1e3:.0f} vs {b['ttft_p50_s'] * 1e3:.0f} ms"))  # fmt: skip
+    elif section == "experts":
+        for name, r in result["engines"].items():
+            rows.append((f"expert cache {name}: decode tok/s ÷ every expert resident",
+                         f"{r['decode_vs_all']:.2f}",
+                         f"hit rate {r['hit_rate']:.0%}, {r['resident_fraction']:.0%} of the expert bytes "
+                         f"resident, same tokens: {r['same_tokens_as_all']}"))  # fmt: skip
+    elif section == "draft":
+        from bench.draft import summary
+
+        d = summary(result)
+        same = all(p["output_equals_off"] for p in result["curve"])
+        rows.append((f"drafts all accepted, depth {d['draft_full_acceptance_depth']}: tok/s ÷ off",
+                     f"{d['draft_full_acceptance_speedup']:.2f}",
+                     f"oracle drafter; every output equals off's: {same}"))  # fmt: skip
+        rows.append(("drafts never accepted, worst depth: tok/s ÷ off",
+                     f"{d['draft_zero_acceptance_worst_speedup']:.2f}", "adaptive depth"))  # fmt: skip
+        if ngram := result.get("ngram_copy"):
+            rows.append(("prompt lookup on a copy-heavy prompt: tok/s ÷ off",
+                         f"{ngram['tok_s'] / ngram['off_tok_s']:.2f}", ""))  # fmt: skip
     elif section == "batch_decode":
         for key, level in result["levels"].items():
             rows.append((f"qwen4_exp {key}: batched ÷ row by row tok/s", f"{level['ratio']:.2f}",
@@ -272,6 +301,29 @@ def load(folder: Path) -> dict[str, dict[str, Any]]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
 
 
+def print_tables(rows: dict[str, dict[str, Any]]) -> None:
+    """docs/PERFORMANCE.md's tables: one a family, each figure with the command
+    that reproduces it (a result carried with its run's other processes takes
+    its spread from them)."""
+    by_family: dict[str, list[dict[str, Any]]] = {}
+    for row in rows.values():
+        by_family.setdefault(row["family"], []).append(row)
+    for family, family_rows in sorted(by_family.items(), key=lambda kv: kv[0] == "-"):
+        print(f"\n{'Once a run' if family == '-' else family}:\n")
+        print("| figure | value | spread, detail | reproduce |\n|---|---|---|---|")
+        for row in family_rows:
+            device = "gpu" if row["plan"] == "gpu" else "cpu"
+            command = f"`--device {device} --only {row['section']}" + (
+                f" --family {family}`" if family != "-" else "`"
+            )
+            others = [figures(row["section"], p) for p in row.get("processes", [])]
+            for i, (figure, value, detail) in enumerate(figures(row["section"], row["result"])):
+                if others:
+                    values = [float(o[i][1]) for o in others]
+                    detail = f"{_spread(values)} over {len(values)} processes"
+                print(f"| {figure} | {value} | {detail} | {command} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -281,15 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = load(args.folder)
     if args.table:
-        print("| family | section | figure | value | spread, detail |\n|---|---|---|---|---|")
-        for row in rows.values():
-            # A result carried with its run's other processes: the spread is theirs.
-            others = [figures(row["section"], p) for p in row.get("processes", [])]
-            for i, (figure, value, detail) in enumerate(figures(row["section"], row["result"])):
-                if others:
-                    values = [float(o[i][1]) for o in others]
-                    detail = f"{_spread(values)} over {len(values)} processes"
-                print(f"| {row['family']} | {row['section']} | {figure} | {value} | {detail} |")
+        print_tables(rows)
         return 0
     machines = {json.dumps(r["machine"], sort_keys=True) for r in rows.values()}
     for m in machines:
