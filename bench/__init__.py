@@ -1,1 +1,1 @@
-"""turbospark benchmarks (never part of the test run's pass/fail); entry point: bench/run.py."""
+"""turbospark benchmarks (never part of the test run's pass/fail); entry point: ``python -m bench.run``."""

@@ -353,6 +353,7 @@ def machine() -> dict[str, Any]:
         "mlx": mx.__version__,
         "mlx_lm": _version("mlx-lm"),
         "device": str(mx.default_device()),
+        "device_name": str(mx.device_info().get("device_name", "")),  # the GPU's model there
         "blas": blas_setting(),
         "load_average_at_start": [round(x, 2) for x in load],
     }

@@ -24,7 +24,7 @@ graph it builds, and the host time spent building it.
   not pipeline at all. On the CPU MLX keeps only a few tasks in flight ahead
   of the host, so there it is a step's tail; on a GPU, most of the step.
 - **Profile.** cProfile of ``stream_generate``'s decode, the top functions by
-  own time (``bench/gpu.py --profile``).
+  own time (:func:`profile_decode`).
 
 Each is measured with our compiled step, the same step with compilation off
 (``mx.disable_compile()``: the uncompiled expressions) and mlx-lm's model.
@@ -77,7 +77,7 @@ def copy_bandwidth(megabytes: int = 1024, reps: int = 10, copies: int = 4) -> fl
 
     Each rep evaluates *copies* copies at once, so the sync that ends a rep is
     paid once per several copies: one 1 GiB copy a rep read 2.98-3.18 TB/s on
-    the H200 where four read 3.29-3.44 (results/gpu/h200_s23_copy_probe.jsonl),
+    the H200 where four read 3.29-3.44 over six rounds of both in one process,
     and a low denominator flatters every roofline fraction."""
     x = mx.random.uniform(shape=(megabytes * 2**18,))  # float32: 4 bytes each
     mx.eval(x)

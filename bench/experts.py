@@ -12,7 +12,7 @@ Per policy: decode tok/s (median of reps), hit rate and expert bytes read per
 decoded token (decode only, from ``Runner.expert_cache_stats``), the expert
 bytes resident, and the growth of MLX's active memory when the runner opened.
 Random weights route close to uniformly, so hit rates here are a floor: a
-trained router reuses experts far more (issue 16's 26B numbers).
+trained router reuses experts far more.
 """
 
 from __future__ import annotations

@@ -156,6 +156,9 @@ def bench_forward(
         rates[name] = {
             "prefill_tok_s": prompt_tokens / median_of(rows, "prefill_s"),
             "decode_tok_s": decode_tokens / median_of(rows, "decode_s"),
+            # every rep, for the spread (rep i of each engine ran in the same round)
+            "prefill_tok_s_reps": [prompt_tokens / r["prefill_s"] for r in rows],
+            "decode_tok_s_reps": [decode_tokens / r["decode_s"] for r in rows],
         }
     result: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
@@ -183,8 +186,17 @@ def bench_forward(
             "fraction": {name: r["decode_tok_s"] / roofline for name, r in rates.items()},
         }
         result["step_cost"] = decode_cost(runner, model, prompt)
+    pairs = [("", "ours", "mlx_lm")]
     if library_loops:
         ours, theirs = rates["ours_generate"], rates["mlx_lm_generate_step"]
         result["generate_decode_ratio_vs_mlx_lm"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
         result["generate_prefill_ratio_vs_mlx_lm"] = ours["prefill_tok_s"] / theirs["prefill_tok_s"]
+        pairs.append(("generate_", "ours_generate", "mlx_lm_generate_step"))
+    for prefix, ours_name, theirs_name in pairs:  # the ratio within each round: the spread
+        for phase in ("prefill", "decode"):
+            a, b = (
+                rates[ours_name][f"{phase}_tok_s_reps"],
+                rates[theirs_name][f"{phase}_tok_s_reps"],
+            )
+            result[f"{prefix}{phase}_ratio_reps"] = [x / y for x, y in zip(a, b, strict=True)]
     return result

@@ -11,12 +11,11 @@ MLX's graph of the GPU step, built on the CPU. The values it computes are
 meaningless; nothing but the count is read.
 
 ``mx.fast.scaled_dot_product_attention`` is left as it is: the H200's counts
-(MLX 0.32, ``bench/gpu.py --only forward``) match only with attention
+(MLX 0.32, ``python -m bench.run --device gpu --only forward``) match only with attention
 expanded as the CPU expands it (a scale, two matmuls and a softmax: three
 kernels more per attention layer than one fused op would be), so MLX's CUDA
-backend runs these decode shapes through the same fallback. Calibration,
-``host`` and ``large`` sizes in bfloat16, main's code at ``6a3013f``: gemma4
-410 ours / 501 mlx-lm, qwen_gdn 435 / 496, each equal to the H200's count.
+backend runs these decode shapes through the same fallback. Checked at the
+``host`` and ``large`` sizes in bfloat16: each count equal to the H200's.
 
 The replacement is process-wide and must precede every trace, so
 :func:`gpu_kernels` runs the count in a fresh interpreter
@@ -194,8 +193,7 @@ def traced_pass(runner: Any, prompt: list[int], fed: int, census: bool = False) 
     <turbospark.generation.runner.Runner.verify>` runs it (its traced components told
     first), with every state array it leaves current (per-position states
     not asked for yet stay unbuilt). The second of two identical passes is counted, so
-    compiled functions are traced already (what ``bench/draft_round.py``'s
-    ``kernels`` counts on a GPU)."""
+    compiled functions are traced already (what a GPU counts for a verify pass)."""
     from bench.decode_cost import graph_primitives
 
     for _ in range(2):

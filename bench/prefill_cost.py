@@ -27,7 +27,7 @@ benchmark synchronises instead:
    they say where, not how long.
 
 Run: ``uv run python bench/prefill_cost.py --family gemma4 [--size chat_host]
-[--json]``; on the H200: ``python3 bench/gpu.py OUT --only prefill_cost``
+[--json]``; on a GPU: ``python3 -m bench.run --device gpu --only prefill_cost``
 (``chat_large`` bf16).
 """
 

@@ -1,36 +1,56 @@
-"""Run every turbospark benchmark, print a table, write JSON and a plot.
+"""The one entry point of turbospark's benchmarks, on the CPU or a GPU.
 
-    uv run python bench/run.py [--quick] [--json] [--family F ...] [--out DIR] [--save-reference]
+    uv run python -m bench.run --device cpu [--quick] [--family F ...] [--only S ...] [--save]
+    python3 -m bench.run --device gpu [--only S ...] [--save]       # on a GPU machine
 
-Results go to ``bench/out/`` (untracked), so a run never dirties the checkout;
-``--save-reference`` writes them to ``bench/results/`` instead, the committed
-reference numbers that ``bench/README.md`` discusses.
+Every section writes its result as soon as it ends, one JSON file a section
+and family (``forward_gemma4.json``; a section run once, ``constrain.json``),
+with the machine record, the dtype and the plan beside it, and prints its
+summary. A lease that ends mid-run keeps every section finished before.
+Results go to ``bench/out/<device>/`` (git-ignored); ``--save`` writes the
+committed reference results instead: ``bench/results/cpu/`` or
+``bench/results/gpu/<card>/`` (``h100``, ``h200``). ``python -m bench.report
+DIR`` prints a results folder again.
 
-Sections (``--only`` picks some): ``forward`` (prefill/decode tok/s against
-mlx-lm on the same install), ``interleaved`` (K conversations round-robin,
-pool against no pool, in process), ``serving`` (the same chats over HTTP,
-``turbospark serve`` against ``mlx_lm.server``), ``concurrency`` (N clients
-at once, each a multi-turn chat, against both servers), ``swap`` (swap cost against
-history length, pool memory), ``dispatch`` (the hook path's per-token cost),
-``server_step`` (the server's decode step against its engine's step alone,
-on the host-bound ``chat_host`` shapes: :mod:`bench.server_step`),
-``constrain`` (constrained decoding's per-token cost, llguidance against
-xgrammar, on a 151,643-token vocabulary; once, not per family), ``draft``
-(speculative decoding: tok/s against acceptance and depth, against off),
-``experts`` (gemma4 only: the routed-expert cache's decode speed, hit rate and
-memory against slot count), ``steering`` (decode with every layer steered
-against steering off), ``batch_decode`` (qwen4_exp's batched decode against
-its row-by-row decode, dense and sparse QSA; once, not per family:
-:mod:`bench.batch_decode`).
+Sections, default all but ``tp`` and ``replicas`` (``--only`` picks):
+
+- ``forward``: prefill and decode tok/s against mlx-lm on the same install
+  (hand loop and both libraries' generation loops; roofline and host cost);
+- ``interleaved``: K conversations round-robin in process, pool against no pool;
+- ``serving``: the same chats over HTTP, ``turbospark serve`` against ``mlx_lm.server``;
+- ``concurrency``: N clients at once, each a multi-turn chat, against both servers;
+- ``server_step``: the server's decode step against its engine's step alone;
+- ``step_cost``: the engine's batched decode step alone, host against wall time;
+- ``prefill_cost``: a batched prefill forward's first and second run, and the engine's phases;
+- ``host_cost`` (CPU): thread CPU time to build one decode step, ours against mlx-lm's;
+- ``swap``: swap cost against history length, pool memory, against an mlx-lm cache hit;
+- ``session_disk``: reloading a session from disk against prefilling it again;
+- ``dispatch``: what the hook path and the runner add per token;
+- ``draft``: speculative decoding's tok/s against acceptance and depth, against off;
+- ``experts`` (gemma4): the routed-expert cache against slot count;
+- ``steering``: decode with every layer steered against steering off;
+- ``constrain`` (once): llguidance against xgrammar per token;
+- ``batch_decode`` (once, qwen4_exp): batched decode against row by row;
+- ``tp`` (GPU, two cards): tensor parallel TP=2 against TP=1;
+- ``replicas`` (CPU): two servers behind SGLang's gateway, ``cache_aware`` against ``round_robin``.
+
 Benchmarks never decide whether the test suite passes.
 """
 
 from __future__ import annotations
 
+import os
+
+# Before MLX loads: its CUDA GEMMs run float32 as TF32 by default while GEMVs
+# (one token) stay full float32, so a k + 1-token verify and one-token steps of
+# a float32 model disagree by TF32 rounding. bf16 (the GPU plan) is unaffected.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,45 +59,33 @@ if __package__ in (None, ""):
     # Run as a script: make the repository root importable so `bench.*` resolves.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.batch_decode import bench_batch_decode
-from bench.batch_decode import summary as summary_batch
-from bench.common import DEFAULT_CACHE, FAMILIES, default_dtype, install, machine
-from bench.concurrency import ConcurrencyPlan, bench_concurrency
-from bench.constrain import bench_constrain
-from bench.dispatch import bench_dispatch
-from bench.draft import ACCURACIES, MTP_FAMILIES, bench_draft
-from bench.experts import bench_experts
-from bench.forward import bench_forward
-from bench.interleaved import bench_interleaved
-from bench.report import headline, print_constrain, print_table
-from bench.server_step import bench_server_step
-from bench.serving import bench_servers
-from bench.steering import bench_steering
-from bench.swap import bench_swap
+import mlx.core as mx
+
+from bench.common import DEFAULT_CACHE, FAMILIES, install, machine
+from bench.concurrency import ConcurrencyPlan
+from bench.draft import ACCURACIES, MTP_FAMILIES
+from bench.report import print_section
 from bench.workload import ChatWorkload
 
-SECTIONS = (
-    "forward", "interleaved", "serving", "concurrency", "server_step", "swap", "dispatch",
-    "constrain", "draft", "experts", "steering", "batch_decode",
-)  # fmt: skip
+SERVER_STEP = ConcurrencyPlan(clients=(16,))  # 16 clients, 3 turns, 64 tokens a reply
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
-
-
-SERVER_STEP = ConcurrencyPlan(clients=(16,))  # 16 clients, 3 turns, 64 tokens a reply
+ONCE = ("constrain", "batch_decode")  # per vocabulary / per qwen4_exp, not per family
+EXTRA = ("tp", "replicas")  # only when named: two GPUs; sglang-router
+CPU_ONLY = ("host_cost", "replicas")
+GPU_ONLY = ("tp",)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How much of each benchmark to run: ``--quick`` fits in two minutes on two cores."""
+    """How much of each benchmark to run: ``--quick`` fits in a few minutes on two cores."""
 
     forward_sizes: tuple[str, ...]
     prompt_tokens: int
     decode_tokens: int
     chunk: int
     reps: int
-    library_loops: bool
     chat: ChatWorkload
     swap_size: str
     swap_lengths: tuple[int, ...]
@@ -85,13 +93,16 @@ class Plan:
     swap_vs_mlx_lm: bool
     dispatch_tokens: int
     concurrency: ConcurrencyPlan
+    dtype: str = "float32"  # MLX's CPU bf16 matmul has no BLAS path; gather_mm wants f32
     chat_size: str = "chat"
     draft_size: str = "small"
     draft_depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     draft_accuracies: tuple[float, ...] = ACCURACIES
     draft_tokens: int = 64
+    draft_reps: int = 3
     experts_size: str = "moe"
     experts_decode: int = 32
+    steering_size: str = "medium"
     # bench/batch_decode.py on qwen4_exp: (size, batch sizes, prompt lengths, steps)
     batch_decode: tuple[str, tuple[int, ...], tuple[int, ...], int] = (
         "small",
@@ -103,6 +114,14 @@ class Plan:
     server_step: ConcurrencyPlan = SERVER_STEP
     server_step_size: str = "chat_host"
     server_step_time_limit_s: float = 600.0  # the child is killed past it (bench.server_step)
+    step_cost_size: str = "chat"
+    step_cost_batches: tuple[int, ...] = (8, 16)
+    step_cost_steps: int = 100
+    prefill_cost_size: str = "chat_host"
+    session_disk_size: str = "small"
+    session_disk_lengths: tuple[int, ...] = (1024, 4096, 16384)
+    host_cost_steps: int = 100
+    host_cost_rounds: int = 3
 
 
 QUICK = Plan(
@@ -111,7 +130,6 @@ QUICK = Plan(
     decode_tokens=32,
     chunk=256,
     reps=5,
-    library_loops=True,
     chat=ChatWorkload(conversations=3, turns=4, user_chars=96, reply_chars=24, max_tokens=8),
     swap_size="tiny",
     swap_lengths=(1024, 4096, 16384),
@@ -123,15 +141,22 @@ QUICK = Plan(
     draft_depths=(1, 2, 4, 6),
     draft_accuracies=(1.0, 0.5, 0.0),
     draft_tokens=32,
+    draft_reps=2,
+    steering_size="small",
     batch_decode=("small", (4,), (32, 256), 16),
+    step_cost_batches=(8,),
+    step_cost_steps=30,
+    session_disk_size="tiny",
+    session_disk_lengths=(1024, 4096),
+    host_cost_steps=30,
+    host_cost_rounds=1,
 )
-FULL = Plan(
+CPU = Plan(
     forward_sizes=("small", "medium"),
     prompt_tokens=512,
     decode_tokens=32,
     chunk=256,
     reps=5,
-    library_loops=True,
     chat=ChatWorkload(conversations=4, turns=6, user_chars=160, reply_chars=48, max_tokens=16),
     swap_size="small",
     swap_lengths=(1024, 4096, 16384),
@@ -141,177 +166,290 @@ FULL = Plan(
     concurrency=ConcurrencyPlan(clients=(1, 8, 16)),
 )
 GPU = Plan(
-    forward_sizes=("medium", "large"),
+    forward_sizes=("large",),
     prompt_tokens=2048,
     decode_tokens=128,
     chunk=512,
-    reps=5,
-    library_loops=True,
+    reps=3,
     chat=ChatWorkload(conversations=4, turns=6, user_chars=400, reply_chars=48, max_tokens=16),
     swap_size="large",
     swap_lengths=(1024, 4096, 16384),
-    swap_reps=20,
+    swap_reps=5,
     swap_vs_mlx_lm=True,
     dispatch_tokens=200,
     concurrency=ConcurrencyPlan(clients=(1, 16)),
+    dtype="bfloat16",
     chat_size="chat_large",
     server_step_size="chat_large",
-    server_step_time_limit_s=300.0,  # ~100 s expected on the H200
+    server_step_time_limit_s=300.0,
     draft_size="large",
     draft_tokens=128,
     experts_size="moe_large",
     experts_decode=128,
+    steering_size="large",
     batch_decode=("large", (8, 16), (128, 1024), 64),
+    step_cost_size="chat_large",
+    prefill_cost_size="chat_large",
+    session_disk_size="large",
 )
+SECTIONS = (
+    "forward", "interleaved", "serving", "concurrency", "server_step", "step_cost",
+    "prefill_cost", "host_cost", "swap", "session_disk", "dispatch", "draft", "experts",
+    "steering", "constrain", "batch_decode", "tp", "replicas",
+)  # fmt: skip
 
 
-def run_family(
-    family: str, plan: Plan, sections: set[str], dtype: str, cache: Path, out: Path
-) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    if "forward" in sections:
-        result["forward"] = {
-            size: bench_forward(
-                install(family, size, dtype, cache),
-                prompt_tokens=plan.prompt_tokens,
-                decode_tokens=plan.decode_tokens,
-                chunk=plan.chunk,
-                reps=plan.reps,
-                library_loops=plan.library_loops,
-                uncompiled=True,
-                cost=True,
-            )
-            for size in plan.forward_sizes
-        }
-    chat = install(family, plan.chat_size, dtype, cache)
-    if "interleaved" in sections:
-        result["interleaved"] = bench_interleaved(chat, plan.chat)
-    if "serving" in sections:
-        result["serving"] = bench_servers(chat, plan.chat, out / "logs")
-    if "concurrency" in sections:
-        result["concurrency"] = bench_concurrency(chat, plan.concurrency, out / "logs")
-    if "server_step" in sections:
-        plan_step = plan.server_step
-        try:
-            result["server_step"] = bench_server_step(
-                install(family, plan.server_step_size, dtype, cache),
-                plan_step.clients[0],
-                plan_step,
-                time_limit_s=plan.server_step_time_limit_s,
-            )
-        except (TimeoutError, RuntimeError) as exc:  # the other sections' results still count
-            result["server_step"] = {"error": str(exc)}
-    if "swap" in sections:
-        result["swap"] = bench_swap(
-            install(family, plan.swap_size, dtype, cache),
-            list(plan.swap_lengths),
-            plan.swap_reps,
-            plan.swap_vs_mlx_lm,
+@dataclass(frozen=True)
+class Context:
+    plan: Plan
+    cache: Path
+    logs: Path
+    quick: bool
+
+    def install(self, family: str, size: str, mtp: bool = False) -> Path:
+        return install(family, size, self.plan.dtype, self.cache, mtp=mtp)
+
+
+def _forward(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.forward import bench_forward
+
+    p = ctx.plan
+    return {
+        size: bench_forward(
+            ctx.install(family, size),
+            prompt_tokens=p.prompt_tokens,
+            decode_tokens=p.decode_tokens,
+            chunk=p.chunk,
+            reps=p.reps,
+            library_loops=True,
+            uncompiled=True,
+            cost=True,
         )
-    if "dispatch" in sections:
-        result["dispatch"] = bench_dispatch(
-            install(family, "tiny", dtype, cache), plan.dispatch_tokens, plan.reps
+        for size in p.forward_sizes
+    }
+
+
+def _interleaved(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.interleaved import bench_interleaved
+
+    return bench_interleaved(ctx.install(family, ctx.plan.chat_size), ctx.plan.chat)
+
+
+def _serving(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.serving import bench_servers
+
+    return bench_servers(ctx.install(family, ctx.plan.chat_size), ctx.plan.chat, ctx.logs)
+
+
+def _concurrency(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.concurrency import bench_concurrency
+
+    path = ctx.install(family, ctx.plan.chat_size)
+    return bench_concurrency(path, ctx.plan.concurrency, ctx.logs)
+
+
+def _server_step(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.server_step import bench_server_step
+
+    p = ctx.plan
+    try:
+        return bench_server_step(
+            ctx.install(family, p.server_step_size),
+            p.server_step.clients[0],
+            p.server_step,
+            time_limit_s=p.server_step_time_limit_s,
         )
-    if "draft" in sections:
-        result["draft"] = bench_draft(
-            install(family, plan.draft_size, dtype, cache),
-            plan.draft_depths,
-            plan.draft_accuracies,
-            plan.draft_tokens,
-            plan.reps if plan.reps < 5 else 3,
-            install(family, plan.draft_size, dtype, cache, mtp=True)
-            if family in MTP_FAMILIES
-            else None,
-        )
-    if "experts" in sections and family == "gemma4":  # the family with an MoE block
-        result["experts"] = bench_experts(
-            install(family, plan.experts_size, dtype, cache),
-            prompt_tokens=64,
-            decode_tokens=plan.experts_decode,
-            reps=plan.reps,
-        )
-    if "steering" in sections:
-        result["steering"] = bench_steering(
-            install(family, plan.forward_sizes[-1], dtype, cache), plan.decode_tokens, plan.reps
-        )
-    return {**headline(result), **result}
+    except (TimeoutError, RuntimeError) as exc:  # the other sections' results still count
+        return {"error": str(exc)}
+
+
+def _step_cost(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.step_cost import measure, mlx_lm_step
+
+    p = ctx.plan
+    path = ctx.install(family, p.step_cost_size)
+    rows = []
+    for batch in p.step_cost_batches:  # ours, then mlx-lm's BatchGenerator on the same prompts
+        ours = measure(path, batch, p.step_cost_steps, 0.0, False)
+        theirs = mlx_lm_step(path, batch, p.step_cost_steps, ours["vocab"])
+        ratio = theirs["wall_ms_per_step"] / ours["wall_ms_per_step"]
+        rows.append({**ours, "mlx_lm": theirs, "wall_ratio_vs_mlx_lm": ratio})
+    return {"rows": rows}
+
+
+def _prefill_cost(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.prefill_cost import bench_prefill_cost
+
+    return bench_prefill_cost(ctx.install(family, ctx.plan.prefill_cost_size))
+
+
+def _host_cost(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.host_cost import host_cost
+
+    p = ctx.plan
+    return host_cost(family, p.host_cost_steps, p.host_cost_rounds, ctx.cache)
+
+
+def _swap(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.swap import bench_swap
+
+    p = ctx.plan
+    path = ctx.install(family, p.swap_size)
+    return bench_swap(path, list(p.swap_lengths), p.swap_reps, p.swap_vs_mlx_lm)
+
+
+def _session_disk(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.session_disk import bench_session_disk
+
+    p = ctx.plan
+    path = ctx.install(family, p.session_disk_size)
+    return bench_session_disk(path, list(p.session_disk_lengths), 1 if ctx.quick else 3)
+
+
+def _dispatch(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.dispatch import bench_dispatch
+
+    p = ctx.plan
+    return bench_dispatch(ctx.install(family, "tiny"), p.dispatch_tokens, p.reps)
+
+
+def _draft(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.draft import bench_draft
+
+    p = ctx.plan
+    mtp = ctx.install(family, p.draft_size, mtp=True) if family in MTP_FAMILIES else None
+    return bench_draft(
+        ctx.install(family, p.draft_size),
+        p.draft_depths,
+        p.draft_accuracies,
+        p.draft_tokens,
+        p.draft_reps,
+        mtp,
+    )
+
+
+def _experts(ctx: Context, family: str) -> dict[str, Any] | None:
+    from bench.experts import bench_experts
+
+    if family != "gemma4":  # the family with an MoE block
+        return None
+    p = ctx.plan
+    path = ctx.install(family, p.experts_size)
+    return bench_experts(path, prompt_tokens=64, decode_tokens=p.experts_decode, reps=p.reps)
+
+
+def _steering(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.steering import bench_steering
+
+    p = ctx.plan
+    return bench_steering(ctx.install(family, p.steering_size), p.decode_tokens, p.reps)
+
+
+def _constrain(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.constrain import bench_constrain
+
+    return bench_constrain(ctx.plan.reps)
+
+
+def _batch_decode(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.batch_decode import bench_batch_decode
+
+    size, batches, prompts, steps = ctx.plan.batch_decode
+    path = ctx.install("qwen4_exp", size)
+    return bench_batch_decode(path, batches, prompts, steps, 1 if ctx.quick else 3)
+
+
+def _tp(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.tp import bench_tp
+
+    return bench_tp(family, "tp8b", 2, "nccl", "bfloat16", ctx.plan.reps, ctx.cache)
+
+
+def _replicas(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.replicas import WORKLOAD, bench_replicas
+
+    return bench_replicas(ctx.install(family, ctx.plan.chat_size), WORKLOAD, ctx.logs)
+
+
+RUN: dict[str, Callable[[Context, str], dict[str, Any] | None]] = {
+    "forward": _forward, "interleaved": _interleaved, "serving": _serving,
+    "concurrency": _concurrency, "server_step": _server_step, "step_cost": _step_cost,
+    "prefill_cost": _prefill_cost, "host_cost": _host_cost, "swap": _swap,
+    "session_disk": _session_disk, "dispatch": _dispatch, "draft": _draft,
+    "experts": _experts, "steering": _steering, "constrain": _constrain,
+    "batch_decode": _batch_decode, "tp": _tp, "replicas": _replicas,
+}  # fmt: skip
+
+
+def card() -> str:
+    """``h100``, ``h200``, ... from the GPU's name; ``gpu`` if MLX does not say."""
+    name = str(mx.device_info().get("device_name", "")).lower()
+    return next((c for c in ("h100", "h200", "b200", "a100", "l40s") if c in name), "gpu")
+
+
+def results_dir(device: str) -> Path:
+    return REFERENCE / "cpu" if device == "cpu" else REFERENCE / "gpu" / card()
+
+
+def result_name(section: str, family: str) -> str:
+    return f"{section}.json" if section in ONCE else f"{section}_{family}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="small sizes, few reps (< 2 min)")
-    parser.add_argument(
-        "--gpu", action="store_true", help="medium and ~1B sizes, longer prompts (GPU runs)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the JSON result")
+    parser.add_argument("--device", choices=("cpu", "gpu"), required=True)
+    parser.add_argument("--quick", action="store_true", help="CPU: tiny and small sizes, few reps")
     parser.add_argument(
         "--family", action="append", choices=FAMILIES, help="repeatable; default all"
     )
-    parser.add_argument("--only", action="append", choices=SECTIONS, help="repeatable; default all")
+    parser.add_argument("--only", action="append", choices=SECTIONS, help="repeatable")
+    parser.add_argument("--out", type=Path, help="results folder (default bench/out/<device>)")
     parser.add_argument(
-        "--out", type=Path, default=None, help=f"results folder (default: {UNTRACKED})"
-    )
-    parser.add_argument(
-        "--save-reference",
-        action="store_true",
-        help=f"write the committed reference results in {REFERENCE} (instead of --out)",
+        "--save", action="store_true", help="write the committed reference results instead"
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="synthetic installs")
-    parser.add_argument(
-        "--dtype", default=None, help="weights dtype (default: bf16 on GPU, f32 on CPU)"
-    )
-    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
-    if args.save_reference and args.out is not None:
-        parser.error("--save-reference writes to bench/results/; drop --out")
-    args.out = REFERENCE if args.save_reference else args.out or UNTRACKED
+    if args.save and (args.out or args.quick):
+        parser.error("--save writes the full plan to bench/results/; drop --out and --quick")
+    if args.device == "gpu" and args.quick:
+        parser.error("--quick is a CPU plan")
+    if args.device == "cpu":
+        mx.set_default_device(mx.cpu)
+    elif mx.default_device() != mx.gpu:
+        parser.error("--device gpu: MLX has no GPU here (mlx-cuda-13 on Linux)")
 
-    mode = "quick" if args.quick else "gpu" if args.gpu else "full"
-    plan = {"quick": QUICK, "gpu": GPU, "full": FULL}[mode]
-    dtype = args.dtype or default_dtype()
-    sections = set(args.only or SECTIONS)
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    report: dict[str, Any] = {
+    plan = QUICK if args.quick else CPU if args.device == "cpu" else GPU
+    wrong = CPU_ONLY if args.device == "gpu" else GPU_ONLY
+    sections = [
+        s for s in SECTIONS
+        if (s in args.only if args.only else s not in EXTRA) and s not in wrong
+    ]  # fmt: skip
+    out = results_dir(args.device) if args.save else args.out or UNTRACKED / args.device
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(plan, args.cache_dir, UNTRACKED / "logs", args.quick)
+    record = {
         "machine": machine(),
-        "mode": mode,
-        "dtype": dtype,
-        "plan": asdict(plan),
-        "families": {},
+        "dtype": plan.dtype,
+        "plan": "quick" if args.quick else args.device,
     }
-    for family in args.family or FAMILIES:
-        report["families"][family] = run_family(
-            family, plan, sections, dtype, args.cache_dir, args.out
-        )
-    if "constrain" in sections:
-        report["constrain"] = bench_constrain(plan.reps)
-    if "batch_decode" in sections:
-        size, batches, prompts, steps = plan.batch_decode
-        path = install("qwen4_exp", size, dtype, args.cache_dir)
-        report["batch_decode"] = bench_batch_decode(
-            path, batches, prompts, steps, 1 if args.quick else 3
-        )
-    report["wall_s"] = time.perf_counter() - started
-
-    stem = mode
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    if not args.no_plot:
-        from bench.plot import plot
-
-        plot(report, args.out / f"{stem}.png")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_table(report)
-        if "constrain" in report:
-            print_constrain(report["constrain"])
-        if "batch_decode" in report:
-            print("\n== qwen4_exp batched decode against row by row", *summary_batch(report["batch_decode"]), sep="\n")  # fmt: skip
-        print(
-            f"\nwrote {args.out / (stem + '.json')}" + ("" if args.no_plot else f" and {stem}.png")
-        )
+    print(json.dumps(record["machine"]))
+    for section in sections:
+        families = ["-"] if section in ONCE else args.family or list(FAMILIES)
+        for family in families:
+            started = time.perf_counter()
+            result = RUN[section](ctx, family)
+            if result is None:
+                continue
+            seconds = time.perf_counter() - started
+            row = {"section": section, "family": family, **record, "seconds": seconds}
+            row["plan_settings"] = asdict(plan)
+            row["result"] = result
+            path = out / result_name(section, family)
+            path.write_text(json.dumps(row, indent=1) + "\n")
+            print_section(section, family, result)
+            print(f"  ({seconds:.0f} s) -> {path}", flush=True)
     return 0
 
 

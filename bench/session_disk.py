@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
-        "--gpu", action="store_true", help="large shapes in bfloat16 (bench/gpu.py)"
+        "--gpu", action="store_true", help="large shapes in bfloat16 (the GPU plan)"
     )
     parser.add_argument(
         "--breakdown", action="store_true", help="also time hashing, mx.load and first use alone"

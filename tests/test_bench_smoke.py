@@ -1,21 +1,22 @@
-"""Every benchmark function runs at its tiniest setting and reports positive numbers.
+"""Every benchmark runs at its tiniest setting: the structure it reports, and the
+equalities its comparison rests on (same tokens, same prompts, nothing allocated).
 
-Benchmarks never decide pass/fail on speed: these only check that each one
-still runs against the current API and returns the keys the JSON promises.
-The HTTP comparison starts two servers and is covered by ``bench/run.py``.
+Benchmarks never decide pass/fail on speed. These are marked ``bench`` (and
+so count as ``slow``): ``uv run pytest -m bench`` runs them, ``-m "not slow"``
+leaves them out. The HTTP comparisons start two servers and are run by
+``python -m bench.run``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
+import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.bench
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,9 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             interleaved,
             prefill_cost,
             report,
+            run,
             server_step,
             session_disk,
-            shape_cost,
             steering,
             swap,
             thread_profile,
@@ -58,8 +59,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "interleaved": interleaved,
         "prefill_cost": prefill_cost,
         "report": report,
+        "run": run,
         "server_step": server_step,
-        "shape_cost": shape_cost,
         "swap": swap,
         "session_disk": session_disk,
         "steering": steering,
@@ -128,7 +129,10 @@ def test_swap(bench: dict) -> None:
 
 def test_dispatch(bench: dict) -> None:
     out = bench["dispatch"].bench_dispatch(bench["qwen_gdn"], tokens=3, reps=1)
-    assert all(us > 0 for us in out["per_token_us"].values())
+    us = out["per_token_us"]
+    assert set(us) == {"direct", "hook", "runner"} and all(t > 0 for t in us.values())
+    assert out["hook_overhead_us"] == pytest.approx(us["hook"] - us["direct"])
+    assert out["runner_overhead_us"] == pytest.approx(us["runner"] - us["hook"])
     assert out["pluggy_call_us"] > 0 and out["plain_call_us"] > 0
 
 
@@ -150,7 +154,8 @@ def test_machine_record(bench: dict) -> None:
 def test_session_disk(bench: dict, family: str) -> None:
     out = bench["session_disk"].bench_session_disk(bench[family], [16], reps=1)
     (row,) = out["rows"]
-    assert row["reload_ms"] > 0 and row["reprefill_ms"] > 0 and row["bytes_per_token"] > 0
+    assert row["history_tokens"] == 16 and row["file_bytes"] == row["bytes_per_token"] * 16 > 0
+    assert row["reload_speedup"] == pytest.approx(row["reprefill_ms"] / row["reload_ms"])
 
 
 def test_concurrency_workload_and_ratios(bench: dict) -> None:
@@ -214,67 +219,6 @@ def test_prefill_cost(bench: dict, family: str) -> None:
     assert out["turns"][0]["steps"] >= 3
     assert out["phases"]["group forward"]["calls"] >= 1
     assert out["phases"]["batched decode step"]["calls"] >= 1
-
-
-def test_shape_cost(bench: dict) -> None:
-    """Both attention forms and both GEMMs timed on each case; a forward under
-    every setting puts what it replaced back."""
-    from turbospark.generation.runner import Runner
-    from turbospark.layers import attention
-
-    module = bench["shape_cost"]
-    rows = module.ops([(1, 4, 2, 8, 5, 9), (2, 4, 1, 8, 3, 7)], mx.float32, times=2)
-    assert [len(r["op"]) + len(r["matmul"]) for r in rows] == [4, 4]
-    gemms = module.gemms([(16, 8)], [3, 4], mx.float32, times=2)
-    assert [(g["op"], g["M"], len(g["ms"])) for g in gemms] == [
-        ("matmul", 3, 2),
-        ("addmm", 3, 2),
-        ("matmul", 4, 2),
-        ("addmm", 4, 2),
-    ]
-    real_attention, real_open = attention.matmul_attention, Runner.open
-    for form, pad in (("op", None), ("matmul", (4, 8))):
-        out = module.forwards(bench["gemma4"], form, [(2, 5, 3)], warm_rows=3, pad=pad)
-        assert out["rows"][0]["first_ms"] > 0 and out["rows"][0]["again_ms"] > 0
-        assert out["settings"]["warm_gemms"]["weights"]
-    assert attention.matmul_attention is real_attention and Runner.open == real_open
-    real_calls = {type(m): inspect.getattr_static(type(m), "__call__") for m in _model_modules(bench["qwen_gdn"])}  # fmt: skip
-    (row,) = module.modules(bench["qwen_gdn"], [(2, 5, 3)])
-    assert row["case"] == [2, 5, 3] and {"GatedDeltaNet", "GatedAttention"} <= set(row["ms"])
-    assert all(first > 0 and again > 0 for first, again in row["ms"].values())
-    assert all(inspect.getattr_static(cls, "__call__") is call for cls, call in real_calls.items())
-
-
-def _model_modules(path: Path) -> list:
-    from turbospark.generation.runner import Runner
-
-    runner = Runner.open(path)
-    try:
-        return runner.model.modules()
-    finally:
-        runner.close()
-
-
-def test_padded_attention_is_the_same_attention() -> None:
-    """Padding queries and keys to buckets (masked) changes no output: causal,
-    a window's (L, T) mask and a batch's (B, 1, L, T) mask."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.shape_cost import padded_attention
-    finally:
-        sys.path.remove(str(ROOT))
-    from turbospark.layers import attention
-
-    q = mx.random.normal((2, 4, 7, 16), key=mx.random.key(0))
-    k = mx.random.normal((2, 2, 12, 16), key=mx.random.key(1))
-    v = mx.random.normal((2, 2, 12, 16), key=mx.random.key(2))
-    window = attention.causal_visible(7, 12) & (mx.arange(12)[None] >= mx.arange(7)[:, None])
-    rows = (mx.random.uniform(shape=(2, 1, 7, 12), key=mx.random.key(3)) > 0.3) | (mx.arange(12) == 11)  # fmt: skip
-    masks: list[mx.array | str] = ["causal", window, rows]
-    plain = [attention.matmul_attention(q, k, v, 0.25, m) for m in masks]
-    with padded_attention(4, 8):
-        for mask, expected in zip(masks, plain, strict=True):
-            assert mx.allclose(attention.matmul_attention(q, k, v, 0.25, mask), expected, atol=1e-6)
 
 
 def test_server_step_time_limit(bench: dict) -> None:
@@ -378,19 +322,6 @@ def test_draft_reference_is_a_fixed_point_in_bf16(bench: dict, family: str, tmp_
     assert done.stats.draft_accepted == done.stats.draft_proposed
 
 
-def test_draft_round(bench: dict, tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench import draft_round
-    finally:
-        sys.path.remove(str(ROOT))
-    out = draft_round.profile("qwen_gdn", depth=2, tokens=8, reps=1, cache=tmp_path)
-    assert out["kernels"]["verify"] > out["kernels"]["step"] > 0
-    full, hopeless = out["drafted_100%"], out["drafted_0%"]
-    assert full["accepted"] == full["proposed"] > 0 and hopeless["accepted"] == 0
-    assert out["off"]["host_us_per_token"] > 0 and full["host_us_by_phase"]["verify_build"] > 0
-
-
 def test_draft_mtp(bench: dict, tmp_path: Path) -> None:
     path = bench["common"].install("qwen_gdn", "tiny", "float32", tmp_path, mtp=True)
     sys.path.insert(0, str(ROOT))
@@ -424,138 +355,52 @@ def test_batch_decode(bench: dict) -> None:
     )
     assert set(out["levels"]) == {"P=8,B=2", "P=20,B=2"}
     for level in out["levels"].values():
-        assert level["batched_tok_s"] > 0 and level["row_by_row_tok_s"] > 0 and level["ratio"] > 0
+        ratio = level["batched_tok_s"] / level["row_by_row_tok_s"]
+        assert level["ratio"] == pytest.approx(ratio) and ratio > 0
 
 
-def test_device_trace_kernels_mode_times_each_case(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``device_trace.py kernels`` calls each attention case at each chunk
-    size (CHUNK set while it runs, restored after) and each join-norm case
-    with its inputs, one row each. The kernels run only on a GPU: here their
-    ops contracts and a stand-in window that counts the calls stand in."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import bench.device_trace as device_trace
-    finally:
-        sys.path.remove(str(ROOT))
-    from turbospark.layers.cuda import attention as attention_cuda
-    from turbospark.layers.cuda import norm as norm_cuda
-
-    seen: list[tuple] = []
-
-    def attention(q, k, v, rows, scale):  # type: ignore[no-untyped-def]
-        seen.append(("attention", attention_cuda.CHUNK, q.shape, k.shape, rows.tolist()))
-        return attention_cuda.decode_ops(q, k, v, rows, scale)
-
-    def join_norm(h, update, weight, eps, update_weight=None, scale=None):  # type: ignore[no-untyped-def]
-        seen.append(("join_norm", update_weight is not None, scale is not None))
-        return norm_cuda.join_norm_ops(h, update, weight, eps, update_weight, scale)
-
-    @contextlib.contextmanager
-    def window(out: dict, top: int):  # type: ignore[no-untyped-def]
-        before = len(seen)
-        yield
-        out["top_kernels"] = [{"name": "calls", "mean_us": float(len(seen) - before)}]
-
-    monkeypatch.setattr(attention_cuda, "decode", attention)
-    monkeypatch.setattr(norm_cuda, "join_norm", join_norm)
-    monkeypatch.setattr(device_trace, "traced", window)
-    chunk = attention_cuda.CHUNK
-    rows = device_trace.kernels(calls=2, chunks=[16, 64], top=5)
-    assert chunk == attention_cuda.CHUNK
-    cases = device_trace.ATTENTION_CASES
-    assert [(r["chunk"], r["kv_heads"], r["group"], r["dim"]) for r in rows[: 2 * len(cases)]] == [
-        (c, kv, g, d) for c in (16, 64) for kv, g, d, _, _ in cases
-    ]
-    assert [(r["update_norm"], r["scale"]) for r in rows[2 * len(cases) :]] == [
-        (u, s) for _, u, s in device_trace.JOIN_NORM_CASES
-    ]
-    assert all(r["mean_us"] == {"calls": 2.0} for r in rows)  # the window holds the calls alone
-    first = (16, (1, 8, 1, 512), (1, 2, 2304, 512), [0, 2176])
-    assert seen[0] == ("attention", *first)  # the first of three warm-ups
-
-
-def test_device_trace_summary_of_a_chrome_trace() -> None:
-    """A window's kernels group by name without template arguments, the device's
-    busy time is their intervals' union (overlaps counted once), and CUDA calls
-    rank by summed time; host events are not kernels."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.device_trace import per_token, summarise
-    finally:
-        sys.path.remove(str(ROOT))
-    events = [
-        {"ph": "X", "cat": "kernel", "name": "void mlx::core::cu::gemv<float, 4>(float*)", "ts": 0.0, "dur": 10.0},
-        {"ph": "X", "cat": "kernel", "name": "void mlx::core::cu::gemv<bf16, 8>(bf16*)", "ts": 5.0, "dur": 10.0},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 30.0, "dur": 2.0},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 3.0},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuModuleLoadData", "ts": 1.0, "dur": 7.0},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0.0, "dur": 50.0},
-        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0.0},
-    ]  # fmt: skip
-    out = summarise(events, wall_us=40.0)
-    assert (out["kernels"], out["kernel_us"], out["busy_us"]) == (3, 22.0, 17.0)
-    assert out["top_kernels"][0] == {
-        "grid_block": [],
-        "name": "mlx::core::cu::gemv",
-        "n": 2,
-        "us": 20.0,
-        "mean_us": 10.0,
-    }
-    assert [a["name"] for a in out["api"]] == ["cuModuleLoadData", "cudaGraphLaunch"]
-    assert per_token(out, 2) == {"wall_us": 20.0, "kernels": 1.5, "kernel_us": 11.0, "busy_us": 8.5}
-
-
-def test_native_stacks_summary_of_py_spy_raw_output() -> None:
-    """Samples outside the timed forward, or inside the earlier tokens' feeding,
-    are left out; the rest rank by innermost library and frame, and a frame
-    counts once a sample inclusively; unnamed addresses keep their library."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.native_stacks import summarise
-    finally:
-        sys.path.remove(str(ROOT))
-    raw = "\n".join(
-        [
-            "<module> (x.py:1);timed_forward (p.py:9);mlx::core::eval (libmlx.so);f (libmlx.so);f (libmlx.so) 3",
-            "<module> (x.py:1);timed_forward (p.py:9);cublasLtMatmul (libcublasLt.so.13) 2",
-            "<module> (x.py:1);timed_forward (p.py:9);0x7f00 (libcuda.so.1) 1",
-            "<module> (x.py:1);timed_forward (p.py:9);held_group (p.py:3);malloc (libc.so.6) 5",
-            "<module> (x.py:1);other (p.py:2) 7",
-            "not a sample line",
-        ]
+def test_the_entry_point_writes_one_file_a_section(bench: dict, tmp_path: Path) -> None:
+    """``python -m bench.run``: each section's file under its plain name, with the
+    machine record and plan beside the result, and ``bench.report`` reads it back."""
+    run, out = bench["run"], tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--family", "qwen_gdn", "--only", "dispatch"]
+    assert run.main([*argv, "--out", str(out), "--cache-dir", str(bench["qwen_gdn"].parent)]) == 0
+    (written,) = out.iterdir()
+    assert written.name == "dispatch_qwen_gdn.json"
+    row = json.loads(written.read_text())
+    assert (row["section"], row["family"], row["plan"], row["dtype"]) == (
+        "dispatch", "qwen_gdn", "quick", "float32",
     )  # fmt: skip
-    out = summarise(raw, within="timed_forward", outside="held_group")
-    assert out["samples"] == 6
-    assert out["by_library"] == {"libmlx.so": 3, "libcublasLt.so.13": 2, "libcuda.so.1": 1}
-    assert out["top_self"] == [("f (libmlx.so)", 3), ("cublasLtMatmul (libcublasLt.so.13)", 2)]
-    assert dict(out["top_inclusive"])["f (libmlx.so)"] == 3
-    assert dict(out["top_inclusive"])["timed_forward (python)"] == 6
+    assert row["machine"]["device"] == "Device(cpu, 0)" and row["machine"]["blas"]
+    assert row["plan_settings"]["dispatch_tokens"] == run.QUICK.dispatch_tokens
+    assert set(row["result"]["per_token_us"]) == {"direct", "hook", "runner"}
+    assert (
+        bench["report"].main([str(out)]) == 0 and bench["report"].main([str(out), "--table"]) == 0
+    )
+    ((_, value, _),) = bench["report"].figures("dispatch", row["result"])
+    assert (
+        value
+        == f"{row['result']['hook_overhead_us']:.0f}, {row['result']['runner_overhead_us']:.0f}"
+    )
+    assert run.result_name("constrain", "-") == "constrain.json"
+    assert run.results_dir("cpu") == ROOT / "bench" / "results" / "cpu"
 
 
-def test_late_compiles_lists_files_after_the_warm_up_by_phase(tmp_path: Path) -> None:
-    """Files written before the warm-up ended are not late; the rest get the
-    phase whose end they precede (``after`` past the last)."""
-    import os
-    import time
-
+def test_committed_results_have_plain_names_and_a_machine() -> None:
+    """Reference results: ``<section>_<family>.json`` (or ``<section>.json``) a device,
+    each a section the entry point has, run on the machine it names."""
     sys.path.insert(0, str(ROOT))
     try:
-        from bench.late_compiles import late_files, phase_of
+        from bench.run import ONCE, SECTIONS
     finally:
         sys.path.remove(str(ROOT))
-
-    ends = {"warm_up": 10.0, "first_request": 11.0, "burst": 15.0, "many_clients": 30.0}
-    assert [phase_of(t, ends) for t in (9, 10.5, 14, 29, 31)] == [
-        "warm_up", "first_request", "burst", "many_clients", "after",
-    ]  # fmt: skip
-    started = time.time() - 100
-    for name, offset in (("early.ptx", 5), ("burst.ptx", 12), ("late.so", 40)):
-        path = tmp_path / "cache" / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text("-")
-        os.utime(path, (started + offset, started + offset))
-    rows = late_files([tmp_path / "cache"], started, ends)
-    assert [(row["file"], row["phase"]) for row in rows] == [
-        ("burst.ptx", "burst"),
-        ("late.so", "after"),
-    ]
+    results = ROOT / "bench" / "results"
+    files = sorted(results.rglob("*"))
+    assert files and all(f.is_dir() or f.suffix == ".json" for f in files), files
+    for file in (f for f in files if f.is_file()):
+        row = json.loads(file.read_text())
+        assert row["section"] in SECTIONS and row["machine"]["mlx"], file
+        expected = row["section"] if row["section"] in ONCE else f"{row['section']}_{row['family']}"
+        assert file.stem == expected, file
+        device = file.relative_to(results).parts[0]
+        assert device in ("cpu", "gpu") and (device == "cpu") == ("cpu" in row["machine"]["device"])

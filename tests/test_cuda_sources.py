@@ -196,6 +196,7 @@ def _translation_unit(kernels: list[dict[str, Any]]) -> str:
     return "\n".join(parts) + "\n"
 
 
+@pytest.mark.slow  # builds every kernel with nvcc: ~7 s on two cores
 def test_every_kernel_compiles_for_sm90(
     recorded: dict[tuple, dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -1,7 +1,7 @@
 """Every file a README, doc or docstring names exists in the repository.
 
 A reference is a path with a ``/`` or a ``*.md`` name, ending in a source,
-doc or data extension (``docs/SEMANTICS.md``, ``bench/results/gpu/h200.jsonl``,
+doc or data extension (``docs/SEMANTICS.md``, ``bench/results/cpu/forward_gemma4.json``,
 ``core/turbospark/contract/hookspecs.py``). It resolves against the repository root,
 the naming file's folder, or one or two folders down (``turbospark/state/components.py``
 inside ``core/``), with ``*`` as a glob.

@@ -18,10 +18,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Paths (prefixes) still holding markers, cleaned by work in flight; remove an
-# entry when its directory is clean.
-NOT_YET_CLEAN = ["bench/"]
-
 # Machine-written files whose hex strings are hashes, not commits; and this
 # file, whose examples are markers on purpose.
 NOT_CHECKED = ["uv.lock", "tests/test_no_progress_markers.py"]
@@ -65,11 +61,7 @@ def tracked() -> list[str]:
     )
     if done.returncode != 0:
         pytest.skip("not a git checkout")
-    return [
-        name
-        for name in done.stdout.splitlines()
-        if not any(name.startswith(prefix) for prefix in NOT_YET_CLEAN)
-    ]
+    return done.stdout.splitlines()
 
 
 def text_of(name: str) -> str | None:

@@ -103,28 +103,26 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_requests(
     limits = ServerLimits(max_request_bytes=4 << 20)
     monkeypatch.setattr(service(server), "limits", limits)
     result: dict[str, object] = {}
+    answered = threading.Event()  # the long prompt's reply came back
 
     def send() -> None:
-        started = time.perf_counter()
         response = httpx.post(f"{server.base_url}/v1/completions", content=big, timeout=60)
-        result["seconds"] = time.perf_counter() - started
         result["code"] = response.json()["error"]["code"]
+        answered.set()
 
     sender = threading.Thread(target=send)
     sender.start()
     time.sleep(0.2)
-    slowest = 0.0
+    while_pending = 0  # /health replies that came back before the prompt's reply
     while sender.is_alive():
-        started = time.perf_counter()
         assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
-        slowest = max(slowest, time.perf_counter() - started)
+        while_pending += not answered.is_set()
         time.sleep(0.02)
     sender.join()
     assert result["code"] == "context_length_exceeded"
-    # Blocked, /health would wait for the whole tokenization; here it waits only
-    # for a CPU (2 shared cores in CI), a small part of it.
-    seconds = float(result["seconds"])  # type: ignore[arg-type]
-    assert slowest < seconds / 3, f"/health took {slowest:.2f} s of the prompt's {seconds:.2f} s"
+    # Blocked, the first /health would wait for the whole tokenization and come
+    # back with the prompt's reply, at most once before it; here they keep coming.
+    assert while_pending >= 3, while_pending
 
 
 @contextmanager
@@ -192,10 +190,12 @@ def test_the_request_timeout_ends_a_request_and_its_generation(
         streamed = httpx.post(url, json={**body, "stream": True}, timeout=30)
         events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert "request_timeout" in events[-2] and events[-1] == "data: [DONE]"
-        # The runner stopped at its next step (8000 tokens would take seconds).
-        started = time.perf_counter()
+        # The runner stopped both generations at their next step: the rows leave,
+        # and no session ran on towards 8000 tokens.
+        engine = service(running).engine
+        wait_for(lambda: engine.call(lambda: engine.active_rows + engine.queue_depth).result() == 0)
+        assert max(position for _, position, _ in sessions(running)) < 8000
         assert httpx.post(url, json={**body, "max_tokens": 2}, timeout=30).status_code == 200
-        assert time.perf_counter() - started < 2.0
         # A request whose deadline passes while it waits for the runner never starts.
         before = sessions(running)
         with runner_held(running):

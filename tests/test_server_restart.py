@@ -51,6 +51,7 @@ def turn(api: openai.OpenAI, codec: TextCodec, messages: list[dict[str, str]]) -
     return usage.prompt_tokens, details
 
 
+@pytest.mark.slow  # serve processes killed and restarted: a process group, ~4 s
 def test_a_conversation_survives_sigkill_and_sigterm(install: Path, tmp_path: Path) -> None:
     codec = load_text(install)
     chat = [{"role": "user", "content": "Plan a three day walk along the coast, please."}]

@@ -43,8 +43,7 @@ guess is compared with that token when the loop reads it anyway
 rounds from the step after the one that reads it, a miss pauses. A probe
 verifies nothing, so no device work at all for a lookup (the head's own
 forward for MTP), no wait, and no state to cut; a drafter that is never right
-costs a lookup every few steps (a few µs, against a step's milliseconds:
-``bench/draft_round.py``). Lookups could run every step for that price; the
+costs a lookup every few steps (a few µs, against a step's milliseconds). Lookups could run every step for that price; the
 pauses stay because every hit starts a real round, and a drafter that is
 right only now and then pays for those in verify passes. What a probe measures is what a real depth-1 round there
 would have accepted: at temperature 0 the draft passes exactly when it equals

@@ -144,8 +144,7 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: mx.array) -> mx.array:
       batched decode step, a prefill group) has those axes folded into the
       GEMM's rows first: MLX's CPU ``addmm`` with a batched C operand runs one
       product per batch row, each reading the whole weight (16 decode rows of
-      an 8192 -> 2048 projection: 114 ms against 13 ms folded;
-      ``bench/shape_cost.py residual``). CUDA's does not (the H200: the same
+      an 8192 -> 2048 projection: 114 ms against 13 ms folded). CUDA's does not (the H200: the same
       time either way).
     """
     gpu = fused.builds_for_gpu()

@@ -350,8 +350,8 @@ def mix_unrolled(
     :func:`mix` 35 kernels a layer for 2 tokens and 40 for 5 (13 for a decode
     step), and its trace a matmul a layer more when drafts are rejected; this
     form costs 16 and 22 (``bench/gpu_kernels.py``) and nothing on a
-    rejection, and the host builds it no slower (``bench/draft_round.py``'s
-    ``verify_build``, GPU forms forced). Stepping costs two kernels a token:
+    rejection, and the host builds it no slower (GPU forms forced). Stepping
+    costs two kernels a token:
     the update that writes ``S_t`` (:func:`gated_delta_decode`'s), and one
     matmul that reads ``S_t`` for both the readout ``S_t q_t`` and what it
     predicts for the next key, ``S_t k_{t+1}`` (``q_t`` beside ``k_{t+1}``:
