@@ -4,7 +4,9 @@
 *mutation* applied to every new state; the ``mutant_kit`` fixture registers
 one (``request.param`` is ``(name, mutation)``, or ``(name, mutation, subclass)``
 for a fault in a hook other than the new state), builds its synthetic install
-and unregisters it afterwards. The conformance kit must fail each mutant
+and unregisters it afterwards. :class:`BatchingGemma4` adds the batched forward
+(so the batch checks run); :class:`CacheOnTheModel` keeps conversation state on
+the model object. The conformance kit must fail each mutant
 naming the fault, and pass the unmutated wrapper (mutation ``None``), so the
 failures are the fault's.
 """
@@ -97,6 +99,63 @@ class MutantGemma4:
         manifest = read_manifest(path).model_copy(update={"family": self.name})
         (path / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
         return arch.model_copy(update={"family": self.name})
+
+
+class BatchingGemma4(MutantGemma4):
+    """The wrapper with gemma4's batched forward too, so the batch checks run
+    (a :class:`MutantGemma4` alone is decoded one row at a time)."""
+
+    @hookimpl
+    def turbospark_forward_batch(
+        self,
+        model: nn.Module,
+        tokens: mx.array,
+        positions: list[int],
+        state: State,
+        logits: LogitsWanted,
+        steer: LayerHook | None,
+    ) -> mx.array | None:
+        return self.base.turbospark_forward_batch(
+            model=model, tokens=tokens, positions=positions, state=state, logits=logits, steer=steer
+        )
+
+
+class CacheOnTheModel(MutantGemma4):
+    """Keeps every token it is fed in a list on the model object (a repetition
+    penalty written as if the model served one conversation) and lowers those
+    tokens' logits. Every session and every new state shares the list, and
+    so, when references share one model, does every reference."""
+
+    PENALTY = 0.5
+
+    @hookimpl
+    def turbospark_forward(
+        self,
+        model: nn.Module,
+        tokens: mx.array,
+        start: int,
+        state: State,
+        vision: VisionMap | None,
+        logits: LogitsWanted,
+        steer: LayerHook | None,
+    ) -> mx.array | None:
+        out = self.base.turbospark_forward(
+            model=model,
+            tokens=tokens,
+            start=start,
+            state=state,
+            vision=vision,
+            logits=logits,
+            steer=steer,
+        )
+        if "seen_tokens" not in model:
+            model.seen_tokens = []  # nn.Module keeps a list attribute among its children
+        model.seen_tokens.append(tokens)
+        if out is None:
+            return None
+        seen = mx.concatenate(model.seen_tokens)
+        counts = mx.zeros((out.shape[-1],), out.dtype).at[seen].add(1.0)  # (vocab,)
+        return out - self.PENALTY * counts
 
 
 @pytest.fixture

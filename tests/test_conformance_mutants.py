@@ -5,9 +5,12 @@ Each mutant is a throwaway plugin wrapping the real gemma4 family through
 between sessions (only the KV is really swapped), a KV whose ``reset()``
 forgets its position but keeps its rows, a KV whose snapshots hold the
 buffers the forward writes in place, a KV whose rewind skips its last layer,
-or a forward whose RoPE is one position off on continued chunks. The kit's checks are run
-programmatically on the mutant and must fail naming the component; the
-unmutated wrapper passes the same checks, so the failures are the fault's.
+a forward whose RoPE is one position off on continued chunks, a batch whose
+K/V merge crosses its rows in one layer, or a forward that keeps the tokens it
+saw on the model object. The kit's checks are run programmatically on the
+mutant and must fail naming the component and the layer (or, for state on the
+model, the model's attribute); the unmutated wrapper passes the same checks,
+so the failures are the fault's.
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mutant_families import MutantGemma4
+from mutant_families import BatchingGemma4, CacheOnTheModel, MutantGemma4
 
 from turbospark.cli import main
 from turbospark.conformance import FamilyConformance, FamilyKit
 from turbospark.contract.hookspecs import LogitsWanted, hookimpl
 from turbospark.contract.protocols import LayerHook
 from turbospark.contract.vision import VisionMap
+from turbospark.loading.install import build_synthetic_install
+from turbospark.loading.plugins import FamilyRegistry, default_registry
 from turbospark.state.components import Snapshot, State
-from turbospark.state.kv import KVComponent
+from turbospark.state.kv import BatchKV, BatchLayerKV, KVComponent
 
 
 class LeakyResetKV(KVComponent):
@@ -227,7 +232,9 @@ SKIPPED_LAYER_FAILURES = [
         CHECKS.test_a_rejected_draft_leaves_no_trace,
         (),
         r"after verifying 5 tokens and keeping 1, the next step's logits differ .* "
-        r"a rejected token left a trace",
+        r"a rejected token left a trace in the state; the session after it, against a fresh run "
+        r"of its 14 tokens: component 'kv' entry '0\.keys' has shape \(1, \d+, 18, \d+\), a "
+        r"fresh run \(1, \d+, 14, \d+\)",
     ),
 ]
 ROPE_FAILURES = [
@@ -262,6 +269,132 @@ def test_rope_off_by_one_on_continued_chunks_is_caught(
     assert re.search(pattern, str(failure.value)), str(failure.value)
 
 
+class CrossedWrites(BatchLayerKV):
+    """Writes each batched step's new keys and values into the rows in reverse
+    order: every row's newest column holds another session's."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
+        rows = mx.arange(keys.shape[0] - 1, -1, -1)
+        return super().update_and_fetch(keys[rows], values[rows])
+
+
+class CrossesRowsInItsLastLayer(KVComponent):
+    """A K/V whose batches write crossed rows in their last layer only."""
+
+    @classmethod
+    def merge(cls, parts: list[KVComponent]) -> BatchKV:
+        batch = KVComponent.merge(parts)
+        last = batch.layers[-1]
+        batch.layers[-1] = CrossedWrites(
+            last.window, last.headroom, last.keys, last.values, last.left, last.fill
+        )
+        return batch
+
+
+def cross_rows_in_a_layer(state: State, model: object) -> State:
+    return {**state, "kv": CrossesRowsInItsLastLayer(len(state["kv"].layers))}
+
+
+CROSSED_ROWS_FAILURES = [
+    (
+        CHECKS.test_batched_rows_equal_each_row_alone,
+        (),
+        r"batched step 0, row 0 \(a 3-token session among 2\): logits \S+ off the same session "
+        r"alone; row 0 copied out of the batch: component 'kv' entry '0\.keys' differs from the "
+        r"same session alone by up to \S+ first at index \(0, 0, 3, 0\)",
+    ),
+    pytest.param(
+        CHECKS.test_engine_schedules_never_cross_talk,
+        (),
+        r"Plan\(batch \d: .*\): request \d decoded beside others gave \[.*\], alone \[.*\] "
+        r"\(peak batch \d\); its session, holding \d+ tokens, against a fresh run of them: "
+        r"component 'kv' entry '0\.(keys|values)' (has shape|differs)",
+        marks=pytest.mark.slow,  # hypothesis shrinks the plan to the smallest that fails
+        id="engine",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "mutant_kit", [("gemma4_crossed_rows", cross_rows_in_a_layer, BatchingGemma4)], indirect=True
+)
+@pytest.mark.parametrize("check, args, pattern", CROSSED_ROWS_FAILURES)
+def test_rows_crossed_in_one_layer_are_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
+@pytest.mark.parametrize("mutant_kit", [("gemma4_batching", None, BatchingGemma4)], indirect=True)
+@pytest.mark.parametrize("check, args, pattern", CROSSED_ROWS_FAILURES)
+def test_the_batching_wrapper_alone_passes(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    check(mutant_kit, *args)
+
+
+# A new model of the cache mutant, warmed on three forwards, holds a list of 3.
+MODEL_STATE_FAILURES = [
+    (
+        CHECKS.test_model_keeps_no_conversation,
+        (),
+        r"a new state on a model that has served 19 tokens of another conversation gives logits "
+        r"up to \S+ off a new state on a freshly loaded model: the model object keeps "
+        r"conversation state.*; the model holds what a new one does not: model\.seen_tokens is "
+        r"list of 5 \(a new model: list of 3\)$",
+    ),
+    (
+        CHECKS.test_reset_forgets_the_conversation,
+        (),
+        r"after reset\(\) a new conversation's logits differ from a fresh state's by up to \S+; "
+        r"what leaked across reset\(\): no component differs from a fresh run, but the model "
+        r"object holds state .*: model\.seen_tokens is list of \d+ \(a new model: list of 3\)$",
+    ),
+    (
+        CHECKS.test_drafted_greedy_output_equals_off,
+        (),
+        r"with a 100% right drafter, greedy output differs from decoding without drafts at token "
+        r"\d+: \d+ instead of \d+; the session after it, against a fresh run of its \d+ tokens: no "
+        r"component differs from a fresh run, but the model object holds state .*: "
+        r"model\.seen_tokens is list of \d+ \(a new model: list of 3\)$",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "mutant_kit", [("gemma4_cache_on_model", None, CacheOnTheModel)], indirect=True
+)
+@pytest.mark.parametrize("check, args, pattern", MODEL_STATE_FAILURES)
+def test_state_kept_on_the_model_is_caught(
+    mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check(mutant_kit, *args)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+
+
+def test_each_reference_runs_on_a_model_of_its_own(tmp_path: Path) -> None:
+    """A reference is a fresh run however many came before it: the cache
+    mutant's references never see each other's tokens."""
+    registry = FamilyRegistry()
+    plugin = CacheOnTheModel("gemma4_cache_refs", None, default_registry().get("gemma4").plugin)
+    registry.register(plugin, name="gemma4_cache_refs")
+    try:
+        build_synthetic_install("gemma4_cache_refs", tmp_path, registry=registry, num_layers=2)
+        kit = FamilyKit.create("gemma4_cache_refs", tmp_path, registry)
+        prompt = kit.tokens(1, 6)
+        first = kit.fresh_logits(prompt)
+        for seed in range(2, 5):
+            kit.fresh_logits(kit.tokens(seed, 9))
+        kit._references.clear()
+        assert mx.array_equal(kit.fresh_logits(prompt), first)
+        assert kit.fresh_run(prompt).model is not kit.fresh_run(prompt).model
+    finally:
+        registry.unregister("gemma4_cache_refs")
+
+
 STEER_EARLY_FAILURES = [
     (
         CHECKS.test_one_layer_leaves_the_layers_below_identical,
@@ -291,7 +424,8 @@ def test_steering_one_layer_early_is_caught(
     + ALIASING_SNAPSHOT_FAILURES
     + SKIPPED_LAYER_FAILURES
     + ROPE_FAILURES
-    + STEER_EARLY_FAILURES,
+    + STEER_EARLY_FAILURES
+    + MODEL_STATE_FAILURES,
 )
 def test_the_wrapper_alone_passes(
     mutant_kit: FamilyKit, check: Callable[..., None], args: tuple[str, ...], pattern: str

@@ -19,6 +19,7 @@ Two checks, for every family:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import final
 
 import mlx.core as mx
@@ -26,12 +27,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from turbospark.conformance.diagnose import fail
+from turbospark.conformance.diagnose import component_differences, fail, no_component_differs
 from turbospark.conformance.kit import FamilyKit, kit_settings
 from turbospark.conformance.turns import take_turn
 from turbospark.conformance.vision_checks import install_vision
 from turbospark.generation.engine import Engine, Job
 from turbospark.generation.generate import Chunk, GenerationConfig, generate
+from turbospark.generation.runner import Runner
 from turbospark.state.components import State
 from turbospark.text import load_text
 
@@ -54,12 +56,12 @@ class BatchChecks:
             )  # fmt: skip
             pytest.skip(f"not batchable: {why}; the engine decodes its rows one at a time")
         histories = [kit.tokens(90 + i, n) for i, n in enumerate((3, 11, 6, 21))]
-        alone = [kit.fresh_state(h) for h in histories]
+        alone = [kit.fresh_run(h) for h in histories]  # each on a model of its own
         rows = list(range(2))  # row i of the batch is session rows[i]
-        batch = _merge([kit.fresh_state(h) for h in histories[:2]])
+        batch = _merge([kit.prefilled_state(h) for h in histories[:2]])
         for step in range(6):
             if step == 2:  # two more sessions join
-                joining = _merge([kit.fresh_state(h) for h in histories[2:]])
+                joining = _merge([kit.prefilled_state(h) for h in histories[2:]])
                 for name, component in batch.items():
                     component.extend(joining[name])
                 rows += [2, 3]
@@ -92,14 +94,25 @@ class BatchChecks:
                 got = kit.forward(back, probe, len(histories[0]))
                 gap = kit.logits_gap(got, kit.fresh_logits([*histories[0], *probe]))
                 if gap is not None:
-                    fail(f"a row extracted one token back (a stop id) is {gap:.3g} off a fresh run")
+                    fail(
+                        f"a row extracted one token back (a stop id) is {gap:.3g} off a fresh run; "
+                        + _explain_row(
+                            kit, back, kit.fresh_state([*histories[0], *probe]), "a fresh run"
+                        )
+                    )
             for i, s in enumerate(rows):
-                expected = kit.forward(alone[s], [tokens[i]], len(histories[s]))
+                expected = alone[s].forward([tokens[i]], len(histories[s]))
                 gap = kit.logits_gap(out[i], expected)
                 if gap is not None:
+                    row = {
+                        name: component.extract(i, len(histories[s]) + 1, 0, component.hold())
+                        for name, component in batch.items()
+                    }
                     fail(
                         f"batched step {step}, row {i} (a {len(histories[s])}-token session "
-                        f"among {len(rows)}): logits {gap:.3g} off the same session alone"
+                        f"among {len(rows)}): logits {gap:.3g} off the same session alone; row {i} "
+                        "copied out of the batch: "
+                        + _explain_row(kit, row, alone[s].state, "the same session alone")
                     )
                 histories[s] = [*histories[s], tokens[i]]
             mx.eval(out, *(a for c in batch.values() for a in c.arrays()))
@@ -118,12 +131,11 @@ class BatchChecks:
         snapshot/restores between steps: every request equals itself alone."""
         codec = load_text(kit.install)
         slots = 1 if kit.not_swappable else 3
-        reference = kit.open(1, reuse=False)
         alone: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
         def expected(ids: tuple[int, ...], max_tokens: int) -> list[int]:
-            if (ids, max_tokens) not in alone:
-                done = generate(reference, codec, list(ids), _config(max_tokens))
+            if (ids, max_tokens) not in alone:  # each reference on a runner (a model) of its own
+                done = generate(kit.open(1, reuse=False), codec, list(ids), _config(max_tokens))
                 alone[(ids, max_tokens)] = done.tokens
             return alone[(ids, max_tokens)]
 
@@ -133,8 +145,26 @@ class BatchChecks:
             runner = kit.open(slots, context=f"{plan!r}: ")
             engine = Engine(runner, codec, max_batch=plan.max_batch, prefill_budget=4)
             outputs: list[list[Chunk | Exception]] = [[] for _ in plan.requests]
+            found: dict[int, str] = {}  # request -> what its session held when it ended
+
+            def emit(i: int, chunk: Chunk | Exception) -> None:
+                """Keep the chunk; when the request ends off its reference, name
+                what its session (live again once checked in) holds wrongly."""
+                outputs[i].append(chunk)
+                if (
+                    isinstance(chunk, Chunk)
+                    and chunk.finish_reason
+                    and not jobs[i].cancelled.is_set()
+                ):
+                    got = [
+                        c.token for c in outputs[i] if isinstance(c, Chunk) and c.token is not None
+                    ]
+                    r = plan.requests[i]
+                    if got != expected(r.ids, r.max_tokens):
+                        found[i] = _explain_request(kit, runner)
+
             jobs = [
-                Job(ids=list(r.ids), config=_config(r.max_tokens), emit=outputs[i].append)
+                Job(ids=list(r.ids), config=_config(r.max_tokens), emit=partial(emit, i))
                 for i, r in enumerate(plan.requests)
             ]
             for step in range(200):
@@ -162,15 +192,33 @@ class BatchChecks:
                 if got != want:
                     fail(
                         f"{plan!r}: request {i} decoded beside others gave {got}, alone {want} "
-                        f"(peak batch {out[-1].stats.batch_size if out[-1].stats else '?'})"
+                        f"(peak batch {out[-1].stats.batch_size if out[-1].stats else '?'}); "
+                        + found.get(i, "its session was not inspected")
                     )
             kit.check_apart(runner, f"{plan!r}, after the schedule: ")
 
         play()
 
 
+def _explain_request(kit: FamilyKit, runner: Runner) -> str:
+    """What the live session (a request's, just checked in) holds that a fresh
+    run of its tokens does not: component, layer (the entry's prefix) and index."""
+    session = runner.sessions()[0]
+    history = session.record.tokens
+    found = component_differences(kit, session.state, kit.fresh_state(history))
+    return f"its session, holding {len(history)} tokens, against a fresh run of them: " + (
+        "; ".join(found) or no_component_differs(kit, runner.model)
+    )
+
+
 def _merge(states: list[State]) -> State:
     return {name: type(c).merge([s[name] for s in states]) for name, c in states[0].items()}
+
+
+def _explain_row(kit: FamilyKit, state: State, reference: State, against: str) -> str:
+    """Which component, layer and entry of a row differ from *reference*."""
+    found = component_differences(kit, state, reference, against)
+    return "; ".join(found) or f"every component equals {against}'s: the forward itself diverged"
 
 
 def _check_extracted(kit: FamilyKit, batch: State, row: int, history: list[int], what: str) -> None:
@@ -183,7 +231,10 @@ def _check_extracted(kit: FamilyKit, batch: State, row: int, history: list[int],
     got = kit.forward(state, probe, len(history))
     gap = kit.logits_gap(got, kit.fresh_logits([*history, *probe]))
     if gap is not None:
-        fail(f"{what}: the row copied out of the batch continues {gap:.3g} off a fresh run")
+        fail(
+            f"{what}: the row copied out of the batch continues {gap:.3g} off a fresh run; "
+            + _explain_row(kit, state, kit.fresh_state([*history, *probe]), "a fresh run")
+        )
 
 
 def _config(max_tokens: int) -> GenerationConfig:

@@ -4,8 +4,10 @@ A logits mismatch only says that something is wrong. These helpers look at
 the sessions a runner holds and name the culprit: a component object shared
 by two sessions (parking one changes the other), a mutable object or array
 shared anywhere below two fresh states' components (found by walking them),
-or a component whose contents differ from a fresh run of the conversation it
-is supposed to hold, down to the entry and the first differing index.
+a component whose contents differ from a fresh run of the conversation it
+is supposed to hold, down to the entry and the first differing index, or
+state kept on the model object itself (what it holds that a freshly loaded
+model does not).
 The runner's sessions are read here and only here (the kit ships in the
 core, beside the runner it inspects).
 """
@@ -39,6 +41,8 @@ class Reference(Protocol):
     def component(self, name: str) -> ComponentSpec: ...
 
     def fresh_state(self, history: Sequence[int]) -> State: ...
+
+    def model_changes(self, model: Any) -> list[str]: ...
 
 
 def fail(message: str) -> NoReturn:
@@ -75,7 +79,8 @@ def shared_components(sessions: Sequence[tuple[str, State]]) -> list[str]:
 
 
 CONTAINERS = (mx.array, np.ndarray, list, dict, set, bytearray)
-OPAQUE = (type, Enum, FunctionType, MethodType, ModuleType, nn.Module)
+CODE = (type, Enum, FunctionType, MethodType, ModuleType)
+OPAQUE = (*CODE, nn.Module)
 WALK_DEPTH = 8
 
 
@@ -173,8 +178,11 @@ def ring_tails(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | 
     return a[tuple(tail)], b[tuple(tail)]
 
 
-def component_differences(kit: Reference, state: State, reference: State) -> list[str]:
-    """One line per component of *state* that differs from *reference*: position,
+def component_differences(
+    kit: Reference, state: State, reference: State, against: str = "a fresh run"
+) -> list[str]:
+    """One line per component of *state* that differs from *reference* (which
+    the lines call *against*): position,
     then (for persistable components) the snapshot's keys, shapes and values,
     with the first index that differs. A sliding-window component (declared
     ``rewindable="window"``) may hold fewer rows than a fresh run: only the rows
@@ -184,8 +192,8 @@ def component_differences(kit: Reference, state: State, reference: State) -> lis
         ref = reference[name]
         if component.position != ref.position:
             found.append(
-                f"component '{name}' is at position {component.position}, a fresh run of the "
-                f"conversation is at {ref.position}"
+                f"component '{name}' is at position {component.position}, {against} is at "
+                f"{ref.position}"
             )
             continue
         if not kit.component(name).persistable:
@@ -195,7 +203,7 @@ def component_differences(kit: Reference, state: State, reference: State) -> lis
         if set(ours) != set(theirs):
             odd = sorted(set(ours) ^ set(theirs))
             found.append(
-                f"component '{name}' has snapshot entries a fresh run lacks: {', '.join(odd)}"
+                f"component '{name}' has snapshot entries {against} lacks: {', '.join(odd)}"
             )
             continue
         for key in sorted(ours):
@@ -207,15 +215,19 @@ def component_differences(kit: Reference, state: State, reference: State) -> lis
                 a, b = tails
             elif a.shape != b.shape:
                 found.append(
-                    f"component '{name}' entry '{key}' has shape {a.shape}, a fresh run {b.shape}"
+                    f"component '{name}' entry '{key}' has shape {a.shape}, {against} {b.shape}"
                 )
                 continue
-            if not np.allclose(a, b, atol=kit.atol, rtol=kit.rtol):
+            if a.ndim == 0 and not np.allclose(a, b, atol=kit.atol, rtol=kit.rtol):
+                found.append(
+                    f"component '{name}' entry '{key}' is {a.item()}, {against} {b.item()}"
+                )
+            elif not np.allclose(a, b, atol=kit.atol, rtol=kit.rtol):
                 gap = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
                 where = first_difference(a, b, kit.atol, kit.rtol)
                 rows = " (in the rows both hold)" if tails is not None else ""
                 found.append(
-                    f"component '{name}' entry '{key}' differs from a fresh run{rows} by up to "
+                    f"component '{name}' entry '{key}' differs from {against}{rows} by up to "
                     f"{gap:.3g}, {where}"
                 )
     return found
@@ -231,5 +243,76 @@ def explain_session(
         for line in component_differences(kit, live_state(runner), kit.fresh_state(history))
     ]
     if not lines:
-        lines = ["no component differs from a fresh run: the forward itself diverged"]
+        lines = [no_component_differs(kit, runner.model)]
     return "\n  - " + "\n  - ".join(lines)
+
+
+def no_component_differs(kit: Reference, model: Any) -> str:
+    """The verdict when every component equals its reference: state kept on the
+    model, if the model holds something a fresh load does not, else the forward."""
+    changes = kit.model_changes(model)
+    if changes:
+        return (
+            "no component differs from a fresh run, but the model object holds state a freshly "
+            "loaded one does not (every session shares it; keep it in a state component): "
+            + "; ".join(changes)
+        )
+    return "no component differs from a fresh run: the forward itself diverged"
+
+
+SCALARS = (int, float, str, bytes, bool, type(None))
+SHOWN_CHANGES = 4
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, str]:
+    """``path -> description`` of everything below *model*: each array's shape
+    and dtype, each container's length, each scalar's value, each object's
+    type. Two loads of one install print the same; a model that keeps a
+    cache, a counter or a list of tokens on itself prints differently."""
+    found: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if isinstance(value, mx.array | np.ndarray):
+            found[path] = f"array {tuple(value.shape)} {value.dtype}"
+            return
+        if isinstance(value, SCALARS):
+            found[path] = repr(value)[:60]
+            return
+        if isinstance(value, CODE) or id(value) in seen or depth >= WALK_DEPTH:
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):  # nn.Module is one: its parameters and children
+            found[path] = f"{type(value).__name__} of {len(value)}"
+            items = [(f"{path}.{k}" if isinstance(value, nn.Module) else f"{path}[{k!r}]", v)
+                     for k, v in value.items()]  # fmt: skip
+        elif isinstance(value, list | tuple | set | frozenset):
+            found[path] = f"{type(value).__name__} of {len(value)}"
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            found[path] = type(value).__name__
+            items = []
+        attrs = dict(getattr(value, "__dict__", {}))
+        attrs.update({k: getattr(value, k) for k in _slots(value) if hasattr(value, k)})
+        items += [(f"{path}.{k}", v) for k, v in attrs.items()]
+        for child_path, child in items:
+            walk(child, child_path, depth + 1)
+
+    walk(model, "model", 0)
+    return found
+
+
+def fingerprint_changes(loaded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """What *now* holds that differs from *loaded* (the first few, shallowest first)."""
+    paths = sorted(set(loaded) | set(now), key=lambda p: (p.count(".") + p.count("["), p))
+    changed: list[str] = []
+    shown: list[str] = []
+    for path in paths:
+        if loaded.get(path) == now.get(path) or any(path.startswith(p) for p in shown):
+            continue  # what lies below a changed container is that change
+        shown.append(path)
+        changed.append(
+            f"{path} is {now.get(path, 'gone')} (a new model: {loaded.get(path, 'absent')})"
+        )
+    more = len(changed) - SHOWN_CHANGES
+    return changed[:SHOWN_CHANGES] + ([f"{more} more"] if more > 0 else [])

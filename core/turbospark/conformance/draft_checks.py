@@ -23,16 +23,17 @@ components, and the runner refuses draft policies for it the same way):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import final
 
 import mlx.core as mx
 import pytest
 
-from turbospark.conformance.diagnose import fail
+from turbospark.conformance.diagnose import component_differences, fail, no_component_differs
 from turbospark.conformance.kit import FamilyKit
 from turbospark.generation.drafters import Drafter, NgramDrafter, ReplayDrafter
 from turbospark.generation.generate import GenerationConfig, generate
-from turbospark.generation.runner import has_mtp_hooks
+from turbospark.generation.runner import Runner, has_mtp_hooks
 from turbospark.layers import fused
 from turbospark.policies import DraftPolicies
 from turbospark.text import load_text
@@ -71,14 +72,15 @@ class DraftChecks:
                 at = next(i for i, (a, b) in enumerate(zip(drafted, off, strict=False)) if a != b)
                 fail(
                     f"with {name} drafter, greedy output differs from decoding without drafts "
-                    f"at token {at}: {drafted[at]} instead of {off[at]}"
+                    f"at token {at}: {drafted[at]} instead of {off[at]}; "
+                    + explain_drafted(kit, runner)
                 )
             held = runner.sessions()[0].record.tokens
             if held != reference[:-1]:
                 fail(
                     f"with {name} drafter, the session holds {len(held)} tokens, not the "
                     f"{len(reference) - 1} decoding without drafts leaves: a rejected or "
-                    "unemitted token stayed fed"
+                    "unemitted token stayed fed; " + explain_drafted(kit, runner)
                 )
 
     @final
@@ -129,12 +131,28 @@ class DraftChecks:
             drafted = generate(runner, codec, prompt, GREEDY)
             if drafted.tokens != off:
                 fail(
-                    f"with DraftPolicies.mtp({depth}), greedy output differs from decoding without drafts"
+                    f"with DraftPolicies.mtp({depth}), greedy output differs from decoding without "
+                    "drafts; " + explain_drafted(kit, runner)
                 )
             if not drafted.stats.draft_proposed:
                 fail(f"DraftPolicies.mtp({depth}) proposed no draft in {len(off)} tokens")
             if runner.sessions()[0].record.tokens != [*prompt, *off[:-1]]:
-                fail(f"with DraftPolicies.mtp({depth}), a rejected or unemitted token stayed fed")
+                fail(
+                    f"with DraftPolicies.mtp({depth}), a rejected or unemitted token stayed fed; "
+                    + explain_drafted(kit, runner)
+                )
+
+
+def explain_drafted(kit: FamilyKit, runner: Runner, history: Sequence[int] | None = None) -> str:
+    """Which component, layer (the entry's prefix) and index of the live
+    session differ from a fresh run of *history* (default: what its record says
+    it holds)."""
+    session = runner.sessions()[0]
+    history = session.record.tokens if history is None else history
+    found = component_differences(kit, session.state, kit.fresh_state(history))
+    return f"the session after it, against a fresh run of its {len(history)} tokens: " + (
+        "; ".join(found) or no_component_differs(kit, runner.model)
+    )
 
 
 def rollback_leaves_no_trace(kit: FamilyKit, forms: str = "") -> None:
@@ -153,7 +171,7 @@ def rollback_leaves_no_trace(kit: FamilyKit, forms: str = "") -> None:
             if gap is not None:
                 fail(
                     f"row {j} of a verify pass{forms} differs from a fresh run of the same "
-                    f"tokens by {gap:.3g}"
+                    f"tokens by {gap:.3g}; " + explain_drafted(kit, runner, [*prompt, *fed])
                 )
         runner.accept(None, len(prompt), keep)
         history = [*prompt, *fed[:keep]]
@@ -167,5 +185,6 @@ def rollback_leaves_no_trace(kit: FamilyKit, forms: str = "") -> None:
             fail(
                 f"after verifying {len(fed)} tokens{forms} and keeping {keep}, the next step's "
                 f"logits differ from a fresh run of the kept history by {gap:.3g}: "
-                "a rejected token left a trace in the state"
+                "a rejected token left a trace in the state; "
+                + explain_drafted(kit, runner, [*history, *after])
             )

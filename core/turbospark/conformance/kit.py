@@ -4,9 +4,10 @@ A :class:`FamilyKit` drives the family two ways. Session checks go through
 :class:`~turbospark.Runner`, the path users take. Component checks call the
 family's hooks directly (load, new state, forward), so a fault is pinned on
 the family rather than on the runner. References ("a fresh single-session run
-of this history") come from the hooks too, on a *separately loaded* model and
-cached per history: a family that keeps state on its model object (so every
-"fresh" state shares it) cannot pollute the reference it is compared with.
+of this history") come from the hooks too, each on a model *of its own*
+(built from a private copy of the install's tensors) and cached per history:
+a family that keeps state on its model object cannot pollute one reference
+with another's tokens, nor with the tokens of the runs under test.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from turbospark.conformance.diagnose import session_states, shared_components
+from turbospark.conformance.diagnose import (
+    fingerprint_changes,
+    model_fingerprint,
+    session_states,
+    shared_components,
+)
 from turbospark.contract.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
 from turbospark.contract.protocols import LayerHook
 from turbospark.generation.runner import Runner
@@ -45,6 +51,23 @@ def examples_from_env(default: int) -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{EXAMPLES_ENV} must be a positive integer, got {value!r}")
     return int(value)
+
+
+@dataclass
+class FreshRun:
+    """One reference run: its own model and a state of it, fed from position 0."""
+
+    kit: FamilyKit
+    model: Any
+    state: State = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.state = self.kit.new_state(self.model)
+
+    def forward(
+        self, tokens: Sequence[int], start: int, logits: LogitsWanted = "last"
+    ) -> mx.array | None:
+        return self.kit.forward(self.state, tokens, start, logits, model=self.model)
 
 
 def kit_settings(kit: FamilyKit) -> settings:
@@ -121,11 +144,18 @@ class FamilyKit:
 
     # -- driving the hooks directly -----------------------------------------------
 
+    @cached_property
+    def weights(self) -> dict[str, mx.array]:
+        """The install's tensors, read once; every model is built from a copy."""
+        return load_weights(self.install, read_manifest(self.install))
+
     def load_model(self) -> Any:
-        manifest = read_manifest(self.install)
+        """A new model object over a private copy of the tensors: nothing done
+        to one model (an attribute set, a weight written in place) reaches
+        another. On a synthetic install this costs a few milliseconds."""
         return self.hook.turbospark_load_model(
             arch=self.arch,
-            weights=load_weights(self.install, manifest),
+            weights={name: mx.array(tensor) for name, tensor in self.weights.items()},
             dtype=mx.float32,
             experts=None,
         )
@@ -136,15 +166,27 @@ class FamilyKit:
         return self.load_model()
 
     @cached_property
-    def reference_model(self) -> Any:
-        """A second load, used only for references: nothing a check does to
-        :attr:`model` (or to states built on it) can reach it."""
-        return self.load_model()
+    def _warmed(self) -> dict[str, str]:
+        """The fingerprint of a new model after a chunk, a decode step and a
+        chunk without logits: what it caches from its weights on first use
+        (transposed or stacked projections) is there, no session's tokens are."""
+        run = self.fresh_run()
+        for tokens, start, logits in (([0, 1, 2], 0, "all"), ([3], 3, "last"), ([4, 5], 4, "none")):
+            run.forward(tokens, start, logits)  # type: ignore[arg-type]
+        return model_fingerprint(run.model)
 
-    def new_state(self, *, reference: bool = False) -> State:
-        model = self.reference_model if reference else self.model
+    def model_changes(self, model: Any) -> list[str]:
+        """What *model* holds that a new model, warmed up on a few tokens of its
+        own, does not (attributes added, containers grown, arrays reshaped,
+        counters moved): conversation state kept on the model object."""
+        return fingerprint_changes(self._warmed, model_fingerprint(model))
+
+    def new_state(self, model: Any = None) -> State:
+        """A new state of *model* (default: the model under test)."""
         return self.hook.turbospark_new_state(
-            arch=self.arch, model=model, context_length=self.context_length
+            arch=self.arch,
+            model=self.model if model is None else model,
+            context_length=self.context_length,
         )
 
     def forward(
@@ -154,11 +196,12 @@ class FamilyKit:
         start: int,
         logits: LogitsWanted = "last",
         *,
-        reference: bool = False,
+        model: Any = None,
         steer: LayerHook | None = None,
     ) -> mx.array | None:
+        """``turbospark_forward`` on *model* (default: the model under test)."""
         out = self.hook.turbospark_forward(
-            model=self.reference_model if reference else self.model,
+            model=self.model if model is None else model,
             tokens=mx.array(list(tokens), dtype=mx.int32),
             start=start,
             state=state,
@@ -169,22 +212,34 @@ class FamilyKit:
         mx.eval(*([] if out is None else [out]), *(a for c in state.values() for a in c.arrays()))
         return out
 
+    def prefilled_state(self, history: Sequence[int]) -> State:
+        """A new state of the model under test after *history* in one chunk."""
+        state = self.new_state()
+        self.forward(state, history, 0, "none")
+        return state
+
+    def fresh_run(self, history: Sequence[int] = ()) -> FreshRun:
+        """A reference: a model loaded for it alone, and a new state of that
+        model after *history* in one chunk."""
+        run = FreshRun(self, self.load_model())
+        if history:
+            run.forward(history, 0, "none")
+        return run
+
     def fresh_logits(self, history: Sequence[int], logits: LogitsWanted = "last") -> mx.array:
-        """Logits after *history* fed in one chunk to a fresh state of the
-        reference model: the reference (``(vocab,)``, or ``(L, vocab)`` for "all")."""
+        """Logits after *history* fed in one chunk to a fresh state of a model
+        loaded for this reference alone (``(vocab,)``, or ``(L, vocab)`` for "all")."""
         key = (tuple(int(t) for t in history), logits)
         if key not in self._references:
-            out = self.forward(self.new_state(reference=True), key[0], 0, logits, reference=True)
+            out = self.fresh_run().forward(key[0], 0, logits)
             assert out is not None
             self._references[key] = out
         return self._references[key]
 
     def fresh_state(self, history: Sequence[int]) -> State:
-        """A fresh state of the reference model after *history*: what a state
-        that holds this conversation should contain."""
-        state = self.new_state(reference=True)
-        self.forward(state, history, 0, "none", reference=True)
-        return state
+        """A fresh state after *history*, on a model loaded for it alone: what a
+        state that holds this conversation should contain."""
+        return self.fresh_run(history).state
 
     # -- the user's path --------------------------------------------------------
 

@@ -23,7 +23,7 @@ from typing import ClassVar, final
 import numpy as np
 import pytest
 
-from turbospark.conformance.diagnose import component_differences, fail
+from turbospark.conformance.diagnose import component_differences, fail, no_component_differs
 from turbospark.conformance.kit import FamilyKit
 from turbospark.conformance.state_checks import return_others_to
 from turbospark.conformance.turns import Step, run_script
@@ -92,7 +92,7 @@ class LongContextChecks:
             f"{label}: logits first differ from one fresh chunk at position {first} (in the "
             f"chunk {edges[chunk]}..{edges[chunk + 1] - 1}), by up to {gap:.3g} over all "
             f"{len(rows)} rows (the state grows in {self.allocation_block}-row blocks); at "
-            f"{len(history)}: " + ("; ".join(found) or "every component equals a fresh run's")
+            f"{len(history)}: " + ("; ".join(found) or no_component_differs(kit, kit.model))
         )
 
     def _feed(

@@ -20,6 +20,7 @@ from turbospark.conformance.diagnose import (
     component_differences,
     fail,
     live_state,
+    no_component_differs,
     shared_below,
 )
 from turbospark.conformance.kit import FamilyKit
@@ -38,7 +39,7 @@ def feed_in_chunks(kit: FamilyKit, state: State, tokens: Sequence[int], start: i
 def explain_state(kit: FamilyKit, state: State, history: Sequence[int]) -> str:
     """The per-entry report of *state* against a fresh run of *history*."""
     found = component_differences(kit, state, kit.fresh_state(history))
-    return "what differs: " + ("; ".join(found) or "no component (the forward itself diverged)")
+    return "what differs: " + ("; ".join(found) or no_component_differs(kit, kit.model))
 
 
 def array_bytes(component: StateComponent) -> int:
@@ -137,6 +138,31 @@ class StateChecks:
             fail("reset() and turbospark_new_state must not share objects: " + "; ".join(shared))
 
     @final
+    def test_model_keeps_no_conversation(self, kit: FamilyKit) -> None:
+        """A new state on a model that has served another conversation gives the
+        logits a new state on a freshly loaded model gives: the model object
+        (which every session shares) keeps nothing of a conversation."""
+        served, steps = kit.new_state(), 3
+        kit.forward(served, kit.tokens(11, SHORT), 0, "none")
+        for i, token in enumerate(kit.tokens(12, steps)):  # and a few decode steps
+            kit.forward(served, [token], SHORT + i)
+        prompt = kit.tokens(13, SHORT // 2)
+        gap = kit.logits_gap(kit.forward(kit.new_state(), prompt, 0), kit.fresh_logits(prompt))
+        if gap is not None:
+            changes = kit.model_changes(kit.model)
+            fail(
+                f"a new state on a model that has served {SHORT + steps} tokens of another "
+                f"conversation gives logits up to {gap:.3g} off a new state on a freshly loaded "
+                "model: the model object keeps conversation state, which every session and "
+                "every new state shares (keep it in a state component); "
+                + (
+                    "the model holds what a new one does not: " + "; ".join(changes)
+                    if changes
+                    else "nothing visible on the model object changed (a closure or a module global?)"
+                )
+            )
+
+    @final
     def test_nbytes_honest(self, kit: FamilyKit, component: str) -> None:
         """``nbytes`` equals the bytes of the component's arrays, never shrinks
         as tokens arrive, and is back to a fresh component's after ``reset()``."""
@@ -193,7 +219,7 @@ class StateChecks:
             fail(
                 f"after reset() a new conversation's logits differ from a fresh state's by up to "
                 f"{gap:.3g}; what leaked across reset(): "
-                + ("; ".join(found) or "no component (the forward itself diverged)")
+                + ("; ".join(found) or no_component_differs(kit, kit.model))
             )
 
     @final
@@ -334,7 +360,8 @@ class StateChecks:
                     found = component_differences(kit, live_state(runner), kit.fresh_state(history))
                     fail(
                         f"prefill {label}, {step} decode step(s) in: logits differ from a fresh "
-                        f"one-chunk run by up to {gap:.3g}; " + ("; ".join(found) or "state agrees")
+                        f"one-chunk run by up to {gap:.3g}; "
+                        + ("; ".join(found) or no_component_differs(kit, runner.model))
                     )
             token = int(mx.argmax(reference).item())
             runs = {

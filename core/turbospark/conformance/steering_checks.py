@@ -81,10 +81,11 @@ class SteeringChecks:
         steer = Steer.of([policy(kit, [top])], mx.float32)
         prompt = kit.tokens(121, 10)
         runs = {}
-        for name, hook in (("off", None), ("steered", steer)):
-            state, recorder = kit.new_state(), _Recorder(hook)
-            kit.forward(state, prompt[:6], 0, "none", steer=recorder)
-            logits = kit.forward(state, prompt[6:], 6, "last", steer=recorder)
+        # The unsteered reference runs on a model of its own.
+        for name, hook, model in (("off", None, kit.load_model()), ("steered", steer, kit.model)):
+            state, recorder = kit.new_state(model), _Recorder(hook)
+            kit.forward(state, prompt[:6], 0, "none", model=model, steer=recorder)
+            logits = kit.forward(state, prompt[6:], 6, "last", model=model, steer=recorder)
             runs[name] = (recorder.seen, np.array(logits))
         (off, off_logits), (steered, steered_logits) = runs["off"], runs["steered"]
         every = list(range(kit.arch.num_hidden_layers)) * 2  # two forwards
@@ -132,12 +133,16 @@ class SteeringChecks:
         for mode in ("add", "renorm", "clamp"):
             steer = Steer.of([policy(kit, layers, 0.7, mode)], mx.float32)
             runs = []
-            for hook in (steer, lambda layer, h, steer=steer: steer(layer, h)):
-                state = kit.new_state()
-                out = [kit.forward(state, prompt[:10], 0, "last", steer=hook)]
+            plain = (
+                lambda layer, h, steer=steer: steer(layer, h),
+                kit.load_model(),
+            )  # the reference
+            for hook, model in ((steer, kit.model), plain):
+                state = kit.new_state(model)
+                out = [kit.forward(state, prompt[:10], 0, "last", model=model, steer=hook)]
                 for position in (10, 11):
                     out.append(kit.forward(state, prompt[position : position + 1], position,
-                                           "last", steer=hook))  # fmt: skip
+                                           "last", model=model, steer=hook))  # fmt: skip
                 runs.append(out)
             for step, (joined, plain) in enumerate(zip(*runs, strict=True)):
                 gap = kit.logits_gap(joined, plain)
@@ -159,13 +164,18 @@ class SteeringChecks:
         alone = []
         for setting, history, token in zip(rows, histories, nexts, strict=True):
             steer = Steer.of([setting], mx.float32)
-            for keep in (states, None):
-                state = kit.new_state()
-                kit.forward(state, history, 0, "none", steer=steer)
+            for keep, model in (
+                (states, kit.model),
+                (None, kit.load_model()),
+            ):  # alone: its own model
+                state = kit.new_state(model)
+                kit.forward(state, history, 0, "none", model=model, steer=steer)
                 if keep is not None:
                     keep.append(state)
                 else:
-                    alone.append(kit.forward(state, [token], len(history), steer=steer))
+                    alone.append(
+                        kit.forward(state, [token], len(history), model=model, steer=steer)
+                    )
         batch: State = {
             name: type(component).merge([s[name] for s in states])
             for name, component in states[0].items()
