@@ -390,7 +390,7 @@ class Runner:
                 tokens=fed,
                 start=start,
                 state=live.state,
-                vision=self._vision if session is None else None,
+                vision=self._vision,
                 logits=want,
                 steer=self._compiled(live.steering),
             )
@@ -409,8 +409,15 @@ class Runner:
         except Exception:
             self._recover(live, before)
             raise
-        live.record.write(start, ids, taint=self._vision is not None and session is None)
+        self.fed(live, start, ids)
         return out
+
+    def fed(self, session: Session, start: int, ids: Sequence[int]) -> None:
+        """Record that *ids* were fed to *session* at *start* by a forward that
+        succeeded (this one's, or a batched one's): the one writer of a session's
+        prefix record, so what it vouches for is only ever what a forward took.
+        Under a vision map the ids prove nothing about content: tainted."""
+        session.record.write(start, ids, taint=self._vision is not None)
 
     def clip_ids(self, lazy: mx.array) -> mx.array:
         """Lazy sampled ids, clipped so an impossible one cannot index past the
@@ -889,6 +896,12 @@ class Runner:
 
     def clear_prompt_vision(self) -> None:
         self._vision = None
+
+    @property
+    def vision_active(self) -> bool:
+        """Whether a vision map is installed: every forward of the one-row path
+        takes it (batched forwards take none, so the engine does not batch then)."""
+        return self._vision is not None
 
 
 @partial(mx.compile, shapeless=True)
