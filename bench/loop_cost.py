@@ -33,8 +33,8 @@ from turbospark.text import load_text
 
 
 def stub_forward(runner: Runner) -> None:
-    """Make *runner*'s ``produce`` return one of 64 ready logits rows (its
-    sampler applied, as the real one does); ``take_back`` has nothing to undo."""
+    """Make *runner*'s ``produce`` and ``feed`` return one of 64 ready logits
+    rows (the sampler applied, as the real ones do); nothing to take back."""
     rows = [mx.random.normal((runner.vocab_size,), key=mx.random.key(i)) for i in range(64)]
     mx.eval(rows)
     count = iter(range(10**12))
@@ -43,8 +43,14 @@ def stub_forward(runner: Runner) -> None:
         logits = rows[next(count) % len(rows)]
         return logits if then is None else then(logits)
 
+    def feed(session: object, tokens: object, start: int, logits=False, then=None):
+        return produce(tokens, start, then) if logits else None
+
     runner.produce = produce  # type: ignore[method-assign]
     runner.take_back = lambda: None  # type: ignore[method-assign]
+    # The engine's one-row steps (what stream_generate runs) feed a checked-out session.
+    runner.feed = feed  # type: ignore[method-assign]
+    runner.take_back_session = lambda session: None  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -670,6 +670,8 @@ class Engine:
         costs a forward where together they cost one, and on a host-bound
         device a forward costs about what a decode step does, whatever its
         tokens."""
+        if not self._prefilling:  # the common step: every row is decoding
+            return
         for row in list(self._prefilling):
             if all(j.cancelled.is_set() for j in (row.job, *row.job.forks)):
                 group = self._group_of(row)
@@ -884,7 +886,7 @@ class Engine:
             if row.job.cancelled.is_set():
                 self._cancel(row)
         decoding = len(self._solo) + len(self._batch.rows)
-        if self._batches and decoding >= 2 and self._solo:
+        if decoding >= 2 and self._solo and self._batches:
             joining, self._solo = self._solo, []
             for row in joining:
                 self._drop_inflight(row)  # a batched row drafts nothing
