@@ -316,35 +316,6 @@ class Runner:
 
     # -- feeding -----------------------------------------------------------------
 
-    def produce(
-        self,
-        token: int | mx.array,
-        position: int,
-        then: Callable[[mx.array], mx.array] | None = None,
-    ) -> mx.array:
-        """Feed one token at *position*; float32 logits ``(vocab,)`` for the next.
-
-        *token* may be a still-lazy scalar ``mx.array`` (a sampler's output): the
-        next forward is then queued before its id is read, so building the
-        graph overlaps the previous step's compute. Its id is checked once read,
-        and :meth:`take_back` can undo the step (the id may turn out a stop).
-
-        *then* (a sampler) maps the logits to what is returned, and is queued
-        with the forward, before the wait for *token*: the device then never
-        waits for the host between a forward and its sample (mlx-lm's
-        ``generate_step`` order)."""
-        return self._feed([token], position, "last", then=then)
-
-    def produce_prefill(self, token: int, position: int) -> None:
-        """Feed one prompt token whose logits nobody reads (the head is skipped)."""
-        self._feed([token], position, "none")
-
-    def prefill_chunk(
-        self, tokens: Sequence[int], start: int, logits: bool = True
-    ) -> mx.array | None:
-        """Feed *tokens* at ``start..`` in one forward; logits after the last one."""
-        return self._feed(list(tokens), start, "last" if logits else "none")
-
     def feed(
         self,
         session: Session,
@@ -353,9 +324,45 @@ class Runner:
         logits: bool = False,
         then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
-        """:meth:`prefill_chunk` (or, with one lazy id, :meth:`produce`) on a session
-        checked out to a request (see :meth:`checkout`) instead of the live one."""
+        """Feed *tokens* to *session* at ``start..`` in one forward; with *logits*,
+        float32 logits ``(vocab,)`` after the last one (else None). Every forward
+        of the one-row path comes through here: the engine's on the sessions
+        its requests checked out (:meth:`checkout`), the live-session calls
+        (:meth:`produce`, :meth:`prefill_chunk`) on the live one.
+
+        The first token may be a still-lazy scalar ``mx.array`` (a sampler's
+        output): the forward is then queued before its id is read, so building
+        the graph overlaps the previous step's compute. Its id is checked once
+        read, and :meth:`take_back_session` can undo the step (the id may turn
+        out a stop).
+
+        *then* (a sampler) maps the logits to what is returned, and is queued
+        with the forward, before the wait for a lazy token: the device then
+        never waits for the host between a forward and its sample (mlx-lm's
+        ``generate_step`` order)."""
         return self._feed(list(tokens), start, "last" if logits else "none", session, then)
+
+    def produce(
+        self,
+        token: int | mx.array,
+        position: int,
+        then: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array:
+        """:meth:`feed` one token (maybe lazy) to the live session at *position*:
+        the logits for the next, or what *then* makes of them; :meth:`take_back`
+        undoes it."""
+        return self.feed(self._live, [token], position, logits=True, then=then)
+
+    def produce_prefill(self, token: int, position: int) -> None:
+        """Feed one prompt token whose logits nobody reads (the head is skipped)."""
+        self.feed(self._live, [token], position)
+
+    def prefill_chunk(
+        self, tokens: Sequence[int], start: int, logits: bool = True
+    ) -> mx.array | None:
+        """Feed *tokens* to the live session at ``start..`` in one forward; logits
+        after the last one."""
+        return self.feed(self._live, tokens, start, logits=logits)
 
     def _feed(
         self,
@@ -365,9 +372,8 @@ class Runner:
         session: Session | None = None,
         then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
-        """Feed *session* (the live one by default; the engine passes the session
-        a request checked out) through the family's one-row forward; *then*
-        (logits only) is applied before anything is queued (see :meth:`produce`).
+        """Feed *session* (None: the live one) through the family's one-row
+        forward; *then* (logits only) is applied before anything is queued (see :meth:`feed`).
         The first token may be a lazy id (:meth:`produce`, :meth:`verify`): it is
         read after the forward is queued."""
         live = session or self._live
