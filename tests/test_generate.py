@@ -232,14 +232,15 @@ def test_a_prompt_is_fed_in_whole_chunks_its_last_token_in_the_last(
     chunk with the logits of its last token: an 8-token prompt in chunks of 4
     is two forwards, not three (no forward of the last token alone)."""
     runner = Runner.open(gemma4_install, context_length=64)
-    real = runner.prefill_chunk
+    real = runner.feed
     fed: list[tuple[int, bool]] = []
 
-    def spy(tokens, start, logits=True):
-        fed.append((len(tokens), logits))
-        return real(tokens, start, logits=logits)
+    def spy(session, tokens, start, logits=False, then=None):
+        if start < 8:  # the prompt's forwards, not the decode steps
+            fed.append((len(tokens), logits))
+        return real(session, tokens, start, logits=logits, then=then)
 
-    monkeypatch.setattr(runner, "prefill_chunk", spy)
+    monkeypatch.setattr(runner, "feed", spy)
     config = GenerationConfig(max_tokens=2, temperature=0.0, stop_token_ids=[], chunk_size=4)
     generate(runner, load_text(gemma4_install), [2, 5, 9, 14, 20, 31, 40, 41], config)
     assert fed == [(4, False), (4, True)]

@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark.generation.engine import Engine, Job
-from turbospark.generation.generate import GenerationConfig
+from turbospark.generation.request import GenerationConfig
 from turbospark.generation.runner import Runner
 from turbospark.generation.sampling import Sampler
 from turbospark.text import TextCodec

@@ -1,10 +1,16 @@
 """Continuous batching: every active request advances in one forward per step.
 
+This is the one decode loop. The server runs every request through an
+engine (:meth:`Engine.run`); the CLI and the library run each of theirs
+through an engine of one row on the caller's thread (:meth:`Engine.stream`,
+:func:`turbospark.generation.generate.stream_generate`), so the same request
+gives the same tokens, stats and reuse reasons either way.
+
 One :class:`Engine` runs on the runner's thread and owns the requests in
 flight. Each :meth:`Engine.step`:
 
 1. **admits** queued requests while fewer than ``max_batch`` rows are active.
-   The caller contract of SEMANTICS.md (:func:`turbospark.generation.generate.acquire`)
+   The caller contract of SEMANTICS.md (:func:`turbospark.generation.request.acquire`)
    picks each request's session and explains the choice; the session is then
    checked out of the runner for the request's lifetime, so concurrent
    requests never share state. A job's ``forks`` (the other completions of a
@@ -15,21 +21,20 @@ flight. Each :meth:`Engine.step`:
    in all, so a long prompt never stalls the streams already decoding.
    Several prompts go together in one batched forward (the same number of
    tokens each, the shortest remainder: :meth:`Engine._prefill_together`); a
-   prompt left alone goes on in the one-request loop's chunks;
+   prompt left alone goes on in :func:`~turbospark.generation.request.prompt_chunks`;
 3. **decodes** one token for every decoding row. With two rows or more (and a
    family whose components are all ``batchable``) the sessions are merged
    into one batched state (:mod:`turbospark.state.kv`) and advance in one
    forward, and its rows sample together (:func:`turbospark.generation.sampling.sample_together`;
    logprobs in one :class:`turbospark.generation.sampling.LogprobTable`);
    a lone row, or a family without a batched forward, steps through
-   the one-row forward exactly as :func:`turbospark.generation.generate.stream_generate`
-   does;
+   the one-row forward, and may draft (:meth:`Engine._decode_drafted`);
 4. **retires** rows that finished, failed or were cancelled (their client went
    away): a batched row is copied back out of the batch, and its session is
    checked back in as the runner's live session (the previous live one is
    parked by the pool's rules).
 
-Decoding is pipelined as in the one-request loop: a step is built from the
+Decoding is pipelined: a step is built from the
 still-lazy sampled ids and queued before those ids are read (a batch keeps
 its rows' ids in one array and reads the ids of step *t* with one
 ``tolist()`` once step *t+1* is queued, as mlx-lm's ``BatchGenerator``
@@ -49,7 +54,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,7 +63,7 @@ from typing import Literal, TypeVar
 import mlx.core as mx
 
 from turbospark.generation.drafters import Drafter
-from turbospark.generation.generate import (
+from turbospark.generation.request import (
     Chunk,
     FinishReason,
     GenerationConfig,
@@ -69,7 +74,7 @@ from turbospark.generation.generate import (
 )
 from turbospark.generation.runner import Runner
 from turbospark.generation.sampling import LogprobTable, Sampler, sample_together
-from turbospark.generation.speculation import Speculation, settle, speculation_for
+from turbospark.generation.speculation import Queued, Speculation, settle, speculation_for
 from turbospark.layers.fused import STEP_TOKENS
 from turbospark.policies.steering import Steer
 from turbospark.sessions.reuse import ReuseReason, ReuseReport
@@ -133,6 +138,7 @@ class _Row:
     finish: FinishReason = "stop"
     fork: bool = False  # one of a request's n copies: its session is never checked in
     spec: Speculation | None = None  # drafting, while the row decodes alone (solo)
+    inflight: Queued | None = None  # a greedy round queued behind the last one, unread
 
     @property
     def final(self) -> bool:
@@ -330,7 +336,11 @@ class Engine:
         max_batch: int = 8,
         prefill_budget: int | None = None,
         observer: Observer | None = None,
+        write_through: bool = True,
     ) -> None:
+        """*write_through*: flush the disk tier whenever a request's session is
+        checked in (the server's rule: a reply sent is a session kept); a library
+        caller's runner writes sessions only when they leave memory."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.runner = runner
@@ -350,6 +360,7 @@ class Engine:
         # at check-in): the sessions view shows it, so an eviction is seen when it happens.
         self.evictions = 0
         self.observer = observer  # called on the runner thread (metrics)
+        self.write_through = write_through
 
     # -- the outside: any thread ----------------------------------------------------
 
@@ -438,6 +449,46 @@ class Engine:
                     if not self._queue and not self._calls:
                         self._wake.wait(timeout=0.05)
         self._run_calls()
+
+    def stream(
+        self, ids: list[int], config: GenerationConfig, drafter: Drafter | None = None
+    ) -> Iterator[Chunk]:
+        """Run one request on the caller's thread, stepping this engine until it
+        ends, and yield its chunks as they come (the last one carries the finish
+        reason and stats); its failure is raised here. This is how the CLI and
+        the library generate: the same steps the server's loop runs, with one row.
+
+        A consumer may stop iterating at any time (a client that hung up): the
+        request is cancelled and its row leaves at a step run then, so its
+        session is checked in with state and record agreeing and no unread
+        round fed."""
+        out: deque[Chunk | Exception] = deque()
+        job = Job(ids=ids, config=config, emit=out.append, drafter=drafter)
+        self.submit(job)
+        over = False
+        try:
+            while True:
+                while out:
+                    item = out.popleft()
+                    if isinstance(item, Exception):
+                        over = True
+                        raise item
+                    over = item.finish_reason is not None
+                    yield item
+                    if over:
+                        return
+                try:
+                    busy = self.step()
+                except Exception as exc:  # not contained by a row: every row fails
+                    self._fail_all(exc)
+                    continue
+                if not busy and not out:
+                    raise RuntimeError("the engine ran out of work before the request ended")
+        finally:
+            if not over:
+                job.cancelled.set()
+                while self.step():
+                    pass
 
     def warm_up(self, ids: list[int], rows: int | None = None) -> None:
         """Run short requests to the end in four rounds, so the paths real
@@ -619,6 +670,8 @@ class Engine:
         costs a forward where together they cost one, and on a host-bound
         device a forward costs about what a decode step does, whatever its
         tokens."""
+        if not self._prefilling:  # the common step: every row is decoding
+            return
         for row in list(self._prefilling):
             if all(j.cancelled.is_set() for j in (row.job, *row.job.forks)):
                 group = self._group_of(row)
@@ -633,7 +686,7 @@ class Engine:
                     fork.emit(Chunk(text="", finish_reason="stop"))
         budget = self.prefill_budget
         waiting = list(self._prefilling)
-        if self.runner.batchable:
+        if self._batches:
             self._regrouped = []
             budget = self._prefill_together(budget)
             waiting = self._ungrouped()
@@ -643,6 +696,12 @@ class Engine:
             if budget is not None and budget <= 0:
                 break
             budget = self._prefill_alone(row, budget)
+
+    @property
+    def _batches(self) -> bool:
+        """Whether rows may share a batched forward now: the family batches, and
+        no vision map is installed (only the one-row forward takes one)."""
+        return self.runner.batchable and not self.runner.vision_active
 
     @staticmethod
     def _ready(row: _Row) -> bool:
@@ -724,7 +783,7 @@ class Engine:
             return budget
         done: dict[_Row, int] = {}
         for i, row in enumerate(rows):
-            row.session.record.write(starts[i], chunks[i])
+            self.runner.fed(row.session, starts[i], chunks[i])
             row.next_prefill += length
             if row.next_prefill == len(row.job.ids):
                 row.leaves_at = row.next_prefill
@@ -759,7 +818,7 @@ class Engine:
         return group
 
     def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
-        """Whole chunks (the one-request loop's boundaries) of one row, up to
+        """Whole chunks (:func:`prompt_chunks`) of one row, up to
         the budget; the last one with its last token's logits."""
         ids = row.job.ids
         try:
@@ -827,8 +886,10 @@ class Engine:
             if row.job.cancelled.is_set():
                 self._cancel(row)
         decoding = len(self._solo) + len(self._batch.rows)
-        if self.runner.batchable and decoding >= 2 and self._solo:
+        if decoding >= 2 and self._solo and self._batches:
             joining, self._solo = self._solo, []
+            for row in joining:
+                self._drop_inflight(row)  # a batched row drafts nothing
             self._batch.join(joining)
         if self._batch.rows:
             self._decode_batch()
@@ -836,10 +897,14 @@ class Engine:
             self._decode_solo(row)
 
     def _decode_solo(self, row: _Row) -> None:
-        """One token for one row through the one-row forward (stream_generate's
-        step), or a drafted round of several when the row drafts; a shadow probe
-        is such a step beside which the drafter guesses the token it computes
-        (stream_generate's)."""
+        """One token for one row through the one-row forward, or a drafted round
+        of several when the row drafts; a shadow probe is such a step beside
+        which the drafter guesses the token it computes
+        (see turbospark.generation.speculation)."""
+        if row.job.config.max_tokens == 0:  # the prompt was all: nothing is emitted
+            self._solo.remove(row)
+            self._finish(row, "length")
+            return
         depth = 0 if row.spec is None else self._decode_drafted(row)
         if depth is None:
             return
@@ -853,7 +918,7 @@ class Engine:
                     # Queue the forward first so it runs while the host waits.
                     row.following = sample(self.runner.feed(row.session, [row.pending], row.position, logits=True))  # fmt: skip
                     mx.async_eval(row.following)
-                else:  # the forward and its sample queued together (stream_generate's order)
+                else:  # the forward and its sample queued together (mlx-lm's order)
                     row.following = self.runner.feed(row.session, [row.pending], row.position, logits=True, then=sample)  # fmt: skip
             token = int(row.pending.item())
             if row.spec is not None:  # settle the probe that guessed this id; guess after it
@@ -867,35 +932,88 @@ class Engine:
         self._advance(row, token, fed)
 
     def _decode_drafted(self, row: _Row) -> int | None:
-        """A speculative round (stream_generate's, see turbospark.generation.speculation):
-        None when it ran; otherwise the row takes a plain step, with a shadow
-        probe beside it when the depth returned is not 0 (0: paused, no draft,
-        or the last probe's guess not compared yet)."""
-        assert row.spec is not None
-        if row.spec.probing:
-            return 0  # comparing the probe's guess now would wait for the step
+        """A speculative round (see turbospark.generation.speculation): None when
+        it ran; otherwise the row takes a plain step, with a shadow probe beside
+        it when the depth returned is not 0 (0: paused, no draft, or the last
+        probe's guess not compared yet).
+
+        Greedy rounds are queued and read once (:meth:`Speculation.launch`);
+        while they pass whole, the next round is queued behind each before it is
+        read (:meth:`Speculation.launch_after`) and stays in flight to the next
+        step (``row.inflight``). Every round is committed or cut before any of
+        its tokens is emitted, so state and record agree whenever the row leaves."""
+        spec = row.spec
+        assert spec is not None
         limit = row.job.config.max_tokens
         remaining = None if limit is None else limit - len(row.generated)
-        depth = row.spec.plan(row.position, remaining)
-        if not depth or row.spec.shadow:
-            return depth
+        queued, row.inflight = row.inflight, None
+        depth = 0
+        if queued is None:
+            if spec.probing:
+                return 0  # comparing the probe's guess now would wait for the step
+            depth = spec.plan(row.position, remaining)
+            if not depth or spec.shadow:
+                return depth
         try:
-            token = int(row.pending.item())
-            verified = None if token in row.stop_ids else row.spec.round(token, row.position, depth)
+            ahead = verified = None
+            if queued is None:
+                token = int(row.pending.item())
+                if token in row.stop_ids:
+                    return 0  # the plain step ends the reply
+                if spec.greedy:
+                    queued = spec.launch(token, row.position, depth)
+                else:
+                    verified = spec.round(token, row.position, depth)
+            if queued is not None:
+                if spec.chains:
+                    ahead = spec.launch_after(queued, remaining)
+                verified = spec.resolve(queued)
             if verified is None:
-                return 0
+                return 0  # the drafter had nothing: a plain step
             emit, keep = settle(verified.tokens, row.stop_ids, remaining)
-            row.spec.commit(row.position, keep)
+            chunks = []
+            for token in verified.tokens[:emit]:
+                row.generated.append(token)
+                chunks.append(Chunk(text=row.stops.feed(row.decoder.add(token)), token=token))
+                if row.stops.stopped is not None:
+                    break
+            stopped = row.stops.stopped is not None or emit < len(verified.tokens)
+            # The round behind this one was fed after all of it: it goes on when all
+            # of this one passed, stays fed, and the reply continues.
+            if (
+                ahead is not None
+                and len(verified.tokens) == ahead.position - row.position
+                and keep == emit == len(verified.tokens)
+                and not stopped
+                and verified.following not in row.stop_ids
+            ):
+                row.inflight = ahead
+            elif queued is not None:
+                spec.cut(queued, keep)  # a round queued behind it leaves too
+            else:
+                spec.commit(row.position, keep)
         except Exception as exc:
             self._solo.remove(row)
             self._fail(row, exc)
             return None
-        tokens = [*verified.tokens, verified.following]
-        for j in range(min(emit + 1, len(verified.tokens))):  # a stop id after the emitted ends it
-            row.following = mx.array(tokens[j + 1])
-            if not self._advance(row, tokens[j], fed=j < keep):
-                return None
+        for chunk in chunks:
+            row.job.emit(chunk)
+        if stopped or keep < emit:  # keep < emit: the reply's last token, emitted unfed
+            self._solo.remove(row)
+            self._finish(row, "stop" if stopped else "length")
+            return None
+        row.position += keep
+        row.pending = mx.array(verified.following)
         return None
+
+    @staticmethod
+    def _drop_inflight(row: _Row) -> None:
+        """Cut a round still queued for *row* (its reply is over, or it joins
+        the batch): the session keeps only the tokens its reply emitted."""
+        if row.inflight is not None:
+            assert row.spec is not None
+            row.spec.cut(row.inflight, 0)
+            row.inflight = None
 
     def _decode_batch(self) -> None:
         batch = self._batch
@@ -930,7 +1048,7 @@ class Engine:
             stop = token in row.stop_ids
             row.leaves_at = row.position + (0 if stop else 1)
             if not stop:
-                row.session.record.write(row.position, [token])
+                self.runner.fed(row.session, row.position, [token])
             if not self._advance(row, token, fed=True, retire=False):
                 going[row] = 1 if stop else 0
         batch.leave(going)
@@ -939,7 +1057,7 @@ class Engine:
 
     def _advance(self, row: _Row, token: int, fed: bool, retire: bool = True) -> bool:
         """Account for *token*; False (and, with *retire*, the row retired) when the
-        request is over. Mirrors stream_generate's loop body."""
+        request is over."""
         finish: FinishReason | None = None
         if token in row.stop_ids:
             finish = "stop"
@@ -966,6 +1084,7 @@ class Engine:
         """A client that went away: its row leaves and its session is checked in."""
         if row in self._solo:
             self._solo.remove(row)
+            self._drop_inflight(row)
         else:
             row.leaves_at = row.position
             self._batch.leave({row: 0})
@@ -984,7 +1103,8 @@ class Engine:
             return False
         losses = self.runner.disk_losses
         evicted = self.runner.checkin(row.session)
-        self.runner.flush()  # write-through to the disk tier: a reply sent is a session kept
+        if self.write_through:  # to the disk tier: a reply sent is a session kept
+            self.runner.flush()
         return evicted or self.runner.disk_losses > losses
 
     def _fail(self, row: _Row, exc: Exception) -> None:

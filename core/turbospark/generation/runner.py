@@ -323,35 +323,6 @@ class Runner:
 
     # -- feeding -----------------------------------------------------------------
 
-    def produce(
-        self,
-        token: int | mx.array,
-        position: int,
-        then: Callable[[mx.array], mx.array] | None = None,
-    ) -> mx.array:
-        """Feed one token at *position*; float32 logits ``(vocab,)`` for the next.
-
-        *token* may be a still-lazy scalar ``mx.array`` (a sampler's output): the
-        next forward is then queued before its id is read, so building the
-        graph overlaps the previous step's compute. Its id is checked once read,
-        and :meth:`take_back` can undo the step (the id may turn out a stop).
-
-        *then* (a sampler) maps the logits to what is returned, and is queued
-        with the forward, before the wait for *token*: the device then never
-        waits for the host between a forward and its sample (mlx-lm's
-        ``generate_step`` order)."""
-        return self._feed([token], position, "last", then=then)
-
-    def produce_prefill(self, token: int, position: int) -> None:
-        """Feed one prompt token whose logits nobody reads (the head is skipped)."""
-        self._feed([token], position, "none")
-
-    def prefill_chunk(
-        self, tokens: Sequence[int], start: int, logits: bool = True
-    ) -> mx.array | None:
-        """Feed *tokens* at ``start..`` in one forward; logits after the last one."""
-        return self._feed(list(tokens), start, "last" if logits else "none")
-
     def feed(
         self,
         session: Session,
@@ -360,9 +331,45 @@ class Runner:
         logits: bool = False,
         then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
-        """:meth:`prefill_chunk` (or, with one lazy id, :meth:`produce`) on a session
-        checked out to a request (see :meth:`checkout`) instead of the live one."""
+        """Feed *tokens* to *session* at ``start..`` in one forward; with *logits*,
+        float32 logits ``(vocab,)`` after the last one (else None). Every forward
+        of the one-row path comes through here: the engine's on the sessions
+        its requests checked out (:meth:`checkout`), the live-session calls
+        (:meth:`produce`, :meth:`prefill_chunk`) on the live one.
+
+        The first token may be a still-lazy scalar ``mx.array`` (a sampler's
+        output): the forward is then queued before its id is read, so building
+        the graph overlaps the previous step's compute. Its id is checked once
+        read, and :meth:`take_back_session` can undo the step (the id may turn
+        out a stop).
+
+        *then* (a sampler) maps the logits to what is returned, and is queued
+        with the forward, before the wait for a lazy token: the device then
+        never waits for the host between a forward and its sample (mlx-lm's
+        ``generate_step`` order)."""
         return self._feed(list(tokens), start, "last" if logits else "none", session, then)
+
+    def produce(
+        self,
+        token: int | mx.array,
+        position: int,
+        then: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array:
+        """:meth:`feed` one token (maybe lazy) to the live session at *position*:
+        the logits for the next, or what *then* makes of them; :meth:`take_back`
+        undoes it."""
+        return self.feed(self._live, [token], position, logits=True, then=then)
+
+    def produce_prefill(self, token: int, position: int) -> None:
+        """Feed one prompt token whose logits nobody reads (the head is skipped)."""
+        self.feed(self._live, [token], position)
+
+    def prefill_chunk(
+        self, tokens: Sequence[int], start: int, logits: bool = True
+    ) -> mx.array | None:
+        """Feed *tokens* to the live session at ``start..`` in one forward; logits
+        after the last one."""
+        return self.feed(self._live, tokens, start, logits=logits)
 
     def _feed(
         self,
@@ -372,9 +379,8 @@ class Runner:
         session: Session | None = None,
         then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
-        """Feed *session* (the live one by default; the engine passes the session
-        a request checked out) through the family's one-row forward; *then*
-        (logits only) is applied before anything is queued (see :meth:`produce`).
+        """Feed *session* (None: the live one) through the family's one-row
+        forward; *then* (logits only) is applied before anything is queued (see :meth:`feed`).
         The first token may be a lazy id (:meth:`produce`, :meth:`verify`): it is
         read after the forward is queued."""
         live = session or self._live
@@ -397,7 +403,7 @@ class Runner:
                 tokens=fed,
                 start=start,
                 state=live.state,
-                vision=self._vision if session is None else None,
+                vision=self._vision,
                 logits=want,
                 steer=self._compiled(live.steering),
             )
@@ -416,8 +422,15 @@ class Runner:
         except Exception:
             self._recover(live, before)
             raise
-        live.record.write(start, ids, taint=self._vision is not None and session is None)
+        self.fed(live, start, ids)
         return out
+
+    def fed(self, session: Session, start: int, ids: Sequence[int]) -> None:
+        """Record that *ids* were fed to *session* at *start* by a forward that
+        succeeded (this one's, or a batched one's): the one writer of a session's
+        prefix record, so what it vouches for is only ever what a forward took.
+        Under a vision map the ids prove nothing about content: tainted."""
+        session.record.write(start, ids, taint=self._vision is not None)
 
     def clip_ids(self, lazy: mx.array) -> mx.array:
         """Lazy sampled ids, clipped so an impossible one cannot index past the
@@ -912,6 +925,12 @@ class Runner:
 
     def clear_prompt_vision(self) -> None:
         self._vision = None
+
+    @property
+    def vision_active(self) -> bool:
+        """Whether a vision map is installed: every forward of the one-row path
+        takes it (batched forwards take none, so the engine does not batch then)."""
+        return self._vision is not None
 
 
 @partial(mx.compile, shapeless=True)

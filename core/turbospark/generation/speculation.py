@@ -65,9 +65,10 @@ A round read short is cut back inside itself through its held traces
 the cut; so between steps the session may hold one unread round, never once
 the reply is over (nor when its consumer stops reading).
 
-A request drafts only when it decodes alone through the one-row forward (the
-generation loop; the engine's solo rows) and samples without logits
-processors or logprobs (those see every sampled token one at a time).
+A request drafts only when it decodes alone through the one-row forward (an
+engine's solo rows; every row of ``generate``'s one-row engine) and samples
+without logits processors or logprobs (those see every sampled token one at a
+time).
 """
 
 from __future__ import annotations
