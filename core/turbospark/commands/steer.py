@@ -59,7 +59,9 @@ def steering_policy(args: argparse.Namespace) -> SteeringPolicy | None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "steer", help="make activation-steering vectors", description=__doc__.split("\n")[0]
+        "steer",
+        help="make activation-steering vectors",
+        description="Make activation-steering vectors in llama.cpp's control-vector format.",
     )
     actions = parser.add_subparsers(dest="steer_command", metavar="ACTION", required=True)
     extract = actions.add_parser(
