@@ -56,3 +56,13 @@ def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture(scope="module")
 def codec(install: Path) -> TextCodec:
     return load_text(install)
+
+
+@pytest.fixture(scope="session")
+def mtp_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A qwen_gdn install with a multi-token-prediction head (its drafts' source)."""
+    path = tmp_path_factory.mktemp("qwen_gdn_mtp")
+    build_synthetic_install(
+        "qwen_gdn", path, vocab_size=128, num_layers=4, model_id="tiny-qwen-mtp", mtp=True
+    )
+    return path

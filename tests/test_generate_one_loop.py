@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from turbospark import build_synthetic_install
 from turbospark.errors import SessionPoolUnsupported
 from turbospark.generation.drafters import Drafter, ReplayDrafter
 from turbospark.generation.engine import Engine, Job
@@ -30,15 +29,6 @@ GENERATION = Path(__file__).parents[1] / "core" / "turbospark" / "generation"
 PROMPT = [*range(3, 30), *range(3, 15)]  # a repeat, so prompt lookup finds matches
 FOLLOW_UP = [*range(40, 52)]
 TIMINGS = {"prefill_seconds", "decode_seconds", "queued_seconds"}
-
-
-@pytest.fixture(scope="module")
-def mtp_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen_gdn_mtp")
-    build_synthetic_install(
-        "qwen_gdn", path, vocab_size=128, num_layers=4, model_id="tiny-qwen-mtp", mtp=True
-    )
-    return path
 
 
 def server_path(

@@ -15,7 +15,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark import build_synthetic_install
 from turbospark.errors import InvalidInput
 from turbospark.generation.drafters import Draft
 from turbospark.generation.engine import Engine, Job
@@ -31,15 +30,6 @@ from turbospark.text import load_text
 
 PROMPT = [*range(3, 30), *range(3, 15)]
 CONFIG = GenerationConfig(max_tokens=24, stop_token_ids=[])
-
-
-@pytest.fixture(scope="module")
-def mtp_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen_gdn_mtp")
-    build_synthetic_install(
-        "qwen_gdn", path, vocab_size=128, num_layers=4, model_id="tiny-qwen-mtp", mtp=True
-    )
-    return path
 
 
 def open_runner(path: Path, **kwargs: Any) -> Runner:
