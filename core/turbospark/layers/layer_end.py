@@ -295,10 +295,12 @@ class LayerEnd:
     def weights(self, layer: nn.Module) -> EndWeights | None:
         """:data:`EndWeights` from *layer*'s modules (the MLP's gate and up
         rows stacked: :func:`~turbospark.layers.stacked.stacked`), or None
-        where the MLP is sharded."""
+        where the MLP is sharded or has biases (the modules then run it)."""
         mlp = layer[self.mlp]
         gate_up, down = stacked(mlp, ("gate_proj", "up_proj")), mlp["down_proj"]
         if gate_up is None or not isinstance(down, nn.Linear):
+            return None
+        if gate_up.bias is not None or "bias" in down:  # the traced forms add none
             return None
         return (
             None if self.post_mixer is None else layer[self.post_mixer]["weight"],
