@@ -79,9 +79,8 @@ from turbospark.layers.attention import (
     shared_attention,
 )
 from turbospark.layers.cuda import gdn as gdn_cuda
-from turbospark.layers.cuda import norm as norm_cuda
 from turbospark.layers.cuda.heads import norm_rope, norm_rope_ops
-from turbospark.layers.cuda.norm import Unjoined
+from turbospark.layers.cuda.norm import Unjoined, normed_input
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import (
     geglu,
@@ -165,6 +164,7 @@ DEPRECATED: dict[str, tuple[str, str]] = {
     "kept": ("turbospark.sdk.LayerEnd.step_weights", "1.2"),
     "residual_scale": ("turbospark.sdk.LayerEnd, which makes a layer's last join", "1.2"),
     "gemm_add": ("turbospark.sdk.project (its residual) or LayerEnd", "1.2"),
+    "norm_cuda": ("turbospark.sdk.normed_input and LayerEnd", "1.2"),
 }
 # Where a deprecated name that is not its replacement still lives: (module, attribute),
 # None for the module itself.
@@ -175,6 +175,7 @@ _STILL_AT: dict[str, tuple[str, str | None]] = {
     "kept": ("turbospark.layers.layer_step", "kept"),
     "residual_scale": ("turbospark.layers.fused", "residual_scale"),
     "gemm_add": ("turbospark.layers.stacked", "gemm_add"),
+    "norm_cuda": ("turbospark.layers.cuda.norm", None),
 }
 
 __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
@@ -249,6 +250,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "stream_of",
     "normed_stream",
     "LayerEnd",
+    "normed_input",
     "EndWeights",
     "step_end",
     "flat",
@@ -261,7 +263,6 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "written",
     "attend",
     "gdn_cuda",
-    "norm_cuda",
     "norm_rope",
     "norm_rope_ops",
     "Unjoined",

@@ -61,10 +61,10 @@ from turbospark.sdk import (
     kv_copies,
     lifted,
     merge_heads,
-    norm_cuda,
     norm_rope,
     norm_rope_ops,
     normed_heads,
+    normed_input,
     normed_stream,
     project,
     require_divisible,
@@ -599,7 +599,7 @@ class DecoderLayer(nn.Module):
                 return stepped
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
-        h, normed = norm_cuda.normed_input(h, self["input_layernorm"]["weight"], self.eps)
+        h, normed = normed_input(h, self["input_layernorm"]["weight"], self.eps)
         attn, attended = self["self_attn"](normed, start, kv, shared)
         if not self.moe:
             return self.end(self, h, attn, per_layer_input, join), attended
@@ -849,7 +849,7 @@ class Gemma4TextModel(nn.Module):
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:
             state[spec.name].advance(tokens.shape[1])
-        return norm_cuda.normed_input(h, self["norm"]["weight"], self.arch.rms_norm_eps)[1]
+        return normed_input(h, self["norm"]["weight"], self.arch.rms_norm_eps)[1]
 
 
 class Gemma4(nn.Module):

@@ -66,8 +66,8 @@ from turbospark.sdk import (
     lifted,
     merge_heads,
     mixer_input_bias,
-    norm_cuda,
     normed_heads,
+    normed_input,
     normed_stream,
     project,
     require_divisible,
@@ -422,7 +422,7 @@ class DecoderLayer(nn.Module):
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
         norm = self["input_layernorm"]
-        x, normed = norm_cuda.normed_input(x, norm["weight"], norm.eps)
+        x, normed = normed_input(x, norm["weight"], norm.eps)
         # The residual join after the mixer: the layer's end makes it with the
         # norm kernels, else the mixer's output projection's GEMM adds it.
         residual = None if self.end.joins_mixer(self, join) else x
@@ -662,7 +662,7 @@ class QwenGdn(nn.Module):
         kv.advance(length)
         gdn.advance(length)
         norm = self.model.norm
-        return norm_cuda.normed_input(h, norm["weight"], norm.eps)[1]
+        return normed_input(h, norm["weight"], norm.eps)[1]
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallelism across *group* (:mod:`turbospark.layers.sharding`): full
