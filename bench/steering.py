@@ -102,33 +102,21 @@ def _layer_tail(runner: Runner) -> tuple[Parts, Callable[..., mx.array], tuple, 
     def a(*shape: int) -> mx.array:
         return mx.random.normal(shape).astype(dtype)
 
+    from turbospark.layers.layer_end import parts, tail_step
+
     hidden, eps = arch.hidden_size, arch.rms_norm_eps
     if runner.family.name == "gemma4":
-        from turbospark_gemma4.model import dense_tail_parts, dense_tail_step
-
         inner, ple = arch.layer_intermediate_size(1), arch.hidden_size_per_layer_input
-        weights = (a(hidden), a(hidden), a(hidden, 2 * inner), a(inner, hidden), a(hidden))
+        dense = (a(hidden), a(hidden), a(hidden, 2 * inner), a(inner, hidden), a(hidden))
         block = (a(hidden, ple), a(ple, hidden), a(hidden)) if ple else None
-        args = (
-            a(1, 1, hidden),
-            a(1, 1, hidden),
-            a(1, 1, ple) if ple else None,
-            weights,
-            block,
-            eps,
-        )
-        return dense_tail_parts, dense_tail_step, args, a(1)
-    from turbospark_qwen_gdn.model import mlp_tail_parts, mlp_tail_step
-
+        weights = (*dense, block, a(1))
+        args = (a(1, 1, hidden), a(1, 1, hidden), a(1, 1, ple) if ple else None, weights, eps, True)
+        return parts, tail_step, args, weights[6]
     inner = arch.intermediate_size
-    args = (
-        a(1, 1, hidden),  # the residual stream after the mixer
-        a(hidden),
-        a(hidden, 2 * inner),
-        a(inner, hidden),
-        eps,
-    )
-    return mlp_tail_parts, mlp_tail_step, args, None
+    weights = (None, a(hidden), a(hidden, 2 * inner), a(inner, hidden), None, None, None)
+    # the residual stream after the mixer
+    args = (a(1, 1, hidden), None, None, weights, eps, False)
+    return parts, tail_step, args, None
 
 
 def layer_host_us(runner: Runner, builds: int = 2000) -> dict[str, dict[str, float]]:
@@ -151,13 +139,12 @@ def layer_host_us(runner: Runner, builds: int = 2000) -> dict[str, dict[str, flo
             times.append(time.perf_counter() - start)
         return round(1e6 * min(times), 2)
 
-    unsteered = (*args[:-1], scale, args[-1]) if scale is not None else args
     out: dict[str, dict[str, float]] = {}
     for mode in MODES:
         steer = Steer.of([every_layer(runner, mode)], runner.dtype)
         join = joiner(steer, 1)
         out[mode] = {
-            "off": least(lambda: whole(*unsteered)),
+            "off": least(lambda: whole(*args)),
             "folded": least(lambda j=join: j.fold(parts, args, scale, compiled=True)),
             "two_calls": least(lambda j=join: j(*tail(*args), scale)),
         }

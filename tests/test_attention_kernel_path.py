@@ -156,7 +156,7 @@ def test_the_layer_step_sees_replaced_weights_and_modules(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Gemma 4's layer step keeps the weights it derived between steps
-    (``DecoderLayer._step_weights``). A model that decoded, then took another
+    (``LayerEnd.step_weights``). A model that decoded, then took another
     checkpoint's weights, steps as that checkpoint does; then one model's
     down projection is replaced by a new module and the other's weight by a
     new array, the same values: both step alike, and unlike before."""

@@ -140,11 +140,11 @@ def test_batched_decode_same_tokens_compiled_or_not(family_install: Path, rows: 
 # offset as a device array, not as a constant of the trace.
 TRACED = {
     "gemma4": [
-        ("turbospark_gemma4.model", "layer_end_parts"),
+        ("turbospark.layers.layer_end", "side_parts"),
         ("turbospark_gemma4.model", "normed_heads"),
     ],
     "qwen_gdn": [
-        ("turbospark_qwen_gdn.model", "swiglu"),
+        ("turbospark.layers.layer_end", "activation"),
         ("turbospark_qwen_gdn.model", "normed_heads"),
         ("turbospark.layers.gated_delta.layer", "gated_delta"),
     ],
@@ -157,7 +157,8 @@ def test_decode_steps_do_not_retrace(
 ) -> None:
     """After one step at a batch size, later steps (new positions, a KV buffer
     that grows past its block, a window that slides) reuse the trace. Dense
-    layers only: Gemma's MoE layers call ``layer_end_parts`` uncompiled."""
+    layers only: Gemma's MoE layers call ``side_parts`` uncompiled
+    (:meth:`~turbospark.layers.layer_end.LayerEnd.finish`)."""
     import importlib
 
     dims = {**FAMILIES[family], "num_experts": 0} if family == "gemma4" else FAMILIES[family]

@@ -169,7 +169,7 @@ def test_the_layer_step_sees_replaced_weights_and_modules(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The layer step keeps the weights it derived between steps
-    (``DecoderLayer._step_weights``). A model that decoded, then took another
+    (``LayerEnd.step_weights``). A model that decoded, then took another
     checkpoint's weights, steps as its modules do; so it does after each
     replacement in both layer kinds, of a projection by a new module or of a
     weight by a new array (rows permuted: the output changes each time)."""

@@ -20,41 +20,53 @@ from test_steering import numpy_reference
 import turbospark.policies.steering
 from turbospark import Runner, build_synthetic_install
 from turbospark.contract.protocols import Parts
+from turbospark.layers.layer_end import parts as end_parts
+from turbospark.layers.layer_end import tail_step
 from turbospark.policies.steering import Steer, SteeringPolicy, _LayerSteer, joiner
-from turbospark_gemma4.model import dense_tail_parts, dense_tail_step
-from turbospark_qwen_gdn.model import mlp_tail_parts, mlp_tail_step
 
 HIDDEN, INNER, PLE, EPS = 32, 48, 8, 1e-6
 ROWS = ("add", "ablate", None, "clamp", "renorm")
 
 
 def _gemma4_args(rng: np.random.Generator, batch: int, length: int, ple: bool) -> tuple[Any, ...]:
-    """:func:`dense_tail_parts`'s arguments: residual, attention output, the
-    per-layer input, the norms' and matmuls' weights (transposed)."""
+    """The layer end's arguments (:func:`~turbospark.layers.layer_end.parts`)
+    for gemma4's architecture: residual, attention output, the per-layer
+    input, the norms' and matmuls' weights (transposed), the PLE block's and
+    the layer scalar."""
 
     def a(*shape: int) -> mx.array:
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
-    weights = (a(HIDDEN), a(HIDDEN), a(HIDDEN, 2 * INNER) * 0.2, a(INNER, HIDDEN) * 0.2, a(HIDDEN))
+    dense = (a(HIDDEN), a(HIDDEN), a(HIDDEN, 2 * INNER) * 0.2, a(INNER, HIDDEN) * 0.2, a(HIDDEN))
     block = (a(HIDDEN, PLE) * 0.2, a(PLE, HIDDEN) * 0.2, a(HIDDEN)) if ple else None
     per_layer_input = a(batch, length, PLE) if ple else None
     h, attn = a(batch, length, HIDDEN), a(batch, length, HIDDEN)
-    return h, attn, per_layer_input, weights, block, EPS
+    weights = (*dense, block, mx.array([0.8], dtype=mx.float32))
+    return h, attn, per_layer_input, weights, EPS, True
 
 
 def _qwen_args(rng: np.random.Generator, batch: int, length: int) -> tuple[Any, ...]:
-    """:func:`mlp_tail_parts`'s arguments: the residual stream, norm, MLP weights."""
+    """The layer end's arguments for qwen_gdn's (pre-norm) architecture: the
+    residual stream after the mixer, the MLP's norm and weights."""
 
     def a(*shape: int) -> mx.array:
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
-    mlp = (a(HIDDEN, 2 * INNER) * 0.2, a(INNER, HIDDEN) * 0.2)
-    return a(batch, length, HIDDEN), a(HIDDEN), *mlp, EPS
+    weights = (
+        None,
+        a(HIDDEN),
+        a(HIDDEN, 2 * INNER) * 0.2,
+        a(INNER, HIDDEN) * 0.2,
+        None,
+        None,
+        None,
+    )
+    return a(batch, length, HIDDEN), None, None, weights, EPS, False
 
 
 class Tail(NamedTuple):
     parts: Parts  # up to the layer's last join (what a steered layer folds)
-    whole: Callable[..., mx.array]  # the family's own compiled tail, join included
+    whole: Callable[..., mx.array]  # the layer end's compiled tail, join included
     args: tuple[Any, ...]
     scale: mx.array | None  # the join's layer scalar (None: a plain add)
 
@@ -64,9 +76,10 @@ def _tail(name: str, batch: int, length: int = 1, seed: int = 0) -> Tail:
     row's short verify pass (also compiled, ``runs_compiled``)."""
     rng = np.random.default_rng(seed)
     if name == "qwen_gdn":
-        return Tail(mlp_tail_parts, mlp_tail_step, _qwen_args(rng, batch, length), None)
-    args = _gemma4_args(rng, batch, length, ple=name == "gemma4-ple")
-    return Tail(dense_tail_parts, dense_tail_step, args, mx.array([0.8], dtype=mx.float32))
+        args = _qwen_args(rng, batch, length)
+    else:
+        args = _gemma4_args(rng, batch, length, ple=name == "gemma4-ple")
+    return Tail(end_parts, tail_step, args, args[3][6])
 
 
 TAILS = ["gemma4", "gemma4-ple", "qwen_gdn"]
@@ -131,8 +144,7 @@ def test_fold_at_scale_zero_equals_the_unsteered_tail(tail: str, mode: str) -> N
     parts, whole, args, scale = _tail(tail, 3)
     steer = Steer.of([_policy(mode, scale=0.0)] * 3, mx.float32)
     folded = joiner(steer, 1).fold(parts, args, scale, compiled=True)
-    # gemma4's tail takes the layer scalar before eps; qwen_gdn's joins unscaled.
-    off = whole(*args) if scale is None else whole(*args[:-1], scale, args[-1])
+    off = whole(*args)
     if tail.startswith("gemma4"):
         assert mx.array_equal(folded, off)
     np.testing.assert_allclose(np.array(folded), np.array(off), rtol=1e-6, atol=1e-6)

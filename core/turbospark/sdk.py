@@ -28,8 +28,10 @@ What is here, in the order a family meets it:
   composes (:class:`KVComponent`, :class:`LayeredComponent`), batched ones;
 * layers -- attention over the K/V components, RoPE, the gated MLP, the
   gated-DeltaNet mixer and its state, routed experts, stacked projections,
-  compiled elementwise chains, the LM head, the one-trace layer steps (which
-  take the CUDA kernels themselves where they run) and the kernels' layers;
+  compiled elementwise chains, the LM head, a layer's end (:class:`LayerEnd`:
+  the residual joins and the MLP, stated as an architecture), the one-trace
+  layer steps (which take the CUDA kernels themselves where they run) and the
+  kernels' layers;
 * sharding -- tensor-parallel helpers for ``turbospark_shard_model``;
 * steering -- :func:`joiner`, a layer's last residual join with its steering;
 * installs -- loading checked weights, the checkpoint's config, the hooks
@@ -77,13 +79,11 @@ from turbospark.layers.attention import (
     shared_attention,
 )
 from turbospark.layers.cuda import gdn as gdn_cuda
-from turbospark.layers.cuda import norm as norm_cuda
 from turbospark.layers.cuda.heads import norm_rope, norm_rope_ops
-from turbospark.layers.cuda.norm import Unjoined
+from turbospark.layers.cuda.norm import Unjoined, normed_input
 from turbospark.layers.experts import ExpertLayer
 from turbospark.layers.fused import (
     geglu,
-    residual_scale,
     runs_compiled,
     sigmoid_gate,
     softcap,
@@ -92,12 +92,12 @@ from turbospark.layers.fused import (
 from turbospark.layers.gated_delta.gates import decay_rate, float32_norm_weight, mixer_input_bias
 from turbospark.layers.gated_delta.layer import IN_PROJECTIONS, GatedDeltaNet, GDNDims
 from turbospark.layers.gated_delta.state import GDNComponent
+from turbospark.layers.layer_end import EndWeights, LayerEnd, step_end
 from turbospark.layers.layer_step import (
     Stream,
     attend,
     cache_step,
     flat,
-    kept,
     kernel_cache,
     kernel_rows,
     kernels_available,
@@ -117,7 +117,7 @@ from turbospark.layers.sharding import (
     shard_gated_delta,
     shard_mlp,
 )
-from turbospark.layers.stacked import derived, gemm_add, project, stacked, transposed
+from turbospark.layers.stacked import derived, project, stacked, transposed
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config
 from turbospark.loading.family_hooks import CommonHooks
 from turbospark.loading.install import (
@@ -161,6 +161,10 @@ DEPRECATED: dict[str, tuple[str, str]] = {
     ),
     "heads_cuda": ("turbospark.sdk.norm_rope", "1.2"),
     "claim_rows": ("turbospark.sdk.cache_step", "1.2"),
+    "kept": ("turbospark.sdk.LayerEnd.step_weights", "1.2"),
+    "residual_scale": ("turbospark.sdk.LayerEnd, which makes a layer's last join", "1.2"),
+    "gemm_add": ("turbospark.sdk.project (its residual) or LayerEnd", "1.2"),
+    "norm_cuda": ("turbospark.sdk.normed_input and LayerEnd", "1.2"),
 }
 # Where a deprecated name that is not its replacement still lives: (module, attribute),
 # None for the module itself.
@@ -168,6 +172,10 @@ _STILL_AT: dict[str, tuple[str, str | None]] = {
     "attention_cuda": ("turbospark.layers.cuda.attention", None),
     "heads_cuda": ("turbospark.layers.cuda.heads", None),
     "claim_rows": ("turbospark.layers.layer_step", "claim_rows"),
+    "kept": ("turbospark.layers.layer_step", "kept"),
+    "residual_scale": ("turbospark.layers.fused", "residual_scale"),
+    "gemm_add": ("turbospark.layers.stacked", "gemm_add"),
+    "norm_cuda": ("turbospark.layers.cuda.norm", None),
 }
 
 __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
@@ -230,22 +238,23 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "stacked",
     "transposed",
     "derived",
-    "gemm_add",
     "fused",
     "runs_compiled",
     "geglu",
     "swiglu",
     "sigmoid_gate",
-    "residual_scale",
     "softcap",
     "logits_for",
     "batch_logits_for",
     "Stream",
     "stream_of",
     "normed_stream",
+    "LayerEnd",
+    "normed_input",
+    "EndWeights",
+    "step_end",
     "flat",
     "lifted",
-    "kept",
     "kernels_available",
     "kernels_take",
     "kernel_cache",
@@ -254,7 +263,6 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "written",
     "attend",
     "gdn_cuda",
-    "norm_cuda",
     "norm_rope",
     "norm_rope_ops",
     "Unjoined",

@@ -19,12 +19,17 @@ from pydantic import Field, field_validator, model_validator
 from turbospark.sdk import (
     ArchConfig,
     GatedMLP,
+    Join,
     KVComponent,
+    LayerEnd,
     LayerHook,
     LayerKV,
+    Unjoined,
     VisionMap,
     apply_rope,
     cached_attention,
+    joiner,
+    normed_input,
     rope_freqs,
 )
 
@@ -111,10 +116,18 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)  # SwiGLU
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # After attention, pre-norm: h += attn; h + mlp(post_attention_layernorm(h)).
+        # The SDK's block runs it in the fastest form the device has (one compiled
+        # step; on CUDA the joins with their norms in one kernel, the last one
+        # left unjoined for the next layer's input norm).
+        self.end = LayerEnd("post_attention_layernorm", cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, start: int, kv: LayerKV) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), start, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(
+        self, x: mx.array | Unjoined, start: int, kv: LayerKV, join: Join | None = None
+    ) -> mx.array | Unjoined:
+        # normed_input: x's RMS norm, joining x first where the last layer left it unjoined.
+        x, normed = normed_input(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        return self.end(self, x, self.self_attn(normed, start, kv), join=join)
 
 
 class LlamaModel(nn.Module):
@@ -156,11 +169,11 @@ class Llama(nn.Module):
             h = vision.inject(h, start)
         h = h[None]  # (1, L, hidden)
         for index, layer in enumerate(self.model.layers):
-            h = layer(h, start, kv[index])
-            if steer is not None:
-                h = steer(index, h)
+            # joiner: the layer's last join with the steering in it (None: no op).
+            h = layer(h, start, kv[index], joiner(steer, index))
         kv.advance(tokens.shape[0])
-        return self.model.norm(h[0])
+        norm = self.model.norm
+        return normed_input(h, norm.weight, norm.eps)[1][0]
 
     def head(self, h: mx.array) -> mx.array:
         if self.cfg.tie_word_embeddings:

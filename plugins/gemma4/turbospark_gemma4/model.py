@@ -33,11 +33,13 @@ from turbospark.sdk import (
     ArchConfig,
     Attended,
     BatchLayerKV,
+    EndWeights,
     ExpertLayer,
     ExpertProjection,
     ExpertSlice,
     GatedMLP,
     Join,
+    LayerEnd,
     LayerHook,
     LayerKV,
     MoESpec,
@@ -52,7 +54,6 @@ from turbospark.sdk import (
     flat,
     geglu,
     joiner,
-    kept,
     kernel_cache,
     kernel_rows,
     kernels_available,
@@ -60,14 +61,13 @@ from turbospark.sdk import (
     kv_copies,
     lifted,
     merge_heads,
-    norm_cuda,
     norm_rope,
     norm_rope_ops,
     normed_heads,
+    normed_input,
     normed_stream,
     project,
     require_divisible,
-    residual_scale,
     rope_freqs,
     runs_compiled,
     shard_attention,
@@ -75,6 +75,7 @@ from turbospark.sdk import (
     shared_attention,
     softcap,
     stacked,
+    step_end,
     stream_of,
     transposed,
     written,
@@ -570,6 +571,14 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = nn.RMSNorm(hidden, eps=eps)
         self.layer_scalar = mx.ones((1,))
         self.eps = eps
+        # After attention: norms on both sides of attention and of the GeGLU
+        # MLP, the per-layer input block (PLE) as a side input, the layer scalar.
+        ple = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
+        self.end = LayerEnd(
+            "pre_feedforward_layernorm", eps, gelu=True,
+            post_mixer="post_attention_layernorm", post_mlp="post_feedforward_layernorm",
+            side=ple if self.ple else None, scale="layer_scalar",
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -583,52 +592,26 @@ class DecoderLayer(nn.Module):
         """The layer's output and what it attended; with *join* (steering, see
         :func:`turbospark.policies.steering.joiner`) the last residual join is handed to it.
         *h* may come unjoined (:class:`~turbospark.layers.cuda.norm.Unjoined`):
-        the input norm then makes the last layer's join in the same kernel. On
-        MLX's CUDA backend an unsteered dense layer makes each join with the
-        norms beside it (:func:`dense_joins`) and hands its last one on that way."""
+        the input norm then makes the last layer's join in the same kernel."""
         if join is None and not self.moe and h.shape[:2] == (1, 1) and kernels_available():
             stepped = self._kernel_step(h, start, kv, shared, per_layer_input)
             if stepped is not None:
                 return stepped
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
-        h, normed = norm_cuda.normed_input(h, self["input_layernorm"]["weight"], self.eps)
+        h, normed = normed_input(h, self["input_layernorm"]["weight"], self.eps)
         attn, attended = self["self_attn"](normed, start, kv, shared)
-        ple = self._ple_weights()
-        mlp = self["mlp"]
-        if self.moe:
-            h = h + self.post_attention_layernorm(attn)
-            # Dense MLP and expert block side by side, both reading the same residual.
-            dense = self.post_feedforward_layernorm_1(mlp(self.pre_feedforward_layernorm(h)))
-            tokens = h.reshape(-1, h.shape[-1])  # (B*L, H): routing is per token
-            chosen, weights = self.router(tokens)
-            sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights, dense)
-            sparse = sparse.reshape(h.shape)
-            ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
-            parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
-            return self._joined(parts, join), attended
-        weights = self._dense_weights()
-        if weights is None:
-            # sharded: the modules sum the ranks' parts
-            h = h + self.post_attention_layernorm(attn)
-            ff = self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h)))
-            parts = layer_end_parts(h, ff, per_layer_input, ple, self.eps)
-            return self._joined(parts, join), attended
-        # Decode: the whole dense half (norms, GeGLU MLP, PLE, residuals) is one trace.
-        compiled = runs_compiled(*h.shape[:2])
-        if join is None and norm_cuda.available():
-            joins = dense_joins_step if compiled else dense_joins
-            return self._unjoined(
-                *joins(h, attn, per_layer_input, weights, ple, self.eps)
-            ), attended
-        if join is None:
-            tail = dense_tail_step if compiled else dense_tail
-            return tail(
-                h, attn, per_layer_input, weights, ple, self["layer_scalar"], self.eps
-            ), attended
-        # Steered: the steering traces into the compiled tail (one call, as unsteered).
-        args = (h, attn, per_layer_input, weights, ple, self.eps)
-        return join.fold(dense_tail_parts, args, self["layer_scalar"], compiled), attended
+        if not self.moe:
+            return self.end(self, h, attn, per_layer_input, join), attended
+        h = h + self.post_attention_layernorm(attn)
+        # Dense MLP and expert block side by side, both reading the same residual.
+        dense = self.post_feedforward_layernorm_1(self["mlp"](self.pre_feedforward_layernorm(h)))
+        tokens = h.reshape(-1, h.shape[-1])  # (B*L, H): routing is per token
+        chosen, weights = self.router(tokens)
+        sparse = self.experts(self.pre_feedforward_layernorm_2(tokens), chosen, weights, dense)
+        sparse = sparse.reshape(h.shape)
+        ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
+        return self.end.finish(self, h, ff, per_layer_input, join), attended
 
     def _kernel_step(
         self,
@@ -638,23 +621,19 @@ class DecoderLayer(nn.Module):
         shared: Attended | None,
         per_layer_input: mx.array | None,
     ) -> tuple[mx.array | Unjoined, Attended] | None:
-        """A lone row's decode step where attention takes the CUDA kernels
-        (:mod:`~turbospark.layers.cuda.attention`), each layer one traced
-        call: a K/V-owning layer's (:data:`owner_step`) scatters its new key
-        and value into the cache's buffers (:meth:`LayerKV.write
-        <turbospark.state.kv.LayerKV.write>`) at the row :meth:`LayerKV.claim
-        <turbospark.state.kv.LayerKV.claim>` gave; a KV-shared layer's
-        (:data:`shared_step`) writes nothing. The modules' path takes four
-        traced calls, four ops and their Python a layer, and a lone row's step
-        is bound by that host time. The kernels are the same. None
-        where the step does not take this path (sharded, a shape the kernels
-        do not take, a shared layer whose source did not, a cache not yet
-        prefilled), with nothing changed: the caller runs the modules."""
-        weights = self._step_weights()
+        """A lone row's decode step where attention takes the CUDA kernels,
+        each layer one traced call: a K/V-owning layer's (:data:`owner_step`)
+        writes its new key and value into the cache's buffers
+        (:func:`~turbospark.layers.layer_step.cache_step`); a KV-shared
+        layer's (:data:`shared_step`) writes nothing. None where the step does
+        not take this path (sharded, a shape the kernels do not take, a shared
+        layer whose source did not, a cache not yet prefilled), with nothing
+        changed: the caller runs the modules."""
+        end = self.end
+        weights = end.step_weights(self, self._step_mixer, self._step_mixer_paths)
         if weights is None:
             return None
-        head, tail = weights
-        joins = norm_cuda.available()
+        by_kernel = end.by_kernel()
         stream = stream_of(h)
         attn = self["self_attn"]
         if kv is None:  # KV-shared: the rows the layer it shares attended
@@ -663,310 +642,104 @@ class DecoderLayer(nn.Module):
                 return None
             keys, values, _ = shared
             out = shared_step(
-                stream, head, start, keys, values, rows.bounds, per_layer_input, tail,
-                attn.n_heads, joins, self.eps,
+                stream, weights, start, keys, values, rows.bounds, per_layer_input, attn.n_heads,
+                by_kernel, self.eps,
             )  # fmt: skip
-            return self._unjoined(*out) if joins else out[0], shared
+            return end.stepped(weights[2], out, by_kernel), shared
         if not kernel_cache(kv):
             return None
         out, attended = cache_step(
-            owner_step, kv, stream, head, start, per_layer_input, tail, attn.n_heads,
-            attn.n_kv_heads, joins, self.eps,
+            owner_step, kv, stream, weights, start, per_layer_input, attn.n_heads,
+            attn.n_kv_heads, by_kernel, self.eps,
         )  # fmt: skip
-        return self._unjoined(*out) if joins else out[0], attended
+        return end.stepped(weights[2], out, by_kernel), attended
 
-    def _step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
-        """What a kernel step reads besides its activations: the input norm's
-        weight, the projections before attention (stacked), their norm weights
-        and RoPE's frequencies, then :data:`StepTail`; None where the layer
-        does not take the kernels' step. Derived once and kept
-        (:func:`~turbospark.layers.layer_step.kept`)."""
-        return kept(self, self._derive_step_weights, self._step_paths)
-
-    def _step_paths(self) -> list[tuple[str, ...]]:
-        """The paths from this layer to each parameter
-        :meth:`_derive_step_weights` reads (:func:`~turbospark.layers.layer_step.kept`)."""
+    def _step_mixer(self) -> tuple[mx.array, ...] | None:
+        """What a kernel step's attention reads: the projections before it
+        (stacked for a K/V-owning layer, the query's alone for a KV-shared
+        one) transposed, their norm weights (``Attention._joint_norm``),
+        RoPE's frequencies and the output projection transposed; None where
+        the kernels do not take the layer or a projection is sharded."""
         attn = self["self_attn"]
-        projections = ("q_proj", "o_proj") + (attn._names[1:] if attn.owns_kv else ())
-        paths = [("self_attn", name, "weight") for name in projections]
-        paths += [("mlp", name, "weight") for name in ("gate_proj", "up_proj", "down_proj")]
-        paths += [(name, "weight") for name in _STEP_NORMS]
-        norms = ("q_norm", "k_norm") if attn.owns_kv else ("q_norm",)
-        paths += [("self_attn", name, "weight") for name in norms] + [("self_attn", "_freqs")]
-        if self.ple:
-            ple = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
-            paths += [(name, "weight") for name in ple]
-        return [*paths, ("layer_scalar",)]
-
-    def _derive_step_weights(self) -> tuple[tuple[mx.array, ...], StepTail] | None:
-        """:meth:`_step_weights` from the modules' own accessors (stacks and
-        transposes, each evaluated once: :mod:`turbospark.layers.stacked`)."""
-        attn = self["self_attn"]
+        o_proj = attn["o_proj"]
         if not kernels_take(attn.n_heads, attn.n_kv_heads, attn.head_dim):
             return None
-        dense, o_proj = self._dense_weights(), attn["o_proj"]
-        if dense is None or type(o_proj) is not nn.Linear:  # sharded
+        if type(o_proj) is not nn.Linear:
             return None
-        tail = (transposed(o_proj), *dense, self._ple_weights(), self["layer_scalar"])
-        input_w = self["input_layernorm"]["weight"]
-        if not attn.owns_kv:
+        if attn.owns_kv:
+            stack = stacked(attn, attn._names)
+            if stack is None:
+                return None
+            projections_t = stack.weight_t
+        else:
             q_proj = attn["q_proj"]
             if type(q_proj) is not nn.Linear:
                 return None
-            return (input_w, transposed(q_proj), attn._joint_norm(), attn["_freqs"]), tail
-        stack = stacked(attn, attn._names)
-        if stack is None:
-            return None
-        return (input_w, stack.weight_t, attn._joint_norm(), attn["_freqs"]), tail
+            projections_t = transposed(q_proj)
+        return projections_t, attn._joint_norm(), attn["_freqs"], transposed(o_proj)
 
-    def _dense_weights(self) -> tuple[mx.array, ...] | None:
-        """The dense half's weights as :func:`dense_joins` and
-        :func:`dense_tail` take them (the MLP's gate and up rows stacked,
-        the projections transposed), or None where the MLP is sharded."""
-        mlp = self["mlp"]
-        gate_up, down = stacked(mlp, ("gate_proj", "up_proj")), mlp["down_proj"]
-        if gate_up is None or not isinstance(down, nn.Linear):
-            return None
-        return (
-            self["post_attention_layernorm"]["weight"],
-            self["pre_feedforward_layernorm"]["weight"],
-            gate_up.weight_t,
-            transposed(down),
-            self["post_feedforward_layernorm"]["weight"],
-        )
-
-    def _unjoined(self, h: mx.array, update: mx.array) -> Unjoined:
-        """The layer's output with its last join left to the next norm
-        (:func:`dense_joins`'s ``(h, update)``): the update's norm is the
-        per-layer input block's, else the feed-forward's post norm."""
-        last = (
-            self["post_per_layer_input_norm"]["weight"]
-            if self.ple
-            else self["post_feedforward_layernorm"]["weight"]
-        )
-        return Unjoined(h, update, last, self["layer_scalar"], self.eps)
-
-    def _ple_weights(self) -> PleWeights | None:
-        """The per-layer input block's input gate and projection (transposed,
-        :func:`~turbospark.layers.stacked.transposed`) and norm weights."""
-        if not self.ple:
-            return None
-        return (
-            transposed(self["per_layer_input_gate"]),
-            transposed(self["per_layer_projection"]),
-            self["post_per_layer_input_norm"]["weight"],
-        )
-
-    def _joined(self, parts: tuple[mx.array, mx.array], join: Join | None) -> mx.array:
-        """The residual times the layer scalar, through *join* when steering."""
-        h, update = parts
-        if join is None:
-            return residual_scale(h, update, self.layer_scalar)
-        return join(h, update, self.layer_scalar)
+    def _step_mixer_paths(self) -> list[tuple[str, ...]]:
+        """The paths from this layer to each parameter :meth:`_step_mixer` reads."""
+        attn = self["self_attn"]
+        names = ("q_proj", "o_proj", "q_norm")
+        names += (*attn._names[1:], "k_norm") if attn.owns_kv else ()
+        return [*(("self_attn", name, "weight") for name in names), ("self_attn", "_freqs")]
 
 
-PleWeights = tuple[mx.array, mx.array, mx.array]  # input gate.T, projection.T, norm
-
-
-def layer_end_parts(
-    h: mx.array,
-    ff: mx.array,
-    per_layer_input: mx.array | None,
-    ple: PleWeights | None,
-    eps: float,
-) -> tuple[mx.array, mx.array]:
-    """The residual after the (post-normed) feed-forward *ff* and the per-layer
-    input block when the arch has one, as the two halves of the layer's last
-    join: its output is ``residual_scale(*parts, layer_scalar)``."""
-    if ple is None:
-        return h, ff
-    gate_t, proj_t, norm_w = ple
-    h = h + ff
-    return h, mx.fast.rms_norm(ple_update(h, per_layer_input, gate_t, proj_t), norm_w, eps)
-
-
-def dense_tail_parts(
-    h: mx.array,
-    attn: mx.array,
-    per_layer_input: mx.array | None,
-    weights: tuple[mx.array, ...],
-    ple: PleWeights | None,
-    eps: float,
-) -> tuple[mx.array, mx.array]:
-    """A dense layer after its attention output, up to its last join: exactly
-    the modules' ops (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is
-    ``mx.fast.rms_norm``), written over arrays so it compiles. The MLP's gate
-    and up rows are one stacked weight, and the matmuls' weights come
-    transposed, as leaf views (:mod:`turbospark.layers.stacked`)."""
-    post_attn, pre_ff, gate_up_t, down_t, post_ff = weights
-    h = h + mx.fast.rms_norm(attn, post_attn, eps)
-    ff = geglu_mlp(mx.fast.rms_norm(h, pre_ff, eps), gate_up_t, down_t)
-    return layer_end_parts(h, mx.fast.rms_norm(ff, post_ff, eps), per_layer_input, ple, eps)
-
-
-def geglu_mlp(x: mx.array, gate_up_t: mx.array, down_t: mx.array) -> mx.array:
-    """The dense MLP over its normed input: the stacked gate and up rows, GeGLU,
-    the down projection (weights transposed, as leaf views)."""
-    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
-    return geglu(gate, up) @ down_t
-
-
-def ple_update(
-    h: mx.array, per_layer_input: mx.array, gate_t: mx.array, proj_t: mx.array
-) -> mx.array:
-    """The per-layer input block's update from the stream *h*, before its norm."""
-    return geglu(h @ gate_t, per_layer_input) @ proj_t
-
-
-def dense_tail(
-    h: mx.array,
-    attn: mx.array,
-    per_layer_input: mx.array | None,
-    weights: tuple[mx.array, ...],
-    ple: PleWeights | None,
-    scalar: mx.array,
-    eps: float,
-) -> mx.array:
-    """:func:`dense_tail_parts` and the join, so :data:`dense_tail_step` can compile it whole."""
-    return residual_scale(*dense_tail_parts(h, attn, per_layer_input, weights, ple, eps), scalar)
-
-
-# Traced once per batch size (decode rows) and per short lone-row length (a
-# verify pass); other prefill lengths vary, so they run it uncompiled
-# (turbospark.layers.fused.runs_compiled).
-dense_tail_step = mx.compile(dense_tail)
-
-
-def dense_joins(
-    h: mx.array,
-    attn: mx.array,
-    per_layer_input: mx.array | None,
-    weights: tuple[mx.array, ...],
-    ple: PleWeights | None,
-    eps: float,
-) -> tuple[mx.array, mx.array]:
-    """:func:`dense_tail_parts` with every residual join made in one kernel
-    with the norms beside it (:func:`~turbospark.layers.cuda.norm.join_norm`):
-    ``(h, update)``, where the layer's output is ``(h + rms_norm(update, w)) *
-    layer_scalar``, ``w`` the per-layer input block's norm weight (else the
-    feed-forward's post norm), which the next norm joins."""
-    post_attn, pre_ff, gate_up_t, down_t, post_ff = weights
-    h, x = norm_cuda.join_norm(h, attn, pre_ff, eps, update_weight=post_attn)
-    ff = geglu_mlp(x, gate_up_t, down_t)
-    if ple is None:
-        return h, ff
-    gate_t, proj_t, _ = ple
-    h, _ = norm_cuda.join_norm(h, ff, None, eps, update_weight=post_ff)
-    return h, ple_update(h, per_layer_input, gate_t, proj_t)
-
-
-# Traced as dense_tail_step is.
-dense_joins_step = mx.compile(dense_joins)
-
-# A kernel step from the attention output on: the output projection's weight
-# transposed, the dense half's weights as dense_joins takes them, the PLE
-# weights (or None) and the layer scalar.
-StepTail = tuple[mx.array | PleWeights | None, ...]
-# The norms a kernel step reads besides attention's (DecoderLayer._step_paths).
-_STEP_NORMS = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "pre_feedforward_layernorm",
-    "post_feedforward_layernorm",
-)
-
-
-def owner_inputs(
-    stream: Stream,
-    head: tuple[mx.array, ...],
-    start: mx.array,
-    heads: int,
-    kv_heads: int,
-    eps: float,
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """A K/V-owning layer's kernel step up to its cache's writes: the joined
-    stream, then the step's queries, keys and values
-    (:func:`~turbospark.layers.cuda.heads.norm_rope`).
-    *head* is the input norm's weight, the stacked projections' transpose,
-    the joint norm weight and RoPE's frequencies."""
-    input_w, qkv_t, joint_norm, freqs = head
-    h, x = normed_stream(stream, input_w, eps)
-    return h, *norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)
+# A kernel step's weights (LayerEnd.step_weights): the input norm's weight, the
+# attention's (DecoderLayer._step_mixer), the layer end's (EndWeights).
+StepWeights = tuple[mx.array, tuple[mx.array, ...], EndWeights]
 
 
 def owner_layer(
     stream: Stream,
-    head: tuple[mx.array, ...],
+    weights: StepWeights,
     start: mx.array,
     keys: mx.array,
     values: mx.array,
     rows: mx.array,
     row: mx.array,
     per_layer_input: mx.array | None,
-    tail: StepTail,
     heads: int,
     kv_heads: int,
-    joins: bool,
+    by_kernel: bool,
     eps: float,
 ) -> tuple[mx.array, ...]:
-    """A K/V-owning layer's whole kernel step: :func:`owner_inputs`, the new
-    key and value written into the buffers *keys* and *values* at *row*
-    (``(1,)`` int32, on the device), then :func:`kernel_tail` over *rows*
-    of them; the tail's outputs, then both buffers."""
-    h, queries, new_keys, new_values = owner_inputs(stream, head, start, heads, kv_heads, eps)
+    """A K/V-owning layer's whole kernel step: the input norm (joining the
+    stream), q/k/v normed and rotated together
+    (:func:`~turbospark.layers.cuda.heads.norm_rope`), the new key and value
+    written into the buffers *keys* and *values* at *row* (``(1,)`` int32, on
+    the device), the kernels' attention over *rows* of them, then the layer's
+    end (:func:`~turbospark.layers.layer_end.step_end`); its outputs, then
+    both buffers."""
+    input_w, (qkv_t, joint_norm, freqs, o_t), end = weights
+    h, x = normed_stream(stream, input_w, eps)
+    queries, new_keys, new_values = norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)  # fmt: skip
     keys, values = written(keys, values, new_keys, new_values, row)
-    out = kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps)
-    return *lifted(out), keys, values
-
-
-def kernel_tail(
-    h: mx.array,
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    rows: mx.array,
-    per_layer_input: mx.array | None,
-    tail: StepTail,
-    joins: bool,
-    eps: float,
-) -> tuple[mx.array, ...]:
-    """A kernel step from the attention on: the kernels over the cache's
-    whole buffers and *rows* (:func:`~turbospark.layers.cuda.attention.decode`),
-    the output projection, then the dense half: with the norm kernels
-    (*joins*) :func:`dense_joins`'s ``(h, update)``, else the joined stream
-    (:func:`dense_tail`) alone; *h* and these are ``(1, hidden)``
-    (:func:`~turbospark.layers.layer_step.flat`)."""
-    o_t, *weights, ple, scalar = tail
-    attn = flat(attend(queries, keys, values, rows, 1.0)) @ o_t
-    if per_layer_input is not None:
-        per_layer_input = flat(per_layer_input)
-    if joins:
-        return dense_joins(h, attn, per_layer_input, tuple(weights), ple, eps)
-    return (dense_tail(h, attn, per_layer_input, tuple(weights), ple, scalar, eps),)
+    out = flat(attend(queries, keys, values, rows, 1.0))
+    return *lifted(step_end(h, out, o_t, per_layer_input, end, by_kernel, eps, True)), keys, values
 
 
 def shared_layer(
     stream: Stream,
-    head: tuple[mx.array, ...],
+    weights: StepWeights,
     start: mx.array,
     keys: mx.array,
     values: mx.array,
     rows: mx.array,
     per_layer_input: mx.array | None,
-    tail: StepTail,
     heads: int,
-    joins: bool,
+    by_kernel: bool,
     eps: float,
 ) -> tuple[mx.array, ...]:
     """A KV-shared layer's whole kernel step: it writes no cache, so its
     queries, the attention over the rows its source layer attended and the
-    rest (:func:`kernel_tail`) are one trace. *head* is the input norm's
-    weight, the query projection's transpose, q_norm's weight for each head
-    (``Attention._joint_norm``) and RoPE's frequencies."""
-    input_w, q_t, q_norm, freqs = head
+    layer's end are one trace."""
+    input_w, (q_t, q_norm, freqs, o_t), end = weights
     h, x = normed_stream(stream, input_w, eps)
     (queries,) = norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
-    return lifted(kernel_tail(h, queries, keys, values, rows, per_layer_input, tail, joins, eps))
+    out = flat(attend(queries, keys, values, rows, 1.0))
+    return lifted(step_end(h, out, o_t, per_layer_input, end, by_kernel, eps, True))
 
 
 # Traced once per stream form and buffer size (the caches grow 256 rows at a time).
@@ -1076,7 +849,7 @@ class Gemma4TextModel(nn.Module):
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:
             state[spec.name].advance(tokens.shape[1])
-        return norm_cuda.normed_input(h, self["norm"]["weight"], self.arch.rms_norm_eps)[1]
+        return normed_input(h, self["norm"]["weight"], self.arch.rms_norm_eps)[1]
 
 
 class Gemma4(nn.Module):

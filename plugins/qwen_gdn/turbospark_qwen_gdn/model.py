@@ -36,12 +36,14 @@ from turbospark.sdk import (
     ArchConfig,
     BatchKV,
     BatchLayerKV,
+    EndWeights,
     GatedDeltaNet,
     GatedMLP,
     GDNComponent,
     GDNDims,
     Join,
     KVComponent,
+    LayerEnd,
     LayerHook,
     LayerKV,
     State,
@@ -56,18 +58,16 @@ from turbospark.sdk import (
     flat,
     float32_norm_weight,
     gdn_cuda,
-    gemm_add,
     heads_first,
     joiner,
-    kept,
     kernel_cache,
     kernels_take,
     kv_copies,
     lifted,
     merge_heads,
     mixer_input_bias,
-    norm_cuda,
     normed_heads,
+    normed_input,
     normed_stream,
     project,
     require_divisible,
@@ -77,8 +77,8 @@ from turbospark.sdk import (
     shard_mlp,
     sigmoid_gate,
     stacked,
+    step_end,
     stream_of,
-    swiglu,
     transposed,
     written,
 )
@@ -398,6 +398,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
         self.eps = arch.rms_norm_eps  # the layer's RMS norms' (a layer step passes it to its trace)
+        # Pre-norm: the SwiGLU MLP after its norm, both residual joins plain adds.
+        self.end = LayerEnd("post_attention_layernorm", arch.rms_norm_eps)
 
     def __call__(
         self,
@@ -412,11 +414,7 @@ class DecoderLayer(nn.Module):
         """The layer's output; with *join* (steering, see
         :func:`turbospark.policies.steering.joiner`) its last residual add is handed to it.
         *x* may come unjoined (:class:`~turbospark.layers.cuda.norm.Unjoined`):
-        the input norm then makes the last layer's join in the same kernel. On
-        MLX's CUDA backend an unsteered layer hands its own last join on that way,
-        and makes the one after its mixer with the MLP's norm
-        (:func:`~turbospark.layers.cuda.norm.join_norm`): a residual add is no
-        kernel of its own."""
+        the input norm then makes the last layer's join in the same kernel."""
         if join is None and positions is None and x.shape[:2] == (1, 1):
             stepped = self._layer_step(x, kv, gdn, rope, offset)
             if stepped is not None:
@@ -424,35 +422,17 @@ class DecoderLayer(nn.Module):
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
         # is a Python call, and this runs for every layer and step.
         norm = self["input_layernorm"]
-        x, normed = norm_cuda.normed_input(x, norm["weight"], norm.eps)
-        mlp = self["mlp"]
-        gate_up = stacked(mlp, ("gate_proj", "up_proj"))
-        down = mlp["down_proj"]
-        whole = gate_up is not None and isinstance(down, nn.Linear)  # else sharded
-        joins = whole and join is None and norm_cuda.available()
-        # Else the residual stream after the mixer, added by its output projection's GEMM.
-        residual = None if joins else x
+        x, normed = normed_input(x, norm["weight"], norm.eps)
+        # The residual join after the mixer: the layer's end makes it with the
+        # norm kernels, else the mixer's output projection's GEMM adds it.
+        residual = None if self.end.joins_mixer(self, join) else x
         if self.is_linear:
             h = self["linear_attn"](normed, gdn, self.slot, residual=residual)
         else:
             h = self["self_attn"](normed, kv[self.slot], rope, offset, positions, residual=residual)
-        if not whole:
-            # Sharded: the modules sum the ranks' parts.
-            update = mlp(self.post_attention_layernorm(h))
-            return h + update if join is None else join(h, update, None)
-        norm = self["post_attention_layernorm"]
-        compiled = runs_compiled(*normed.shape[:2])
-        if joins:
-            h, y = norm_cuda.join_norm_step(x, h, norm["weight"], norm.eps)
-            update = (mlp_update_step if compiled else mlp_update)(
-                y, gate_up.weight_t, transposed(down)
-            )
-            return Unjoined(h, update)
-        args = (h, norm["weight"], gate_up.weight_t, transposed(down), norm.eps)
-        if join is None:
-            return (mlp_tail_step if compiled else mlp_tail)(*args)
-        # Steered: the steering traces into the compiled tail (one call, as unsteered).
-        return join.fold(mlp_tail_parts, args, None, compiled)
+        if residual is None:
+            return self.end(self, x, h, join=join)
+        return self.end(self, h, None, join=join)
 
     def _layer_step(
         self,
@@ -465,200 +445,116 @@ class DecoderLayer(nn.Module):
         """A lone row's decode step as one traced call, where the layer's CUDA
         kernels run: a gated-DeltaNet layer's (:data:`linear_step`, with
         :mod:`~turbospark.layers.cuda.gdn`'s decode kernel), a full-attention
-        layer's (:data:`attention_step`, which scatters its new key and value
-        into the cache's buffers at the row :meth:`LayerKV.claim
-        <turbospark.state.kv.LayerKV.claim>` gave and attends with
-        :mod:`~turbospark.layers.cuda.attention`'s kernels). The modules' path
-        takes three to five traced calls, a few eager ops and the Python
-        between them; the kernels are the same. None where the step does not
-        take this path (sharded, a verify pass, a state not yet prefilled, a
-        shape or dtype the kernels do not take), with nothing changed: the
-        caller runs the modules."""
+        layer's (:data:`attention_step`, which writes its new key and value
+        into the cache's buffers and attends with the attention kernels:
+        :func:`~turbospark.layers.layer_step.cache_step`). None where the step
+        does not take this path (sharded, a state not yet prefilled, a shape
+        or dtype the kernels do not take), with nothing changed: the caller
+        runs the modules."""
+        end = self.end
+        by_kernel = end.by_kernel()
         if self.is_linear:
             if not gdn_cuda.available() or gdn is None or gdn.tracing:
                 return None
             tail, recurrent = gdn.layer(self.slot)
-            weights = self._step_weights()
+            weights = end.step_weights(self, self._step_mixer, self._step_mixer_paths)
             if tail is None or recurrent is None or weights is None:
                 return None
-            mixer = self["linear_attn"]
-            d = mixer.dims
+            d = self["linear_attn"].dims
             dims = (d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim)
-            joins = norm_cuda.available()
             *out, tail, recurrent = linear_step(
-                stream_of(x), weights, tail, recurrent, dims, joins, self.eps, d.eps
+                stream_of(x), weights, tail, recurrent, dims, by_kernel, self.eps, d.eps
             )
             gdn.set_layer(self.slot, tail, recurrent)
-            return Unjoined(*out) if joins else out[0]
+            return end.stepped(weights[2], out, by_kernel)
         layer_kv = kv[self.slot]
         if not kernel_cache(layer_kv):
             return None
         attn = self["self_attn"]
         if not kernels_take(attn.heads, attn.kv_heads, attn.head_dim):
             return None
-        weights = self._step_weights()
+        weights = end.step_weights(self, self._step_mixer, self._step_mixer_paths)
         h = x.h if isinstance(x, Unjoined) else x
-        if weights is None or not h.dtype == layer_kv.keys.dtype == weights[2].dtype:
+        if weights is None or not h.dtype == layer_kv.keys.dtype == weights[1][1].dtype:
             return None  # the kernels read queries, keys and values as one type
         if isinstance(offset, int):
             offset = mx.array(offset, dtype=mx.int32)
-        joins = norm_cuda.available()
         out, _ = cache_step(
             attention_step, layer_kv, stream_of(x), weights, offset,
-            (attn.heads, attn.kv_heads, attn["q_norm"].eps), rope.dims, rope.base, joins, self.eps,
+            (attn.heads, attn.kv_heads, attn["q_norm"].eps), rope.dims, rope.base, by_kernel,
+            self.eps,
         )  # fmt: skip
-        return Unjoined(*out) if joins else out[0]
+        return end.stepped(weights[2], out, by_kernel)
 
-    def _step_weights(self) -> tuple[mx.array, ...] | None:
-        """What :meth:`_layer_step` reads besides its activations and state:
-        the input norm's weight, the mixer's (:data:`LinearWeights` or
-        :data:`AttentionWeights`), then the MLP's norm and its stacked gate and
-        up rows and down projection, transposed; None where a projection is
-        sharded. Derived once and kept (:func:`~turbospark.layers.layer_step.kept`)."""
-        return kept(self, self._derive_step_weights, self._step_paths)
-
-    def _derive_step_weights(self) -> tuple[mx.array, ...] | None:
-        mlp = self["mlp"]
-        gate_up, down = stacked(mlp, ("gate_proj", "up_proj")), mlp["down_proj"]
-        if gate_up is None or type(down) is not nn.Linear:
-            return None
-        tail = (self["post_attention_layernorm"]["weight"], gate_up.weight_t, transposed(down))
-        input_w = self["input_layernorm"]["weight"]
+    def _step_mixer(self) -> tuple[mx.array, ...] | None:
+        """What a layer step's mixer reads (:data:`LinearWeights` or
+        :data:`AttentionWeights`); None where a projection is sharded."""
         if self.is_linear:
             mixer = self["linear_attn"]
             projections, out = stacked(mixer, IN_PROJECTIONS), mixer["out_proj"]
             if projections is None or type(out) is not nn.Linear:
                 return None
             in_t = projections.weight_t
-            mixing = (
+            return (
                 in_t, mixer["conv1d"]["weight"], mixer_input_bias(mixer, in_t), decay_rate(mixer),
                 float32_norm_weight(mixer), transposed(out),
             )  # fmt: skip
-            return (input_w, *mixing, *tail)
         attn = self["self_attn"]
         qkv, out = stacked(attn, ("q_proj", "k_proj", "v_proj")), attn["o_proj"]
         if qkv is None or qkv.bias is not None or type(out) is not nn.Linear:
             return None
-        norms = (scaled_query_norm(attn), attn["k_norm"]["weight"])
-        return (input_w, qkv.weight_t, *norms, transposed(out), *tail)
+        return qkv.weight_t, scaled_query_norm(attn), attn["k_norm"]["weight"], transposed(out)
 
-    def _step_paths(self) -> list[tuple[str, ...]]:
-        """The paths from this layer to each parameter
-        :meth:`_derive_step_weights` reads (:func:`~turbospark.layers.layer_step.kept`)."""
-        paths = [("mlp", name, "weight") for name in ("gate_proj", "up_proj", "down_proj")]
-        paths += [(name, "weight") for name in ("input_layernorm", "post_attention_layernorm")]
+    def _step_mixer_paths(self) -> list[tuple[str, ...]]:
+        """The paths from this layer to each parameter :meth:`_step_mixer` reads."""
         if self.is_linear:
             mixer = ("linear_attn",)
-            paths += [(*mixer, name, "weight") for name in (*IN_PROJECTIONS, "out_proj")]
+            paths = [(*mixer, name, "weight") for name in (*IN_PROJECTIONS, "out_proj")]
             paths += [(*mixer, "conv1d", "weight"), (*mixer, "norm", "weight")]
             return [*paths, (*mixer, "A_log"), (*mixer, "dt_bias")]
         names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
-        return [*paths, *(("self_attn", name, "weight") for name in names)]
+        return [("self_attn", name, "weight") for name in names]
 
 
-def mlp_update(y: mx.array, gate_up_t: mx.array, down_t: mx.array) -> mx.array:
-    """The MLP's update from its normed input *y*: the SwiGLU activation and
-    the down projection (the join and the norm are
-    :func:`~turbospark.layers.cuda.norm.join_norm`'s)."""
-    return activation(y, gate_up_t) @ down_t
-
-
-# Traced once per batch size and short lone-row length, as mlp_tail_step.
-mlp_update_step = mx.compile(mlp_update)
-
-
-def mlp_inner(h: mx.array, norm_w: mx.array, gate_up_t: mx.array, eps: float) -> mx.array:
-    """A layer's MLP up to its down projection, from the residual stream *h*
-    after the mixer: RMSNorm and the SwiGLU activation ``(B, L, inner)``.
-    Exactly the modules' ops (``nn.Linear`` is ``x @ w.T``), over arrays so it
-    compiles; *gate_up_t* is the stacked gate then up rows' transpose, a leaf
-    view (:mod:`turbospark.layers.stacked`)."""
-    return activation(mx.fast.rms_norm(h, norm_w, eps), gate_up_t)
-
-
-def activation(y: mx.array, gate_up_t: mx.array) -> mx.array:
-    """The SwiGLU activation ``(B, L, inner)`` of the MLP's normed input *y*."""
-    gate, up = mx.split(y @ gate_up_t, 2, axis=-1)  # (B, L, inner) each
-    return swiglu(gate, up)
-
-
-def mlp_tail_parts(
-    h: mx.array, norm_w: mx.array, gate_up_t: mx.array, down_t: mx.array, eps: float
-) -> tuple[mx.array, mx.array]:
-    """``(h, update)``: :func:`mlp_inner` and the down projection (*down_t*:
-    ``down_proj.weight.T``), up to the last residual add: the layer's output is
-    their sum (a steered layer's join adds them)."""
-    return h, mlp_inner(h, norm_w, gate_up_t, eps) @ down_t
-
-
-def mlp_tail(
-    h: mx.array, norm_w: mx.array, gate_up_t: mx.array, down_t: mx.array, eps: float
-) -> mx.array:
-    """:func:`mlp_tail_parts` and the residual add, made with the down
-    projection (:func:`~turbospark.layers.stacked.gemm_add`, in the form each
-    device runs fastest), so :data:`mlp_tail_step` compiles it whole."""
-    return gemm_add(h, mlp_inner(h, norm_w, gate_up_t, eps), down_t)
-
-
-# Traced once per batch size (decode rows) and per short lone-row length (a
-# verify pass); other prefill runs it uncompiled (runs_compiled).
-mlp_tail_step = mx.compile(mlp_tail)
-
-
-# A layer step's weights: the input norm's weight, the mixer's, then the MLP's
-# (LayerEnd). A gated-DeltaNet layer's mixer: the input projections stacked and
-# transposed, the conv weight, the projections' bias, the decay rate, the gated
-# norm's weight (float32) and the output projection transposed; a full-attention
-# layer's: q/k/v stacked and transposed, the scaled q_norm and k_norm weights,
-# the output projection transposed.
+# A layer step's mixer weights (DecoderLayer._step_mixer). A gated-DeltaNet
+# layer's: the input projections stacked and transposed, the conv weight, the
+# projections' bias, the decay rate, the gated norm's weight (float32) and the
+# output projection transposed; a full-attention layer's: q/k/v stacked and
+# transposed, the scaled q_norm and k_norm weights, the output projection
+# transposed. A step's weights are the input norm's, the mixer's and the
+# layer end's (LayerEnd.step_weights).
 LinearWeights = tuple[mx.array, ...]
 AttentionWeights = tuple[mx.array, ...]
-# The MLP's norm weight, its gate and up rows stacked and transposed, the down projection's.
-LayerEnd = tuple[mx.array, mx.array, mx.array]
-
-
-def layer_end(
-    h: mx.array, out: mx.array, out_t: mx.array, end: LayerEnd, joins: bool, eps: float
-) -> tuple[mx.array, ...]:
-    """A layer step from its mixer's output *out* (before the output
-    projection *out_t*) on, over the stream *h*, all ``(1, width)``: with the
-    norm kernels (*joins*) the joined stream and the MLP's update, which the
-    next norm joins (as the modules hand on an :class:`Unjoined`), else the
-    layer's output alone. The modules' ops, in the forms each device takes
-    (:func:`~turbospark.layers.stacked.gemm_add`)."""
-    norm_w, gate_up_t, down_t = end
-    if joins:
-        h, y = norm_cuda.join_norm(h, out @ out_t, norm_w, eps)
-        return h, mlp_update(y, gate_up_t, down_t)
-    return (mlp_tail(gemm_add(h, out, out_t), norm_w, gate_up_t, down_t, eps),)
+StepWeights = tuple[mx.array, tuple[mx.array, ...], EndWeights]
 
 
 def linear_layer(
     stream: Stream,
-    weights: LinearWeights,
+    weights: StepWeights,
     tail: mx.array,
     recurrent: mx.array,
     dims: tuple[int, int, int, int],
-    joins: bool,
+    by_kernel: bool,
     eps: float,
     mixer_eps: float,
 ) -> tuple[mx.array, ...]:
     """A gated-DeltaNet layer's whole decode step: the input norm, the
     stacked input projections, :func:`~turbospark.layers.cuda.gdn.decode_mixer`
     (the conv over *tail*, the recurrence from *recurrent*, the gated norm),
-    then :func:`layer_end`; its outputs, then the new conv tail and state.
-    *dims* are the key and value heads and their widths."""
-    input_w, in_t, conv_w, in_bias, rate, norm_w, out_t, *end = weights
+    then the layer's end (:func:`~turbospark.layers.layer_end.step_end`); its
+    outputs, then the new conv tail and state. *dims* are the key and value
+    heads and their widths."""
+    input_w, (in_t, conv_w, in_bias, rate, norm_w, out_t), end = weights
     h, x = normed_stream(stream, input_w, eps)
     out, recurrent, tail = gdn_cuda.decode_mixer(
         (x @ in_t)[None], tail, conv_w, in_bias, rate, recurrent, norm_w, *dims, mixer_eps
     )
-    return *lifted(layer_end(h, flat(out), out_t, tuple(end), joins, eps)), tail, recurrent
+    return *lifted(step_end(h, flat(out), out_t, None, end, by_kernel, eps, False)), tail, recurrent
 
 
 def attention_layer(
     stream: Stream,
-    weights: AttentionWeights,
+    weights: StepWeights,
     start: mx.array,
     keys: mx.array,
     values: mx.array,
@@ -667,7 +563,7 @@ def attention_layer(
     dims: tuple[int, int, float],
     rotary_dims: int,
     base: float,
-    joins: bool,
+    by_kernel: bool,
     eps: float,
 ) -> tuple[mx.array, ...]:
     """A full-attention layer's whole decode step: the input norm, q/k/v
@@ -675,8 +571,8 @@ def attention_layer(
     value written into the buffers *keys* and *values* at *row* (``(1,)``
     int32, on the device: :meth:`LayerKV.write <turbospark.state.kv.LayerKV.write>`),
     :func:`~turbospark.layers.cuda.attention.decode` over *rows* of them,
-    the output gate, then :func:`layer_end`; its outputs, then both buffers."""
-    input_w, qkv_t, q_norm, k_norm, o_t, *end = weights
+    the output gate, then the layer's end; its outputs, then both buffers."""
+    input_w, (qkv_t, q_norm, k_norm, o_t), end = weights
     heads, kv_heads, _ = dims
     h, x = normed_stream(stream, input_w, eps)
     dim = q_norm.shape[-1]
@@ -687,7 +583,7 @@ def attention_layer(
     )
     keys, values = written(keys, values, new_keys, new_values, row)
     out = sigmoid_gate(attend(queries, keys, values, rows, 1.0), gate)
-    return *lifted(layer_end(h, flat(out), o_t, tuple(end), joins, eps)), keys, values
+    return *lifted(step_end(h, flat(out), o_t, None, end, by_kernel, eps, False)), keys, values
 
 
 # Traced once per stream form (and, for attention, per buffer size: the caches
@@ -766,7 +662,7 @@ class QwenGdn(nn.Module):
         kv.advance(length)
         gdn.advance(length)
         norm = self.model.norm
-        return norm_cuda.normed_input(h, norm["weight"], norm.eps)[1]
+        return normed_input(h, norm["weight"], norm.eps)[1]
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallelism across *group* (:mod:`turbospark.layers.sharding`): full

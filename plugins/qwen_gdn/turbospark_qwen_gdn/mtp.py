@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from turbospark.sdk import KVComponent, LayerKV, norm_cuda
+from turbospark.sdk import KVComponent, LayerKV, normed_input
 from turbospark_qwen_gdn.model import MtpHead, QwenGdn
 
 
@@ -61,8 +61,8 @@ class QwenMtp:
         layer = head.layers[0]
         out = layer(fused[None], cache, None, self.model._rope, start, None)  # (1, L, H)
         cache.advance(tokens.shape[0])
-        # The layer's output may be unjoined (norm_cuda): the norm joins it.
-        return norm_cuda.normed_input(out, head.norm["weight"], head.norm.eps)[1][0]
+        # The layer's output may be unjoined (LayerEnd): the norm joins it.
+        return normed_input(out, head.norm["weight"], head.norm.eps)[1][0]
 
     def logits(self, hidden: mx.array) -> mx.array:
         """float32 logits ``(L, vocab)`` through the main model's (shared) LM head."""
