@@ -118,14 +118,13 @@ class Runner:
         self.last_reuse = ReuseReport(
             kept=0, swapped=False, reason=ReuseReason.NO_HISTORY, detail="no prompt yet"
         )
-        self._disk: DiskTier | None = None
         self._experts: StreamedExperts | None = None  # set by open when experts stream
         # The checkpoint's MTP head, set by open for DraftPolicies.mtp: every feed
         # then keeps the hidden states it reads (Session.mtp, turbospark.generation.mtp).
         self.mtp_head: MultiTokenHead | None = None
         self._moe: MoESpec | None = None
         if session_dir is not None and self._pool is not None:
-            self._disk = self._pool.disk = DiskTier(
+            self._pool.disk = DiskTier(
                 session_dir,
                 ModelIdentity.of(manifest, self.dtype, steering.identity),
                 components=[c.name for c in spec.components],
@@ -689,14 +688,15 @@ class Runner:
 
     @property
     def session_disk(self) -> DiskTier | None:
-        """The disk tier (``session_dir``), for inspection: its index, evictions, refusals."""
-        return self._disk
+        """The disk tier (``session_dir``), for inspection: its index, evictions, refusals.
+        The pool owns it (sessions leaving memory go there), so this reads the pool's."""
+        return None if self._pool is None else self._pool.disk
 
     @property
     def disk_losses(self) -> int:
         """Session files deleted for the disk bound that were their conversation's
         only copy, since opening (0 without a session directory)."""
-        return 0 if self._disk is None else self._disk.evictions
+        return 0 if self.session_disk is None else self.session_disk.evictions
 
     @contextmanager
     def without_disk(self) -> Iterator[None]:
@@ -705,15 +705,15 @@ class Runner:
         memory meanwhile is dropped. A warm-up's throwaway sessions would
         otherwise be written at every start, and a later start's warm-up would
         restore them instead of running the paths it is there to build."""
-        disk = self._disk
+        disk = self.session_disk
         if disk is None or self._pool is None:
             yield
             return
-        self._disk = self._pool.disk = None
+        self._pool.disk = None
         try:
             yield
         finally:
-            self._disk = self._pool.disk = disk
+            self._pool.disk = disk
 
     def flush(self) -> int:
         """Write every warm session (live and parked) that changed since its last
@@ -724,12 +724,13 @@ class Runner:
 
     def close(self) -> None:
         """At shutdown: write every warm session, then let go of the session directory."""
-        if self._disk is not None:
+        disk = self.session_disk
+        if disk is not None:
             self._write_warm(everything=True)
-            self._disk.close()
+            disk.close()
 
     def _write_warm(self, everything: bool) -> int:
-        disk = self._disk
+        disk = self.session_disk
         if disk is None:
             return 0
         dirty = [
