@@ -19,7 +19,8 @@ and discovery refuses, by name, a plugin whose range excludes this version
 
 What is here, in the order a family meets it:
 
-* the contract -- :data:`hookimpl`, the hook specs' value types
+* the contract -- :data:`hookimpl`, the hooks themselves (``help(turbospark.sdk.hookspecs)``
+  shows every hook's signature and what it must do), their value types
   (:class:`FamilySpec`, :class:`ArchConfig`, :class:`ComponentSpec`,
   :class:`MoESpec` ...) and the protocols of what hooks receive
   (:class:`LayerHook`, :class:`Join`, :class:`MultiTokenHead`,
@@ -47,7 +48,7 @@ import importlib
 import warnings
 from typing import Any
 
-from turbospark.contract import API_VERSION
+from turbospark.contract import API_VERSION, hookspecs
 from turbospark.contract.hookspecs import (
     ArchConfig,
     ComponentSpec,
@@ -119,7 +120,7 @@ from turbospark.layers.sharding import (
 )
 from turbospark.layers.stacked import derived, project, stacked, transposed
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config
-from turbospark.loading.family_hooks import CommonHooks
+from turbospark.loading.family_hooks import CommonHooks, source_file
 from turbospark.loading.install import (
     build_synthetic_install,
     load_checked,
@@ -149,7 +150,7 @@ from turbospark.state.components import (
     state_position,
 )
 from turbospark.state.kv import BatchKV, BatchLayerKV, KVComponent, LayerKV
-from turbospark.text import load_text
+from turbospark.text import TextCodec, load_text
 
 # A removed or renamed name -> (its replacement, the version that removes it). Served by
 # __getattr__ with a DeprecationWarning for one minor version; docs/SDK_CHANGES.md lists each.
@@ -182,6 +183,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "API_VERSION",
     # the contract
     "hookimpl",
+    "hookspecs",
     "ArchConfig",
     "ComponentSpec",
     "FamilySpec",
@@ -278,6 +280,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "HFConfig",
     "arch_from_config",
     "CommonHooks",
+    "source_file",
     "load_checked",
     "load_weights",
     "read_manifest",
@@ -290,6 +293,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "GEMMA_TEXT",
     "QWEN_TEXT",
     "load_text",
+    "TextCodec",
     "family_hooks",
 ]
 

@@ -133,8 +133,8 @@ class FamilySpec(BaseModel):
     components: list[ComponentSpec]
     state_source: str = Field(
         description="the file defining the state, named in refusals; derive it "
-        "(turbospark.loading.family_hooks.source_file(state_module)) so it is right wherever the family "
-        "is installed"
+        "(turbospark.sdk.source_file(state_module), or let CommonHooks do it) so it is right "
+        "wherever the family is installed"
     )
     steerable: bool = Field(
         default=False,

@@ -172,7 +172,7 @@ def cache_step(
     """A K/V-owning layer's one-trace decode step over *kv*'s buffers:
     ``step(stream, weights, start, keys, values, rows, row, *rest)`` returns
     its outputs, then both buffers with the new key and value written
-    (:func:`written`). The rows come from :func:`claim_rows`; the buffers go
+    (:func:`written`). It claims the rows itself; the buffers go
     in from *kv* alone and its fields take the trace's outputs, so MLX writes
     them in place. The step's outputs, and what the layer attended (for the
     layers that share its K/V)."""

@@ -12,8 +12,10 @@ from turbospark.layers.stacked import stacked
 
 
 class GatedMLP(nn.Module):
-    """``down(combine(gate(x), up(x)))``: SwiGLU by default; Gemma passes its
-    GELU-tanh gate (both one fused kernel, :mod:`turbospark.layers.fused`)."""
+    """``down_proj(combine(gate_proj(x), up_proj(x)))``, under those Hugging Face
+    names (so a checkpoint's ``mlp.gate_proj.weight`` loads as is): SwiGLU by
+    default; Gemma passes its GELU-tanh gate (both one fused kernel,
+    :mod:`turbospark.layers.fused`)."""
 
     def __init__(
         self,

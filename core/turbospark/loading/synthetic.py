@@ -49,8 +49,10 @@ SYNTHETIC_FORMAT = 2
 
 
 class RandomWeights:
-    """Named random tensors from one seeded generator. Nothing is neutral (norm
-    weights are not all ones), so a skipped norm or a mis-wired gate shows."""
+    """Named random tensors from one seeded generator, collected in :attr:`tensors`
+    (checkpoint name -> array) for :func:`write_synthetic`; each method adds one and
+    returns nothing. Nothing is neutral (norm weights are not all ones), so a
+    skipped norm or a mis-wired gate shows."""
 
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)

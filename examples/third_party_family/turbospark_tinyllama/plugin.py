@@ -31,7 +31,7 @@ from turbospark_tinyllama import synthetic
 from turbospark_tinyllama.model import Llama, LlamaConfig, sanitize
 from turbospark_tinyllama.state import new_state
 
-TURBOSPARK_SDK = ">=1.0,<2"  # the turbospark.sdk versions this family is written for
+TURBOSPARK_SDK = ">=1.1,<2"  # the turbospark.sdk versions this family is written for
 
 NAME = "tinyllama"
 

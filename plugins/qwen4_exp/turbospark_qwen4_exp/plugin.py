@@ -24,7 +24,7 @@ from turbospark_qwen4_exp import synthetic
 from turbospark_qwen4_exp.model import Qwen4Exp, Qwen4ExpConfig, sanitize
 from turbospark_qwen4_exp.state import check_batch_positions, new_state
 
-TURBOSPARK_SDK = ">=1.0,<2"  # the turbospark.sdk versions this family is written for
+TURBOSPARK_SDK = ">=1.1,<2"  # the turbospark.sdk versions this family is written for
 
 common = CommonHooks(
     "qwen4_exp", ["qwen4_exp"], Qwen4ExpConfig, state_module, synthetic.build, steerable=True
