@@ -35,7 +35,15 @@ from turbospark.errors import (
     ContextOverflow,
     InstallError,
     InvalidInput,
-    SessionPoolUnsupported,
+)
+from turbospark.generation.opening import (
+    check_disk_options,
+    check_mtp,
+    check_pool_capability,
+    check_rollback,
+    check_shardable,
+    check_steering,
+    to_dtype,
 )
 from turbospark.layers.sharding import check_same_install
 from turbospark.loading.install import (
@@ -43,7 +51,6 @@ from turbospark.loading.install import (
     Manifest,
     load_weights,
     read_manifest,
-    tensor_names,
     validate_arch,
     verify_files,
 )
@@ -101,7 +108,7 @@ class Runner:
         self.draft = draft
         self.steering = steering  # the default; a request may ask for its own (use_steering)
         self._steers: dict[str | None, Steer | None] = {}  # compiled, by identity
-        self.dtype = dtype or _dtype(manifest.dtype)
+        self.dtype = dtype or to_dtype(manifest.dtype)
         self._hook = pm.hook
         disk = (
             None
@@ -194,20 +201,20 @@ class Runner:
             raise InvalidInput(f"session_slots must be 0 or more, got {session_slots}")
         if max_parked_bytes is not None and max_parked_bytes < 0:
             raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
-        _check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
+        check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
         pm = family.manager()
         draft = draft or DraftPolicies.off()
         if draft.enabled:
             check_rollback(spec, draft.mode)
         if draft.mode == "mtp":
-            _check_mtp(spec, pm, path, manifest)
+            check_mtp(spec, pm, path, manifest)
         expert_cache = expert_cache or ExpertCacheSlots.all()
         steering = steering or SteeringPolicy.off()
-        _check_steering(spec, installed, steering)
+        check_steering(spec, installed, steering)
         moe = pm.hook.turbospark_moe(arch=installed)
         check_policy(expert_cache, moe, spec.name)
         if distributed:
-            _check_shardable(pm, spec, group, session_dir)
+            check_shardable(pm, spec, group, session_dir)
             if moe is not None and expert_cache.mode != "all":
                 raise InvalidInput(
                     f"--expert-cache-slots {expert_cache} streams experts into one process's "
@@ -215,10 +222,10 @@ class Runner:
                     "with --distributed"
                 )
         if session_slots > 1:
-            _check_pool_capability(
+            check_pool_capability(
                 spec, pm.hook.turbospark_pool_capability(arch=installed), session_slots
             )
-        compute_dtype = _dtype(dtype or manifest.dtype)
+        compute_dtype = to_dtype(dtype or manifest.dtype)
         streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
         verify_files(path, manifest)
         weights = load_weights(path, manifest)
@@ -727,7 +734,7 @@ class Runner:
         first, so a refusal changes nothing; a session built under another
         setting is then never reused for it (reason ``steering_changed``)."""
         steering = steering or self.steering
-        _check_steering(self.family, self.arch, steering)
+        check_steering(self.family, self.arch, steering)
         self.store.request(steering)
 
     def _compiled(self, steering: SteeringPolicy) -> Steer | None:
@@ -788,110 +795,6 @@ def _clip_ids(ids: mx.array, top: int) -> mx.array:
 
 def _state_arrays(state: State) -> list[mx.array]:
     return [a for component in state.values() for a in component.arrays()]
-
-
-def _dtype(value: str | mx.Dtype) -> mx.Dtype:
-    if isinstance(value, mx.Dtype):
-        return value
-    dtype = getattr(mx, str(value).removeprefix("mlx.core."), None)
-    if not isinstance(dtype, mx.Dtype):
-        raise InvalidInput(f"unknown dtype {value!r}; use bfloat16, float16 or float32")
-    return dtype
-
-
-def _check_steering(spec: FamilySpec, arch: ArchConfig, steering: SteeringPolicy) -> None:
-    steering.check_model(spec.name, spec.steerable, arch.hidden_size, arch.num_hidden_layers)
-
-
-def _check_shardable(
-    pm: pluggy.PluginManager,
-    spec: FamilySpec,
-    group: mx.distributed.Group,
-    session_dir: str | Path | None,
-) -> None:
-    """Refuse tensor parallelism a family or these options cannot do, before
-    any weight is read."""
-    if not pm.hook.turbospark_shard_model.get_hookimpls():
-        raise InvalidInput(
-            f"family '{spec.name}' cannot be sharded across {group.size()} processes: it does "
-            "not implement turbospark_shard_model; run it in one process (no mlx.launch -n N)"
-        )
-    if session_dir is not None:
-        raise InvalidInput(
-            "session_dir with a group of processes: each process holds only its shard of a "
-            "session, and the disk tier's files hold whole ones; drop --session-dir, or run "
-            "replicas instead (docs/SCALING.md)"
-        )
-
-
-def _check_disk_options(
-    spec: FamilySpec, slots: int, session_dir: str | Path | None, max_bytes: int | None
-) -> None:
-    if session_dir is None:
-        if max_bytes is not None:
-            raise InvalidInput(
-                "max_session_disk_bytes bounds the session_dir; pass session_dir too"
-            )
-        return
-    if slots < 2:
-        raise InvalidInput(
-            f"session_dir extends the session pool, but session_slots is {slots}; "
-            "use session_slots 2 or more"
-        )
-    if max_bytes is not None and max_bytes < 0:
-        raise InvalidInput(f"max_session_disk_bytes must be 0 or more, got {max_bytes}")
-    unsaved = [c.name for c in spec.components if not c.persistable]
-    if unsaved:
-        raise SessionPoolUnsupported(
-            f"session_dir needs every state component of family '{spec.name}' to be "
-            f"persistable, but {', '.join(unsaved)} cannot be written (see {spec.state_source})"
-        )
-
-
-def _check_mtp(spec: FamilySpec, pm: pluggy.PluginManager, path: Path, manifest: Manifest) -> None:
-    """``DraftPolicies.mtp`` needs a family with an MTP head (both optional hooks)
-    and a checkpoint that carries its weights; checked before any weight is read."""
-    if not has_mtp_hooks(pm):
-        raise InvalidInput(
-            f"DraftPolicies.mtp: family '{spec.name}' has no multi-token-prediction head "
-            "(hooks turbospark_mtp_head and turbospark_forward_with_hidden); use "
-            "DraftPolicies.ngram() or off()"
-        )
-    if not any(name.startswith("mtp.") for name in tensor_names(path, manifest)):
-        raise InvalidInput(
-            f"DraftPolicies.mtp: the install at {path} carries no mtp.* weights (the "
-            "checkpoint's multi-token-prediction head); use DraftPolicies.ngram() or off()"
-        )
-
-
-def has_mtp_hooks(pm: pluggy.PluginManager) -> bool:
-    """Whether the family implements both hooks ``DraftPolicies.mtp`` drafts through."""
-    hook = pm.hook
-    return bool(
-        hook.turbospark_mtp_head.get_hookimpls()
-        and hook.turbospark_forward_with_hidden.get_hookimpls()
-    )
-
-
-def check_rollback(spec: FamilySpec, mode: str) -> None:
-    """Drafting needs every component to drop rejected tokens: rewind, or trace."""
-    stuck = [c.name for c in spec.components if c.rewindable is False and not c.traceable]
-    if stuck:
-        raise InvalidInput(
-            f"the {mode!r} draft policy needs every state component of family "
-            f"'{spec.name}' to roll back a rejected draft, but {', '.join(stuck)} can neither "
-            f"rewind nor trace (see {spec.state_source}); use DraftPolicies.off()"
-        )
-
-
-def _check_pool_capability(spec: FamilySpec, swappable: list[str], slots: int) -> None:
-    missing = [c.name for c in spec.components if c.name not in swappable]
-    if missing:
-        raise SessionPoolUnsupported(
-            f"--session-slots {slots} needs every state component of family '{spec.name}' to be "
-            f"swappable, but {', '.join(missing)} cannot be parked (see {spec.state_source}); "
-            "run with --session-slots 1"
-        )
 
 
 def _split_lazy(tokens: Sequence[int | mx.array]) -> tuple[mx.array | None, list[int]]:
