@@ -131,7 +131,7 @@ def _ours_step(runner: Runner, prompt: list[int]) -> Step:
     runner.prefill_chunk(prompt, 0)
 
     def step(i: int) -> list[mx.array]:
-        hook, live = runner._hook, runner._live  # the forward alone: no ids read back
+        hook, live = runner._hook, runner.store.live  # the forward alone: no ids read back
         logits = hook.turbospark_forward(
             model=runner.model, tokens=mx.array([i % runner.vocab_size], mx.int32),
             start=live.position, state=live.state, vision=None, logits="last", steer=None,

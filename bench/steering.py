@@ -83,7 +83,7 @@ def step_kernels(path: Path) -> dict[str, dict[str, int]]:
         for name, hook in hooks.items():
             runner.reset()
             runner.prefill_chunk(prompt, 0, logits=False)
-            live = runner._live
+            live = runner.store.live
             mx.eval([a for c in live.state.values() for a in c.arrays()])
             logits = runner._hook.turbospark_forward(
                 model=runner.model, tokens=mx.array([5], mx.int32), start=PROMPT,

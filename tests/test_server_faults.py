@@ -170,7 +170,7 @@ def disk_files(server: ThreadedServer) -> tuple[dict[str, int], set[str]]:
 
     def read() -> tuple[dict[str, int], set[str]]:
         entries = runner.session_disk.entries
-        return {name: len(e.record) for name, e in entries.items()}, runner._resident()
+        return {name: len(e.record) for name, e in entries.items()}, runner.store.resident()
 
     return on_runner(server, read)
 

@@ -33,7 +33,8 @@ from turbospark.conformance.diagnose import component_differences, fail, no_comp
 from turbospark.conformance.kit import FamilyKit
 from turbospark.generation.drafters import Drafter, NgramDrafter, ReplayDrafter
 from turbospark.generation.generate import GenerationConfig, generate
-from turbospark.generation.runner import Runner, has_mtp_hooks
+from turbospark.generation.opening import has_mtp_hooks
+from turbospark.generation.runner import Runner
 from turbospark.layers import fused
 from turbospark.policies import DraftPolicies
 from turbospark.text import load_text

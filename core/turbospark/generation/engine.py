@@ -928,7 +928,7 @@ class Engine:
             self._fail(row, exc)
             return
         if token in row.stop_ids and fed:
-            self.runner.take_back_session(row.session)
+            self.runner.take_back(row.session)
         self._advance(row, token, fed)
 
     def _decode_drafted(self, row: _Row) -> int | None:

@@ -12,7 +12,7 @@ follow *verified* tokens: a session's
   the session hands them back (``turbospark_forward_with_hidden``), kept from
   the last one the cache read (it is redone when a cut reaches it) onward.
 
-Both follow :meth:`Session.cut_to <turbospark.sessions.pool.Session.cut_to>`: a cut to
+Both follow :meth:`Session.cut_to <turbospark.sessions.session.Session.cut_to>`: a cut to
 ``p`` (tokens ``0 .. p-1`` stay) keeps hidden states before ``p`` and cache
 entries before ``p - 1`` (entry ``p - 1`` read the token at ``p``). So after a
 round (``Runner.accept``) neither holds a rejected token, and a drafter's own

@@ -1,16 +1,19 @@
-"""The runner: one loaded model, a live session, and (optionally) a pool of parked ones.
+"""The runner: one loaded model and the sessions it serves, behind one public façade.
 
-Everything that is not family math lives here: opening an install, validating
-every input before any state changes, feeding tokens through the family's
-forward hook, keeping the prefix record honest, and delegating reuse
-decisions to :mod:`turbospark.sessions.reuse`. See SEMANTICS.md for the rules.
+The runner opens an install, validates every input before any state changes,
+feeds tokens through the family's forward hook and keeps the prefix record
+honest. The sessions themselves (the live one, the parked pool, the disk tier,
+checkout and checkin, reuse) belong to its :class:`SessionStore
+<turbospark.sessions.store.SessionStore>`; the runner's session methods are
+that store's, under the names the public API gives them. See SEMANTICS.md
+for the rules.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,9 +35,15 @@ from turbospark.errors import (
     ContextOverflow,
     InstallError,
     InvalidInput,
-    RewindError,
-    SessionPoolUnsupported,
-    TurbosparkError,
+)
+from turbospark.generation.opening import (
+    check_disk_options,
+    check_mtp,
+    check_pool_capability,
+    check_rollback,
+    check_shardable,
+    check_steering,
+    to_dtype,
 )
 from turbospark.layers.sharding import check_same_install
 from turbospark.loading.install import (
@@ -42,7 +51,6 @@ from turbospark.loading.install import (
     Manifest,
     load_weights,
     read_manifest,
-    tensor_names,
     validate_arch,
     verify_files,
 )
@@ -58,13 +66,11 @@ from turbospark.policies.expert_cache import (
 from turbospark.policies.steering import LastTokenRecorder, Steer, cannot_steer
 from turbospark.sessions.disk_tier import DiskTier
 from turbospark.sessions.mtp_track import MtpTrack
-from turbospark.sessions.pool import SessionPool
-from turbospark.sessions.reuse import ReuseReason, ReuseReport, plan_reuse, plan_share
+from turbospark.sessions.reuse import ReuseReport
 from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
-from turbospark.state.components import LayeredComponent, Snapshot, State
-
-MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
+from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
+from turbospark.state.components import State
 
 
 class Runner:
@@ -101,39 +107,40 @@ class Runner:
         self.expert_cache = expert_cache
         self.draft = draft
         self.steering = steering  # the default; a request may ask for its own (use_steering)
-        self._requested = steering
         self._steers: dict[str | None, Steer | None] = {}  # compiled, by identity
-        self.dtype = dtype or _dtype(manifest.dtype)
+        self.dtype = dtype or to_dtype(manifest.dtype)
         self._hook = pm.hook
-        self._live = self._new_session()
-        self._pool = (
-            SessionPool([self._new_session() for _ in range(session_slots - 1)], max_parked_bytes)
-            if session_slots > 1
-            else None
+        disk = (
+            None
+            if session_dir is None
+            else DiskOptions(
+                session_dir,
+                ModelIdentity.of(manifest, self.dtype, steering.identity),
+                context_length,
+                max_session_disk_bytes,
+            )
         )
-        self._reuse_enabled = False
-        self._evicted = False
-        self._checked_out: list[Session] = []  # sessions requests hold (checkout, checkin)
+        # Every session the runner serves, and every move of one between tiers.
+        self.store = SessionStore(
+            StateHooks(
+                new_state=self._new_state,
+                snapshot=lambda state: self._hook.turbospark_snapshot_state(state=state),
+                restore=lambda state, arrays: self._hook.turbospark_restore_state(
+                    state=state, snapshot=arrays
+                ),
+            ),
+            spec,
+            slots=session_slots,
+            max_parked_bytes=max_parked_bytes,
+            steering=steering,
+            disk=disk,
+        )
         self._vision: VisionMap | None = None
-        self.last_reuse = ReuseReport(
-            kept=0, swapped=False, reason=ReuseReason.NO_HISTORY, detail="no prompt yet"
-        )
         self._experts: StreamedExperts | None = None  # set by open when experts stream
         # The checkpoint's MTP head, set by open for DraftPolicies.mtp: every feed
         # then keeps the hidden states it reads (Session.mtp, turbospark.generation.mtp).
         self.mtp_head: MultiTokenHead | None = None
         self._moe: MoESpec | None = None
-        if session_dir is not None and self._pool is not None:
-            self._pool.disk = DiskTier(
-                session_dir,
-                ModelIdentity.of(manifest, self.dtype, steering.identity),
-                components=[c.name for c in spec.components],
-                context_length=context_length,
-                max_bytes=max_session_disk_bytes,
-                capture=self._capture,
-                materialize=self._materialize,
-                resident=self._resident,
-            )
 
     # -- opening ---------------------------------------------------------------
 
@@ -194,20 +201,20 @@ class Runner:
             raise InvalidInput(f"session_slots must be 0 or more, got {session_slots}")
         if max_parked_bytes is not None and max_parked_bytes < 0:
             raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
-        _check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
+        check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
         pm = family.manager()
         draft = draft or DraftPolicies.off()
         if draft.enabled:
             check_rollback(spec, draft.mode)
         if draft.mode == "mtp":
-            _check_mtp(spec, pm, path, manifest)
+            check_mtp(spec, pm, path, manifest)
         expert_cache = expert_cache or ExpertCacheSlots.all()
         steering = steering or SteeringPolicy.off()
-        _check_steering(spec, installed, steering)
+        check_steering(spec, installed, steering)
         moe = pm.hook.turbospark_moe(arch=installed)
         check_policy(expert_cache, moe, spec.name)
         if distributed:
-            _check_shardable(pm, spec, group, session_dir)
+            check_shardable(pm, spec, group, session_dir)
             if moe is not None and expert_cache.mode != "all":
                 raise InvalidInput(
                     f"--expert-cache-slots {expert_cache} streams experts into one process's "
@@ -215,10 +222,10 @@ class Runner:
                     "with --distributed"
                 )
         if session_slots > 1:
-            _check_pool_capability(
+            check_pool_capability(
                 spec, pm.hook.turbospark_pool_capability(arch=installed), session_slots
             )
-        compute_dtype = _dtype(dtype or manifest.dtype)
+        compute_dtype = to_dtype(dtype or manifest.dtype)
         streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
         verify_files(path, manifest)
         weights = load_weights(path, manifest)
@@ -259,10 +266,6 @@ class Runner:
                 )
         return runner
 
-    def _new_session(self) -> Session:
-        """An empty session, under the steering the next request asked for."""
-        return Session(self._new_state(), steering=self._requested)
-
     def _new_state(self) -> State:
         return self._hook.turbospark_new_state(
             arch=self.arch, model=self.model, context_length=self.context_length
@@ -286,39 +289,42 @@ class Runner:
     @property
     def position(self) -> int:
         """The live session's next write position."""
-        return self._live.position
+        return self.store.live.position
 
     @property
     def session_pool_size(self) -> int:
         """Slots including the live one (1 when there is no pool)."""
-        return 1 if self._pool is None else len(self._pool.parked) + 1
+        return self.store.pool_size
 
     def session_states(self) -> list[State]:
         """Every session's state, live first, then parked slots: for inspection
         (the conformance kit names leaks with it), never to feed directly."""
-        parked = [] if self._pool is None else [s.state for s in self._pool.parked]
-        return [self._live.state, *parked]
+        return [s.state for s in self.store.sessions()]
 
     def session_nbytes(self) -> list[int]:
         """Bytes held by each session, live first, then parked slots."""
-        parked = [] if self._pool is None else [s.nbytes for s in self._pool.parked]
-        return [self._live.nbytes, *parked]
+        return [s.nbytes for s in self.store.sessions()]
 
     def sessions(self) -> list[Session]:
         """The live session, then the parked slots, as objects: for inspection
         on the runner thread (the server's sessions view), never to feed."""
-        return [self._live, *([] if self._pool is None else self._pool.parked)]
+        return self.store.sessions()
 
     @property
     def max_parked_bytes(self) -> int | None:
         """The parked-memory cap (``--max-parked-memory``); None: slots alone bound it."""
-        return None if self._pool is None else self._pool.max_bytes
+        return self.store.max_parked_bytes
 
     def session_slot_evicted(self) -> bool:
         """Whether the last :meth:`reset` (or a swap in :meth:`try_reuse_prefix`
         that pushed the pool past ``max_parked_bytes``) discarded a parked
         session with real content."""
-        return self._evicted
+        return self.store.evicted
+
+    @property
+    def last_reuse(self) -> ReuseReport:
+        """What the last :meth:`try_reuse_prefix` (or a sharing :meth:`share_prefix`) decided."""
+        return self.store.last_reuse
 
     # -- feeding -----------------------------------------------------------------
 
@@ -339,7 +345,7 @@ class Runner:
         The first token may be a still-lazy scalar ``mx.array`` (a sampler's
         output): the forward is then queued before its id is read, so building
         the graph overlaps the previous step's compute. Its id is checked once
-        read, and :meth:`take_back_session` can undo the step (the id may turn
+        read, and :meth:`take_back` can undo the step (the id may turn
         out a stop).
 
         *then* (a sampler) maps the logits to what is returned, and is queued
@@ -357,18 +363,18 @@ class Runner:
         """:meth:`feed` one token (maybe lazy) to the live session at *position*:
         the logits for the next, or what *then* makes of them; :meth:`take_back`
         undoes it."""
-        return self.feed(self._live, [token], position, logits=True, then=then)
+        return self.feed(self.store.live, [token], position, logits=True, then=then)
 
     def produce_prefill(self, token: int, position: int) -> None:
         """Feed one prompt token whose logits nobody reads (the head is skipped)."""
-        self.feed(self._live, [token], position)
+        self.feed(self.store.live, [token], position)
 
     def prefill_chunk(
         self, tokens: Sequence[int], start: int, logits: bool = True
     ) -> mx.array | None:
         """Feed *tokens* to the live session at ``start..`` in one forward; logits
         after the last one."""
-        return self.feed(self._live, tokens, start, logits=logits)
+        return self.feed(self.store.live, tokens, start, logits=logits)
 
     def _feed(
         self,
@@ -382,7 +388,7 @@ class Runner:
         forward; *then* (logits only) is applied before anything is queued (see :meth:`feed`).
         The first token may be a lazy id (:meth:`produce`, :meth:`verify`): it is
         read after the forward is queued."""
-        live = session or self._live
+        live = session or self.store.live
         lazy, known = _split_lazy(tokens)
         ids = self._validate_write(known if lazy is None else [0, *known], start, live)
         if lazy is None:
@@ -392,9 +398,9 @@ class Runner:
         else:  # a chained round's verify pass: the unread bonus, then drafts
             fed = mx.concatenate([self.clip_ids(lazy.reshape(1)), mx.array(ids[1:], mx.int32)])
         if start < live.position:
-            self._rewind(live, live.position - start)
+            live.rewind(live.position - start)
         # The components that cannot rewind, by reference: a failed forward puts them back.
-        before = Checkpoint(start, self._rigid_snapshots(live))
+        before = Checkpoint(start, live.parts(self.rigid_components))
         live.undo = before if lazy is not None and not known else None
         try:
             forward = dict(
@@ -419,7 +425,7 @@ class Runner:
                 # (a reshape) would queue behind this step and wait for its end.
                 ids = self._validate_write([lazy.item(), *known], start, live)  # waits
         except Exception:
-            self._recover(live, before)
+            live.recover(before)
             raise
         self.fed(live, start, ids)
         return out
@@ -437,22 +443,12 @@ class Runner:
         bounds-check)."""
         return _clip_ids(lazy, self.vocab_size - 1)
 
-    def take_back(self) -> None:
-        """Undo the last :meth:`produce` of a lazy token: non-rewindable state goes
-        back to its held references, the rest rewinds one token, and the record
-        forgets the id. The generation loop calls it when that id is a stop."""
-        self.take_back_session(self._live)
-
-    def take_back_session(self, live: Session) -> None:
-        """:meth:`take_back` for any session (the engine's checked-out ones)."""
-        undo = live.undo
-        if undo is None or live.position != undo.position + 1:
-            raise InvalidInput(
-                "take_back() undoes the last produce() of a lazily sampled token, and the "
-                "session has moved since (or never took one)"
-            )
-        live.cut_to(undo.position, undo)
-        live.undo = None
+    def take_back(self, session: Session | None = None) -> None:
+        """Undo the last :meth:`produce` (or :meth:`feed`) of a lazy token to
+        *session* (None: the live one): non-rewindable state goes back to its
+        held references, the rest rewinds one token, and the record forgets the
+        id. The decode loop calls it when that id is a stop."""
+        (session or self.store.live).take_back()
 
     # -- speculative decoding: one verify forward, then a cut (turbospark.generation.speculation) ----
 
@@ -473,7 +469,7 @@ class Runner:
         <turbospark.generation.speculation.Speculation.launch_after>`): the pass is queued
         before it is read, as :meth:`produce` does; *then* maps the logits to
         what is returned (arrays) and is queued with them."""
-        live = session or self._live
+        live = session or self.store.live
         _, known = _split_lazy(tokens)
         if known:
             self.check_ids(known)  # before any component traces
@@ -493,7 +489,7 @@ class Runner:
         and the record, so the session never holds a rejected token. *held*
         (:meth:`hold`, taken after that verify): a later verify was queued since,
         and it leaves too."""
-        live = session or self._live
+        live = session or self.store.live
         for name in self.traced_components:
             trace = None if held is None else held[name]
             live.state[name].keep_traced(keep, trace)  # type: ignore[attr-defined]
@@ -502,12 +498,12 @@ class Runner:
     def hold(self, session: Session | None) -> dict[str, object]:
         """The last :meth:`verify`'s traces, so :meth:`accept` can cut inside it
         after another verify was queued behind it (a chained round)."""
-        live = session or self._live
+        live = session or self.store.live
         return {name: live.state[name].held_trace() for name in self.traced_components}  # type: ignore[attr-defined]
 
     def mtp_track(self, session: Session | None) -> MtpTrack:
         """*session*'s (None: the live one's) MTP K/V and hidden-state record."""
-        live = session or self._live
+        live = session or self.store.live
         if live.mtp is None:
             live.mtp = MtpTrack()
         return live.mtp
@@ -521,10 +517,6 @@ class Runner:
     def rigid_components(self) -> list[str]:
         """The components that cannot rewind (restored from held references instead)."""
         return [c.name for c in self.family.components if c.rewindable is False]
-
-    def _rigid_snapshots(self, session: Session) -> dict[str, Snapshot]:
-        """Held references to every component of *session* that cannot rewind."""
-        return {name: session.state[name].snapshot() for name in self.rigid_components}
 
     def check_ids(self, tokens: Sequence[int]) -> list[int]:
         """*tokens* as plain ints, refused (changing nothing) if empty or outside
@@ -562,232 +554,95 @@ class Runner:
             )
         return ids
 
-    def _rewind(self, live: Session, back: int) -> None:
-        """Rewind every component of *live* by *back*, all or nothing."""
-        state = live.state
-        blocked = {n: c.max_safe_rewind for n, c in state.items() if c.max_safe_rewind < back}
-        if blocked:
-            limits = ", ".join(f"'{n}' at most {m}" for n, m in blocked.items())
-            raise RewindError(
-                f"a write {back} token(s) before the session's end needs a rewind this state cannot "
-                f"make ({limits}); call try_reuse_prefix() or reset() and prefill again"
-            )
-        live.cut_to(live.position - back)
-
-    def _recover(self, live: Session, before: Checkpoint) -> None:
-        """After a forward failed midway: put state back where it started, the
-        components that cannot rewind from their references in *before*, the
-        layers that ran ahead of their component's position taken back; or, when
-        the components disagree even so, clear it."""
-        live.record.taint()
-        live.undo = None
-        try:
-            for component in live.state.values():
-                if isinstance(component, LayeredComponent):
-                    component.realign()
-            live.cut_to(before.position, before)
-            live.position  # noqa: B018 -- raises if components now disagree
-        except (TurbosparkError, RuntimeError):
-            live.clear()
-            live.record.taint()
-
-    # -- sessions ----------------------------------------------------------------
+    # -- sessions: the store's, under the public API's names -------------------------
 
     def set_prefix_reuse(self, enabled: bool) -> None:
-        self._reuse_enabled = bool(enabled)
+        self.store.reuse_enabled = bool(enabled)
 
     def try_reuse_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading *tokens* are already in the (possibly swapped-in) live
         session; commits the swap/rewind. See ``last_reuse`` for why."""
-        prompt = list(tokens)
-        if not self._reuse_enabled:
-            self.last_reuse = ReuseReport(
-                kept=0,
-                swapped=False,
-                reason=ReuseReason.DISABLED,
-                detail="prefix reuse is off; runner.set_prefix_reuse(True) turns it on",
-                prompt_tokens=len(prompt),
-            )
-        else:
-            self._live, report = plan_reuse(
-                self._live,
-                self._pool,
-                prompt,
-                self.family,
-                self._vision is not None,
-                self._requested,
-            )
-            if report.swapped and self._pool.trim():
-                report = report.model_copy(update={"evicted": True})
-            self.last_reuse = report
-        self._evicted = self.last_reuse.evicted
-        return self.last_reuse.kept
+        return self.store.try_reuse(tokens, self._vision is not None)
 
     def share_prefix(self, tokens: Sequence[int]) -> int:
         """After :meth:`reset`, start the fresh live session from the longest
         prefix of *tokens* a parked conversation holds (say, a shared system
         prompt), leaving that conversation parked. Returns the tokens now in
         state (0: nothing shared; ``last_reuse`` is then unchanged)."""
-        if not self._reuse_enabled:
-            return 0
-        report = plan_share(
-            self._live, self._pool, list(tokens), self._vision is not None, self._requested
-        )
-        if report is None:
-            return 0
-        self.last_reuse = report
-        return report.kept
+        return self.store.share(tokens, self._vision is not None)
 
     def reset(self) -> None:
         """Start a new conversation: park the live one (evicting the LRU slot
         when full) if there is a pool, then clear the live session."""
-        self._evicted = False
-        if self._pool is not None and self._live.has_content:
-            self._live, self._evicted = self._pool.rotate_lru(self._live)
-            self._evicted = self._pool.trim() or self._evicted
-        self._live.clear()
-        self._live.steering = self._requested
+        self.store.reset()
 
     def checkpoint(self, session: Session | None = None) -> None:
         """Remember the non-rewindable components at the current position (the
         generation loop calls this where the prompt ends). Held references only."""
-        live = session or self._live
-        snapshots = self._rigid_snapshots(live)
-        if not snapshots or live.position == 0 or live.record.tainted:
-            return
-        live.drop_checkpoints_after(live.position - 1)
-        live.checkpoints.append(Checkpoint(live.position, snapshots))
-        del live.checkpoints[:-MAX_CHECKPOINTS]
+        self.store.checkpoint(session)
 
-    def snapshot(self) -> SessionSnapshot:
-        """The live session as arrays plus its record (speculative rollback, disk spill)."""
-        return self._capture(self._live)
+    def snapshot(self, session: Session | None = None) -> SessionSnapshot:
+        """*session* (None: the live one) as arrays plus its record (speculative
+        rollback, disk spill)."""
+        return self.store.snapshot(session)
 
-    def _capture(self, session: Session) -> SessionSnapshot:
-        return SessionSnapshot(
-            tokens=list(session.record.tokens),
-            tainted=session.record.tainted,
-            arrays=self._hook.turbospark_snapshot_state(state=session.state),
-            checkpoints=tuple(session.checkpoints),
-        )
-
-    def _materialize(self, snapshot: SessionSnapshot) -> Session:
-        """A new session holding *snapshot* (a loaded session file)."""
-        session = Session(self._new_state(), steering=self.steering)  # the tier's identity
-        self._hook.turbospark_restore_state(state=session.state, snapshot=snapshot.arrays)
-        session.load(snapshot, arrays_loaded=True)
-        return session
-
-    def _resident(self) -> set[str]:
-        """Files whose session is in memory: live, parked, or checked out to a request."""
-        parked = [] if self._pool is None else self._pool.parked
-        sessions = (self._live, *parked, *self._checked_out)
-        return {s.disk_name for s in sessions if s.disk_name is not None}
-
-    # -- the disk tier -----------------------------------------------------------
+    def restore(self, snapshot: SessionSnapshot, session: Session | None = None) -> None:
+        """Make *session* (None: the live one) exactly what :meth:`snapshot`
+        captured, its checkpoints included (the previous conversation's are dropped)."""
+        self.store.restore(snapshot, session)
 
     @property
     def session_disk(self) -> DiskTier | None:
-        """The disk tier (``session_dir``), for inspection: its index, evictions, refusals.
-        The pool owns it (sessions leaving memory go there), so this reads the pool's."""
-        return None if self._pool is None else self._pool.disk
+        """The disk tier (``session_dir``), for inspection: its index, evictions, refusals."""
+        return self.store.disk
 
     @property
     def disk_losses(self) -> int:
         """Session files deleted for the disk bound that were their conversation's
         only copy, since opening (0 without a session directory)."""
-        return 0 if self.session_disk is None else self.session_disk.evictions
+        return self.store.disk_losses
 
-    @contextmanager
-    def without_disk(self) -> Iterator[None]:
+    def without_disk(self) -> AbstractContextManager[None]:
         """The session directory detached for a while (the engine's warm-up):
         nothing is read from it or written to it, and a session that leaves
         memory meanwhile is dropped. A warm-up's throwaway sessions would
         otherwise be written at every start, and a later start's warm-up would
         restore them instead of running the paths it is there to build."""
-        disk = self.session_disk
-        if disk is None or self._pool is None:
-            yield
-            return
-        self._pool.disk = None
-        try:
-            yield
-        finally:
-            self._pool.disk = disk
+        return self.store.without_disk()
 
     def flush(self) -> int:
         """Write every warm session (live and parked) that changed since its last
         write to the session directory; the number written. The server calls it
         after each request (write-through), so a killed process loses nothing.
         A failed write is logged and changes nothing in memory."""
-        return self._write_warm(everything=False)
+        return self.store.flush()
 
     def close(self) -> None:
         """At shutdown: write every warm session, then let go of the session directory."""
-        disk = self.session_disk
-        if disk is not None:
-            self._write_warm(everything=True)
-            disk.close()
-
-    def _write_warm(self, everything: bool) -> int:
-        disk = self.session_disk
-        if disk is None:
-            return 0
-        dirty = [
-            s
-            for s in (self._live, *self._pool.parked)
-            if s.has_content and not disk.is_saved(s) and (everything or not disk.backup_evicted(s))
-        ]
-        return sum(disk.save(s) for s in dirty)
-
-    def restore(self, snapshot: SessionSnapshot) -> None:
-        """Make the live session exactly what :meth:`snapshot` captured, its
-        checkpoints included (the previous conversation's are dropped)."""
-        live = self._live
-        self._hook.turbospark_restore_state(state=live.state, snapshot=snapshot.arrays)
-        live.load(snapshot, arrays_loaded=True)
-
-    # -- the engine's view: sessions checked out to requests -------------------------
+        self.store.close()
 
     def checkout(self) -> Session:
         """Hand the live session (just chosen for a request by the caller
         contract) to that request; a fresh, empty live session takes its place.
         Batched requests each hold their own session while they run."""
-        session, self._live = self._live, self._new_session()
-        self._checked_out.append(session)
-        return session
+        return self.store.checkout()
 
     def fork(self, session: Session) -> Session:
         """A new session holding *session*'s state by reference (MLX arrays are
         never written in place, so neither sees the other's later tokens): the
         other completions of one prompt start from its single prefill. It is not
         the live session nor parked; the engine drops it when its request ends."""
-        forked = Session(self._new_state())
-        forked.load(session.held())
-        return forked
+        return self.store.fork(session)
 
     def checkin(self, session: Session) -> bool:
         """A request is done with *session*: it becomes the live session again,
         and the one live before it is parked (the LRU rule, then the memory cap,
         decide what goes). True if a parked session with content was discarded."""
-        if session in self._checked_out:
-            self._checked_out.remove(session)
-        evicted = False
-        if self._live.has_content:
-            if self._pool is None:
-                evicted = True
-            else:
-                promoted, evicted = self._pool.rotate_lru(self._live)
-                promoted.clear()
-                evicted = self._pool.trim() or evicted
-        self._live = session
-        return evicted
+        return self.store.checkin(session)
 
     def forget_sessions(self) -> None:
         """Clear the live session and every parked one (after a warm-up)."""
-        self._live.clear()
-        for session in [] if self._pool is None else self._pool.parked:
-            session.clear()
+        self.store.forget()
 
     @property
     def batchable(self) -> bool:
@@ -879,10 +734,8 @@ class Runner:
         first, so a refusal changes nothing; a session built under another
         setting is then never reused for it (reason ``steering_changed``)."""
         steering = steering or self.steering
-        _check_steering(self.family, self.arch, steering)
-        self._requested = steering
-        if not self._live.has_content:
-            self._live.steering = steering
+        check_steering(self.family, self.arch, steering)
+        self.store.request(steering)
 
     def _compiled(self, steering: SteeringPolicy) -> Steer | None:
         key = steering.identity
@@ -922,7 +775,7 @@ class Runner:
         self._vision = VisionMap.validated(
             list(injections), positions, prompt_len, self.arch.hidden_size
         )
-        self._live.record.taint()
+        self.store.live.record.taint()
 
     def clear_prompt_vision(self) -> None:
         self._vision = None
@@ -942,110 +795,6 @@ def _clip_ids(ids: mx.array, top: int) -> mx.array:
 
 def _state_arrays(state: State) -> list[mx.array]:
     return [a for component in state.values() for a in component.arrays()]
-
-
-def _dtype(value: str | mx.Dtype) -> mx.Dtype:
-    if isinstance(value, mx.Dtype):
-        return value
-    dtype = getattr(mx, str(value).removeprefix("mlx.core."), None)
-    if not isinstance(dtype, mx.Dtype):
-        raise InvalidInput(f"unknown dtype {value!r}; use bfloat16, float16 or float32")
-    return dtype
-
-
-def _check_steering(spec: FamilySpec, arch: ArchConfig, steering: SteeringPolicy) -> None:
-    steering.check_model(spec.name, spec.steerable, arch.hidden_size, arch.num_hidden_layers)
-
-
-def _check_shardable(
-    pm: pluggy.PluginManager,
-    spec: FamilySpec,
-    group: mx.distributed.Group,
-    session_dir: str | Path | None,
-) -> None:
-    """Refuse tensor parallelism a family or these options cannot do, before
-    any weight is read."""
-    if not pm.hook.turbospark_shard_model.get_hookimpls():
-        raise InvalidInput(
-            f"family '{spec.name}' cannot be sharded across {group.size()} processes: it does "
-            "not implement turbospark_shard_model; run it in one process (no mlx.launch -n N)"
-        )
-    if session_dir is not None:
-        raise InvalidInput(
-            "session_dir with a group of processes: each process holds only its shard of a "
-            "session, and the disk tier's files hold whole ones; drop --session-dir, or run "
-            "replicas instead (docs/SCALING.md)"
-        )
-
-
-def _check_disk_options(
-    spec: FamilySpec, slots: int, session_dir: str | Path | None, max_bytes: int | None
-) -> None:
-    if session_dir is None:
-        if max_bytes is not None:
-            raise InvalidInput(
-                "max_session_disk_bytes bounds the session_dir; pass session_dir too"
-            )
-        return
-    if slots < 2:
-        raise InvalidInput(
-            f"session_dir extends the session pool, but session_slots is {slots}; "
-            "use session_slots 2 or more"
-        )
-    if max_bytes is not None and max_bytes < 0:
-        raise InvalidInput(f"max_session_disk_bytes must be 0 or more, got {max_bytes}")
-    unsaved = [c.name for c in spec.components if not c.persistable]
-    if unsaved:
-        raise SessionPoolUnsupported(
-            f"session_dir needs every state component of family '{spec.name}' to be "
-            f"persistable, but {', '.join(unsaved)} cannot be written (see {spec.state_source})"
-        )
-
-
-def _check_mtp(spec: FamilySpec, pm: pluggy.PluginManager, path: Path, manifest: Manifest) -> None:
-    """``DraftPolicies.mtp`` needs a family with an MTP head (both optional hooks)
-    and a checkpoint that carries its weights; checked before any weight is read."""
-    if not has_mtp_hooks(pm):
-        raise InvalidInput(
-            f"DraftPolicies.mtp: family '{spec.name}' has no multi-token-prediction head "
-            "(hooks turbospark_mtp_head and turbospark_forward_with_hidden); use "
-            "DraftPolicies.ngram() or off()"
-        )
-    if not any(name.startswith("mtp.") for name in tensor_names(path, manifest)):
-        raise InvalidInput(
-            f"DraftPolicies.mtp: the install at {path} carries no mtp.* weights (the "
-            "checkpoint's multi-token-prediction head); use DraftPolicies.ngram() or off()"
-        )
-
-
-def has_mtp_hooks(pm: pluggy.PluginManager) -> bool:
-    """Whether the family implements both hooks ``DraftPolicies.mtp`` drafts through."""
-    hook = pm.hook
-    return bool(
-        hook.turbospark_mtp_head.get_hookimpls()
-        and hook.turbospark_forward_with_hidden.get_hookimpls()
-    )
-
-
-def check_rollback(spec: FamilySpec, mode: str) -> None:
-    """Drafting needs every component to drop rejected tokens: rewind, or trace."""
-    stuck = [c.name for c in spec.components if c.rewindable is False and not c.traceable]
-    if stuck:
-        raise InvalidInput(
-            f"the {mode!r} draft policy needs every state component of family "
-            f"'{spec.name}' to roll back a rejected draft, but {', '.join(stuck)} can neither "
-            f"rewind nor trace (see {spec.state_source}); use DraftPolicies.off()"
-        )
-
-
-def _check_pool_capability(spec: FamilySpec, swappable: list[str], slots: int) -> None:
-    missing = [c.name for c in spec.components if c.name not in swappable]
-    if missing:
-        raise SessionPoolUnsupported(
-            f"--session-slots {slots} needs every state component of family '{spec.name}' to be "
-            f"swappable, but {', '.join(missing)} cannot be parked (see {spec.state_source}); "
-            "run with --session-slots 1"
-        )
 
 
 def _split_lazy(tokens: Sequence[int | mx.array]) -> tuple[mx.array | None, list[int]]:

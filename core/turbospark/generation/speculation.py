@@ -80,7 +80,8 @@ import mlx.core as mx
 
 from turbospark.generation.drafters import Draft, Drafter, drafter_for
 from turbospark.generation.mtp import MtpDrafter
-from turbospark.generation.runner import Runner, check_rollback
+from turbospark.generation.opening import check_rollback
+from turbospark.generation.runner import Runner
 from turbospark.generation.sampling import Sampler
 from turbospark.sessions.session import Session
 

@@ -10,7 +10,7 @@ network, which its Content-Security-Policy enforces) chats through
 **Privacy.** Conversations are private, and whoever can see the page is not
 necessarily whoever had the conversation. So the view holds counts, sizes,
 positions and reasons, never a token id or a piece of text: a conversation is
-named by a counter (:attr:`turbospark.sessions.pool.Session.conversation`), not by a
+named by a counter (:attr:`turbospark.sessions.session.Session.conversation`), not by a
 hash of its content (a hash would confirm a guessed prompt), and no field is
 a list of numbers. ``tests/test_page.py`` checks this against a real
 conversation's ids and text.

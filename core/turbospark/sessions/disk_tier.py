@@ -3,7 +3,7 @@
 RAM is a cache over the directory. A session leaves memory (the LRU slot, the
 parked-memory cap) by being written here instead of dropped; the server also
 writes the live session after every request (write-through), so a ``kill -9``
-between two requests loses nothing, and the runner writes every warm session
+between two requests loses nothing, and the session store writes every warm session
 on shutdown. The directory's index (every file's token record, read from the
 safetensors headers when the runner opens) lives in memory: a prompt scores
 disk sessions exactly like parked ones, with no file read, and only the one

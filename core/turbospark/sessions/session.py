@@ -1,18 +1,28 @@
-"""A session: one conversation's whole state, its prefix record and its checkpoints.
+"""A session: one conversation's whole state, its prefix record, its checkpoints and its undo.
 
+A session puts itself back (a cut, a rewind, a taken-back step, a failed
+forward's recovery), so every caller that undoes anything does it one way.
 Parking and promoting move these objects between the live slot and the pool
-(:mod:`turbospark.sessions.pool`); nothing is ever copied.
+(:mod:`turbospark.sessions.store`); nothing is ever copied.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from turbospark.errors import InvalidInput, RewindError, TurbosparkError
 from turbospark.policies.steering import SteeringPolicy
 from turbospark.sessions.prefix import PrefixRecord
-from turbospark.state.components import Snapshot, State, state_nbytes, state_position
+from turbospark.state.components import (
+    LayeredComponent,
+    Snapshot,
+    State,
+    state_nbytes,
+    state_position,
+)
 
 if TYPE_CHECKING:
     from turbospark.sessions.mtp_track import MtpTrack
@@ -55,7 +65,7 @@ class Session:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     tick: int = 0
     # The non-rewindable components as they were before the last token fed
-    # speculatively (see Runner.take_back): held references, one step deep.
+    # speculatively (see take_back): held references, one step deep.
     undo: Checkpoint | None = None
     # Its file in the disk tier, if it has one (written by disk_store); a cleared
     # or reloaded session is a new conversation and must never overwrite it.
@@ -134,3 +144,59 @@ class Session:
         self.drop_checkpoints_after(position)
         if self.mtp is not None:
             self.mtp.cut(position)
+
+    def parts(self, names: Sequence[str]) -> dict[str, Snapshot]:
+        """Held references to the components *names* (those that cannot rewind):
+        what a checkpoint or an undo keeps, at no copy."""
+        return {name: self.state[name].snapshot() for name in names}
+
+    def checkpoint(self, rigid: Sequence[str], limit: int) -> None:
+        """Remember the components *rigid* at the current position (the newest
+        *limit* are kept); none while the record cannot vouch for its ids."""
+        snapshots = self.parts(rigid)
+        if not snapshots or self.position == 0 or self.record.tainted:
+            return
+        self.drop_checkpoints_after(self.position - 1)
+        self.checkpoints.append(Checkpoint(self.position, snapshots))
+        del self.checkpoints[:-limit]
+
+    def take_back(self) -> None:
+        """Undo the last feed of a lazily sampled token (its id turned out a stop):
+        the components in ``undo`` from their references, the rest rewind one
+        token, and the record forgets the id."""
+        undo = self.undo
+        if undo is None or self.position != undo.position + 1:
+            raise InvalidInput(
+                "take_back() undoes the last produce() of a lazily sampled token, and the "
+                "session has moved since (or never took one)"
+            )
+        self.cut_to(undo.position, undo)
+        self.undo = None
+
+    def rewind(self, back: int) -> None:
+        """Rewind every component by *back*, all or nothing."""
+        blocked = {n: c.max_safe_rewind for n, c in self.state.items() if c.max_safe_rewind < back}
+        if blocked:
+            limits = ", ".join(f"'{n}' at most {m}" for n, m in blocked.items())
+            raise RewindError(
+                f"a write {back} token(s) before the session's end needs a rewind this state cannot "
+                f"make ({limits}); call try_reuse_prefix() or reset() and prefill again"
+            )
+        self.cut_to(self.position - back)
+
+    def recover(self, before: Checkpoint) -> None:
+        """After a forward failed midway: put the state back where it started, the
+        components that cannot rewind from their references in *before*, the
+        layers that ran ahead of their component's position taken back; or, when
+        the components disagree even so, clear it. The record is tainted either way."""
+        self.record.taint()
+        self.undo = None
+        try:
+            for component in self.state.values():
+                if isinstance(component, LayeredComponent):
+                    component.realign()
+            self.cut_to(before.position, before)
+            self.position  # noqa: B018 -- raises if components now disagree
+        except (TurbosparkError, RuntimeError):
+            self.clear()
+            self.record.taint()
