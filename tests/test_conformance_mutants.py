@@ -433,6 +433,8 @@ def test_the_wrapper_alone_passes(
     check(mutant_kit, *args)
 
 
+# A subprocess running the whole kit: the full suite, not the inner loop.
+@pytest.mark.slow
 def test_conformance_command_fails_a_mutant_naming_the_leak(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -157,6 +157,8 @@ def _encode(body: object) -> bytes:
     return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
+# The schema fuzz is the biggest hypothesis run here: the full suite, not the inner loop.
+@pytest.mark.slow
 def test_fuzzing_the_published_schema_never_gets_a_5xx_or_changes_a_session_on_refusal(
     server: ThreadedServer,
 ) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import mlx.core as mx
+import pytest
 from serving import service, serving
 
 from turbospark import build_synthetic_install
@@ -132,6 +133,8 @@ async def load(base_url: str, work: list[tuple[str, int]]) -> tuple[list, list[f
     return results, latencies
 
 
+# Many clients against a real server: the full suite, not the inner loop.
+@pytest.mark.slow
 def test_load_with_faults_loses_nothing(tmp_path: Path) -> None:
     build_synthetic_install(
         "gemma4", tmp_path, vocab_size=128, num_layers=2, sliding_window=8, model_id=MODEL
