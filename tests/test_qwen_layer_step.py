@@ -2,7 +2,8 @@
 
 On MLX's CUDA backend a lone row's decode step runs each qwen_gdn layer as one
 traced call (``DecoderLayer._layer_step``): a gated-DeltaNet layer with
-:mod:`~turbospark.layers.cuda.gdn`'s decode kernel, a full-attention layer with
+:mod:`~turbospark.layers.cuda.gdn`'s decode kernel (core's
+:func:`~turbospark.layers.gated_delta.step.gated_delta_step`), a full-attention layer with
 its cache's writes scattered in on the device and
 :mod:`~turbospark.layers.cuda.attention`'s kernels. The CUDA sources run only
 on a GPU (``tests/test_attention_cuda.py``, ``tests/test_gdn_cuda.py``); here
@@ -36,6 +37,7 @@ from turbospark.generation.runner import Runner
 from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.layers.gated_delta import step as gated_delta_step
 from turbospark_qwen_gdn import model
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
@@ -70,14 +72,17 @@ def _kernels(monkeypatch: pytest.MonkeyPatch, norms: bool) -> dict[str, int]:
         monkeypatch.setattr(norm_cuda, "available", lambda: True)
         monkeypatch.setattr(norm_cuda, "join_norm", norm_cuda.join_norm_ops)
     taken = {"linear": 0, "attention": 0}
-    for kind, name in (("linear", "linear_step"), ("attention", "attention_step")):
-        real = getattr(model, name)
+    for kind, module, name in (
+        ("linear", gated_delta_step, "step_trace"),
+        ("attention", model, "attention_step"),
+    ):
+        real = getattr(module, name)
 
         def counted(*args: object, _kind: str = kind, _real: object = real) -> object:
             taken[_kind] += 1
             return _real(*args)  # type: ignore[operator]
 
-        monkeypatch.setattr(model, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return taken
 
 

@@ -112,6 +112,7 @@ def test_a_component_spec_never_widens_its_class() -> None:
     [
         ("attention_cuda", "turbospark.layers.cuda.attention", "kernel_cache"),
         ("heads_cuda", "turbospark.layers.cuda.heads", "norm_rope"),
+        ("gdn_cuda", "turbospark.layers.cuda.gdn", "gated_delta_step"),
     ],
 )
 def test_a_kernel_module_the_families_no_longer_need_warns(
@@ -120,6 +121,22 @@ def test_a_kernel_module_the_families_no_longer_need_warns(
     with pytest.warns(DeprecationWarning, match=rf"sdk\.{name} .* SDK 1\.2; use .*{replacement}"):
         assert getattr(sdk, name) is importlib.import_module(module)
     assert name not in sdk.__all__
+
+
+def test_the_gated_delta_step_pieces_warn_and_still_resolve() -> None:
+    from turbospark.layers.gated_delta import gates, layer
+
+    for name, held in (
+        ("IN_PROJECTIONS", layer.IN_PROJECTIONS),
+        ("decay_rate", gates.decay_rate),
+        ("float32_norm_weight", gates.float32_norm_weight),
+        ("mixer_input_bias", gates.mixer_input_bias),
+    ):
+        with pytest.warns(
+            DeprecationWarning, match=rf"{name} .* use turbospark\.sdk\.gated_delta_step"
+        ):
+            assert getattr(sdk, name) is held
+        assert name not in sdk.__all__
 
 
 def test_claim_rows_warns_and_still_claims() -> None:

@@ -28,7 +28,7 @@ What is here, in the order a family meets it:
 * state -- the component protocol and the attention K/V components a family
   composes (:class:`KVComponent`, :class:`LayeredComponent`), batched ones;
 * layers -- attention over the K/V components, RoPE, the gated MLP, the
-  gated-DeltaNet mixer and its state, routed experts, stacked projections,
+  gated-DeltaNet mixer, its state and its one-trace decode step, routed experts, stacked projections,
   compiled elementwise chains, the LM head, a layer's end (:class:`LayerEnd`:
   the residual joins and the MLP, stated as an architecture), the one-trace
   layer steps (which take the CUDA kernels themselves where they run) and the
@@ -79,7 +79,6 @@ from turbospark.layers.attention import (
     normed_heads,
     shared_attention,
 )
-from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda.heads import norm_rope, norm_rope_ops
 from turbospark.layers.cuda.norm import Unjoined, normed_input
 from turbospark.layers.experts import ExpertLayer
@@ -90,9 +89,9 @@ from turbospark.layers.fused import (
     softcap,
     swiglu,
 )
-from turbospark.layers.gated_delta.gates import decay_rate, float32_norm_weight, mixer_input_bias
-from turbospark.layers.gated_delta.layer import IN_PROJECTIONS, GatedDeltaNet, GDNDims
+from turbospark.layers.gated_delta.layer import GatedDeltaNet, GDNDims
 from turbospark.layers.gated_delta.state import GDNComponent
+from turbospark.layers.gated_delta.step import gated_delta_step
 from turbospark.layers.layer_end import EndWeights, LayerEnd, step_end
 from turbospark.layers.layer_step import (
     Stream,
@@ -166,6 +165,11 @@ DEPRECATED: dict[str, tuple[str, str]] = {
     "residual_scale": ("turbospark.sdk.LayerEnd, which makes a layer's last join", "1.2"),
     "gemm_add": ("turbospark.sdk.project (its residual) or LayerEnd", "1.2"),
     "norm_cuda": ("turbospark.sdk.normed_input and LayerEnd", "1.2"),
+    "gdn_cuda": ("turbospark.sdk.gated_delta_step", "1.2"),
+    "IN_PROJECTIONS": ("turbospark.sdk.gated_delta_step", "1.2"),
+    "decay_rate": ("turbospark.sdk.gated_delta_step", "1.2"),
+    "float32_norm_weight": ("turbospark.sdk.gated_delta_step", "1.2"),
+    "mixer_input_bias": ("turbospark.sdk.gated_delta_step", "1.2"),
 }
 # Where a deprecated name that is not its replacement still lives: (module, attribute),
 # None for the module itself.
@@ -177,6 +181,11 @@ _STILL_AT: dict[str, tuple[str, str | None]] = {
     "residual_scale": ("turbospark.layers.fused", "residual_scale"),
     "gemm_add": ("turbospark.layers.stacked", "gemm_add"),
     "norm_cuda": ("turbospark.layers.cuda.norm", None),
+    "gdn_cuda": ("turbospark.layers.cuda.gdn", None),
+    "IN_PROJECTIONS": ("turbospark.layers.gated_delta.layer", "IN_PROJECTIONS"),
+    "decay_rate": ("turbospark.layers.gated_delta.gates", "decay_rate"),
+    "float32_norm_weight": ("turbospark.layers.gated_delta.gates", "float32_norm_weight"),
+    "mixer_input_bias": ("turbospark.layers.gated_delta.gates", "mixer_input_bias"),
 }
 
 __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
@@ -232,10 +241,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "GatedDeltaNet",
     "GDNDims",
     "GDNComponent",
-    "IN_PROJECTIONS",
-    "decay_rate",
-    "float32_norm_weight",
-    "mixer_input_bias",
+    "gated_delta_step",
     "project",
     "stacked",
     "transposed",
@@ -264,7 +270,6 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "cache_step",
     "written",
     "attend",
-    "gdn_cuda",
     "norm_rope",
     "norm_rope_ops",
     "Unjoined",

@@ -32,7 +32,6 @@ import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.sdk import (
-    IN_PROJECTIONS,
     ArchConfig,
     BatchKV,
     BatchLayerKV,
@@ -53,11 +52,9 @@ from turbospark.sdk import (
     attend,
     cache_step,
     cached_attention,
-    decay_rate,
     derived,
     flat,
-    float32_norm_weight,
-    gdn_cuda,
+    gated_delta_step,
     heads_first,
     joiner,
     kernel_cache,
@@ -65,7 +62,6 @@ from turbospark.sdk import (
     kv_copies,
     lifted,
     merge_heads,
-    mixer_input_bias,
     normed_heads,
     normed_input,
     normed_stream,
@@ -443,30 +439,17 @@ class DecoderLayer(nn.Module):
         offset: int | mx.array,
     ) -> mx.array | Unjoined | None:
         """A lone row's decode step as one traced call, where the layer's CUDA
-        kernels run: a gated-DeltaNet layer's (:data:`linear_step`, with
-        :mod:`~turbospark.layers.cuda.gdn`'s decode kernel), a full-attention
-        layer's (:data:`attention_step`, which writes its new key and value
-        into the cache's buffers and attends with the attention kernels:
-        :func:`~turbospark.layers.layer_step.cache_step`). None where the step
-        does not take this path (sharded, a state not yet prefilled, a shape
-        or dtype the kernels do not take), with nothing changed: the caller
-        runs the modules."""
+        kernels run: a gated-DeltaNet layer's (:func:`gated_delta_step`), a
+        full-attention layer's (:data:`attention_step`, which writes its new
+        key and value into the cache's buffers and attends with the attention
+        kernels: :func:`~turbospark.layers.layer_step.cache_step`). None where
+        the step does not take this path (sharded, a state not yet prefilled,
+        a shape or dtype the kernels do not take), with nothing changed: the
+        caller runs the modules."""
         end = self.end
-        by_kernel = end.by_kernel()
         if self.is_linear:
-            if not gdn_cuda.available() or gdn is None or gdn.tracing:
-                return None
-            tail, recurrent = gdn.layer(self.slot)
-            weights = end.step_weights(self, self._step_mixer, self._step_mixer_paths)
-            if tail is None or recurrent is None or weights is None:
-                return None
-            d = self["linear_attn"].dims
-            dims = (d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim)
-            *out, tail, recurrent = linear_step(
-                stream_of(x), weights, tail, recurrent, dims, by_kernel, self.eps, d.eps
-            )
-            gdn.set_layer(self.slot, tail, recurrent)
-            return end.stepped(weights[2], out, by_kernel)
+            return gated_delta_step(self, end, x, gdn, self.slot)
+        by_kernel = end.by_kernel()
         layer_kv = kv[self.slot]
         if not kernel_cache(layer_kv):
             return None
@@ -486,19 +469,9 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         return end.stepped(weights[2], out, by_kernel)
 
-    def _step_mixer(self) -> tuple[mx.array, ...] | None:
-        """What a layer step's mixer reads (:data:`LinearWeights` or
-        :data:`AttentionWeights`); None where a projection is sharded."""
-        if self.is_linear:
-            mixer = self["linear_attn"]
-            projections, out = stacked(mixer, IN_PROJECTIONS), mixer["out_proj"]
-            if projections is None or type(out) is not nn.Linear:
-                return None
-            in_t = projections.weight_t
-            return (
-                in_t, mixer["conv1d"]["weight"], mixer_input_bias(mixer, in_t), decay_rate(mixer),
-                float32_norm_weight(mixer), transposed(out),
-            )  # fmt: skip
+    def _step_mixer(self) -> AttentionWeights | None:
+        """What a full-attention layer step's mixer reads
+        (:data:`AttentionWeights`); None where a projection is sharded."""
         attn = self["self_attn"]
         qkv, out = stacked(attn, ("q_proj", "k_proj", "v_proj")), attn["o_proj"]
         if qkv is None or qkv.bias is not None or type(out) is not nn.Linear:
@@ -507,49 +480,16 @@ class DecoderLayer(nn.Module):
 
     def _step_mixer_paths(self) -> list[tuple[str, ...]]:
         """The paths from this layer to each parameter :meth:`_step_mixer` reads."""
-        if self.is_linear:
-            mixer = ("linear_attn",)
-            paths = [(*mixer, name, "weight") for name in (*IN_PROJECTIONS, "out_proj")]
-            paths += [(*mixer, "conv1d", "weight"), (*mixer, "norm", "weight")]
-            return [*paths, (*mixer, "A_log"), (*mixer, "dt_bias")]
         names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
         return [("self_attn", name, "weight") for name in names]
 
 
-# A layer step's mixer weights (DecoderLayer._step_mixer). A gated-DeltaNet
-# layer's: the input projections stacked and transposed, the conv weight, the
-# projections' bias, the decay rate, the gated norm's weight (float32) and the
-# output projection transposed; a full-attention layer's: q/k/v stacked and
-# transposed, the scaled q_norm and k_norm weights, the output projection
-# transposed. A step's weights are the input norm's, the mixer's and the
-# layer end's (LayerEnd.step_weights).
-LinearWeights = tuple[mx.array, ...]
+# A full-attention layer step's mixer weights (DecoderLayer._step_mixer): q/k/v
+# stacked and transposed, the scaled q_norm and k_norm weights, the output
+# projection transposed. A step's weights are the input norm's, the mixer's
+# and the layer end's (LayerEnd.step_weights).
 AttentionWeights = tuple[mx.array, ...]
-StepWeights = tuple[mx.array, tuple[mx.array, ...], EndWeights]
-
-
-def linear_layer(
-    stream: Stream,
-    weights: StepWeights,
-    tail: mx.array,
-    recurrent: mx.array,
-    dims: tuple[int, int, int, int],
-    by_kernel: bool,
-    eps: float,
-    mixer_eps: float,
-) -> tuple[mx.array, ...]:
-    """A gated-DeltaNet layer's whole decode step: the input norm, the
-    stacked input projections, :func:`~turbospark.layers.cuda.gdn.decode_mixer`
-    (the conv over *tail*, the recurrence from *recurrent*, the gated norm),
-    then the layer's end (:func:`~turbospark.layers.layer_end.step_end`); its
-    outputs, then the new conv tail and state. *dims* are the key and value
-    heads and their widths."""
-    input_w, (in_t, conv_w, in_bias, rate, norm_w, out_t), end = weights
-    h, x = normed_stream(stream, input_w, eps)
-    out, recurrent, tail = gdn_cuda.decode_mixer(
-        (x @ in_t)[None], tail, conv_w, in_bias, rate, recurrent, norm_w, *dims, mixer_eps
-    )
-    return *lifted(step_end(h, flat(out), out_t, None, end, by_kernel, eps, False)), tail, recurrent
+StepWeights = tuple[mx.array, AttentionWeights, EndWeights]
 
 
 def attention_layer(
@@ -586,9 +526,7 @@ def attention_layer(
     return *lifted(step_end(h, flat(out), o_t, None, end, by_kernel, eps, False)), keys, values
 
 
-# Traced once per stream form (and, for attention, per buffer size: the caches
-# grow 256 rows at a time).
-linear_step = mx.compile(linear_layer)
+# Traced once per stream form and buffer size (the caches grow 256 rows at a time).
 attention_step = mx.compile(attention_layer)
 
 

@@ -25,9 +25,12 @@ q/k ``(B, T, Hk, Dk)``, v ``(B, T, Hv, Dv)``, gates ``(B, T, Hv)``, state
 
 Families import the pieces (through :mod:`turbospark.sdk`): :class:`GatedDeltaNet` (HF parameter names
 ``in_proj_qkv/z/b/a``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``,
-``out_proj``), the functions it is built from, and :class:`GDNComponent`.
+``out_proj``), the functions it is built from, :class:`GDNComponent`, and
+:func:`gated_delta_step`, a pre-norm layer's decode step with this mixer as
+one traced call where the CUDA kernels run.
 
 One job per module: :mod:`.gates` (gates, normalisation, convolution),
 :mod:`.rule` (the recurrence in every form), :mod:`.layer` (the mixer and its
-passes), :mod:`.state` (the session state).
+passes), :mod:`.state` (the session state), :mod:`.step` (a layer's
+one-trace decode step).
 """
