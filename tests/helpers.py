@@ -15,6 +15,7 @@ import numpy as np
 from turbospark import MropePositions, Runner, build_synthetic_install
 from turbospark.generation.drafters import ReplayDrafter
 from turbospark.generation.generate import GenerationConfig, generate
+from turbospark.layers import attention_step
 from turbospark.layers.gated_delta.gates import log_decay, normalize_qk_heads
 from turbospark.layers.gated_delta.rule import gated_delta_step
 from turbospark.policies import DraftPolicies
@@ -235,18 +236,23 @@ def kind_install(tmp_dir: Path, family: str, dims: dict) -> Path:
     return tmp_dir
 
 
-def host_made_sizes(monkeypatch: object, module: object, name: str) -> list[int]:
-    """Record, from now on, the bytes of what a family's traced K/V-owning
-    layer step (*module*'s *name*: gemma4's ``owner_step``, qwen_gdn's
-    ``attention_step``) takes from the host each step: its RoPE offset, the
-    rows attended and the row written (arguments 2, 5 and 6 of both)."""
+def host_made_sizes(monkeypatch: object) -> list[int]:
+    """Record, from now on, the bytes of what a K/V-owning layer's traced
+    step (core's :func:`~turbospark.layers.attention_step.owner_trace`, every
+    family's) takes from the host each step: its RoPE offset, the rows
+    attended and the row written (arguments 2, 5 and 6)."""
     sizes: list[int] = []
-    real = getattr(module, name)
+    real = attention_step.owner_trace
 
-    def recorded(*args: mx.array) -> object:
-        start, rows, row = args[2], args[5], args[6]
-        sizes.extend(a.nbytes for a in (start, rows, row))
-        return real(*args)
+    def traced(inputs: object) -> Callable[..., object]:
+        step = real(inputs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(module, name, recorded)  # type: ignore[attr-defined]
+        def recorded(*args: mx.array) -> object:
+            start, rows, row = args[2], args[5], args[6]
+            sizes.extend(a.nbytes for a in (start, rows, row))
+            return step(*args)
+
+        return recorded
+
+    monkeypatch.setattr(attention_step, "owner_trace", traced)  # type: ignore[attr-defined]
     return sizes

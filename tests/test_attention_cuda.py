@@ -124,7 +124,7 @@ def test_a_row_is_the_same_alone_and_batched() -> None:
 
 # family: (dims, its DecoderLayer, the method that takes the layer traces)
 LAYER_TRACES = {
-    "gemma4": ({"num_layers": 4, "sliding_window": 8}, gemma4_model.DecoderLayer, "_kernel_step"),
+    "gemma4": ({"num_layers": 4, "sliding_window": 8}, gemma4_model.DecoderLayer, "_layer_step"),
     "qwen_gdn": ({"num_layers": 4}, qwen_model.DecoderLayer, "_layer_step"),
 }
 
@@ -134,7 +134,7 @@ def test_layer_traces_equal_the_modules_path(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A family's decode step in its layer traces (gemma4's
-    ``DecoderLayer._kernel_step``, qwen_gdn's ``_layer_step``) against its
+    ``DecoderLayer._layer_step`` and qwen_gdn's) against its
     modules' path with the same kernels, float32, over a window's trim and a
     grown buffer: every step's logits, the state after, and greedy tokens
     (with a drafter whose rejected drafts rewind)."""

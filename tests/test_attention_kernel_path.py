@@ -201,9 +201,8 @@ def test_a_steps_host_made_arrays_fit_the_small_pool(
     if "gemma4" not in install.name:
         pytest.skip("the layer step is Gemma 4's")
     _path(monkeypatch, True)
-    from turbospark_gemma4 import model
 
-    sizes = host_made_sizes(monkeypatch, model, "owner_step")
+    sizes = host_made_sizes(monkeypatch)
     runner = _open(install)
     runner.prefill_chunk(PROMPT, 0)
     runner.produce(5, len(PROMPT))

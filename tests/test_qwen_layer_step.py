@@ -3,7 +3,7 @@
 On MLX's CUDA backend a lone row's decode step runs each qwen_gdn layer as one
 traced call (``DecoderLayer._layer_step``): a gated-DeltaNet layer with
 :mod:`~turbospark.layers.cuda.gdn`'s decode kernel (core's
-:func:`~turbospark.layers.gated_delta.step.gated_delta_step`), a full-attention layer with
+:func:`~turbospark.layers.gated_delta.step.gated_delta_layer_step`), a full-attention layer with
 its cache's writes scattered in on the device and
 :mod:`~turbospark.layers.cuda.attention`'s kernels. The CUDA sources run only
 on a GPU (``tests/test_attention_cuda.py``, ``tests/test_gdn_cuda.py``); here
@@ -34,10 +34,11 @@ from helpers import (
     state_arrays,
 )
 from turbospark.generation.runner import Runner
+from turbospark.layers import attention_step
 from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda import norm as norm_cuda
-from turbospark.layers.gated_delta import step as gated_delta_step
+from turbospark.layers.gated_delta import step as gdn_step
 from turbospark_qwen_gdn import model
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
@@ -72,17 +73,23 @@ def _kernels(monkeypatch: pytest.MonkeyPatch, norms: bool) -> dict[str, int]:
         monkeypatch.setattr(norm_cuda, "available", lambda: True)
         monkeypatch.setattr(norm_cuda, "join_norm", norm_cuda.join_norm_ops)
     taken = {"linear": 0, "attention": 0}
-    for kind, module, name in (
-        ("linear", gated_delta_step, "step_trace"),
-        ("attention", model, "attention_step"),
-    ):
-        real = getattr(module, name)
+    real_linear, real_owner = gdn_step.step_trace, attention_step.owner_trace
 
-        def counted(*args: object, _kind: str = kind, _real: object = real) -> object:
-            taken[_kind] += 1
-            return _real(*args)  # type: ignore[operator]
+    def linear(*args: object) -> object:
+        taken["linear"] += 1
+        return real_linear(*args)
 
-        monkeypatch.setattr(module, name, counted)
+    def owner(inputs: object) -> Callable[..., object]:
+        step = real_owner(inputs)  # type: ignore[arg-type]
+
+        def counted(*args: object) -> object:
+            taken["attention"] += 1
+            return step(*args)
+
+        return counted
+
+    monkeypatch.setattr(gdn_step, "step_trace", linear)
+    monkeypatch.setattr(attention_step, "owner_trace", owner)
     return taken
 
 
@@ -250,7 +257,7 @@ def test_a_steps_host_made_arrays_fit_the_small_pool(
     eight bytes: MLX's CUDA allocator serves that from its small pool, so no
     write migrates a page the GPU last used back to the host."""
     _kernels(monkeypatch, True)
-    sizes = host_made_sizes(monkeypatch, model, "attention_step")
+    sizes = host_made_sizes(monkeypatch)
     runner = _open(install)
     runner.prefill_chunk(PROMPT, 0)
     runner.produce(5, len(PROMPT))

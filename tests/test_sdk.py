@@ -112,7 +112,7 @@ def test_a_component_spec_never_widens_its_class() -> None:
     [
         ("attention_cuda", "turbospark.layers.cuda.attention", "kernel_cache"),
         ("heads_cuda", "turbospark.layers.cuda.heads", "norm_rope"),
-        ("gdn_cuda", "turbospark.layers.cuda.gdn", "gated_delta_step"),
+        ("gdn_cuda", "turbospark.layers.cuda.gdn", "gated_delta_layer_step"),
     ],
 )
 def test_a_kernel_module_the_families_no_longer_need_warns(
@@ -133,7 +133,7 @@ def test_the_gated_delta_step_pieces_warn_and_still_resolve() -> None:
         ("mixer_input_bias", gates.mixer_input_bias),
     ):
         with pytest.warns(
-            DeprecationWarning, match=rf"{name} .* use turbospark\.sdk\.gated_delta_step"
+            DeprecationWarning, match=rf"{name} .* use turbospark\.sdk\.gated_delta_layer_step"
         ):
             assert getattr(sdk, name) is held
         assert name not in sdk.__all__

@@ -79,6 +79,7 @@ from turbospark.layers.attention import (
     normed_heads,
     shared_attention,
 )
+from turbospark.layers.attention_step import AttentionStep
 from turbospark.layers.cuda.heads import norm_rope, norm_rope_ops
 from turbospark.layers.cuda.norm import Unjoined, normed_input
 from turbospark.layers.experts import ExpertLayer
@@ -91,7 +92,7 @@ from turbospark.layers.fused import (
 )
 from turbospark.layers.gated_delta.layer import GatedDeltaNet, GDNDims
 from turbospark.layers.gated_delta.state import GDNComponent
-from turbospark.layers.gated_delta.step import gated_delta_step
+from turbospark.layers.gated_delta.step import gated_delta_layer_step
 from turbospark.layers.layer_end import EndWeights, LayerEnd, step_end
 from turbospark.layers.layer_step import (
     Stream,
@@ -165,11 +166,11 @@ DEPRECATED: dict[str, tuple[str, str]] = {
     "residual_scale": ("turbospark.sdk.LayerEnd, which makes a layer's last join", "1.2"),
     "gemm_add": ("turbospark.sdk.project (its residual) or LayerEnd", "1.2"),
     "norm_cuda": ("turbospark.sdk.normed_input and LayerEnd", "1.2"),
-    "gdn_cuda": ("turbospark.sdk.gated_delta_step", "1.2"),
-    "IN_PROJECTIONS": ("turbospark.sdk.gated_delta_step", "1.2"),
-    "decay_rate": ("turbospark.sdk.gated_delta_step", "1.2"),
-    "float32_norm_weight": ("turbospark.sdk.gated_delta_step", "1.2"),
-    "mixer_input_bias": ("turbospark.sdk.gated_delta_step", "1.2"),
+    "gdn_cuda": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
+    "IN_PROJECTIONS": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
+    "decay_rate": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
+    "float32_norm_weight": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
+    "mixer_input_bias": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
 }
 # Where a deprecated name that is not its replacement still lives: (module, attribute),
 # None for the module itself.
@@ -241,7 +242,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "GatedDeltaNet",
     "GDNDims",
     "GDNComponent",
-    "gated_delta_step",
+    "gated_delta_layer_step",
     "project",
     "stacked",
     "transposed",
@@ -258,6 +259,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "stream_of",
     "normed_stream",
     "LayerEnd",
+    "AttentionStep",
     "normed_input",
     "EndWeights",
     "step_end",

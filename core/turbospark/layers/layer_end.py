@@ -15,7 +15,7 @@ with the mixer's output; the block chooses how it runs:
   <turbospark.contract.protocols.Join.fold>`);
 - sharded, the modules themselves (they sum the ranks' parts).
 
-A family's one-trace layer step (:mod:`turbospark.layers.layer_step`) ends
+A one-trace layer step (:mod:`turbospark.layers.layer_step`) ends
 with :func:`step_end` inside its trace, and :meth:`LayerEnd.step_weights`
 derives and keeps what that trace reads.
 

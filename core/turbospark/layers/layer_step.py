@@ -1,13 +1,15 @@
-"""What the families' one-trace layer steps share: the stream, two-dimensional rows, kept weights.
+"""What the one-trace layer steps share: the stream, two-dimensional rows, kept weights.
 
 A lone row's decode step on a GPU is bound by the host: building the step's
 graph in Python, then MLX encoding each kernel. A family whose layers run as
 modules pays several traced calls, eager ops and accessor lookups a layer;
 run as one traced call per layer, with the weights that call reads derived
 once and kept, the same kernels cost a fraction of the host time (profiled
-on the H200). Each family writes its
-own layer functions; this module holds the pieces they would otherwise
-repeat:
+on the H200). Core's layer steps (a self-attention layer's:
+:class:`~turbospark.layers.attention_step.AttentionStep`; a gated-DeltaNet
+layer's: :func:`~turbospark.layers.gated_delta.step.gated_delta_layer_step`)
+are built from the pieces here, as a family's own step for a mixer core has
+none for would be:
 
 - :data:`Stream`, :func:`stream_of` and :func:`normed_stream`: a layer's
   input as a traced call takes it, joined or
@@ -18,9 +20,9 @@ repeat:
   when any module or parameter on the way to them was replaced;
 - :func:`claim_rows`: a K/V-owning layer's rows for a trace that writes its
   new key and value itself;
-- the attention kernels' step, which a family's layer takes without naming
-  the kernels: whether they take a layer (:func:`kernels_take`,
-  :func:`kernel_cache`, :func:`kernel_rows`), the trace that writes the new
+- the attention kernels' step, taken without naming the kernels: whether
+  they take a layer (:func:`kernels_take`, :func:`kernel_cache`,
+  :func:`kernel_rows`), the trace that writes the new
   key and value and attends (:func:`cache_step`, :func:`written`,
   :func:`attend`). Each reads the kernel module when it runs, so a switch or a
   test's stand-in (``decode_ops`` on the CPU) reaches every family.

@@ -32,8 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from turbospark.sdk import (
     ArchConfig,
     Attended,
+    AttentionStep,
     BatchLayerKV,
-    EndWeights,
     ExpertLayer,
     ExpertProjection,
     ExpertSlice,
@@ -44,28 +44,19 @@ from turbospark.sdk import (
     LayerKV,
     MoESpec,
     State,
-    Stream,
     Unjoined,
     VisionMap,
     apply_rope,
-    attend,
-    cache_step,
     cached_attention,
-    flat,
     geglu,
     joiner,
-    kernel_cache,
-    kernel_rows,
     kernels_available,
-    kernels_take,
     kv_copies,
-    lifted,
     merge_heads,
     norm_rope,
     norm_rope_ops,
     normed_heads,
     normed_input,
-    normed_stream,
     project,
     require_divisible,
     rope_freqs,
@@ -75,10 +66,7 @@ from turbospark.sdk import (
     shared_attention,
     softcap,
     stacked,
-    step_end,
-    stream_of,
     transposed,
-    written,
 )
 from turbospark_gemma4.state import COMPONENTS, kv_slots
 
@@ -594,7 +582,7 @@ class DecoderLayer(nn.Module):
         *h* may come unjoined (:class:`~turbospark.layers.cuda.norm.Unjoined`):
         the input norm then makes the last layer's join in the same kernel."""
         if join is None and not self.moe and h.shape[:2] == (1, 1) and kernels_available():
-            stepped = self._kernel_step(h, start, kv, shared, per_layer_input)
+            stepped = self._layer_step(h, start, kv, shared, per_layer_input)
             if stepped is not None:
                 return stepped
         # Modules and arrays by item (a module is a dict): nn.Module.__getattr__
@@ -613,7 +601,7 @@ class DecoderLayer(nn.Module):
         ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
         return self.end.finish(self, h, ff, per_layer_input, join), attended
 
-    def _kernel_step(
+    def _layer_step(
         self,
         h: mx.array | Unjoined,
         start: mx.array,
@@ -622,129 +610,69 @@ class DecoderLayer(nn.Module):
         per_layer_input: mx.array | None,
     ) -> tuple[mx.array | Unjoined, Attended] | None:
         """A lone row's decode step where attention takes the CUDA kernels,
-        each layer one traced call: a K/V-owning layer's (:data:`owner_step`)
-        writes its new key and value into the cache's buffers
-        (:func:`~turbospark.layers.layer_step.cache_step`); a KV-shared
-        layer's (:data:`shared_step`) writes nothing. None where the step does
-        not take this path (sharded, a shape the kernels do not take, a shared
-        layer whose source did not, a cache not yet prefilled), with nothing
-        changed: the caller runs the modules."""
-        end = self.end
-        weights = end.step_weights(self, self._step_mixer, self._step_mixer_paths)
-        if weights is None:
-            return None
-        by_kernel = end.by_kernel()
-        stream = stream_of(h)
+        each layer one traced call (:data:`ATTENTION_STEP`): a K/V-owning
+        layer's writes its new key and value into the cache's buffers, a
+        KV-shared layer's writes nothing. None where the step does not take
+        this path, with nothing changed: the caller runs the modules."""
         attn = self["self_attn"]
-        if kv is None:  # KV-shared: the rows the layer it shares attended
-            rows = kernel_rows(shared)
-            if rows is None:
-                return None
-            keys, values, _ = shared
-            out = shared_step(
-                stream, weights, start, keys, values, rows.bounds, per_layer_input, attn.n_heads,
-                by_kernel, self.eps,
-            )  # fmt: skip
-            return end.stepped(weights[2], out, by_kernel), shared
-        if not kernel_cache(kv):
-            return None
-        out, attended = cache_step(
-            owner_step, kv, stream, weights, start, per_layer_input, attn.n_heads,
-            attn.n_kv_heads, by_kernel, self.eps,
+        heads, kv_heads = attn.n_heads, attn.n_kv_heads
+        return ATTENTION_STEP(
+            self, self.end, h, start, (heads, kv_heads, attn.head_dim),
+            (heads, kv_heads if attn.owns_kv else 0, self.eps), kv=kv, shared=shared,
+            side_input=per_layer_input,
         )  # fmt: skip
-        return end.stepped(weights[2], out, by_kernel), attended
 
-    def _step_mixer(self) -> tuple[mx.array, ...] | None:
-        """What a kernel step's attention reads: the projections before it
-        (stacked for a K/V-owning layer, the query's alone for a KV-shared
-        one) transposed, their norm weights (``Attention._joint_norm``),
-        RoPE's frequencies and the output projection transposed; None where
-        the kernels do not take the layer or a projection is sharded."""
-        attn = self["self_attn"]
-        o_proj = attn["o_proj"]
-        if not kernels_take(attn.n_heads, attn.n_kv_heads, attn.head_dim):
+
+def step_weights(attn: Attention) -> tuple[mx.array, ...] | None:
+    """What a layer step's attention reads: the projections before it
+    (stacked for a K/V-owning layer, the query's alone for a KV-shared one)
+    transposed, their norm weights (``Attention._joint_norm``), RoPE's
+    frequencies and the output projection transposed; None where a
+    projection is sharded."""
+    o_proj = attn["o_proj"]
+    if type(o_proj) is not nn.Linear:
+        return None
+    if attn.owns_kv:
+        stack = stacked(attn, attn._names)
+        if stack is None:
             return None
-        if type(o_proj) is not nn.Linear:
+        projections_t = stack.weight_t
+    else:
+        q_proj = attn["q_proj"]
+        if type(q_proj) is not nn.Linear:
             return None
-        if attn.owns_kv:
-            stack = stacked(attn, attn._names)
-            if stack is None:
-                return None
-            projections_t = stack.weight_t
-        else:
-            q_proj = attn["q_proj"]
-            if type(q_proj) is not nn.Linear:
-                return None
-            projections_t = transposed(q_proj)
-        return projections_t, attn._joint_norm(), attn["_freqs"], transposed(o_proj)
-
-    def _step_mixer_paths(self) -> list[tuple[str, ...]]:
-        """The paths from this layer to each parameter :meth:`_step_mixer` reads."""
-        attn = self["self_attn"]
-        names = ("q_proj", "o_proj", "q_norm")
-        names += (*attn._names[1:], "k_norm") if attn.owns_kv else ()
-        return [*(("self_attn", name, "weight") for name in names), ("self_attn", "_freqs")]
+        projections_t = transposed(q_proj)
+    return projections_t, attn._joint_norm(), attn["_freqs"], transposed(o_proj)
 
 
-# A kernel step's weights (LayerEnd.step_weights): the input norm's weight, the
-# attention's (DecoderLayer._step_mixer), the layer end's (EndWeights).
-StepWeights = tuple[mx.array, tuple[mx.array, ...], EndWeights]
+def step_paths(attn: Attention) -> list[tuple[str, ...]]:
+    """The paths from the attention module to each parameter :func:`step_weights` reads."""
+    names = ("q_proj", "o_proj", "q_norm")
+    names += (*attn._names[1:], "k_norm") if attn.owns_kv else ()
+    return [*((name, "weight") for name in names), ("_freqs",)]
 
 
-def owner_layer(
-    stream: Stream,
-    weights: StepWeights,
+def step_inputs(
+    projected: mx.array,
+    reads: tuple[mx.array, mx.array],
     start: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    rows: mx.array,
-    row: mx.array,
-    per_layer_input: mx.array | None,
     heads: int,
     kv_heads: int,
-    by_kernel: bool,
     eps: float,
-) -> tuple[mx.array, ...]:
-    """A K/V-owning layer's whole kernel step: the input norm (joining the
-    stream), q/k/v normed and rotated together
-    (:func:`~turbospark.layers.cuda.heads.norm_rope`), the new key and value
-    written into the buffers *keys* and *values* at *row* (``(1,)`` int32, on
-    the device), the kernels' attention over *rows* of them, then the layer's
-    end (:func:`~turbospark.layers.layer_end.step_end`); its outputs, then
-    both buffers."""
-    input_w, (qkv_t, joint_norm, freqs, o_t), end = weights
-    h, x = normed_stream(stream, input_w, eps)
-    queries, new_keys, new_values = norm_rope(x @ qkv_t, joint_norm, start, freqs, heads, kv_heads, eps)  # fmt: skip
-    keys, values = written(keys, values, new_keys, new_values, row)
-    out = flat(attend(queries, keys, values, rows, 1.0))
-    return *lifted(step_end(h, out, o_t, per_layer_input, end, by_kernel, eps, True)), keys, values
+) -> tuple[mx.array | None, ...]:
+    """A step's heads from its projected row ``(1, width)``: q (and, where
+    the layer owns its K/V, k and v) normed and rotated together
+    (:func:`~turbospark.layers.cuda.heads.norm_rope`; *kv_heads* 0: queries
+    alone); no output gate."""
+    joint_norm, freqs = reads
+    queries, *kv = norm_rope(projected, joint_norm, start, freqs, heads, kv_heads, eps)
+    keys, values = kv or (None, None)
+    return queries, keys, values, None
 
 
-def shared_layer(
-    stream: Stream,
-    weights: StepWeights,
-    start: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    rows: mx.array,
-    per_layer_input: mx.array | None,
-    heads: int,
-    by_kernel: bool,
-    eps: float,
-) -> tuple[mx.array, ...]:
-    """A KV-shared layer's whole kernel step: it writes no cache, so its
-    queries, the attention over the rows its source layer attended and the
-    layer's end are one trace."""
-    input_w, (q_t, q_norm, freqs, o_t), end = weights
-    h, x = normed_stream(stream, input_w, eps)
-    (queries,) = norm_rope(x @ q_t, q_norm, start, freqs, heads, 0, eps)
-    out = flat(attend(queries, keys, values, rows, 1.0))
-    return lifted(step_end(h, out, o_t, per_layer_input, end, by_kernel, eps, True))
-
-
-# Traced once per stream form and buffer size (the caches grow 256 rows at a time).
-owner_step = mx.compile(owner_layer)
-shared_step = mx.compile(shared_layer)
+# A layer's decode step as one trace: q/k/v normed and rotated together, the
+# values normed without a scale, K/V shared by the last layers.
+ATTENTION_STEP = AttentionStep(step_inputs, step_weights, step_paths)
 
 
 @partial(mx.compile, shapeless=True)

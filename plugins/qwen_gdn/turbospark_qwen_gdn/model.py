@@ -33,9 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turbospark.sdk import (
     ArchConfig,
+    AttentionStep,
     BatchKV,
     BatchLayerKV,
-    EndWeights,
     GatedDeltaNet,
     GatedMLP,
     GDNComponent,
@@ -46,25 +46,17 @@ from turbospark.sdk import (
     LayerHook,
     LayerKV,
     State,
-    Stream,
     Unjoined,
     VisionMap,
-    attend,
-    cache_step,
     cached_attention,
     derived,
-    flat,
-    gated_delta_step,
+    gated_delta_layer_step,
     heads_first,
     joiner,
-    kernel_cache,
-    kernels_take,
     kv_copies,
-    lifted,
     merge_heads,
     normed_heads,
     normed_input,
-    normed_stream,
     project,
     require_divisible,
     runs_compiled,
@@ -73,10 +65,7 @@ from turbospark.sdk import (
     shard_mlp,
     sigmoid_gate,
     stacked,
-    step_end,
-    stream_of,
     transposed,
-    written,
 )
 
 
@@ -439,95 +428,57 @@ class DecoderLayer(nn.Module):
         offset: int | mx.array,
     ) -> mx.array | Unjoined | None:
         """A lone row's decode step as one traced call, where the layer's CUDA
-        kernels run: a gated-DeltaNet layer's (:func:`gated_delta_step`), a
-        full-attention layer's (:data:`attention_step`, which writes its new
-        key and value into the cache's buffers and attends with the attention
-        kernels: :func:`~turbospark.layers.layer_step.cache_step`). None where
-        the step does not take this path (sharded, a state not yet prefilled,
-        a shape or dtype the kernels do not take), with nothing changed: the
-        caller runs the modules."""
-        end = self.end
+        kernels run: a gated-DeltaNet layer's (:func:`gated_delta_layer_step`), a
+        full-attention layer's (:data:`GATED_ATTENTION_STEP`). None where the
+        step does not take this path, with nothing changed: the caller runs
+        the modules."""
         if self.is_linear:
-            return gated_delta_step(self, end, x, gdn, self.slot)
-        by_kernel = end.by_kernel()
-        layer_kv = kv[self.slot]
-        if not kernel_cache(layer_kv):
-            return None
+            return gated_delta_layer_step(self, self.end, x, gdn, self.slot)
         attn = self["self_attn"]
-        if not kernels_take(attn.heads, attn.kv_heads, attn.head_dim):
-            return None
-        weights = end.step_weights(self, self._step_mixer, self._step_mixer_paths)
-        h = x.h if isinstance(x, Unjoined) else x
-        if weights is None or not h.dtype == layer_kv.keys.dtype == weights[1][1].dtype:
-            return None  # the kernels read queries, keys and values as one type
-        if isinstance(offset, int):
-            offset = mx.array(offset, dtype=mx.int32)
-        out, _ = cache_step(
-            attention_step, layer_kv, stream_of(x), weights, offset,
-            (attn.heads, attn.kv_heads, attn["q_norm"].eps), rope.dims, rope.base, by_kernel,
-            self.eps,
+        heads, kv_heads = attn.heads, attn.kv_heads
+        stepped = GATED_ATTENTION_STEP(
+            self, self.end, x, offset, (heads, kv_heads, attn.head_dim),
+            ((heads, kv_heads, attn["q_norm"].eps), rope.dims, rope.base), kv=kv[self.slot],
         )  # fmt: skip
-        return end.stepped(weights[2], out, by_kernel)
-
-    def _step_mixer(self) -> AttentionWeights | None:
-        """What a full-attention layer step's mixer reads
-        (:data:`AttentionWeights`); None where a projection is sharded."""
-        attn = self["self_attn"]
-        qkv, out = stacked(attn, ("q_proj", "k_proj", "v_proj")), attn["o_proj"]
-        if qkv is None or qkv.bias is not None or type(out) is not nn.Linear:
-            return None
-        return qkv.weight_t, scaled_query_norm(attn), attn["k_norm"]["weight"], transposed(out)
-
-    def _step_mixer_paths(self) -> list[tuple[str, ...]]:
-        """The paths from this layer to each parameter :meth:`_step_mixer` reads."""
-        names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
-        return [("self_attn", name, "weight") for name in names]
+        return None if stepped is None else stepped[0]
 
 
-# A full-attention layer step's mixer weights (DecoderLayer._step_mixer): q/k/v
-# stacked and transposed, the scaled q_norm and k_norm weights, the output
-# projection transposed. A step's weights are the input norm's, the mixer's
-# and the layer end's (LayerEnd.step_weights).
-AttentionWeights = tuple[mx.array, ...]
-StepWeights = tuple[mx.array, AttentionWeights, EndWeights]
+def step_weights(attn: GatedAttention) -> tuple[mx.array, ...] | None:
+    """What a full-attention layer's step reads: q/k/v stacked and transposed,
+    the scaled q_norm and the k_norm weights, the output projection
+    transposed; None where a projection is sharded or has a bias."""
+    qkv, out = stacked(attn, ("q_proj", "k_proj", "v_proj")), attn["o_proj"]
+    if qkv is None or qkv.bias is not None or type(out) is not nn.Linear:
+        return None
+    return qkv.weight_t, scaled_query_norm(attn), attn["k_norm"]["weight"], transposed(out)
 
 
-def attention_layer(
-    stream: Stream,
-    weights: StepWeights,
+def step_paths(attn: GatedAttention) -> list[tuple[str, ...]]:
+    """The paths from the attention module to each parameter :func:`step_weights` reads."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    return [(name, "weight") for name in names]
+
+
+def step_inputs(
+    projected: mx.array,
+    norms: tuple[mx.array, mx.array],
     start: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    rows: mx.array,
-    row: mx.array,
     dims: tuple[int, int, float],
     rotary_dims: int,
     base: float,
-    by_kernel: bool,
-    eps: float,
-) -> tuple[mx.array, ...]:
-    """A full-attention layer's whole decode step: the input norm, q/k/v
-    stacked, :func:`attention_inputs` (RoPE from *start*), the new key and
-    value written into the buffers *keys* and *values* at *row* (``(1,)``
-    int32, on the device: :meth:`LayerKV.write <turbospark.state.kv.LayerKV.write>`),
-    :func:`~turbospark.layers.cuda.attention.decode` over *rows* of them,
-    the output gate, then the layer's end; its outputs, then both buffers."""
-    input_w, (qkv_t, q_norm, k_norm, o_t), end = weights
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A step's heads from its stacked q/k/v row ``(1, width)``:
+    :func:`attention_inputs` (RoPE from *start*), the output gate beside them."""
     heads, kv_heads, _ = dims
-    h, x = normed_stream(stream, input_w, eps)
-    dim = q_norm.shape[-1]
+    dim = norms[0].shape[-1]
     splits = [2 * heads * dim, (2 * heads + kv_heads) * dim]
-    q, k, v = mx.split((x @ qkv_t)[None], splits, axis=-1)
-    queries, new_keys, new_values, gate = attention_inputs(
-        q, k, v, (q_norm, k_norm), start, dims, rotary_dims, base
-    )
-    keys, values = written(keys, values, new_keys, new_values, row)
-    out = sigmoid_gate(attend(queries, keys, values, rows, 1.0), gate)
-    return *lifted(step_end(h, flat(out), o_t, None, end, by_kernel, eps, False)), keys, values
+    q, k, v = mx.split(projected[None], splits, axis=-1)
+    return attention_inputs(q, k, v, norms, start, dims, rotary_dims, base)
 
 
-# Traced once per stream form and buffer size (the caches grow 256 rows at a time).
-attention_step = mx.compile(attention_layer)
+# A full-attention layer's decode step as one trace (the MTP head's too): the
+# queries, their output gate, normed keys and partial RoPE from stacked q/k/v.
+GATED_ATTENTION_STEP = AttentionStep(step_inputs, step_weights, step_paths)
 
 
 class TextStack(nn.Module):

@@ -26,7 +26,7 @@ q/k ``(B, T, Hk, Dk)``, v ``(B, T, Hv, Dv)``, gates ``(B, T, Hv)``, state
 Families import the pieces (through :mod:`turbospark.sdk`): :class:`GatedDeltaNet` (HF parameter names
 ``in_proj_qkv/z/b/a``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``,
 ``out_proj``), the functions it is built from, :class:`GDNComponent`, and
-:func:`gated_delta_step`, a pre-norm layer's decode step with this mixer as
+:func:`gated_delta_layer_step`, a pre-norm layer's decode step with this mixer as
 one traced call where the CUDA kernels run.
 
 One job per module: :mod:`.gates` (gates, normalisation, convolution),

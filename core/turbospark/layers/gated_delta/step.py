@@ -8,7 +8,7 @@ is its input norm, the stacked input projections, the decode kernel
 the causal conv over the session's conv tail, the recurrence, the gated
 norm), the output projection and the layer's end
 (:func:`~turbospark.layers.layer_end.step_end`). A family's layer calls
-:func:`gated_delta_step` with its :class:`~turbospark.layers.layer_end.LayerEnd`
+:func:`gated_delta_layer_step` with its :class:`~turbospark.layers.layer_end.LayerEnd`
 and runs its modules where that returns None; it names no kernel.
 """
 
@@ -88,7 +88,7 @@ def step_layer(
 step_trace = mx.compile(step_layer)
 
 
-def gated_delta_step(
+def gated_delta_layer_step(
     layer: nn.Module,
     end: LayerEnd,
     x: mx.array | Unjoined,
