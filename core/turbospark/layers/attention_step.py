@@ -155,7 +155,8 @@ class AttentionStep:
     its norms, RoPE and output gate), *weights* (:data:`MixerWeights` from the
     attention module; None where a projection is sharded or wrapped) and
     *paths* (to each parameter *weights* reads, under the attention module),
-    under the layer's module names."""
+    under the layer's module names. State it once (a module constant): its
+    traces are kept per *inputs* function (:func:`owner_trace`)."""
 
     inputs: Inputs
     weights: Callable[[nn.Module], MixerWeights | None]
