@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from turbospark.contract.hookspecs import ArchConfig
 from turbospark.errors import InstallError
 from turbospark.loading.checkpoint_config import arch_from_config, describe, read_config
+from turbospark.loading.quantization import quantize_like
 
 if TYPE_CHECKING:
     from turbospark.loading.plugins import FamilyRegistry
@@ -156,7 +157,12 @@ def tensor_names(path: str | Path, manifest: Manifest) -> set[str]:
 
 def load_checked(model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype) -> nn.Module:
     """Load HF-named *weights* into *model*, refusing missing, unexpected or
-    mis-shaped tensors by name, then cast floating parameters to *dtype*."""
+    mis-shaped tensors by name, then cast floating parameters to *dtype*.
+
+    Modules the checkpoint stores quantized (mlx-lm's layout: packed ``weight``
+    beside ``scales`` and ``biases``) become quantized modules first, with the
+    settings their tensors were packed with (:mod:`turbospark.loading.quantization`)."""
+    quantize_like(model, weights)
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     if missing:
@@ -165,6 +171,11 @@ def load_checked(model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype
             "in the install's safetensors; the checkpoint does not match its config.json"
         )
     unexpected = sorted(set(weights) - set(expected))
+    if unexpected and all(name.endswith((".scales", ".biases")) for name in unexpected):
+        raise InstallError(
+            f"tensor(s) {', '.join(unexpected[:5])} quantize a parameter that this family keeps "
+            "in floating point; convert the checkpoint leaving those modules unquantized"
+        )
     if unexpected:
         raise InstallError(
             f"unexpected tensor(s) {', '.join(unexpected[:5])} in the install's safetensors; "

@@ -1,0 +1,178 @@
+"""Quantized checkpoints as mlx-lm writes them: read, recognised per module, described.
+
+A checkpoint quantized by ``mlx_lm.convert -q`` (or ``turbospark import
+--quantize``) stores each quantized module's packed ``weight`` beside its
+``scales`` (and, in affine mode, ``biases``), and records the settings in
+``config.json``'s ``quantization`` block: the defaults plus per-module
+overrides (``{"group_size": 64, "bits": 8}``) or ``false`` for modules kept in
+floating point. The tensors are the ground truth: mlx-lm itself infers each
+module's settings from the shapes of its packed weight and scales, and so do
+we (:func:`infer_spec`), so a checkpoint loads exactly as mlx-lm loads it, and
+a module whose shapes fit no setting is refused by name.
+
+A module opts in by having ``to_quantized`` (``nn.Linear``, ``nn.Embedding``)
+or, for stacked expert tables that are no single module, ``quantize_from``
+(see :class:`turbospark.layers.experts.ExpertLayer`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from turbospark.errors import InstallError
+from turbospark.loading.checkpoint_config import describe
+
+Mode = Literal["affine", "mxfp4", "nvfp4", "mxfp8"]
+MODES: tuple[str, ...] = ("affine", "mxfp4", "nvfp4", "mxfp8")
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+# The microscaling modes allow exactly one (bits, group_size) pair each.
+FIXED: dict[str, tuple[int, int]] = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+_BY_SHAPE = {shape: mode for mode, shape in FIXED.items()}
+
+
+class QuantSpec(BaseModel):
+    """How one module's weight is packed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_size: int = Field(gt=0)
+    bits: int = Field(gt=0)
+    mode: Mode = "affine"
+
+    def check(self) -> QuantSpec:
+        """Refuse settings MLX cannot pack, naming the ones it can."""
+        if self.mode == "affine" and self.bits not in AFFINE_BITS:
+            raise InstallError(
+                f"{self.bits}-bit affine quantization is not supported; use one of "
+                f"{', '.join(map(str, AFFINE_BITS))} bits"
+            )
+        if self.mode != "affine" and (self.bits, self.group_size) != FIXED[self.mode]:
+            bits, group = FIXED[self.mode]
+            raise InstallError(
+                f"{self.mode} packs {bits} bits in groups of {group}, not "
+                f"{self.bits} bits in groups of {self.group_size}; drop --bits/--group-size"
+            )
+        return self
+
+    def label(self) -> str:
+        """``4-bit affine, group 64``: how the CLI prints a setting."""
+        return f"{self.bits}-bit {self.mode}, group {self.group_size}"
+
+
+class Quantization(BaseModel):
+    """``config.json``'s ``quantization`` block: defaults and per-module overrides."""
+
+    model_config = ConfigDict(frozen=True)
+
+    default: QuantSpec
+    overrides: dict[str, QuantSpec | Literal[False]] = {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Quantization | None:
+        """The block mlx-lm writes (``quantization``; ``quantization_config`` is
+        its copy for transformers), or None for a floating-point checkpoint."""
+        block = config.get("quantization") or config.get("quantization_config")
+        text = config.get("text_config") or {}
+        block = block or text.get("quantization") or text.get("quantization_config")
+        if not block:
+            return None
+        if not isinstance(block, dict):
+            raise InstallError("config.json's quantization is not an object; re-run the convert")
+        defaults = {k: block[k] for k in ("group_size", "bits", "mode") if k in block}
+        overrides = {k: v for k, v in block.items() if isinstance(v, dict | bool)}
+        try:
+            return cls(default=QuantSpec(**defaults), overrides=overrides)
+        except (ValidationError, TypeError) as exc:
+            detail = describe(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise InstallError(
+                f"config.json's quantization block is malformed ({detail}); "
+                "it should hold group_size, bits and mode as mlx-lm writes them"
+            ) from exc
+
+    def to_config(self) -> dict[str, Any]:
+        """The block as mlx-lm writes it (defaults, then overrides by path)."""
+        block: dict[str, Any] = self.default.model_dump()
+        for path, spec in sorted(self.overrides.items()):
+            block[path] = spec if spec is False else spec.model_dump()
+        return block
+
+
+def infer_spec(path: str, in_dims: int, weights: dict[str, mx.array]) -> QuantSpec:
+    """The settings *path*'s packed weight was written with, from its shapes (mlx-lm's rule:
+    only affine keeps its scales in a floating dtype)."""
+    packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
+    groups, width = scales.shape[-1], packed.shape[-1]
+    if packed.dtype != mx.uint32 or groups == 0 or in_dims % groups or (width * 32) % in_dims:
+        raise InstallError(
+            f"{path} is stored quantized with weight {tuple(packed.shape)} ({packed.dtype}) and "
+            f"scales {tuple(scales.shape)}, which fit no packing of {in_dims} inputs; "
+            "re-convert the checkpoint"
+        )
+    group_size, bits = in_dims // groups, (width * 32) // in_dims
+    if scales.dtype != mx.uint8:
+        mode = "affine"
+    elif (bits, group_size) in _BY_SHAPE:
+        mode = _BY_SHAPE[(bits, group_size)]
+    else:
+        raise InstallError(
+            f"{path} has {bits}-bit weights in groups of {group_size} with uint8 scales, "
+            "which is none of mxfp4, nvfp4, mxfp8; re-convert the checkpoint"
+        )
+    if mode == "affine" and f"{path}.biases" not in weights:
+        raise InstallError(f"{path} is affine-quantized but has no biases; re-convert it")
+    return QuantSpec(group_size=group_size, bits=bits, mode=mode).check()
+
+
+def quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, QuantSpec]:
+    """Turn every module of *model* that *weights* store quantized into its
+    quantized form, with the settings its tensors were packed with, before the
+    weights are loaded; returns the settings by module path."""
+    specs: dict[str, QuantSpec] = {}
+    for path, module in model.named_modules():
+        if hasattr(module, "quantize_from"):
+            specs.update(module.quantize_from(path, weights))
+        elif f"{path}.scales" in weights and f"{path}.weight" in weights:
+            if not hasattr(module, "to_quantized"):
+                raise InstallError(
+                    f"{path} is stored quantized but {type(module).__name__} has no quantized "
+                    f"form; convert the checkpoint leaving it in floating point"
+                )
+            specs[path] = infer_spec(path, module.weight.shape[-1], weights)
+    if specs:
+        nn.quantize(
+            model,
+            class_predicate=lambda p, m: (
+                specs[p].model_dump() if p in specs and hasattr(m, "to_quantized") else False
+            ),
+        )
+    return specs
+
+
+def quantization_of(model: nn.Module) -> dict[str, QuantSpec]:
+    """The settings of every quantized module of a loaded *model*, by path."""
+    found: dict[str, QuantSpec] = {}
+    for path, module in model.named_modules():
+        held = getattr(module, "quantized_specs", None)
+        if callable(held):
+            found.update(held(path))
+        elif isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            found[path] = QuantSpec(
+                group_size=module.group_size, bits=module.bits, mode=module.mode
+            )
+    return found
+
+
+def summary(specs: dict[str, QuantSpec]) -> str | None:
+    """One phrase for a model's quantization: the most common setting, then the
+    others with how many modules use them; None when nothing is quantized."""
+    if not specs:
+        return None
+    counts = Counter(specs.values()).most_common()
+    head, *rest = counts
+    others = "; ".join(f"{n} module{'s' * (n > 1)} {spec.label()}" for spec, n in rest)
+    return head[0].label() + (f" ({others})" if others else "")
