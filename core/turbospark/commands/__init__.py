@@ -13,18 +13,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.loading.sources import ModelSource
     from turbospark.policies import DraftPolicies
     from turbospark.text import TextCodec
 
+MODEL_HELP = "an install, a checkpoint directory (config.json + safetensors) or a hub id org/name"
 
-def install_text(path: str | Path) -> TextCodec:
-    """The install's tokenizer, after checking *path* is an install at all (so a
-    wrong directory is named as such, not as a missing tokenizer)."""
-    from turbospark.loading.install import read_manifest
+
+def model_text(model: str | Path) -> tuple[ModelSource, TextCodec]:
+    """What *model* names (resolved once: a hub id downloads or is found in the
+    cache, a checkpoint is verified) and its tokenizer; the source is what the
+    command then passes to ``Runner.open``, so nothing is resolved twice. A
+    wrong directory is named as such, not as a missing tokenizer."""
+    from turbospark.loading.sources import resolve_source
     from turbospark.text import load_text
 
-    read_manifest(path)
-    return load_text(path)
+    source = resolve_source(model)
+    return source, load_text(source.path)
 
 
 _UNITS = {

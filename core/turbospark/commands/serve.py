@@ -1,4 +1,5 @@
-"""``turbospark serve MODEL``: the OpenAI-compatible server on one install."""
+"""``turbospark serve MODEL``: the OpenAI-compatible server on one model (an
+install, a checkpoint directory or a hub id)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.commands import (
+    MODEL_HELP,
     add_draft_flags,
     add_expert_cache_flag,
     add_pool_memory_flag,
     byte_size,
     draft_policy,
-    install_text,
+    model_text,
 )
 from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import InvalidInput
@@ -39,12 +41,13 @@ DEFAULT_PREFILL_BUDGET = 2048
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
-        help="serve an install over the OpenAI API (chat/completions, completions, models)",
-        description="Serve MODEL (an install directory) on an OpenAI-compatible HTTP API. "
+        help="serve a model over the OpenAI API (chat/completions, completions, models)",
+        description="Serve MODEL (an install, a checkpoint directory or a Hugging Face hub id) "
+        "on an OpenAI-compatible HTTP API. "
         "Conversations are matched to sessions by token content: with --session-slots N, "
         "up to N conversations stay warm at once.",
     )
-    parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
     add_expert_cache_flag(parser)
@@ -235,12 +238,12 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     steering = steering_policy(args)
     lockstep = join_group(args) if args.distributed else None
-    codec = install_text(args.model)
+    source, codec = model_text(args.model)
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
         runner = Runner.open(
-            args.model,
+            source,
             group=None if lockstep is None else lockstep.group,
             context_length=args.context_length,
             session_slots=args.session_slots,
@@ -282,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     ranks = "" if lockstep is None else f" sharded across {lockstep.group.size()} processes,"
     print(
-        f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}) on "
+        f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}, "
+        f"{source.describe()}) on "
         f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
         f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch; "
         f"the page is at http://{args.host}:{args.port}/",

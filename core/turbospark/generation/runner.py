@@ -47,14 +47,14 @@ from turbospark.generation.opening import (
 )
 from turbospark.layers.sharding import check_same_install
 from turbospark.loading.install import (
-    MANIFEST,
     Manifest,
     load_weights,
-    read_manifest,
+    manifest_digest,
     validate_arch,
     verify_files,
 )
 from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.loading.sources import ModelSource, resolve_source
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.policies.expert_cache import (
     ExpertCacheStats,
@@ -80,6 +80,7 @@ class Runner:
         self,
         *,
         path: Path,
+        source: ModelSource,
         manifest: Manifest,
         arch: ArchConfig,
         spec: FamilySpec,
@@ -97,6 +98,7 @@ class Runner:
         group: mx.distributed.Group | None = None,
     ) -> None:
         self.path = path
+        self.source = source  # what was opened: an install, a checkpoint or a hub id
         # The processes this model is sharded across (None: not sharded).
         self.group = group if group is not None and group.size() > 1 else None
         self.manifest = manifest
@@ -147,7 +149,7 @@ class Runner:
     @classmethod
     def open(
         cls,
-        path: str | Path,
+        path: str | Path | ModelSource,
         arch: ArchConfig | None = None,
         context_length: int = 4096,
         expert_cache: ExpertCacheSlots | None = None,
@@ -162,8 +164,11 @@ class Runner:
         registry: FamilyRegistry | None = None,
         group: mx.distributed.Group | None = None,
     ) -> Runner:
-        """Open an install. Cheap checks (manifest, arch, pool capability,
-        policies) run before any weight is read, so refusals are instant.
+        """Open a model: an install, a checkpoint directory or a hub id
+        (:func:`~turbospark.loading.sources.resolve_source`; a checkpoint's files
+        are verified there, once, and remembered). Cheap checks (manifest, arch,
+        pool capability, policies) run before any weight is read, so refusals
+        are instant.
 
         ``max_parked_bytes`` caps the memory of parked sessions: whenever a
         session is parked, the least recently used ones are cleared until the
@@ -182,17 +187,17 @@ class Runner:
         model across its processes (tensor parallelism, the family's
         ``turbospark_shard_model``); every process opens the same install and
         runs the same calls (``docs/SCALING.md``). A group of one changes nothing."""
-        path = Path(path)
-        manifest = read_manifest(path)
+        source = resolve_source(path, registry=registry)
+        path, manifest = source.path, source.manifest
         distributed = group is not None and group.size() > 1
         if distributed:  # first, so every rank refuses a mismatch at the same point
-            check_same_install(group, path)
+            check_same_install(group, manifest_digest(manifest), source.describe())
         family = (registry or default_registry()).get(manifest.family)
         spec = family.spec
         installed = validate_arch(path, manifest, spec.arch_config)
         if arch is not None and arch != installed:
             raise InstallError(
-                f"the arch passed to Runner.open does not match {path / MANIFEST}; "
+                f"the arch passed to Runner.open does not match {path}'s config.json; "
                 "pass arch=None or peek_manifest_arch(path)"
             )
         if context_length <= 0:
@@ -227,7 +232,8 @@ class Runner:
             )
         compute_dtype = to_dtype(dtype or manifest.dtype)
         streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
-        verify_files(path, manifest)
+        if source.kind == "install":  # a checkpoint's files were verified by resolve_source
+            verify_files(path, manifest)
         weights = load_weights(path, manifest)
         for name in set() if streams is None else streams.tensor_names:
             weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read
@@ -239,6 +245,7 @@ class Runner:
             mx.eval(model.parameters())  # drop the unsharded weights now
         runner = cls(
             path=path,
+            source=source,
             manifest=manifest,
             arch=installed,
             spec=spec,

@@ -53,7 +53,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turbospark.errors import TurbosparkError
-from turbospark.loading.install import Manifest
+from turbospark.loading.install import Manifest, manifest_digest
 from turbospark.sessions.session import Checkpoint, SessionSnapshot
 
 SUFFIX = ".safetensors"
@@ -91,10 +91,9 @@ class ModelIdentity(BaseModel):
     def of(cls, manifest: Manifest, dtype: mx.Dtype, steering: str | None) -> ModelIdentity:
         """The identity of a runner: its manifest canonically serialised and hashed
         (every weight file's sha256 is in it, so other weights hash differently)."""
-        digest = hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
         return cls(
             family=manifest.family,
-            manifest_sha256=digest,
+            manifest_sha256=manifest_digest(manifest),
             dtype=str(dtype).removeprefix("mlx.core."),
             steering=steering,
         )
