@@ -19,6 +19,7 @@ from serving import client, serve_process, serving
 
 from helpers import serve_turn
 from turbospark.cli import main
+from turbospark.conformance.kit import FamilyKit
 from turbospark.errors import InstallError
 from turbospark.generation.generate import GenerationConfig, generate
 from turbospark.generation.runner import Runner
@@ -250,3 +251,11 @@ def test_serve_names_what_it_opened(plain):
         assert reply.model == "tiny-plain"
     output = process.stdout.read()  # the process is gone: its pipe drains to the end
     assert f"serving tiny-plain (qwen_gdn, checkpoint {plain}) on http://" in output
+
+
+def test_the_kit_takes_a_plain_directory(qwen_gdn_install, plain):
+    kit = FamilyKit.create("qwen_gdn", plain)
+    installed = FamilyKit.create("qwen_gdn", qwen_gdn_install)
+    assert kit.source.kind == "checkpoint" and kit.install == plain
+    assert kit.arch == installed.arch and set(kit.weights) == set(installed.weights)
+    assert mx.array_equal(kit.open().prefill_chunk(PROMPT, 0), logits(qwen_gdn_install))
