@@ -177,21 +177,22 @@ def forced_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | None:
     """A Lark grammar (llguidance) for one forced call, or None when the model may choose."""
     if choice in (None, "none", "auto"):
         return None
-    options = [
-        {
+    options = []
+    for tool in _allowed(tools, choice):
+        parameters = tool.function.parameters
+        # The tool's definitions move to the call object's root, where its
+        # ``#/$defs/...`` references resolve once the parameters sit under "arguments".
+        defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+        call = {
             "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters,
-            },
+            "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
             "required": ["name", "arguments"],
             "additionalProperties": False,
+            **defs,
+            "x-guidance": {"whitespace_flexible": False},
         }
-        for t in _allowed(tools, choice)
-    ]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    body = json.dumps(schema | {"x-guidance": {"whitespace_flexible": False}})
-    return f'start: "{OPEN}\\n" %json {body} "\\n{CLOSE}"'
+        options.append(f"%json {json.dumps(call)}")
+    return f'start: "{OPEN}\\n" ({" | ".join(options)}) "\\n{CLOSE}"'
 
 
 def check_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
