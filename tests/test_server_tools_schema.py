@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Annotated, Literal
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from serving import client, serving
@@ -139,16 +140,12 @@ def test_pydantic_ai_tool_output(server: ThreadedServer) -> None:
     assert isinstance(agent.run_sync("Plan a trip.").output, Trip)
 
 
-def client_async(server: ThreadedServer):  # noqa: ANN201 (openai.AsyncOpenAI)
-    import openai
-
+def client_async(server: ThreadedServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
 
 
 @pytest.mark.slow
 def test_openai_pydantic_function_tool(server: ThreadedServer) -> None:
-    import openai
-
     tool = openai.pydantic_function_tool(Trip)
     reply = client(server).chat.completions.parse(
         model=MODEL,
