@@ -374,13 +374,16 @@ async def _stream(
             if chunk.finish_reason is not None and splitter is not None:
                 tail, calls = splitter.finish()
                 text += tail
-            if text:
+            # A reply whose text decodes to "" still has its one (empty) text block, as
+            # the non-streamed reply does (the SDK's get_final_text() reads it).
+            if text or (chunk.finish_reason is not None and not calls and index == 0):
                 if not text_open:
                     block = {"type": "text", "text": ""}
                     yield _event("content_block_start", {"index": index, "content_block": block})
                     text_open = True
-                delta = {"type": "text_delta", "text": text}
-                yield _event("content_block_delta", {"index": index, "delta": delta})
+                if text:
+                    delta = {"type": "text_delta", "text": text}
+                    yield _event("content_block_delta", {"index": index, "delta": delta})
             if chunk.finish_reason is None:
                 continue
             if text_open:

@@ -93,7 +93,8 @@ class BaseRequest(BaseModel):
         return data
 
     model: Text
-    max_tokens: int | None = Field(default=None, ge=0)
+    # At least one: a reply of no tokens is a mistake (as /v1/messages and /v1/responses say).
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="extension: keep the k most likely tokens")
@@ -251,7 +252,7 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(BaseRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
@@ -290,7 +291,7 @@ class CompletionRequest(BaseRequest):
         | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     )
-    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's completions default
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)

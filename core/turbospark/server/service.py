@@ -453,6 +453,14 @@ class EventStream(StreamingResponse):
         super().__init__(events, media_type="text/event-stream")
         self.events = events
         self.ticket = ticket
+        # Told, once the stream ends, whether it was sent whole (False: the client
+        # left first); the metrics count the request then, not when it started.
+        self.on_end: Callable[[bool], None] | None = None
+        self._whole = False
+
+    async def stream_response(self, send: Any) -> None:
+        await super().stream_response(send)
+        self._whole = True
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -460,3 +468,5 @@ class EventStream(StreamingResponse):
         finally:
             self.ticket.release()
             await self.events.aclose()
+            if self.on_end is not None:
+                self.on_end(self._whole)
