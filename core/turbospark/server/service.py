@@ -352,17 +352,23 @@ class Service:
         prompt: list[Message] | str | list[int],
         deadline: Deadline,
         tools: list[Tool] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt's ids, checked, rendered and tokenized on the text pool."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             work = functools.partial(self._completion_ids, prompt)
         else:
-            work = functools.partial(self._chat_ids, prompt, tools)
+            work = functools.partial(self._chat_ids, prompt, tools, template_kwargs)
         future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
         return await deadline.run(future, "while the prompt was tokenized")
 
-    def _chat_ids(self, messages: list[Message], tools: list[Tool] | None) -> list[int]:
-        return self._chat_prompt(messages, tools).ids
+    def _chat_ids(
+        self,
+        messages: list[Message],
+        tools: list[Tool] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        return self._chat_prompt(messages, tools, template_kwargs).ids
 
     def _chat_prompt(
         self,
