@@ -65,7 +65,7 @@ def test_a_whole_tool_loop(server: ThreadedServer) -> None:
         tool_choice={"type": "tool", "name": "get_weather"},
     )
     assert second.stop_reason == "tool_use"
-    again = [b for b in second.content if b.type == "tool_use"][0]
+    again = next(b for b in second.content if b.type == "tool_use")
     # Several results in one turn, an error among them; then the answer, in words.
     results = [
         result,

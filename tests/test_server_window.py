@@ -86,7 +86,7 @@ def test_dropping_fits_keeps_the_system_prompt_and_whole_tool_exchanges(
     assert alone.choices[0].message.content == reply.choices[0].message.content
     assert alone.usage.prompt_tokens == reply.usage.prompt_tokens
     # The fewest turns: one turn fewer dropped would not fit.
-    begin, starts = turn_starts([Message.model_validate(m) for m in messages])
+    _, starts = turn_starts([Message.model_validate(m) for m in messages])
     at = starts.index(1 + dropped)
     fuller = [SYSTEM, *messages[starts[at - 1] :]]
     assert ask(server, fuller).usage.turbospark["dropped_messages"] > 0
