@@ -91,6 +91,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"context length; default {DEFAULT_MAX_TOKENS})",
     )
     parser.add_argument(
+        "--context-overflow",
+        choices=("refuse", "drop-turns"),
+        default="refuse",
+        help="a chat past the context length: refuse it with a 400 (default), or drop its "
+        "oldest turns (never the system prompt, never half a tool exchange) until it fits "
+        "with room for max_tokens",
+    )
+    parser.add_argument(
         "--max-batch",
         type=int,
         default=DEFAULT_MAX_BATCH,
@@ -276,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         cors_origins=args.cors_origin,
         lockstep=lockstep,
+        context_overflow=args.context_overflow,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     disk = runner.session_disk

@@ -196,6 +196,8 @@ class Message(BaseModel):
     content: Text | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool result's call
+    # An assistant's earlier reasoning (vLLM's field): its template decides whether to keep it.
+    reasoning_content: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -225,6 +227,8 @@ class Message(BaseModel):
             out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -259,6 +263,22 @@ class ChatCompletionRequest(BaseRequest):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="extension (vLLM's and mlx-lm's): more arguments for the chat template, "
+        "e.g. {'enable_thinking': false}",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or {}) & _TEMPLATE_OWN)
+        if taken:
+            raise ValueError(
+                f"may not set {', '.join(map(repr, taken))}: the server renders "
+                "it from the request itself (send it as its own field)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _logprobs_asked(self) -> ChatCompletionRequest:
@@ -279,6 +299,12 @@ class ChatCompletionRequest(BaseRequest):
             else self.max_tokens
         )
 
+
+# What the server passes the chat template itself: a request's template arguments
+# cannot replace them.
+_TEMPLATE_OWN = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "documents"}
+)
 
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
@@ -381,6 +407,10 @@ class TurbosparkUsage(BaseModel):
     draft_proposed: int = 0  # speculative tokens verified (--draft)
     draft_accepted: int = 0  # of which the model agreed with
     draft_probed: int = 0  # shadow probes: guesses compared with plain steps' tokens
+    # Window fitting (--context-overflow drop-turns): the oldest messages dropped
+    # so the prompt fits, and the prompt tokens they took.
+    dropped_messages: int = 0
+    dropped_tokens: int = 0
 
 
 class Usage(BaseModel):
@@ -451,6 +481,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a thinking model's reasoning (vLLM's field)
 
 
 class TopLogprob(BaseModel):
@@ -495,6 +526,7 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
