@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 from turbospark.commands import (
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     draft_policy,
     install_text,
+    kv_cache_options,
     prompt_ids,
 )
 from turbospark.commands.steer import add_steering_args, steering_policy
@@ -58,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(parser, max_tokens=128)
     add_draft_flags(parser)
     add_expert_cache_flag(parser)
+    add_kv_cache_flags(parser)
     add_steering_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
@@ -77,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         draft=draft_policy(args),
         expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
         steering=steering,
+        **kv_cache_options(args),
     )
     ids = prompt_ids(codec, args.prompt, args.raw)
     show = None if args.json else print_text

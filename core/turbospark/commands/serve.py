@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING
 from turbospark.commands import (
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     add_pool_memory_flag,
     byte_size,
     draft_policy,
     install_text,
+    kv_cache_options,
 )
 from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import InvalidInput
@@ -48,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
     add_expert_cache_flag(parser)
+    add_kv_cache_flags(parser)
     parser.add_argument(
         "--session-dir",
         type=Path,
@@ -250,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
             draft=draft_policy(args),
             expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
             steering=steering,
+            **kv_cache_options(args),
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner
@@ -297,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
 _LOCKSTEP_FLAGS = (
     "session_slots", "max_parked_memory", "context_length", "chunk_size", "prefill_budget", "max_tokens",
     "max_batch", "no_warm_up", "no_prefix_reuse", "expert_cache_slots", "steering",
-    "steering_mode", "steering_scale", "steering_layers",
+    "steering_mode", "steering_scale", "steering_layers", "kv_bits", "kv_group_size",
 )  # fmt: skip
 
 
