@@ -116,6 +116,40 @@ def test_batched_equals_alone(install: Path) -> None:
             token, position = int(mx.argmax(logits)), position + 1
 
 
+def test_engine_rows_joining_and_leaving_equal_each_alone(install: Path) -> None:
+    """The engine's continuous batching (rows join mid-decode, leave when done,
+    each prefilled in chunks) over quantized K/V writes what each request
+    writes alone, and the sessions it leaves resume exactly."""
+    from turbospark.generation.engine import Engine, Job
+    from turbospark.generation.generate import GenerationConfig, generate
+
+    codec = load_text(install)
+    runner = quantized(install, session_slots=4)
+    engine = Engine(runner, codec, max_batch=3, prefill_budget=4)
+    prompts = [PROMPT[:7], PROMPT[3:8], PROMPT, [*PROMPT[:10], 90]]
+    configs = [
+        GenerationConfig(max_tokens=n, temperature=0.0, stop_token_ids=[], chunk_size=3)
+        for n in (10, 4, 8, 6)
+    ]
+    chunks: list[list] = [[] for _ in prompts]
+    jobs = [
+        Job(ids=list(p), config=c, emit=chunks[i].append)
+        for i, (p, c) in enumerate(zip(prompts, configs, strict=True))
+    ]
+    pending = list(zip([0, 0, 2, 5], jobs, strict=True))
+    for step in range(500):
+        while pending and pending[0][0] <= step:
+            engine.submit(pending.pop(0)[1])
+        engine.step()
+        if not pending and all(c and getattr(c[-1], "finish_reason", None) for c in chunks):
+            break
+    assert not [x for c in chunks for x in c if isinstance(x, Exception)]
+    assert max(c[-1].stats.batch_size for c in chunks) > 1, "no two rows decoded together"
+    for got, prompt, config in zip(chunks, prompts, configs, strict=True):
+        want = generate(quantized(install), codec, prompt, config)
+        assert [c.token for c in got if c.token is not None] == want.tokens, prompt
+
+
 def test_batched_rows_extend_filter_and_extract_exactly(install: Path) -> None:
     """Quantized rows through a batch's merge, extend, filter and extract come
     out as the very arrays they went in as."""
@@ -226,9 +260,17 @@ def test_a_session_of_other_kv_settings_is_refused(
 def test_snapshot_of_other_kv_settings_is_refused(install: Path) -> None:
     full = Runner.open(install)
     full.prefill_chunk(PROMPT, 0)
-    runner = quantized(install)
+    runner, fresh = quantized(install), quantized(install)
+    runner.prefill_chunk(PROMPT[:5], 0)
     with pytest.raises(InvalidInput, match="K/V setting it was written under"):
         runner.restore(full.snapshot())
+    assert runner.position == 5  # the session it refused to overwrite goes on unchanged
+    fresh.prefill_chunk(PROMPT[:5], 0)
+    np.testing.assert_allclose(
+        np.array(runner.prefill_chunk(PROMPT[5:], 5)),
+        np.array(fresh.prefill_chunk(PROMPT[5:], 5)),
+        atol=ATOL,
+    )
 
 
 @pytest.mark.parametrize(("bits", "per_value"), [(8, 1.25), (4, 0.75)])
