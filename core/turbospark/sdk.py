@@ -149,7 +149,14 @@ from turbospark.state.components import (
     refuse_rewind,
     state_position,
 )
-from turbospark.state.kv import BatchKV, BatchLayerKV, KVComponent, LayerKV
+from turbospark.state.kv import (
+    BatchKV,
+    BatchLayerKV,
+    KVComponent,
+    KVQuantization,
+    LayerKV,
+    QuantizedRows,
+)
 from turbospark.text import TextCodec, load_text
 
 # A removed or renamed name -> (its replacement, the version that removes it). Served by
@@ -196,6 +203,8 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "KVComponent",
     "BatchLayerKV",
     "BatchKV",
+    "KVQuantization",
+    "QuantizedRows",
     # layers
     "Attended",
     "cached_attention",

@@ -17,8 +17,10 @@ from turbospark.commands import (
     MODEL_HELP,
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     add_pool_memory_flag,
     draft_policy,
+    kv_cache_options,
     model_text,
 )
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
@@ -45,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
     add_draft_flags(parser)
+    add_kv_cache_flags(parser)
     add_steering_args(parser)
     parser.set_defaults(func=run)
 
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         max_parked_bytes=args.max_parked_memory,
         draft=draft_policy(args),
         steering=steering_policy(args),
+        **kv_cache_options(args),
     )
     runner.set_prefix_reuse(True)
     opening = [{"role": "system", "content": args.system}] if args.system else []

@@ -11,7 +11,9 @@ from turbospark.commands import (
     MODEL_HELP,
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     draft_policy,
+    kv_cache_options,
     model_text,
     prompt_ids,
 )
@@ -59,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(parser, max_tokens=128)
     add_draft_flags(parser)
     add_expert_cache_flag(parser)
+    add_kv_cache_flags(parser)
     add_steering_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         draft=draft_policy(args),
         expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
         steering=steering,
+        **kv_cache_options(args),
     )
     ids = prompt_ids(codec, args.prompt, args.raw)
     show = None if args.json else print_text

@@ -13,9 +13,11 @@ from turbospark.commands import (
     MODEL_HELP,
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     add_pool_memory_flag,
     byte_size,
     draft_policy,
+    kv_cache_options,
     model_text,
 )
 from turbospark.commands.steer import add_steering_args, steering_policy
@@ -51,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
     add_expert_cache_flag(parser)
+    add_kv_cache_flags(parser)
     parser.add_argument(
         "--session-dir",
         type=Path,
@@ -261,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             draft=draft_policy(args),
             expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
             steering=steering,
+            **kv_cache_options(args),
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner
@@ -310,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
 _LOCKSTEP_FLAGS = (
     "session_slots", "max_parked_memory", "context_length", "chunk_size", "prefill_budget", "max_tokens",
     "max_batch", "no_warm_up", "no_prefix_reuse", "expert_cache_slots", "steering",
-    "steering_mode", "steering_scale", "steering_layers",
+    "steering_mode", "steering_scale", "steering_layers", "kv_bits", "kv_group_size",
 )  # fmt: skip
 
 
