@@ -1,7 +1,8 @@
 """Quantized checkpoints through every dense path, against mlx-lm on the same checkpoint.
 
 A checkpoint written by ``mlx_lm.convert -q`` (affine, 4 and 8 bits, groups of
-32 so the tiny widths divide) is imported and opened as any install. Its
+32 so the tiny widths divide; the microscaling modes mxfp4, nvfp4 and mxfp8,
+which MLX's CPU backend runs too, in the slow set) is imported and opened as any install. Its
 logits must be mlx-lm's on the same converted directory (float32, CPU) on
 every path a decode takes: token by token (the compiled one-trace steps),
 uneven prefill chunks, the CUDA kernels' path (their specifications in ops,
@@ -62,39 +63,75 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# (bits, mode, group size, slow): affine in the fast loop, the microscaling modes slow.
+SETTINGS = [
+    (4, "affine", GROUP, False),
+    (8, "affine", GROUP, False),
+    (4, "mxfp4", 32, True),
+    (4, "nvfp4", 16, True),
+    (8, "mxfp8", 32, True),
+]
+
+
+# A microscaling-mode embedding has no floating scales to take a dtype from:
+# MLX dequantizes its rows to bfloat16, mlx-lm's and ours alike, and where a
+# family feeds them on as they are (gemma4) the activations are bfloat16 on
+# both sides, so the two agree to bfloat16's precision only.
+BFLOAT16_ATOL = 5e-2
+
+
 class Converted(NamedTuple):
     install: Path  # the converted checkpoint, imported
     expected: np.ndarray  # mlx-lm's logits at every prompt position, then each decode token
+    atol: float  # ATOL, or BFLOAT16_ATOL where mlx-lm's own activations are bfloat16
 
 
-def _reference(path: Path) -> np.ndarray:
+def _reference(path: Path) -> tuple[np.ndarray, float]:
     model, _ = load_model(path)
     cache = model.make_cache()
     rows = [model(mx.array(PROMPT)[None], cache=cache)[0]]
     rows += [model(mx.array([[token]]), cache=cache)[0] for token in DECODE]
-    return np.array(mx.concatenate(rows).astype(mx.float32))
+    embeddings = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedEmbedding)]
+    bfloat16 = any(m(mx.array([0])).dtype == mx.bfloat16 for m in embeddings)
+    atol = BFLOAT16_ATOL if bfloat16 else ATOL
+    return np.array(mx.concatenate(rows).astype(mx.float32)), atol
 
 
-@pytest.fixture(
-    scope="module", params=[(k, b) for k in KINDS for b in (4, 8)], ids=lambda p: f"{p[0]}-q{p[1]}"
-)
-def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Converted:
+def _params() -> list[Any]:
+    return [
+        pytest.param(
+            (kind, bits, mode, group),
+            marks=[pytest.mark.slow] if slow else [],
+            id=f"{kind}-{mode}{bits}",
+        )
+        for kind in KINDS
+        for bits, mode, group, slow in SETTINGS
+    ]
+
+
+@pytest.fixture(scope="module", params=_params())
+def converted(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Converted:
     """A synthetic install, quantized by ``mlx_lm.convert``, imported as an install."""
-    kind, bits = request.param
+    kind, bits, mode, group = request.param
     family, dims = KINDS[kind]
-    root = tmp_path_factory.mktemp(f"{kind}-q{bits}")
+    root = tmp_path_factory.mktemp(f"{kind}-{mode}{bits}")
     build_synthetic_install(family, root / "src", vocab_size=128, model_id=kind, **dims)
-    convert(str(root / "src"), str(root / "mlx"), quantize=True, q_bits=bits, q_group_size=GROUP)
+    convert(
+        str(root / "src"), str(root / "mlx"), quantize=True, q_bits=bits, q_group_size=group,
+        q_mode=mode,
+    )  # fmt: skip
     import_checkpoint(root / "mlx", root / "install", progress=False)
-    return Converted(root / "install", _reference(root / "mlx"))
+    return Converted(root / "install", *_reference(root / "mlx"))
 
 
 def _open(path: Path, **kwargs: Any) -> Runner:
     return Runner.open(path, context_length=256, dtype="float32", **kwargs)
 
 
-def _close(got: Any, want: Any, what: str) -> None:
-    np.testing.assert_allclose(np.array(got), np.array(want), atol=ATOL, rtol=ATOL, err_msg=what)
+def _close(got: Any, want: Any, what: str, atol: float = ATOL) -> None:
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=atol, err_msg=what)
 
 
 def _ends_read_packed(model: nn.Module) -> int:
@@ -103,7 +140,11 @@ def _ends_read_packed(model: nn.Module) -> int:
     ends = [(m, m.end) for _, m in model.named_modules() if isinstance(getattr(m, "end", None), LayerEnd)]  # fmt: skip
     for layer, end in ends:
         weights = end.weights(layer)
-        assert weights is not None and isinstance(weights[2], Packed) and isinstance(weights[3], Packed)
+        assert (
+            weights is not None
+            and isinstance(weights[2], Packed)
+            and isinstance(weights[3], Packed)
+        )
     return len(ends)
 
 
@@ -143,7 +184,7 @@ def _kernels(stack: ExitStack, monkeypatch: pytest.MonkeyPatch) -> dict[str, int
 def test_the_converted_checkpoint_loads_quantized(converted: Converted) -> None:
     runner = _open(converted.install)
     specs = quantization_of(runner.model)
-    assert specs and {s.group_size for s in specs.values()} == {GROUP}
+    assert len({(s.bits, s.mode, s.group_size) for s in specs.values()}) == 1
     assert _ends_read_packed(runner.model) == runner.arch.num_hidden_layers
 
 
@@ -152,10 +193,11 @@ def test_steps_and_chunks_match_mlx_lm(converted: Converted) -> None:
     chunks and steps: mlx-lm's logits at every position read."""
     runner = _open(converted.install)
     for position, token in enumerate([*PROMPT, *DECODE]):
-        _close(runner.produce(token, position), converted.expected[position], f"token {position}")
+        got = runner.produce(token, position)
+        _close(got, converted.expected[position], f"token {position}", converted.atol)
     logits, _ = chunks_and_steps(_open(converted.install), PROMPT)
     for got, row in zip(logits, READ, strict=True):
-        _close(got, converted.expected[row], f"position {row}")
+        _close(got, converted.expected[row], f"position {row}", converted.atol)
 
 
 def test_compiled_steps_equal_the_uncompiled_path(converted: Converted) -> None:
@@ -179,7 +221,7 @@ def test_the_kernels_path_matches_mlx_lm(
         taken = _kernels(stack, monkeypatch)
         logits, _ = chunks_and_steps(_open(converted.install), PROMPT)
     for got, row in zip(logits, READ, strict=True):
-        _close(got, converted.expected[row], f"position {row}")
+        _close(got, converted.expected[row], f"position {row}", converted.atol)
     assert taken["attention"] > 0
     assert taken["gated_delta"] > 0 or "gemma4" in converted.install.parent.name
 
@@ -193,7 +235,6 @@ def test_batched_rows_equal_each_row_alone(converted: Converted) -> None:
             _close(a[row], b[0], f"row {row}, step {step}")
 
 
-@pytest.mark.slow
 def test_drafted_greedy_equals_plain(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy on the plain path, on the kernels' path, and drafted there
     (rejected drafts rewind): the same tokens."""
@@ -274,7 +315,6 @@ def test_steering_a_quantized_model_equals_its_float_twin(
     assert not np.allclose(np.array(steered[-1]), np.array(plain[-1]), atol=1e-2)
 
 
-@pytest.mark.slow
 def test_the_mtp_head_drafts_quantized(mtp_install: Path) -> None:
     """qwen_gdn's MTP head quantized with the rest (mlx-lm's convert drops
     ``mtp.*``, so only our own quantization keeps it): drafted greedy gives
@@ -289,5 +329,7 @@ def test_the_mtp_head_drafts_quantized(mtp_install: Path) -> None:
     assert drafted.tokens == plain.tokens == twin.tokens
     assert drafted.stats.draft_proposed > 0
     ours, theirs = drafted.stats, twin.stats
-    assert (ours.draft_proposed, ours.draft_accepted) == (theirs.draft_proposed, theirs.draft_accepted)
-
+    assert (ours.draft_proposed, ours.draft_accepted) == (
+        theirs.draft_proposed,
+        theirs.draft_accepted,
+    )
