@@ -11,7 +11,8 @@ drafted greedy against plain. And the fast paths must be taken, not fallen
 back from: each layer's end reads its MLP packed (:class:`Packed`), the
 attention and gated-DeltaNet one-trace steps run.
 
-qwen4_exp (which mlx-lm has no model for) and qwen_gdn's MTP head (which
+The third-party example family is held to mlx-lm the same way. qwen4_exp
+(which mlx-lm has no model for) and qwen_gdn's MTP head (which
 mlx-lm's convert drops) are quantized by ``nn.quantize`` on the loaded model,
 and held to the same model with every quantized layer dequantized to float
 (``mlx_lm.utils.dequantize_model``): the packed matmuls against float
@@ -43,6 +44,7 @@ from turbospark.layers.gated_delta import step as gdn_step
 from turbospark.layers.layer_end import LayerEnd
 from turbospark.layers.stacked import Packed
 from turbospark.loading.importer import import_checkpoint
+from turbospark.loading.plugins import FamilyRegistry
 from turbospark.loading.quantization import quantization_of
 from turbospark.policies import DraftPolicies
 from turbospark.policies.steering import SteeringPolicy
@@ -333,3 +335,31 @@ def test_the_mtp_head_drafts_quantized(mtp_install: Path) -> None:
         theirs.draft_proposed,
         theirs.draft_accepted,
     )
+
+
+def test_the_example_family_matches_mlx_lm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The third-party example (it calls its modules, its MLP and layer end
+    are core's; a tied head) on a checkpoint mlx-lm quantized: mlx-lm's
+    logits token by token and for a chunk."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples" / "third_party_family"))
+    from turbospark_tinyllama import plugin
+
+    registry = FamilyRegistry()
+    registry.register(plugin, name="tinyllama")
+    build_synthetic_install(
+        "tinyllama", tmp_path / "src", registry=registry, vocab_size=96, num_layers=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    convert(
+        str(tmp_path / "src"), str(tmp_path / "mlx"), quantize=True, q_bits=4, q_group_size=GROUP
+    )
+    import_checkpoint(tmp_path / "mlx", tmp_path / "install", registry=registry, progress=False)
+    runner = _open(tmp_path / "install", registry=registry)
+    assert "model.embed_tokens" in quantization_of(runner.model)
+    model, _ = load_model(tmp_path / "mlx")
+    prompt = PROMPT[:12]
+    expected = model(mx.array(prompt)[None])[0]
+    for position, token in enumerate(prompt):
+        _close(runner.produce(token, position), expected[position], f"token {position}")
+    chunked = _open(tmp_path / "install", registry=registry).prefill_chunk(prompt, 0)
+    _close(chunked, expected[-1], "the chunk's last row")
