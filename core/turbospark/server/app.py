@@ -44,6 +44,7 @@ from turbospark.server.limits import (
 )
 from turbospark.server.metrics import Metrics
 from turbospark.server.openapi import openapi_document
+from turbospark.server.response_store import ResponseStore, ResponseStoreLimits
 from turbospark.server.service import Service
 from turbospark.server.sessions import ROUTES as PAGE_ROUTES
 from turbospark.server.settings import ServerLimits
@@ -75,6 +76,7 @@ def create_app(
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
     lockstep: Lockstep | None = None,
+    response_store: ResponseStoreLimits | None = None,
 ) -> Starlette:
     """The Starlette app serving *runner*. Prefix reuse is the caller's choice
     (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
@@ -86,6 +88,8 @@ def create_app(
     need it; *cors_origins* lets those browser origins in (``server/access.py``).
     With *lockstep* (rank 0 of ``serve --distributed``) the engine steps in
     lockstep with the other ranks (:mod:`turbospark.generation.distributed`).
+    Stored Responses are bounded by *response_store* and, when the runner has a
+    session directory, written to its ``responses/`` beside the session files.
 
     Pass the *worker* whose thread opened the runner (``worker.run(lambda:
     Runner.open(...))``). Without one, a new worker thread serves a runner
@@ -104,6 +108,11 @@ def create_app(
         worker=worker,
         limits=limits or ServerLimits(),
         engine=new_engine(runner, codec, max_batch, prefill_budget or chunk_size, lockstep),
+    )
+    disk = runner.session_disk
+    responses_store = ResponseStore(
+        response_store or ResponseStoreLimits(),
+        None if disk is None else disk.root / "responses",
     )
     metrics = Metrics(service.engine)
     service.engine.observer = metrics.observe
@@ -134,6 +143,11 @@ def create_app(
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+            Route(
+                "/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]
+            ),
             Route(
                 "/v1/embeddings", metrics.counted("embeddings", embeddings.create), methods=["POST"]
             ),
@@ -152,5 +166,6 @@ def create_app(
         ],
     )
     app.state.service = service
+    app.state.responses = responses_store
     app.state.metrics = metrics
     return app
