@@ -33,7 +33,7 @@ from starlette.routing import Route
 from turbospark.generation.distributed import Lockstep, LockstepEngine
 from turbospark.generation.engine import Engine
 from turbospark.generation.runner import Runner
-from turbospark.server import anthropic, embeddings, gateway, responses
+from turbospark.server import anthropic, embeddings, gateway, ollama, responses
 from turbospark.server.access import access_middleware
 from turbospark.server.chat import chat_completions, completions, health, model, models
 from turbospark.server.errors import (
@@ -151,6 +151,7 @@ def create_app(
             Route(
                 "/v1/embeddings", metrics.counted("embeddings", embeddings.create), methods=["POST"]
             ),
+            *ollama.ROUTES,
             *PAGE_ROUTES,
             *gateway.ROUTES,
         ],
