@@ -157,6 +157,19 @@ def test_embed_equals_the_openai_route(server: ThreadedServer) -> None:
     ("body", "named"),
     [
         ({"keep_alive": "5 minutes"}, "keep_alive"),
+        ({"keep_alive": True}, "keep_alive"),
+        ({"options": {"num_predict": -3}}, "num_predict"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "x"}}],
+                    }
+                ]
+            },
+            "arguments",
+        ),
         ({"options": {"temperature": 5}}, "temperature"),
         ({"format": "yaml"}, "format"),
         ({"think": True}, "think"),

@@ -193,9 +193,11 @@ class GenerationBody(BaseModel):
     def _null_stream(cls, value: Any) -> Any:
         return True if value is None else value
 
-    @field_validator("keep_alive")
+    @field_validator("keep_alive", mode="before")
     @classmethod
-    def _keep_alive(cls, value: float | str | None) -> float | str | None:
+    def _keep_alive(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str, type(None))):
+            raise ValueError("keep_alive must be seconds or a duration such as '5m'")
         _duration(value)  # refused here, before any session is touched
         return value
 
@@ -329,6 +331,8 @@ class ShowBody(BaseModel):
 
     @model_validator(mode="after")
     def _asked(self) -> ShowBody:
+        if not (self.model or self.name):
+            raise ValueError("model is required: send the served model's name")
         self.model = _model_name(self.model or self.name)
         return self
 
