@@ -249,3 +249,21 @@ def test_the_store_bounds_count_bytes_and_age_and_says_why(tmp_path: Path) -> No
     (tmp_path / "resp_bad.json").write_text("{not json")
     again = ResponseStore(store.limits, tmp_path)  # a restart: files indexed, a bad one ignored
     assert again.get("resp_big") is not None and again.get("resp_bad") is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--max-stored-responses", "-1"], "--max-stored-responses"),
+        (["--response-ttl", "0"], "--response-ttl"),
+        (["--response-store-memory", "0"], "--response-store-memory"),
+    ],
+)
+def test_serve_refuses_bad_store_flags_in_one_line(
+    install: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    from turbospark.cli import main
+
+    assert main(["serve", str(install), *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert named in error and "\n" not in error
