@@ -209,6 +209,9 @@ def test_an_evicted_session_is_prefilled_from_the_stored_items(
             api.responses.create(**KNOBS, input=text)
         with pytest.raises(openai.NotFoundError, match=f"{gone.id}.*at most 2 responses"):
             api.responses.create(**KNOBS, input=SECOND, previous_response_id=gone.id)
+        scraped = httpx.get(f"{running.base_url}/metrics").text
+        assert "turbospark_stored_response_evictions_total 1.0" in scraped
+        assert "turbospark_stored_responses 2.0" in scraped
 
 
 @pytest.mark.slow  # a server stopped and started again on its directory: ~4 s

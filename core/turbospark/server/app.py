@@ -42,7 +42,7 @@ from turbospark.server.errors import (
 from turbospark.server.limits import (
     SendDeadline,
 )
-from turbospark.server.metrics import Metrics
+from turbospark.server.metrics import Metrics, ResponseStoreCollector
 from turbospark.server.openapi import openapi_document
 from turbospark.server.response_store import ResponseStore, ResponseStoreLimits
 from turbospark.server.service import Service
@@ -115,6 +115,7 @@ def create_app(
         None if disk is None else disk.root / "responses",
     )
     metrics = Metrics(service.engine)
+    metrics.registry.register(ResponseStoreCollector(responses_store))
     service.engine.observer = metrics.observe
     schema = openapi_document()
 
