@@ -129,6 +129,7 @@ class Plan:
     # the concurrency plan on each conversion
     quantized_sizes: tuple[str, ...] = ("small",)
     quantized_concurrency: ConcurrencyPlan | None = QUANTIZED_CONCURRENCY
+    quantized_bits: tuple[int, ...] = (8, 4)
 
 
 QUICK = Plan(
@@ -370,6 +371,7 @@ def _quantized(ctx: Context, family: str) -> dict[str, Any] | None:
             reps=p.reps,
             log_dir=ctx.logs / "quantized",
             concurrency=p.quantized_concurrency if i == 0 else None,
+            bits=p.quantized_bits,
         )
         for i, size in enumerate(p.quantized_sizes)
     }
@@ -442,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="synthetic installs")
     parser.add_argument(
+        "--quantized-bits",
+        type=int,
+        action="append",
+        choices=(4, 8),
+        help="repeatable: the widths the quantized section converts to (default 8 and 4)",
+    )
+    parser.add_argument(
         "--quantized-size",
         action="append",
         help="repeatable: the sizes the quantized section converts (default: the plan's)",
@@ -459,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else CPU if args.device == "cpu" else GPU
     if args.quantized_size:
         plan = replace(plan, quantized_sizes=tuple(args.quantized_size))
+    if args.quantized_bits:
+        plan = replace(plan, quantized_bits=tuple(args.quantized_bits))
     wrong = CPU_ONLY if args.device == "gpu" else GPU_ONLY
     sections = [
         s for s in SECTIONS
