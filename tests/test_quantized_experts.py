@@ -137,6 +137,21 @@ def test_slots_hold_packed_experts_and_count_their_bytes(checkpoint):
             assert np.array_equal(np.array(table[slot]), np.array(stored))
 
 
+def test_auto_sizes_slots_by_packed_bytes(checkpoint, monkeypatch):
+    _, install = checkpoint
+    bits = 4 if install.name.endswith("4") else 8
+    seen = []
+
+    def auto_slots(spec, expert_bytes, other_bytes, available):
+        seen.append(expert_bytes)
+        return TOP_K
+
+    monkeypatch.setattr("turbospark.policies.expert_cache.auto_slots", auto_slots)
+    runner = Runner.open(install, expert_cache=ExpertCacheSlots.auto(), dtype="float32")
+    assert seen == [expert_bytes(bits, 32)]
+    assert runner.expert_cache_stats().resident_bytes == 2 * TOP_K * seen[0]
+
+
 def test_the_quantization_is_described_resident_and_streamed(checkpoint):
     _, install = checkpoint
     bits = 4 if install.name.endswith("4") else 8
@@ -194,7 +209,9 @@ def test_a_packed_expert_table_with_mismatched_scales_is_refused_by_name(checkpo
     arch = Runner.open(install).arch
     write_install(tmp_path / "broken", arch=arch, model_id="broken", weights=weights)
     for policy in (ExpertCacheSlots.fixed(TOP_K), ExpertCacheSlots.all()):
-        with pytest.raises(InstallError, match=r"up_proj.weight is stored quantized .* no packing of 128"):
+        with pytest.raises(
+            InstallError, match=r"up_proj.weight is stored quantized .* no packing of 128"
+        ):
             Runner.open(tmp_path / "broken", expert_cache=policy)
 
 
