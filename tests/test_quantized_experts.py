@@ -176,6 +176,22 @@ def test_an_experts_only_quantization_streams_too(source, tmp_path):
             assert np.abs(got - ref).max() <= ATOL
 
 
+def test_microscaling_experts_stream_packed_with_uint8_scales(source, tmp_path):
+    """mxfp4 (no biases, uint8 scales) resident and streamed, against mlx-lm."""
+    mlx_dir, install = tmp_path / "mlx", tmp_path / "install"
+    convert(str(source), str(mlx_dir), quantize=True, q_mode="mxfp4")
+    import_checkpoint(mlx_dir, install, progress=False)
+    want = mlx_lm_logits(mlx_dir)
+    resident = ours(install, ExpertCacheSlots.all())
+    for got, ref in zip(resident, want, strict=True):
+        assert np.abs(got - ref).max() <= ATOL
+    runner = Runner.open(install, expert_cache=ExpertCacheSlots.fixed(TOP_K))
+    cache = next(iter(runner._experts.caches.values()))
+    assert cache.tables["up_proj_scales"].dtype == mx.uint8 and "up_proj_biases" not in cache.tables
+    for got, ref in zip(ours(install, ExpertCacheSlots.fixed(TOP_K)), resident, strict=True):
+        assert np.array_equal(got, ref)
+
+
 def test_sanitize_reads_mlx_lm_names_and_splits_packed_fused_tables(source):
     """A fused gate_up table packed as a whole splits into the two tables packed
     alone: quantization runs along the inputs, so rows split alike."""
