@@ -256,3 +256,13 @@ def test_sharding_refuses_a_group_that_splits_a_quantization_group(source, tmp_p
     with pytest.raises(InvalidInput, match=r"down_proj's 64 inputs into 32-wide shards"):
         require_whole_groups(TwoRanks(), down_proj=down)
     require_whole_groups(TwoRanks(), down_proj=nn.QuantizedLinear(128, HIDDEN, group_size=64))
+
+
+def test_packed_tables_for_the_wrong_expert_count_are_refused_by_name(source):
+    experts = Runner.open(source).model.model.layers[0].experts
+    words, scales, biases = mx.quantize(mx.zeros((EXPERTS - 1, INNER, HIDDEN)), 32, 4)
+    weights = {"e.up_proj": words, "e.up_proj_scales": scales, "e.up_proj_biases": biases}
+    with pytest.raises(
+        InstallError, match=r"e.up_proj is stored packed as \(7, 64, 16\).*8 experts"
+    ):
+        experts.quantize_from("e", weights)

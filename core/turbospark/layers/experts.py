@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from turbospark.errors import InstallError
 from turbospark.layers.packing import QuantSpec, spec_of
 
 if TYPE_CHECKING:
@@ -101,6 +102,13 @@ class ExpertLayer(nn.Module):
             packed, scales = weights[key], weights[f"{key}_scales"]
             biases = weights.get(f"{key}_biases")
             spec = spec_of(key, self.shapes[name][1], packed, scales, biases is not None)
+            rows = (self[name].shape[0], self.shapes[name][0])  # (experts, out)
+            if any(t.ndim != 3 or tuple(t.shape[:2]) != rows for t in (packed, scales)):
+                raise InstallError(
+                    f"{key} is stored packed as {tuple(packed.shape)} with scales "
+                    f"{tuple(scales.shape)}, but {rows[0]} experts of {rows[1]} rows are "
+                    "expected; the checkpoint does not match its config.json"
+                )
             self[name] = mx.zeros(packed.shape, dtype=mx.uint32)
             self[f"{name}_scales"] = mx.zeros(scales.shape, dtype=scales.dtype)
             if biases is not None:
