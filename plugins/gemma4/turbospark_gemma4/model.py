@@ -251,6 +251,10 @@ class Gemma4Config(ArchConfig):
             self.global_head_dim if self.is_full(layer) and self.global_head_dim else self.head_dim
         )
 
+    def attention_head_dims(self) -> set[int]:
+        """Every K/V-owning layer's head dim (the global layers' are wider)."""
+        return {self.layer_head_dim(i) for i in range(self.first_kv_shared_layer)}
+
     def k_eq_v(self, layer: int) -> bool:
         return self.attention_k_eq_v and self.is_full(layer)
 
