@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import convert
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
@@ -251,7 +252,12 @@ def test_sharding_refuses_a_group_that_splits_a_quantization_group(source, tmp_p
     with pytest.raises(InvalidInput, match=r"experts.down_proj's 64 inputs into 32-wide shards.*groups of 64"):  # fmt: skip
         shard_experts(layer.experts, TwoRanks(), into=("gate_proj", "up_proj"), out_of=("down_proj",))  # fmt: skip
     assert layer.experts.tables()["down_proj"].weight.shape == before.weight.shape
-    # A dense projection out of heads is checked the same way, before it moves.
+    # The family checks every layer before any weight moves.
+    shapes = [(k, v.shape) for k, v in tree_flatten(model.parameters())]
+    with pytest.raises(InvalidInput, match=r"model.layers.0.self_attn.o_proj's 64 inputs"):
+        model.shard(TwoRanks())
+    assert [(k, v.shape) for k, v in tree_flatten(model.parameters())] == shapes
+    # A dense projection out of heads is checked the same way.
     down = nn.QuantizedLinear(64, HIDDEN, bias=False, group_size=64, bits=4)
     with pytest.raises(InvalidInput, match=r"down_proj's 64 inputs into 32-wide shards"):
         require_whole_groups(TwoRanks(), down_proj=down)

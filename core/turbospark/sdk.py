@@ -114,6 +114,7 @@ from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.layers.sharding import (
     kv_copies,
     require_divisible,
+    require_whole_groups,
     shard_attention,
     shard_experts,
     shard_gated_delta,
@@ -263,6 +264,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "shard_mlp",
     "shard_gated_delta",
     "shard_experts",
+    "require_whole_groups",
     # steering
     "joiner",
     # installs

@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
 from turbospark.errors import InvalidInput
-from turbospark.layers.experts import ExpertLayer, PackedExperts
+from turbospark.layers.experts import ExpertLayer, ExpertTable, PackedExperts
 from turbospark.layers.gated_delta.layer import GatedDeltaNet
 from turbospark.layers.mlp import GatedMLP
 
@@ -75,13 +75,21 @@ def kv_copies(group: mx.distributed.Group, heads: int, kv_heads: int) -> int:
     return size // kv_heads
 
 
-def require_whole_groups(group: mx.distributed.Group, **linears: nn.Module) -> None:
-    """Refuse a world size that splits a quantized projection's inputs (each
-    named one is sharded-to-all) through a quantization group."""
-    for name, linear in linears.items():
-        if isinstance(linear, nn.QuantizedLinear):
-            inputs = linear.weight.shape[-1] * 32 // linear.bits
-            _check_groups(group, name, inputs, linear.group_size)
+def require_whole_groups(
+    group: mx.distributed.Group, **projections: nn.Module | ExpertTable
+) -> None:
+    """Refuse a world size that splits a quantized projection's inputs through a
+    quantization group. Each named projection is one whose inputs are sharded
+    (out of heads: ``o_proj``, ``down_proj``...): a quantized linear layer or a
+    packed expert table; floating ones always pass. A family calls it with its
+    own paths before any weight moves; the shard helpers check their blocks too."""
+    for name, projection in projections.items():
+        if isinstance(projection, nn.QuantizedLinear):
+            inputs = projection.weight.shape[-1] * 32 // projection.bits
+            _check_groups(group, name, inputs, projection.group_size)
+        elif isinstance(projection, PackedExperts):
+            inputs = projection.weight.shape[-1] * 32 // projection.spec.bits
+            _check_groups(group, name, inputs, projection.spec.group_size)
 
 
 def _check_groups(group: mx.distributed.Group, name: str, inputs: int, group_size: int) -> None:
@@ -181,10 +189,7 @@ def shard_experts(
     along the same axis. The family sums the partial outputs (``all_sum``)."""
     size, rank = group.size(), group.rank()
     tables = experts.tables()
-    for name in out_of:
-        table = tables[name]
-        if isinstance(table, PackedExperts):
-            _check_groups(group, f"experts.{name}", experts.shapes[name][1], table.spec.group_size)
+    require_whole_groups(group, **{f"experts.{name}": tables[name] for name in out_of})
     for name, axis in [(n, 1) for n in into] + [(n, 2) for n in out_of]:
         for key in (name, f"{name}_scales", f"{name}_biases"):
             if key in experts:

@@ -61,6 +61,7 @@ from turbospark.sdk import (
     normed_input,
     project,
     require_divisible,
+    require_whole_groups,
     rope_freqs,
     runs_compiled,
     shard_attention,
@@ -836,6 +837,14 @@ class Gemma4(nn.Module):
             require_divisible(group, intermediate_size=arch.layer_intermediate_size(i))
         if arch.enable_moe_block:
             require_divisible(group, moe_intermediate_size=arch.moe_intermediate_size)
+        for i, layer in enumerate(self.model.layers):  # quantized: whole groups on each rank
+            outs = {
+                "self_attn.o_proj": layer.self_attn.o_proj,
+                "mlp.down_proj": layer.mlp.down_proj,
+            }
+            if layer.moe:
+                outs["experts.down_proj"] = layer.experts.tables()["down_proj"]
+            require_whole_groups(group, **{f"model.layers.{i}.{k}": v for k, v in outs.items()})
         for layer in self.model.layers:
             attn = layer.self_attn
             owned = ("k_proj",) if attn.k_eq_v else ("k_proj", "v_proj")
