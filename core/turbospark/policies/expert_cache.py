@@ -233,7 +233,8 @@ class ExpertCacheStats(BaseModel):
 
     A hit or miss is one distinct expert a step of one layer routes to, found
     resident or read in. Under ``all()`` nothing is counted (every expert is
-    resident; no step looks), and ``resident_bytes`` is every expert."""
+    resident; no step looks), and ``resident_bytes`` is every expert. Bytes are
+    as held: a quantized expert's packed words, scales and biases."""
 
     model_config = ConfigDict(frozen=True)
 
