@@ -53,7 +53,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,7 @@ GPU = Plan(
     prefill_cost_size="chat_large",
     session_disk_size="large",
     quantized_sizes=("large", "tp8b"),
+    quantized_concurrency=None,  # a lease's command is too short for two more servers a width
 )
 SECTIONS = (
     "forward", "interleaved", "serving", "concurrency", "server_step", "step_cost",
@@ -440,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         "--save", action="store_true", help="write the committed reference results instead"
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="synthetic installs")
+    parser.add_argument(
+        "--quantized-size",
+        action="append",
+        help="repeatable: the sizes the quantized section converts (default: the plan's)",
+    )
     args = parser.parse_args(argv)
     if args.save and (args.out or args.quick):
         parser.error("--save writes the full plan to bench/results/; drop --out and --quick")
@@ -451,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device gpu: MLX has no GPU here (mlx-cuda-13 on Linux)")
 
     plan = QUICK if args.quick else CPU if args.device == "cpu" else GPU
+    if args.quantized_size:
+        plan = replace(plan, quantized_sizes=tuple(args.quantized_size))
     wrong = CPU_ONLY if args.device == "gpu" else GPU_ONLY
     sections = [
         s for s in SECTIONS

@@ -1,5 +1,6 @@
 """OpenAI's Responses API over loopback with the real ``openai`` SDK:
-``client.responses.create`` streamed and not, function tools, refusals."""
+``client.responses.create`` streamed and not, function tools, refusals
+(stored responses: ``test_server_responses_store.py``)."""
 
 from __future__ import annotations
 
@@ -82,8 +83,7 @@ def test_message_items_and_a_forced_function_call(server: ThreadedServer) -> Non
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"store": True}, "store"),
+        ({"conversation": "conv_1"}, "conversation"),
         ({"tools": [{"type": "web_search"}]}, "web_search"),
     ],
 )

@@ -53,7 +53,12 @@ def server(installed: tuple[Any, TextCodec]) -> Iterator[ThreadedServer]:
         yield running
 
 
+# The synthetic Qwen template thinks when asked (the checkpoints' template by default).
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
 def chat(server: ThreadedServer, messages: list[dict[str, Any]], **extra: Any) -> Any:
+    extra.setdefault("extra_body", THINK)
     return client(server).chat.completions.create(
         model=MODEL, messages=messages, max_tokens=24, temperature=0.0, **extra
     )
@@ -76,7 +81,7 @@ def test_the_reasoning_is_the_raw_reply_split(
     bias = {"logit_bias": {str(close): 6.0}}  # the block closes somewhere in the reply
     reply = chat(server, ASK, **bias)
     message = reply.choices[0].message
-    prompt = codec.apply_chat_template(ASK)
+    prompt = codec.apply_chat_template(ASK, enable_thinking=True)
     raw = client(server).completions.create(
         model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0, **bias
     )
@@ -85,8 +90,14 @@ def test_the_reasoning_is_the_raw_reply_split(
     )
     deltas = list(
         client(server).chat.completions.create(
-            model=MODEL, messages=ASK, max_tokens=24, temperature=0.0, stream=True, **bias
-        )
+            model=MODEL,
+            messages=ASK,
+            max_tokens=24,
+            temperature=0.0,
+            stream=True,
+            extra_body=THINK,
+            **bias,
+        )  # fmt: skip
     )
     thought = "".join(getattr(d.choices[0].delta, "reasoning_content", None) or "" for d in deltas)
     said = "".join(d.choices[0].delta.content or "" for d in deltas)

@@ -166,3 +166,21 @@ def test_recovery_after_a_failed_forward_taints_the_record_and_puts_the_state_ba
     session.state["tape"].position += 3  # a forward that failed after writing
     session.recover(before)
     assert session.position == 2 and session.record.tainted
+
+
+def test_a_kept_session_outlives_the_lru_rule_and_a_dropped_one_is_gone():
+    s = store(slots=3)
+    conversations = [[1, 2, 3], [4, 5], [6, 7], [8, 9]]
+    feed(s.live, conversations[0])
+    s.keep(s.holding([1, 2, 3, 0]), seconds=3600)
+    for ids in conversations[1:]:
+        s.reset()  # the oldest unkept slot goes, not the kept (and older) one
+        feed(s.live, ids)
+    held = sorted(x.record.tokens for x in s.sessions())
+    assert held == [[1, 2, 3], [6, 7], [8, 9]]
+    s.drop(s.holding([1, 2, 3, 0]))
+    assert s.holding([1, 2, 3, 0]) is None
+    forever, lapsed = s.holding([6, 7, 0]), s.holding([8, 9, 0])
+    s.keep(forever, seconds=None)
+    s.keep(lapsed, seconds=-1)  # already over: the LRU rule alone again
+    assert forever.kept(float("1e300")) and not lapsed.kept(0.0 + lapsed.keep_until)

@@ -86,10 +86,13 @@ def test_byte_level_kind_is_a_bpe_with_merges_and_no_bos(tmp_path: Path) -> None
     assert codec.encode("hi", add_special_tokens=True) == codec.encode("hi")
     text = "Hello, World! 42\n  done."
     assert codec.decode(codec.encode(text)) == text
-    # Qwen3.5's thinking: on by default (the prompt opens the block), off pre-fills it empty.
+    # Qwen3.5's thinking, once asked: on opens the block, off pre-fills it empty;
+    # not asked, the synthetic template opens none (its turns extend each other).
     assert codec.apply_chat_template([{"role": "user", "content": "Hi"}]) == (
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
+    on = codec.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=True)
+    assert on.endswith("<|im_start|>assistant\n<think>\n")
     think = codec.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=False)
     assert think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert codec.eos_token_ids == {QWEN_TEXT.id("<|im_end|>"), QWEN_TEXT.id("<|endoftext|>")}
@@ -108,8 +111,13 @@ def test_mlx_lm_tokenizes_a_chat_exactly_as_we_do(
     install = request.getfixturevalue(f"{family}_install")
     theirs = tokenizer_utils.load(install)
     ours = load_text(install)
-    expected = theirs.apply_chat_template(CHAT, add_generation_prompt=True)
-    assert ours.encode_chat(CHAT) == list(expected)
+    # mlx-lm passes enable_thinking (True where the vocabulary has <think>); so do we here.
+    for thinking in (True, False):
+        expected = theirs.apply_chat_template(
+            CHAT, add_generation_prompt=True, enable_thinking=thinking
+        )
+        ours_ids = ours.encode(ours.apply_chat_template(CHAT, enable_thinking=thinking))
+        assert ours_ids == list(expected)
     assert ours.encode("raw text", add_special_tokens=True) == theirs.encode("raw text")
 
 

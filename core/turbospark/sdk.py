@@ -120,7 +120,16 @@ from turbospark.layers.sharding import (
     shard_gated_delta,
     shard_mlp,
 )
-from turbospark.layers.stacked import derived, project, stacked, transposed
+from turbospark.layers.stacked import (
+    Packed,
+    WeightT,
+    derived,
+    matmul_t,
+    project,
+    readable,
+    stacked,
+    transposed,
+)
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config
 from turbospark.loading.family_hooks import CommonHooks, source_file
 from turbospark.loading.install import (
@@ -228,6 +237,10 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "project",
     "stacked",
     "transposed",
+    "matmul_t",
+    "readable",
+    "Packed",
+    "WeightT",
     "derived",
     "fused",
     "runs_compiled",

@@ -22,6 +22,7 @@ from turbospark.commands import (
 )
 from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import InvalidInput
+from turbospark.server.response_store import ResponseStoreLimits
 from turbospark.server.settings import ServerLimits
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
@@ -164,6 +165,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how long a reply may wait on a client that reads nothing; past it the reply is "
         f"abandoned and its generation stops (default: {defaults.send_timeout:g})",
     )
+    stored = ResponseStoreLimits()
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=stored.max_count,
+        metavar="N",
+        help="stored Responses API responses kept for previous_response_id, least recently "
+        f"used first out (0: store none; default: {stored.max_count})",
+    )
+    parser.add_argument(
+        "--response-store-memory",
+        type=byte_size,
+        default=stored.max_bytes,
+        metavar="SIZE",
+        help="bytes the stored responses' items may hold (default: 64MiB)",
+    )
+    parser.add_argument(
+        "--response-ttl",
+        type=float,
+        default=stored.max_age,
+        metavar="SECONDS",
+        help=f"how long a stored response is kept (default: {stored.max_age:g}, a week)",
+    )
     add_steering_args(parser)
     parser.add_argument(
         "--distributed",
@@ -199,6 +223,10 @@ def check_args(args: argparse.Namespace) -> None:
             f"--session-dir extends the session pool, but --session-slots is "
             f"{args.session_slots}; use --session-slots 2 or more"
         )
+    if args.max_stored_responses < 0:
+        raise InvalidInput(
+            f"--max-stored-responses must be 0 or more, got {args.max_stored_responses}"
+        )
     if args.chunk_size <= 0:
         raise InvalidInput(f"--chunk-size must be positive, got {args.chunk_size}")
     if args.prefill_budget <= 0:
@@ -224,6 +252,8 @@ def check_args(args: argparse.Namespace) -> None:
         ("--request-timeout", args.request_timeout),
         ("--send-timeout", args.send_timeout),
         ("--distributed-timeout", args.distributed_timeout),
+        ("--response-store-memory", args.response_store_memory),
+        ("--response-ttl", args.response_ttl),
     ]:
         if value <= 0:
             raise InvalidInput(f"{flag} must be positive, got {value:g}")
@@ -289,6 +319,11 @@ def run(args: argparse.Namespace) -> int:
         cors_origins=args.cors_origin,
         lockstep=lockstep,
         context_overflow=args.context_overflow,
+        response_store=ResponseStoreLimits(
+            max_count=args.max_stored_responses,
+            max_bytes=args.response_store_memory,
+            max_age=args.response_ttl,
+        ),
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     disk = runner.session_disk

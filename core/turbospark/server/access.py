@@ -1,6 +1,6 @@
 """Who may use the server: ``--api-key`` and ``--cors-origin``.
 
-The key guards every route that reads or writes a conversation (``/v1/...``
+The key guards every route that reads or writes a conversation (``/v1/...``, Ollama's ``/api/...``
 and the sessions view); ``/health``, ``/openapi.json`` and the page itself
 stay open, so load balancers can probe and the page can load and ask for the
 key. Clients send it as the OpenAI SDK does (``Authorization: Bearer KEY``) or
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from turbospark.server.errors import APIError, error_response
 
-GUARDED = ("/v1/", "/turbospark/")
+GUARDED = ("/v1/", "/turbospark/", "/api/")
 
 
 class ApiKeyMiddleware:

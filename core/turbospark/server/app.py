@@ -33,7 +33,7 @@ from starlette.routing import Route
 from turbospark.generation.distributed import Lockstep, LockstepEngine
 from turbospark.generation.engine import Engine
 from turbospark.generation.runner import Runner
-from turbospark.server import anthropic, embeddings, gateway, responses
+from turbospark.server import anthropic, embeddings, gateway, ollama, responses
 from turbospark.server.access import access_middleware
 from turbospark.server.chat import chat_completions, completions, health, model, models
 from turbospark.server.errors import (
@@ -42,8 +42,9 @@ from turbospark.server.errors import (
 from turbospark.server.limits import (
     SendDeadline,
 )
-from turbospark.server.metrics import Metrics
+from turbospark.server.metrics import Metrics, ResponseStoreCollector
 from turbospark.server.openapi import openapi_document
+from turbospark.server.response_store import ResponseStore, ResponseStoreLimits
 from turbospark.server.service import Service
 from turbospark.server.sessions import ROUTES as PAGE_ROUTES
 from turbospark.server.settings import ServerLimits
@@ -77,6 +78,7 @@ def create_app(
     cors_origins: Sequence[str] = (),
     lockstep: Lockstep | None = None,
     context_overflow: ContextOverflow = "refuse",
+    response_store: ResponseStoreLimits | None = None,
 ) -> Starlette:
     """The Starlette app serving *runner*. Prefix reuse is the caller's choice
     (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
@@ -90,6 +92,8 @@ def create_app(
     lockstep with the other ranks (:mod:`turbospark.generation.distributed`).
     *context_overflow* says what a chat past the context gets: a 400
     (``refuse``) or its oldest turns dropped (``drop-turns``, ``window.py``).
+    Stored Responses are bounded by *response_store* and, when the runner has a
+    session directory, written to its ``responses/`` beside the session files.
 
     Pass the *worker* whose thread opened the runner (``worker.run(lambda:
     Runner.open(...))``). Without one, a new worker thread serves a runner
@@ -110,7 +114,13 @@ def create_app(
         engine=new_engine(runner, codec, max_batch, prefill_budget or chunk_size, lockstep),
         context_overflow=context_overflow,
     )
+    disk = runner.session_disk
+    responses_store = ResponseStore(
+        response_store or ResponseStoreLimits(),
+        None if disk is None else disk.root / "responses",
+    )
     metrics = Metrics(service.engine)
+    metrics.registry.register(ResponseStoreCollector(responses_store))
     service.engine.observer = metrics.observe
     schema = openapi_document()
 
@@ -139,9 +149,15 @@ def create_app(
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+            Route(
+                "/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]
+            ),
             Route(
                 "/v1/embeddings", metrics.counted("embeddings", embeddings.create), methods=["POST"]
             ),
+            *ollama.ROUTES,
             *PAGE_ROUTES,
             *gateway.ROUTES,
         ],
@@ -157,5 +173,6 @@ def create_app(
         ],
     )
     app.state.service = service
+    app.state.responses = responses_store
     app.state.metrics = metrics
     return app

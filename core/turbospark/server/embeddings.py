@@ -90,6 +90,30 @@ async def create(request: Request) -> Response:
 async def _create(
     service: Service, body: EmbeddingRequest, deadline: Deadline, ticket: Ticket, request: Request
 ) -> Response:
+    ids, vectors = await embed(service, body.inputs, deadline, body.dimensions)
+    data = [
+        Embedding(index=i, embedding=_encoded(v, body.encoding_format))
+        for i, v in enumerate(vectors)
+    ]
+    total = sum(len(x) for x in ids)
+    reply = EmbeddingList(
+        data=data,
+        model=service.model_id,
+        usage=EmbeddingUsage(prompt_tokens=total, total_tokens=total),
+    )
+    return JSONResponse(reply.model_dump())
+
+
+async def embed(
+    service: Service,
+    inputs: list[str | list[int]],
+    deadline: Deadline,
+    dimensions: int | None = None,
+    truncate: bool = False,
+) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Each input's ids and pooled vector (OpenAI's and Ollama's routes), every
+    input checked first; with *truncate* (Ollama's default) an input longer
+    than the context keeps its first tokens instead of being refused."""
     runner = service.runner
     if runner.group is not None:
         raise APIError(
@@ -108,35 +132,24 @@ async def _create(
             code="unsupported",
         )
     hidden = runner.arch.hidden_size
-    if body.dimensions is not None and body.dimensions != hidden:
+    if dimensions is not None and dimensions != hidden:
         raise APIError(
             400,
-            f"dimensions must be this model's hidden size, {hidden} (or unset); "
-            f"got {body.dimensions}",
+            f"dimensions must be this model's hidden size, {hidden} (or unset); got {dimensions}",
             param="dimensions",
             code="invalid_value",
         )
-    tokenize = functools.partial(_ids, service, body.inputs)
+    tokenize = functools.partial(_ids, service, inputs, truncate)
     ids = await deadline.run(
         asyncio.get_running_loop().run_in_executor(service.text_pool, tokenize),
         "while the input was tokenized",
     )
     work = functools.partial(_embed, service, ids)
     vectors = await deadline.run(asyncio.wrap_future(service.engine.call(work)), "while embedding")
-    data = [
-        Embedding(index=i, embedding=_encoded(v, body.encoding_format))
-        for i, v in enumerate(vectors)
-    ]
-    total = sum(len(x) for x in ids)
-    reply = EmbeddingList(
-        data=data,
-        model=service.model_id,
-        usage=EmbeddingUsage(prompt_tokens=total, total_tokens=total),
-    )
-    return JSONResponse(reply.model_dump())
+    return ids, vectors
 
 
-def _ids(service: Service, inputs: list[str | list[int]]) -> list[list[int]]:
+def _ids(service: Service, inputs: list[str | list[int]], truncate: bool) -> list[list[int]]:
     """Each input's ids, checked (length, vocabulary) before the runner sees any."""
     out = []
     for i, item in enumerate(inputs):
@@ -144,6 +157,8 @@ def _ids(service: Service, inputs: list[str | list[int]]) -> list[list[int]]:
         if isinstance(item, str) and not item:
             raise APIError(400, f"{param} is empty", param=param, code="invalid_value")
         ids = encode_prompt(service.codec, item)
+        if truncate:
+            ids = ids[: service.runner.context_length]
         try:
             service.runner.check_ids(ids)
         except TurbosparkError as exc:

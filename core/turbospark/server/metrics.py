@@ -27,6 +27,7 @@ from starlette.responses import Response
 from turbospark.generation.engine import Engine, Job
 from turbospark.generation.generate import GenerationStats
 from turbospark.server.errors import APIError, ClientGone
+from turbospark.server.response_store import ResponseStore
 from turbospark.server.service import EventStream
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -71,6 +72,31 @@ class _EngineCollector(Collector):
             engine.runner.disk_losses,
         )
         yield from _expert_cache_metrics(engine)
+
+
+class ResponseStoreCollector(Collector):
+    """The stored Responses API responses (``response_store.py``), read at scrape time."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "turbospark_stored_responses",
+            "Responses stored for previous_response_id.",
+            len(self.store),
+        )
+        yield GaugeMetricFamily(
+            "turbospark_stored_response_bytes",
+            "Bytes the stored responses' items hold (bounded by --response-store-memory).",
+            self.store.nbytes,
+        )
+        yield CounterMetricFamily(
+            "turbospark_stored_response_evictions",
+            "Stored responses evicted by --max-stored-responses, --response-store-memory or "
+            "--response-ttl.",
+            self.store.evictions,
+        )
 
 
 def _expert_cache_metrics(engine: Engine) -> Iterator[Metric]:

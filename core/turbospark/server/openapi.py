@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 
 from turbospark.server.anthropic import CountTokensRequest, MessagesRequest
 from turbospark.server.embeddings import EmbeddingList, EmbeddingRequest
+from turbospark.server.ollama import ChatBody, EmbedBody, GenerateBody, LegacyEmbedBody, ShowBody
 from turbospark.server.responses import ResponsesRequest
 from turbospark.server.schemas import (
     AnthropicErrorBody,
@@ -82,6 +83,11 @@ def openapi_document() -> dict[str, Any]:
         (CountTokensRequest, "validation"),
         (ResponsesRequest, "validation"),
         (EmbeddingRequest, "validation"),
+        (ChatBody, "validation"),
+        (GenerateBody, "validation"),
+        (EmbedBody, "validation"),
+        (LegacyEmbedBody, "validation"),
+        (ShowBody, "validation"),
         (ChatCompletion, "serialization"),
         (TextCompletion, "serialization"),
         (EmbeddingList, "serialization"),
@@ -103,6 +109,22 @@ def openapi_document() -> dict[str, Any]:
         "content": _json(error),
     }
     count = {"type": "object", "properties": {"input_tokens": {"type": "integer"}}}
+    stored = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    gone = {"description": "not stored, deleted or evicted (the error says which)",
+            "content": _json(error)}  # fmt: skip
+    ollama_error = {"type": "object", "properties": {"error": {"type": "string"}}}
+    ndjson = {"application/x-ndjson": {"schema": {"type": "string"}}}
+
+    def ollama_post(body: type[BaseModel], what: str, streams: bool = True) -> dict[str, Any]:
+        path = _post(ref[body], _OBJECT, ollama_error, what, streams=False)
+        if streams:
+            path["post"]["responses"]["200"]["content"] |= ndjson
+        return path
+
+    def stored_route(method: str, what: str) -> dict[str, Any]:
+        ok = {"description": what, "content": _json(_OBJECT)}
+        return {method: {"parameters": [stored], "responses": {"200": ok, "404": gone}}}
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "turbospark", "version": "1"},
@@ -125,6 +147,27 @@ def openapi_document() -> dict[str, Any]:
                 error,
                 "an OpenAI Responses object, or with stream=true its SSE events",
             ),
+            "/v1/responses/{response_id}": stored_route("get", "the stored response")
+            | stored_route("delete", "the response was forgotten"),
+            "/v1/responses/{response_id}/input_items": stored_route(
+                "get", "the stored conversation before the response's output (order, limit, after)"
+            ),
+            "/api/chat": ollama_post(
+                ChatBody, "Ollama's chat reply, streamed as NDJSON by default"
+            ),
+            "/api/generate": ollama_post(
+                GenerateBody, "Ollama's generate reply, streamed as NDJSON by default"
+            ),
+            "/api/embed": ollama_post(EmbedBody, "Ollama's embeddings", streams=False),
+            "/api/embeddings": ollama_post(
+                LegacyEmbedBody, "Ollama's legacy single embedding", streams=False
+            ),
+            "/api/show": ollama_post(ShowBody, "the served model's details", streams=False),
+            "/api/tags": _get(
+                "the served model, as Ollama lists models", "application/json", _OBJECT
+            ),
+            "/api/ps": _get("the served model, always loaded", "application/json", _OBJECT),
+            "/api/version": _get("the Ollama API version followed", "application/json", _OBJECT),
             "/v1/messages": _post(
                 ref[MessagesRequest],
                 _OBJECT,

@@ -1,8 +1,10 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, stateless.
+"""OpenAI's Responses API: ``POST /v1/responses``, and its stored responses.
 
 The request (``input`` as a string or items, ``instructions``, function
-``tools``) is translated into the chat path's own request and runs through
-:class:`~turbospark.server.service.Service` as a chat request does. The reply is a
+``tools``, ``text.format``) is translated into the chat path's own request and
+runs through :class:`~turbospark.server.service.Service` as a chat request
+does; ``text.format`` ``json_schema``/``json_object`` is chat's
+``response_format`` (the same constrained decoding). The reply is a
 ``response`` object whose ``output`` holds a ``message`` (``output_text``) and
 ``function_call`` items; streamed, it is the Responses event sequence
 (``response.created`` ... ``response.output_text.delta`` ...
@@ -10,9 +12,17 @@ The request (``input`` as a string or items, ``instructions``, function
 ``reasoning`` item (streamed as ``response.reasoning_text.delta`` events);
 ``reasoning.effort: "none"`` turns thinking off in the template. With
 ``truncation: "auto"`` a conversation past the context loses its oldest turns
-(``window.py``). Nothing is stored: ``store: true``,
-``previous_response_id`` and the other options that need state are refused
-by name, as is anything else this server cannot honour.
+(``window.py``).
+
+With ``store`` (OpenAI's default) the response's items are kept in the
+:class:`~turbospark.server.response_store.ResponseStore`:
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``
+read and drop them, and ``previous_response_id`` continues the conversation:
+its items are rendered before the new input, so the pool resumes the
+response's own session (reuse reason ``previous_response``) and prefills
+only the new turn. When that session has left the pool, the stored items are
+prefilled again (``previous_response_evicted``). Options that need state this
+server does not keep (``conversation``, ``background``, ...) are refused by name.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -32,7 +42,16 @@ from turbospark.generation.generate import Chunk, GenerationStats
 from turbospark.server.errors import APIError, error_json, refusal
 from turbospark.server.limits import Deadline, Ticket
 from turbospark.server.reasoning import Reasoning
-from turbospark.server.schemas import ChatCompletionRequest, Message, Text, TurbosparkOptions
+from turbospark.server.response_store import ResponseStore, StoredResponse
+from turbospark.server.schemas import (
+    ChatCompletionRequest,
+    JsonSchemaFormat,
+    Message,
+    ResponseFormat,
+    Text,
+    TurbosparkOptions,
+    Usage,
+)
 from turbospark.server.service import ChatDraws, EventStream, Service
 from turbospark.server.tools import (
     FunctionCall,
@@ -47,13 +66,15 @@ from turbospark.server.tools import (
 from turbospark.server.window import ContextOverflow
 
 _REFUSED = {
-    "previous_response_id": "this server stores no responses; resend the conversation",
-    "conversation": "this server stores no conversations; resend them",
+    "conversation": "this server stores no conversations; use previous_response_id or resend them",
     "background": "background responses are not implemented",
     "include": "no extra output can be included",
     "prompt": "stored prompts are not implemented",
-    "store": "this server stores no responses (send store: false or leave it out)",
 }
+
+# The reuse reasons of a continuation (``usage.turbospark.reuse_reason``).
+PREVIOUS_RESPONSE = "previous_response"
+PREVIOUS_RESPONSE_EVICTED = "previous_response_evicted"
 
 
 class InputText(BaseModel):
@@ -94,7 +115,16 @@ class FunctionOutputItem(BaseModel):
     output: Text
 
 
-Item = InputMessage | FunctionCallItem | FunctionOutputItem
+class ReasoningItem(BaseModel):
+    """A reasoning item sent back (a stored response's, or a client's echo):
+    accepted and not rendered, as the template drops an earlier turn's thinking."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["reasoning"]
+
+
+Item = InputMessage | FunctionCallItem | FunctionOutputItem | ReasoningItem
 
 
 class FunctionTool(BaseModel):
@@ -121,6 +151,41 @@ class ReasoningOptions(BaseModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
+class TextFormat(BaseModel):
+    """``text.format``: plain text, any JSON object, or JSON matching a schema
+    (the Responses API's flat form of chat's ``response_format``)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("text.format of type 'json_schema' needs its 'schema'")
+        return self
+
+    def response_format(self) -> ResponseFormat | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ResponseFormat(type="json_object")
+        spec = JsonSchemaFormat(
+            name=self.name or "response", schema=self.schema_, strict=self.strict
+        )
+        return ResponseFormat(type="json_schema", json_schema=spec)
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -135,8 +200,11 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
+    text: TextOptions | None = None
+    store: bool = True
     truncation: Literal["auto", "disabled"] = "disabled"
     reasoning: ReasoningOptions | None = None
+    previous_response_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")] | None = None
     # turbospark's extensions, as on the chat route (extra_body).
     turbospark: TurbosparkOptions | None = None
     draft: Literal["on", "off"] = "on"
@@ -151,25 +219,32 @@ class ResponsesRequest(BaseModel):
         for name, why in _REFUSED.items():
             if data.get(name) not in (None, False, [], {}):
                 raise ValueError(f"'{name}' is not supported: {why}")
-        fmt = (data.get("text") or {}).get("format") if isinstance(data.get("text"), dict) else None
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            raise ValueError("'text.format' other than 'text' is not supported here")
         for tool in data.get("tools") or []:
             kind = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(kind, str) and kind != "function":
                 raise ValueError(f"tools of type '{kind}' are not supported: send 'function' tools")
         return data
 
-    def chat_request(self) -> ChatCompletionRequest:
+    @property
+    def items(self) -> list[Item]:
+        """This request's input as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return list(self.input)
+
+    @property
+    def format(self) -> TextFormat:
+        return self.text.format if self.text is not None else TextFormat()
+
+    def chat_request(self, prior: list[Item]) -> ChatCompletionRequest:
+        """The chat request: the instructions (never carried over from a previous
+        response, as in OpenAI's API), the *prior* conversation's items, then this input."""
         messages: list[Message] = []
         if self.instructions:
             messages.append(Message(role="system", content=self.instructions))
-        items = (
-            [InputMessage(role="user", content=self.input)]
-            if isinstance(self.input, str)
-            else self.input
-        )
-        for item in items:
+        for item in [*prior, *self.items]:
+            if isinstance(item, ReasoningItem):
+                continue
             if isinstance(item, InputMessage):
                 messages.append(item.chat())
             elif isinstance(item, FunctionCallItem):
@@ -209,10 +284,55 @@ class ResponsesRequest(BaseModel):
             top_p=self.top_p,
             tools=tools or None,
             tool_choice=choice,
+            response_format=self.format.response_format(),
             turbospark=self.turbospark,
             draft=self.draft,
             chat_template_kwargs=template_kwargs or None,
         )
+
+
+_ITEMS = TypeAdapter(list[Item])
+
+
+def stored_item(item: Item) -> dict[str, Any]:
+    """An input item as the Responses API lists it (``input_items``): a message's
+    content as typed parts, every item with an id."""
+    if isinstance(item, InputMessage):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        parts = (
+            [{"type": kind, "text": item.content}]
+            if isinstance(item.content, str)
+            else [
+                {"type": kind if p.type == "text" else p.type, "text": p.text} for p in item.content
+            ]
+        )
+        return {"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": item.role,
+                "content": parts, "status": "completed"}  # fmt: skip
+    if isinstance(item, ReasoningItem):
+        return {"id": "rs_" + uuid.uuid4().hex, **item.model_dump(), "status": "completed"}
+    prefix = "fc_" if isinstance(item, FunctionCallItem) else "fco_"
+    return {"id": prefix + uuid.uuid4().hex, **item.model_dump(), "status": "completed"}
+
+
+def _usage(stats: GenerationStats, plan: ChatDraws) -> dict[str, Any]:
+    # The chat routes' extension: why the prefix was (not) reused, timings, and
+    # what window fitting dropped.
+    extension = Usage.from_stats(stats).turbospark
+    if plan.dropped.messages:
+        extension.dropped_messages = plan.dropped.messages
+        extension.dropped_tokens = plan.dropped.tokens
+        extension.reuse_detail += (
+            f"; the {plan.dropped.messages} oldest message(s) ({plan.dropped.tokens} tokens) "
+            "were dropped to fit the context"
+        )
+    return {
+        "input_tokens": stats.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": stats.reused_tokens},
+        "output_tokens": stats.generated_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "turbospark": extension.model_dump(),
+    }
 
 
 def context_overflow(body: ResponsesRequest) -> ContextOverflow:
@@ -221,25 +341,62 @@ def context_overflow(body: ResponsesRequest) -> ContextOverflow:
     return "drop-turns" if body.truncation == "auto" else "refuse"
 
 
-def _usage(stats: GenerationStats, plan: ChatDraws) -> dict[str, Any]:
-    usage: dict[str, Any] = {
-        "input_tokens": stats.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": stats.reused_tokens},
-        "output_tokens": stats.generated_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-    }
-    if plan.dropped.messages:
-        usage["turbospark"] = {
-            "dropped_messages": plan.dropped.messages,
-            "dropped_tokens": plan.dropped.tokens,
-        }
-    return usage
-
-
 def _reasoning_item(ident: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
     return {"type": "reasoning", "id": ident, "summary": [], "content": content, "status": status}
+
+
+class Turn:
+    """What one request continues (its previous response, if any) and, once it
+    ends, what it stores: the chat request's prompt ids and the output's ids."""
+
+    def __init__(
+        self, body: ResponsesRequest, previous: StoredResponse | None, store: ResponseStore
+    ) -> None:
+        self.body = body
+        self.previous = previous
+        self.store = store
+        self.context = [*(previous.items if previous else []), *map(stored_item, body.items)]
+
+    def stats(self, stats: GenerationStats, prompt: list[int]) -> GenerationStats:
+        """*stats* with a continuation's reuse named: its session resumed
+        (``previous_response``), or gone from the pool so the stored items were
+        prefilled again (``previous_response_evicted``)."""
+        if self.previous is None:
+            return stats
+        held = self.previous.tokens
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b),
+            min(len(held), len(prompt)),
+        )
+        ident = self.previous.id
+        # A reply's last token is sampled, never fed: the session holds one token less.
+        if stats.reused_tokens >= shared - 1 and stats.reused_tokens > 0:
+            reason = PREVIOUS_RESPONSE
+            detail = (
+                f"continued the session of {ident}: {stats.reused_tokens} token(s) kept "
+                f"({stats.reuse_reason}: {stats.reuse_detail}); only the new turn was prefilled"
+            )
+        else:
+            reason = PREVIOUS_RESPONSE_EVICTED
+            detail = (
+                f"the session of {ident} ({shared} token(s) of this prompt) is no longer warm "
+                "(evicted from the session pool); its stored items were prefilled again "
+                f"({stats.reuse_reason}: {stats.reuse_detail})"
+            )
+        return stats.model_copy(update={"reuse_reason": reason, "reuse_detail": detail})
+
+    def keep(self, response: dict[str, Any], prompt: list[int], output: list[int]) -> None:
+        if self.body.store:
+            self.store.put(
+                StoredResponse(
+                    id=response["id"],
+                    created_at=time.time(),
+                    response=response,
+                    context=self.context,
+                    tokens=[*prompt, *output],
+                )
+            )
 
 
 def _text_item(ident: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -284,7 +441,9 @@ def _response(
         else body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "metadata": body.metadata or {},
-        "text": {"format": {"type": "text"}},
+        "text": {"format": body.format.model_dump(by_alias=True, exclude_none=True)},
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
         "truncation": body.truncation,
         "error": None,
         "incomplete_details": None,
@@ -306,30 +465,109 @@ async def create(request: Request) -> Response:
     return await service.run(request, _create, ResponsesRequest)
 
 
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+def _stored(request: Request, ident: str, param: str | None = None) -> StoredResponse:
+    """The stored response *ident*, or a 404 naming it and why it is gone."""
+    entry = _store(request).get(ident)
+    if entry is not None:
+        return entry
+    why = _store(request).why_gone(ident) or (
+        "it was never stored here (store: false, another server) or was deleted"
+    )
+    raise APIError(
+        404,
+        f"the response '{ident}' was not found: {why}; resend the conversation as input instead",
+        param=param,
+        code="response_not_found",
+    )
+
+
 async def _create(
     service: Service, body: ResponsesRequest, deadline: Deadline, ticket: Ticket, request: Request
 ) -> Response:
-    plan = await service.chat_draws(body.chat_request(), deadline, context_overflow(body))
+    previous = None
+    prior: list[Item] = []
+    if body.previous_response_id is not None:
+        previous = _stored(request, body.previous_response_id, "previous_response_id")
+        try:
+            prior = _ITEMS.validate_python(previous.items)
+        except ValidationError as exc:  # an item shape this server cannot render back
+            raise APIError(
+                400,
+                f"the response '{previous.id}' holds items this server cannot continue: {exc}",
+                param="previous_response_id",
+                code="invalid_value",
+            ) from None
+    turn = Turn(body, previous, _store(request))
+    plan = await service.chat_draws(body.chat_request(prior), deadline, context_overflow(body))
     choices, calling, reasoning = plan.draws, plan.syntax, plan.reasoning
     ident, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+    prompt = choices[0].ids
     if not body.stream:
         (done,) = await service.complete(choices, deadline, request)
         thought, text = reasoning.split(done.text) if reasoning else (None, done.text)
         text, calls = calling.parse(text) if calling else (text, [])
-        return JSONResponse(
-            _response(
-                service,
-                body,
-                ident,
-                created,
-                output=_output(text, calls, thought),
-                usage=_usage(done.stats, plan),
-                **_ending(done.finish_reason),
-            )
+        response = _response(
+            service,
+            body,
+            ident,
+            created,
+            output=_output(text, calls, thought),
+            usage=_usage(turn.stats(done.stats, prompt), plan),
+            **_ending(done.finish_reason),
         )
+        turn.keep(response, prompt, done.tokens)
+        return JSONResponse(response)
     chunks = service.chunks(choices, deadline)
-    events = _stream(service, body, ident, created, chunks, plan, reasoning)
+    events = _stream(service, body, ident, created, chunks, plan, reasoning, turn, prompt)
     return EventStream(events, ticket.hand_over())
+
+
+async def retrieve(request: Request) -> Response:
+    return JSONResponse(_stored(request, request.path_params["response_id"]).response)
+
+
+async def delete(request: Request) -> Response:
+    ident = request.path_params["response_id"]
+    if not _store(request).delete(ident):
+        _stored(request, ident)  # the 404, with why
+    return JSONResponse({"id": ident, "object": "response", "deleted": True})
+
+
+async def input_items(request: Request) -> Response:
+    """``GET /v1/responses/{id}/input_items``: the conversation before the
+    response's output (``order``, ``limit`` and ``after`` as OpenAI pages them)."""
+    entry = _stored(request, request.path_params["response_id"])
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got '{order}'", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+    items = entry.context if order == "asc" else entry.context[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise APIError(400, f"after names no item of '{entry.id}': {after}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
 
 
 async def _stream(
@@ -340,9 +578,12 @@ async def _stream(
     chunks: AsyncGenerator[tuple[int, Chunk], None],
     plan: ChatDraws,
     reasoning: Reasoning | None,
+    turn: Turn,
+    prompt: list[int],
 ) -> AsyncIterator[str]:
     calling = plan.syntax
     sequence = 0
+    tokens: list[int] = []
 
     def event(kind: str, **payload: Any) -> str:
         nonlocal sequence
@@ -360,6 +601,8 @@ async def _stream(
     output: list[dict[str, Any]] = []  # the items done
     try:
         async for _, chunk in chunks:
+            if chunk.token is not None:
+                tokens.append(chunk.token)
             text, thought = chunk.text, ""
             if thinking is not None:
                 thought, text = thinking.feed(text)
@@ -464,7 +707,9 @@ async def _stream(
                 output.append(item)
             assert chunk.stats is not None
             ending = _ending(chunk.finish_reason)
-            final = response | {"output": output, "usage": _usage(chunk.stats, plan)} | ending
+            usage = _usage(turn.stats(chunk.stats, prompt), plan)
+            final = response | {"output": output, "usage": usage} | ending
+            turn.keep(final, prompt, tokens)
             kind = (
                 "response.completed" if ending["status"] == "completed" else "response.incomplete"
             )

@@ -273,6 +273,13 @@ class DiskTier:
             )
         return True
 
+    def forget(self, name: str) -> None:
+        """Delete file *name* because its conversation was dropped on purpose
+        (nothing is lost that anyone asked to keep, so no eviction is counted)."""
+        if self.entries.pop(name, None) is not None:
+            self.path(name).unlink(missing_ok=True)
+            fsync_dir(self.root)
+
     def _delete(self, name: str, why: str) -> None:
         entry = self.entries.pop(name)
         log.warning("evicted session file %s (%d tokens): %s", name, len(entry.record), why)

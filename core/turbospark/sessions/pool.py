@@ -1,11 +1,14 @@
 """The pool of parked sessions: bounded by slots and bytes, least recently used first out.
 
 Recency is a monotonic tick, not wall time, so behaviour is reproducible. A
-session leaving memory goes to the disk tier when there is one.
+session a client asked to keep (``Session.keep_until``, Ollama's
+``keep_alive``) goes only when every other slot is kept too. A session
+leaving memory goes to the disk tier when there is one.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from turbospark.policies.steering import SteeringPolicy
@@ -30,11 +33,16 @@ class SessionPool:
     def nbytes(self) -> int:
         return sum(session.nbytes for session in self.parked)
 
+    def _eviction_order(self) -> list[Session]:
+        """Parked sessions, first to go first: unkept ones, least recently used first."""
+        now = time.monotonic()
+        return sorted(self.parked, key=lambda s: (s.kept(now), s.tick))
+
     def trim(self) -> bool:
         """Clear least-recently-used parked sessions until the parked total fits
         ``max_bytes`` (their arrays are released); True if real content went."""
         dropped = False
-        for session in sorted(self.parked, key=lambda s: s.tick):
+        for session in self._eviction_order():
             if self.max_bytes is None or self.nbytes <= self.max_bytes:
                 break
             dropped = self.lost_if_dropped(session) or dropped
@@ -73,11 +81,11 @@ class SessionPool:
         return promoted
 
     def rotate_lru(self, live: Session) -> tuple[Session, bool]:
-        """Park *live* in place of the least recently used slot, which is
+        """Park *live* in place of the least recently used slot (unkept first), which is
         returned to become live (the caller clears it); the flag says whether
         real content was lost (it held some, and no disk tier took it)."""
-        index = min(range(len(self.parked)), key=lambda i: self.parked[i].tick)
-        promoted = self.parked[index]
+        promoted = self._eviction_order()[0]
+        index = self.parked.index(promoted)
         live.tick = self._tick()
         self.parked[index] = live
         return promoted, self.lost_if_dropped(promoted)

@@ -80,6 +80,13 @@ class Session:
     # The MTP head's K/V and the hidden states it reads (DraftPolicies.mtp only):
     # derived from the state, so never parked or written; it follows cut_to.
     mtp: MtpTrack | None = None
+    # Kept parked until this time.monotonic() (a client's keep_alive): the pool
+    # evicts every other slot first. None: the least-recently-used rule alone.
+    keep_until: float | None = None
+
+    def kept(self, now: float) -> bool:
+        """Whether a client asked to keep this conversation warm past *now*."""
+        return self.keep_until is not None and self.keep_until > now
 
     @property
     def position(self) -> int:
@@ -101,6 +108,7 @@ class Session:
         self.disk_name = None
         self.conversation = next(_conversations)
         self.mtp = None
+        self.keep_until = None
         for component in self.state.values():
             component.reset()
 
@@ -126,6 +134,7 @@ class Session:
         self.disk_name = None
         self.conversation = next(_conversations)
         self.mtp = None
+        self.keep_until = None
 
     def drop_checkpoints_after(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]

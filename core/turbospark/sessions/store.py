@@ -13,6 +13,7 @@ restore hooks come in as :class:`StateHooks`, from the runner that owns the mode
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -232,6 +233,25 @@ class SessionStore:
                 evicted = self.pool.trim() or evicted
         self.live = session
         return evicted
+
+    def holding(self, tokens: Sequence[int]) -> Session | None:
+        """The warm session (live or parked) whose record shares the longest
+        opening with *tokens*, or None when none shares any."""
+        best = max(self.sessions(), key=lambda s: s.record.common_prefix(tokens))
+        return best if best.record.common_prefix(tokens) else None
+
+    def keep(self, session: Session, seconds: float | None) -> None:
+        """Keep *session* in memory at least *seconds* more (None: for good),
+        if the pool allows: it is evicted only after every slot not so kept."""
+        session.keep_until = float("inf") if seconds is None else time.monotonic() + seconds
+
+    def drop(self, session: Session) -> None:
+        """Clear *session* and delete its file, on a client's request: it is gone
+        from every tier, and nothing is counted as lost."""
+        disk = self.disk
+        if disk is not None and session.disk_name is not None:
+            disk.forget(session.disk_name)
+        session.clear()
 
     def forget(self) -> None:
         """Clear the live session and every parked one."""

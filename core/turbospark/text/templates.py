@@ -104,9 +104,13 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 # Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``.
-# Thinking, as the Qwen3.5 checkpoints' template: the generation prompt opens a
-# ``<think>\n`` block the reply closes, unless ``enable_thinking=False`` pre-fills
-# an empty one (``<think>\n\n</think>\n\n``); an assistant turn's reasoning is its
+# Thinking, as the Qwen3.5 checkpoints' template once ``enable_thinking`` is
+# passed: the generation prompt opens a ``<think>\n`` block the reply closes, or
+# with ``enable_thinking=False`` pre-fills an empty one (``<think>\n\n</think>\n\n``).
+# Unlike the checkpoints' template it opens none when the flag is not passed: a
+# thinking turn's prompt is not a prefix of the next turn's (the history drops
+# the block), so by default the synthetic installs keep the plain form whose
+# turns extend each other; an assistant turn's reasoning is its
 # ``reasoning_content``, else the text up to ``</think>`` of its content, and it is
 # kept (re-rendered as ``<think>\nREASONING\n</think>\n\n``) only on the turns after
 # the last user message (a tool loop's), dropped from earlier ones. With ``tools``,
@@ -184,5 +188,5 @@ QWEN_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}"
     "{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+    "{% elif enable_thinking is defined %}{{ '<think>\\n' }}{% endif %}{% endif %}"
 )
