@@ -16,18 +16,21 @@ from turbospark.loading.importer import import_checkpoint
 
 # Widths chosen so each rank's half of every projection out of heads (o_proj,
 # the MLP's and the experts' down_proj) holds whole groups of 32.
-GEMMA = dict(num_layers=2, hidden_size=128, intermediate_size=128, hidden_size_per_layer_input=0)
+GEMMA = dict(num_layers=2, hidden_size=128, intermediate_size=128)
 CASES = {
     "gemma4_moe": (
         "gemma4",
-        GEMMA | dict(num_experts=8, top_k_experts=2, moe_intermediate_size=64),
+        GEMMA
+        | dict(num_experts=8, top_k_experts=2, moe_intermediate_size=64)
+        | dict(hidden_size_per_layer_input=0),  # the MoE releases have no PLE
     ),
-    # One K/V head, repeated on both ranks: its packed rows, scales and biases alike.
+    # One K/V head, repeated on both ranks: its packed rows, scales and biases
+    # alike; per-layer embeddings (packed, whole on every rank).
     "gemma4_one_kv_head": (
         "gemma4",
         GEMMA | dict(num_layers=4, num_key_value_heads=1, num_global_key_value_heads=1),
     ),
-    # Attention and MLP packed; the gated-DeltaNet mixers kept in floating point.
+    # Gated-DeltaNet mixers sharded by head, packed.
     "qwen_gdn": (
         "qwen_gdn",
         dict(num_layers=4, hidden_size=128, intermediate_size=128, linear_value_head_dim=16),
@@ -42,10 +45,7 @@ def test_sharded_quantized_logits_equal_unsharded(case, bits, tmp_path):
     source, mlx_dir, install = tmp_path / "src", tmp_path / "mlx", tmp_path / "install"
     family, dims = CASES[case]
     build_synthetic_install(family, source, vocab_size=128, seed=5, **dims)
-    convert(
-        str(source), str(mlx_dir), quantize=True, q_bits=bits, q_group_size=32,
-        quant_predicate=lambda path, module: "linear_attn" not in path,
-    )  # fmt: skip
+    convert(str(source), str(mlx_dir), quantize=True, q_bits=bits, q_group_size=32)
     import_checkpoint(mlx_dir, install, progress=False)
     done = launch(str(HERE / "logits.py"), str(install), str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr[-2000:]
