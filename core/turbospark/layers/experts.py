@@ -29,9 +29,6 @@ from turbospark.layers.packing import QuantSpec, spec_of
 if TYPE_CHECKING:
     from turbospark.contract.protocols import ExpertSlots
 
-# The tensors stored beside a packed table ``<name>``: ``<name>_scales``, ``<name>_biases``.
-PACKED_PARTS = ("scales", "biases")
-
 
 class PackedExperts(NamedTuple):
     """One projection's expert tables, quantized: ``weight`` ``(S, out, in * bits / 32)``
