@@ -82,7 +82,7 @@ from turbospark.layers.attention import (
 from turbospark.layers.attention_step import AttentionStep
 from turbospark.layers.cuda.heads import norm_rope, norm_rope_ops
 from turbospark.layers.cuda.norm import Unjoined, normed_input
-from turbospark.layers.experts import ExpertLayer
+from turbospark.layers.experts import ExpertLayer, ExpertTable, PackedExperts, gather_experts
 from turbospark.layers.fused import (
     geglu,
     runs_compiled,
@@ -114,7 +114,9 @@ from turbospark.layers.rope import apply_rope, rope_freqs
 from turbospark.layers.sharding import (
     kv_copies,
     require_divisible,
+    require_whole_groups,
     shard_attention,
+    shard_experts,
     shard_gated_delta,
     shard_mlp,
 )
@@ -225,6 +227,9 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "rope_freqs",
     "GatedMLP",
     "ExpertLayer",
+    "ExpertTable",
+    "PackedExperts",
+    "gather_experts",
     "GatedDeltaNet",
     "GDNDims",
     "GDNComponent",
@@ -271,6 +276,8 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "shard_attention",
     "shard_mlp",
     "shard_gated_delta",
+    "shard_experts",
+    "require_whole_groups",
     # steering
     "joiner",
     # installs

@@ -65,13 +65,15 @@ class MultiTokenHead(Protocol):
 class ExpertGroup(Protocol):
     """Experts read into slots for one pass of a routed layer."""
 
-    tables: dict[str, mx.array]  # projection -> (slots, out, in)
+    tables: dict[str, mx.array]  # projection -> (slots, out, in); packed: and its _scales, _biases
     indices: mx.array  # (N, k) slot of each (token, choice)
     mask: mx.array | None  # (N, k): the choices this group computes; None: all of them
 
 
 class ExpertSlots(Protocol):
     """One routed layer's bounded cache of expert slots, as an ``ExpertLayer`` reads it."""
+
+    tables: dict[str, mx.array]  # the slot tables as they stand, named as in ExpertGroup
 
     def groups(self, chosen: mx.array) -> Iterable[ExpertGroup]:
         """The groups covering every expert *chosen* ``(N, k)`` routes to, each read into slots."""

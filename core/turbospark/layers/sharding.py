@@ -19,6 +19,13 @@ state classes. Embeddings, norms and the head stay whole on every rank.
 
 Every check runs before a weight moves, and a world size that does not divide
 a head count is refused by name (:class:`~turbospark.errors.InvalidInput`).
+
+Quantized layers shard as they are (MLX's ``QuantizedAllToShardedLinear`` /
+``QuantizedShardedToAllLinear``, and packed expert tables split here): a
+projection into heads splits its rows, which quantization leaves whole; one
+out of heads splits its inputs, so each rank's slice must hold whole
+quantization groups. A group size that does not divide a rank's slice is
+refused by name before that block's weights move.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
 from turbospark.errors import InvalidInput
+from turbospark.layers.experts import ExpertLayer, ExpertTable, PackedExperts
 from turbospark.layers.gated_delta.layer import GatedDeltaNet
 from turbospark.layers.mlp import GatedMLP
 
@@ -67,11 +75,40 @@ def kv_copies(group: mx.distributed.Group, heads: int, kv_heads: int) -> int:
     return size // kv_heads
 
 
-def _repeat_heads(linear: nn.Linear, heads: int, copies: int) -> None:
-    """Repeat each of *heads* output blocks of *linear* *copies* times, in place."""
+def require_whole_groups(
+    group: mx.distributed.Group, **projections: nn.Module | ExpertTable
+) -> None:
+    """Refuse a world size that splits a quantized projection's inputs through a
+    quantization group. Each named projection is one whose inputs are sharded
+    (out of heads: ``o_proj``, ``down_proj``...): a quantized linear layer or a
+    packed expert table; floating ones always pass. A family calls it with its
+    own paths before any weight moves; the shard helpers check their blocks too."""
+    for name, projection in projections.items():
+        if isinstance(projection, nn.QuantizedLinear):
+            inputs = projection.weight.shape[-1] * 32 // projection.bits
+            _check_groups(group, name, inputs, projection.group_size)
+        elif isinstance(projection, PackedExperts):
+            inputs = projection.weight.shape[-1] * 32 // projection.spec.bits
+            _check_groups(group, name, inputs, projection.spec.group_size)
+
+
+def _check_groups(group: mx.distributed.Group, name: str, inputs: int, group_size: int) -> None:
+    size = group.size()
+    require_divisible(group, **{f"{name} inputs": inputs})
+    if (inputs // size) % group_size:
+        raise InvalidInput(
+            f"world size {size} splits {name}'s {inputs} inputs into {inputs // size}-wide "
+            f"shards, which its quantization groups of {group_size} do not divide: launch "
+            f"fewer processes or re-convert with a --q-group-size that divides {inputs // size}"
+        )
+
+
+def _repeat_heads(linear: nn.Module, heads: int, copies: int) -> None:
+    """Repeat each of *heads* output blocks of *linear* *copies* times, in place
+    (a quantized one's scales and biases with its packed rows)."""
     if copies == 1:
         return
-    for name in ("weight", "bias"):
+    for name in ("weight", "bias", "scales", "biases"):
         if name in linear:
             value = linear[name]
             shape = value.shape
@@ -96,6 +133,7 @@ def shard_attention(
     its rows are grouped by head, so a contiguous split is still a split by head.
     """
     copies = kv_copies(group, heads, kv_heads)
+    require_whole_groups(group, o_proj=attn.o_proj)
     attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
     for name in kv_projections:
         linear = getattr(attn, name)
@@ -108,6 +146,7 @@ def shard_attention(
 def shard_mlp(mlp: GatedMLP, group: mx.distributed.Group) -> None:
     """Shard a gated MLP's inner width: gate/up all-to-sharded, down sharded-to-all."""
     require_divisible(group, intermediate_size=mlp.gate_proj.weight.shape[0])
+    require_whole_groups(group, down_proj=mlp.down_proj)
     mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
     mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
     mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
@@ -122,6 +161,7 @@ def shard_gated_delta(gdn: GatedDeltaNet, group: mx.distributed.Group) -> None:
     require_divisible(
         group, linear_num_key_heads=d.num_key_heads, linear_num_value_heads=d.num_value_heads
     )
+    require_whole_groups(group, out_proj=gdn.out_proj)
     size, rank = group.size(), group.rank()
     segments = [d.key_dim, 2 * d.key_dim]  # q | k | v: each segment split on its own
     shard_inplace(gdn.in_proj_qkv, "all-to-sharded", segments=segments, group=group)
@@ -134,6 +174,32 @@ def shard_gated_delta(gdn: GatedDeltaNet, group: mx.distributed.Group) -> None:
     gdn.dims = dataclasses.replace(
         d, num_key_heads=d.num_key_heads // size, num_value_heads=d.num_value_heads // size
     )
+
+
+def shard_experts(
+    experts: ExpertLayer,
+    group: mx.distributed.Group,
+    *,
+    into: tuple[str, ...],
+    out_of: tuple[str, ...],
+) -> None:
+    """Shard stacked expert tables by their inner width: the projections *into*
+    it split their rows (axis 1), those *out of* it their inputs (the last
+    axis), each expert alike; packed tables split their scales and biases
+    along the same axis. The family sums the partial outputs (``all_sum``)."""
+    size, rank = group.size(), group.rank()
+    tables = experts.tables()
+    require_whole_groups(group, **{f"experts.{name}": tables[name] for name in out_of})
+    for name, axis in [(n, 1) for n in into] + [(n, 2) for n in out_of]:
+        for key in (name, f"{name}_scales", f"{name}_biases"):
+            if key in experts:
+                experts[key] = mx.contiguous(mx.split(experts[key], size, axis=axis)[rank])
+    for name in into:  # each rank's tables now hold a slice of the rows
+        out, inputs = experts.shapes[name]
+        experts.shapes[name] = (out // size, inputs)
+    for name in out_of:
+        out, inputs = experts.shapes[name]
+        experts.shapes[name] = (out, inputs // size)
 
 
 def check_same_install(group: mx.distributed.Group, digest: str, source: str) -> None:

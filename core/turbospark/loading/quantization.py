@@ -22,46 +22,13 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from turbospark.errors import InstallError
+from turbospark.layers.packing import AFFINE_BITS, FIXED, MODES, Mode, QuantSpec, spec_of
 from turbospark.loading.checkpoint_config import describe
 
-Mode = Literal["affine", "mxfp4", "nvfp4", "mxfp8"]
-MODES: tuple[str, ...] = ("affine", "mxfp4", "nvfp4", "mxfp8")
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-# The microscaling modes allow exactly one (bits, group_size) pair each.
-FIXED: dict[str, tuple[int, int]] = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
-_BY_SHAPE = {shape: mode for mode, shape in FIXED.items()}
-
-
-class QuantSpec(BaseModel):
-    """How one module's weight is packed."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    group_size: int = Field(gt=0)
-    bits: int = Field(gt=0)
-    mode: Mode = "affine"
-
-    def check(self) -> QuantSpec:
-        """Refuse settings MLX cannot pack, naming the ones it can."""
-        if self.mode == "affine" and self.bits not in AFFINE_BITS:
-            raise InstallError(
-                f"{self.bits}-bit affine quantization is not supported; use one of "
-                f"{', '.join(map(str, AFFINE_BITS))} bits"
-            )
-        if self.mode != "affine" and (self.bits, self.group_size) != FIXED[self.mode]:
-            bits, group = FIXED[self.mode]
-            raise InstallError(
-                f"{self.mode} packs {bits} bits in groups of {group}, not "
-                f"{self.bits} bits in groups of {self.group_size}; drop --bits/--group-size"
-            )
-        return self
-
-    def label(self) -> str:
-        """``4-bit affine, group 64``: how the CLI prints a setting."""
-        return f"{self.bits}-bit {self.mode}, group {self.group_size}"
+__all__ = ["AFFINE_BITS", "FIXED", "MODES", "Mode", "QuantSpec", "Quantization", "infer_spec"]
 
 
 class Quantization(BaseModel):
@@ -103,29 +70,9 @@ class Quantization(BaseModel):
 
 
 def infer_spec(path: str, in_dims: int, weights: dict[str, mx.array]) -> QuantSpec:
-    """The settings *path*'s packed weight was written with, from its shapes (mlx-lm's rule:
-    only affine keeps its scales in a floating dtype)."""
+    """The settings *path*'s packed weight was written with, from its shapes."""
     packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
-    groups, width = scales.shape[-1], packed.shape[-1]
-    if packed.dtype != mx.uint32 or groups == 0 or in_dims % groups or (width * 32) % in_dims:
-        raise InstallError(
-            f"{path} is stored quantized with weight {tuple(packed.shape)} ({packed.dtype}) and "
-            f"scales {tuple(scales.shape)}, which fit no packing of {in_dims} inputs; "
-            "re-convert the checkpoint"
-        )
-    group_size, bits = in_dims // groups, (width * 32) // in_dims
-    if scales.dtype != mx.uint8:
-        mode = "affine"
-    elif (bits, group_size) in _BY_SHAPE:
-        mode = _BY_SHAPE[(bits, group_size)]
-    else:
-        raise InstallError(
-            f"{path} has {bits}-bit weights in groups of {group_size} with uint8 scales, "
-            "which is none of mxfp4, nvfp4, mxfp8; re-convert the checkpoint"
-        )
-    if mode == "affine" and f"{path}.biases" not in weights:
-        raise InstallError(f"{path} is affine-quantized but has no biases; re-convert it")
-    return QuantSpec(group_size=group_size, bits=bits, mode=mode).check()
+    return spec_of(path, in_dims, packed, scales, f"{path}.biases" in weights)
 
 
 def quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, QuantSpec]:

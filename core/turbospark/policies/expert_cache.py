@@ -9,6 +9,11 @@ exactly that expert's rows: never a whole tensor) into slots; the layer then
 runs ``gather_mm`` over slot indices, which computes each token's experts from
 the same numbers as the resident path, so logits are identical.
 
+A quantized install's experts stream packed: a slot holds the expert's packed
+words and its scales (and biases) as the install stores them, read from the
+same rows of the three tensors, so a slot of a 4-bit install costs about a
+quarter of a bfloat16 one and ``ExpertCacheSlots.auto()`` fits that many more.
+
 MLX is lazy: the choice is only known once the router's top-k is evaluated,
 so a streaming layer synchronises once per step (``ExpertLayer.routed``). The
 dense MLP branch and the attention before it are already queued by then.
@@ -40,6 +45,7 @@ from pydantic import BaseModel, ConfigDict
 from turbospark.contract.hookspecs import ExpertProjection, ExpertSlice, MoESpec
 from turbospark.errors import InstallError, InvalidInput
 from turbospark.layers.experts import ExpertLayer
+from turbospark.layers.packing import QuantSpec, spec_from_shapes
 from turbospark.policies import ExpertCacheSlots
 
 # safetensors dtype -> (numpy dtype holding the raw bytes, MLX dtype they are)
@@ -47,6 +53,8 @@ _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
     "F32": (np.dtype("<f4"), mx.float32),
     "F16": (np.dtype("<f2"), mx.float16),
     "BF16": (np.dtype("<u2"), mx.bfloat16),  # numpy has no bfloat16: read bits, view in MLX
+    "U32": (np.dtype("<u4"), mx.uint32),  # packed words of a quantized table
+    "U8": (np.dtype("u1"), mx.uint8),  # the scales of the microscaling modes
 }
 
 
@@ -80,18 +88,41 @@ def read_headers(files: list[Path]) -> dict[str, TensorEntry]:
 
 @dataclass(frozen=True)
 class ResolvedSlice:
-    """Where one projection of one expert starts and how big it is."""
+    """Where one projection of one expert starts and how big it is; a packed
+    projection has its scales (and biases) beside it, in the same rows."""
 
     entry: TensorEntry
     row_start: int
     shape: tuple[int, int]  # (out, in)
+    spec: QuantSpec | None = None
+    scales: TensorEntry | None = None
+    biases: TensorEntry | None = None
 
-    def byte_range(self, expert: int) -> tuple[int, int]:
-        """``tensor[expert, row_start:row_start+out, :]`` is one contiguous run."""
-        rows, cols = self.entry.shape[1:]
-        itemsize = _DTYPES[self.entry.dtype][0].itemsize
-        start = self.entry.offset + ((expert * rows + self.row_start) * cols) * itemsize
+    def parts(self, name: str) -> dict[str, TensorEntry]:
+        """The slot tables this projection fills, by name (``name``, ``name_scales``...)."""
+        extra = {"scales": self.scales, "biases": self.biases}
+        return {name: self.entry} | {f"{name}_{k}": e for k, e in extra.items() if e is not None}
+
+    def byte_range(self, expert: int, entry: TensorEntry | None = None) -> tuple[int, int]:
+        """``tensor[expert, row_start:row_start+out, :]`` is one contiguous run
+        (of the weight, or of *entry*: its scales or biases)."""
+        entry = entry or self.entry
+        rows, cols = entry.shape[1:]
+        itemsize = _DTYPES[entry.dtype][0].itemsize
+        start = entry.offset + ((expert * rows + self.row_start) * cols) * itemsize
         return start, self.shape[0] * cols * itemsize
+
+    def slot_bytes(self, dtype: mx.Dtype) -> int:
+        """One expert's bytes of this projection in a slot: packed words and
+        uint8 scales as stored, floating values in the compute *dtype*."""
+        entries = self.parts("").values()
+        return sum(self.shape[0] * e.shape[2] * _slot_dtype(e, dtype).size for e in entries)
+
+
+def _slot_dtype(entry: TensorEntry, dtype: mx.Dtype) -> mx.Dtype:
+    """A slot keeps integers (packed words, uint8 scales) as stored; floats in *dtype*."""
+    stored = _DTYPES[entry.dtype][1]
+    return stored if stored in (mx.uint32, mx.uint8) else dtype
 
 
 def resolve(
@@ -126,24 +157,41 @@ def _resolve_one(
         )
     entry = entries[source.tensor]
     out, cols = proj.shape
+    base = source.tensor.removesuffix(".weight")
+    scales, biases = entries.get(f"{base}.scales"), entries.get(f"{base}.biases")
+    spec = None
+    if scales is not None:  # packed: its width is cols * bits / 32 words
+        spec = spec_from_shapes(
+            source.tensor,
+            cols,
+            (entry.shape, entry.dtype == "U32"),
+            (scales.shape, scales.dtype == "U8"),
+            biases is not None,
+        )
+        width = spec.packed_width(cols)
+    else:
+        width = cols
     start, stop = source.rows or (0, entry.shape[1] if len(entry.shape) == 3 else -1)
     if (
         len(entry.shape) != 3
         or entry.shape[0] != experts
-        or entry.shape[2] != cols
+        or entry.shape[2] != width
         or (stop - start != out or stop > entry.shape[1])
+        or any(e is not None and e.shape[:2] != entry.shape[:2] for e in (scales, biases))
     ):
         raise InstallError(
             f"expert tensor {source.tensor} has shape {entry.shape}, but {path}.{name} needs "
-            f"({experts}, {out if source.rows is None else 'rows ' + str(source.rows)}, {cols}); "
-            "the checkpoint does not match its config.json"
+            f"({experts}, {out if source.rows is None else 'rows ' + str(source.rows)}, {width}"
+            f"{'' if spec is None else ' packed words'}); the checkpoint does not match its "
+            "config.json"
         )
-    if check_dtype and entry.dtype not in _DTYPES:
-        raise InstallError(
-            f"expert tensor {source.tensor} is {entry.dtype}; streamed experts read "
-            f"{', '.join(_DTYPES)} only: use ExpertCacheSlots.all() or re-import as bfloat16"
-        )
-    return ResolvedSlice(entry, start, (out, cols))
+    for e in (entry, scales, biases):
+        if check_dtype and e is not None and e.dtype not in _DTYPES:
+            raise InstallError(
+                f"expert tensor {source.tensor} is {e.dtype}; streamed experts read "
+                f"{', '.join(_DTYPES)} only: use ExpertCacheSlots.all() or re-import as bfloat16"
+            )
+    return ResolvedSlice(entry, start, (out, cols), spec, scales, biases)
 
 
 def check_policy(policy: ExpertCacheSlots, spec: MoESpec | None, family: str) -> None:
@@ -185,7 +233,8 @@ class ExpertCacheStats(BaseModel):
 
     A hit or miss is one distinct expert a step of one layer routes to, found
     resident or read in. Under ``all()`` nothing is counted (every expert is
-    resident; no step looks), and ``resident_bytes`` is every expert."""
+    resident; no step looks), and ``resident_bytes`` is every expert. Bytes are
+    as held: a quantized expert's packed words, scales and biases."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -224,7 +273,7 @@ class ExpertCache:
     slices: dict[str, ResolvedSlice]
     num_experts: int
     num_slots: int
-    dtype: mx.Dtype
+    dtype: mx.Dtype  # of floating values; packed words and uint8 scales stay as stored
     counters: Counters
     tables: dict[str, mx.array] = field(init=False)
     _expert_in: list[int | None] = field(init=False)  # slot -> expert
@@ -234,9 +283,12 @@ class ExpertCache:
     _step: int = 0
 
     def __post_init__(self) -> None:
-        self.tables = {
-            name: mx.zeros((self.num_slots, *s.shape), dtype=self.dtype)  # (n, out, in)
+        self.tables = {  # (n, out, in); packed: (n, out, words) and its (n, out, groups)
+            table: mx.zeros(
+                (self.num_slots, s.shape[0], entry.shape[2]), dtype=_slot_dtype(entry, self.dtype)
+            )
             for name, s in self.slices.items()
+            for table, entry in s.parts(name).items()
         }
         mx.eval(*self.tables.values())
         self._expert_in = [None] * self.num_slots
@@ -293,7 +345,7 @@ class ExpertCache:
             for slot, expert in zip(targets, rows, strict=True):
                 # A slice update at a dynamic start: written in place (the table's only
                 # reference is here), where a scatter costs ~10x as much on the CPU.
-                update = expert.astype(self.dtype)[None]  # (out, in) -> (1, out, in)
+                update = expert.astype(table.dtype)[None]  # (out, in) -> (1, out, in)
                 table = mx.slice_update(table, update, mx.array([slot]), axes=(0,))
             self.tables[name] = table
         mx.eval(*self.tables.values())
@@ -310,21 +362,21 @@ class ExpertCache:
     def _read(self, experts: list[int]) -> dict[str, list[mx.array]]:
         """Each expert's rows of each projection, read through a memory map of
         the file: only those byte ranges are touched."""
-        out: dict[str, list[mx.array]] = {name: [] for name in self.slices}
+        out: dict[str, list[mx.array]] = {name: [] for name in self.tables}
         maps: dict[Path, np.memmap] = {}
         try:
-            for name, piece in self.slices.items():
-                file = piece.entry.file
+            for table, piece, entry in self._pieces():
+                file = entry.file
                 if file not in maps:
                     maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
-                raw_dtype, mx_dtype = _DTYPES[piece.entry.dtype]
+                raw_dtype, mx_dtype = _DTYPES[entry.dtype]
                 for expert in experts:
-                    start, size = piece.byte_range(expert)
+                    start, size = piece.byte_range(expert, entry)
                     if start + size > maps[file].size:
                         raise OSError(f"{file} is shorter than its header says (truncated)")
                     rows = np.frombuffer(maps[file][start : start + size].tobytes(), raw_dtype)
                     array = mx.array(rows.reshape(piece.shape[0], -1))  # (out, in)
-                    out[name].append(array.view(mx_dtype) if raw_dtype.kind == "u" else array)
+                    out[table].append(array.view(mx_dtype) if raw_dtype.kind == "u" else array)
                     self.counters.bytes_read += size
         except (OSError, ValueError) as exc:
             raise InstallError(
@@ -335,6 +387,12 @@ class ExpertCache:
             for mapped in maps.values():
                 mapped._mmap.close()  # release the mapping now, not at garbage collection
         return out
+
+    def _pieces(self) -> Iterator[tuple[str, ResolvedSlice, TensorEntry]]:
+        """Every slot table with the projection and install tensor it is read from."""
+        for name, piece in self.slices.items():
+            for table, entry in piece.parts(name).items():
+                yield table, piece, entry
 
 
 class StreamedExperts:
@@ -358,7 +416,12 @@ class StreamedExperts:
     @property
     def tensor_names(self) -> set[str]:
         """The install tensors the caches read (left out of the loaded weights)."""
-        return {source.tensor for layer in self.spec.layers.values() for source in _sources(layer)}
+        return {
+            name
+            for layer in self.spec.layers.values()
+            for source in _sources(layer)
+            for name in _with_packing(source.tensor)
+        }
 
     def attach(self, model: object) -> None:
         """Point every :class:`~turbospark.layers.experts.ExpertLayer` of *model*
@@ -419,11 +482,16 @@ def _auto(
     entries: dict[str, TensorEntry],
     dtype: mx.Dtype,
 ) -> int:
-    """:func:`auto_slots` for this install: one expert's bytes in the compute
-    dtype, and every other tensor's bytes as stored."""
+    """:func:`auto_slots` for this install: one expert's bytes as a slot holds
+    them (packed, or in the compute dtype), and every other tensor's bytes as stored."""
     layer = next(iter(slices.values()))
-    one_expert = dtype.size * sum(out * cols for out, cols in (p.shape for p in layer.values()))
-    streamed = {source.tensor for layer in spec.layers.values() for source in _sources(layer)}
+    one_expert = sum(p.slot_bytes(dtype) for p in layer.values())
+    streamed = {
+        name
+        for layer in spec.layers.values()
+        for source in _sources(layer)
+        for name in _with_packing(source.tensor)
+    }
     other = sum(
         math.prod(entry.shape) * _itemsize(entry.dtype)
         for name, entry in entries.items()
@@ -437,6 +505,12 @@ def _sources(layer: dict[str, ExpertProjection]) -> Iterator[ExpertSlice]:
         yield from projection.sources
 
 
+def _with_packing(tensor: str) -> tuple[str, ...]:
+    """*tensor* and the scales and biases a packed one has beside it."""
+    base = tensor.removesuffix(".weight")
+    return (tensor, f"{base}.scales", f"{base}.biases")
+
+
 def _itemsize(dtype: str) -> int:
     """Bytes per element of a safetensors dtype name (``BF16``, ``F8_E4M3``, ``BOOL``...)."""
     bits = re.search(r"\d+", dtype)
@@ -446,10 +520,7 @@ def _itemsize(dtype: str) -> int:
 def resident_stats(spec: MoESpec, model: object, policy: ExpertCacheSlots) -> ExpertCacheStats:
     """The stats of a model whose experts are all resident (nothing streamed)."""
     resident = sum(
-        module[name].nbytes
-        for _, module in model.named_modules()
-        if isinstance(module, ExpertLayer)
-        for name in module.projections
+        module.nbytes for _, module in model.named_modules() if isinstance(module, ExpertLayer)
     )
     return ExpertCacheStats(
         policy=str(policy),

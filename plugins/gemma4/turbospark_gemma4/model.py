@@ -37,6 +37,7 @@ from turbospark.sdk import (
     ExpertLayer,
     ExpertProjection,
     ExpertSlice,
+    ExpertTable,
     GatedMLP,
     Join,
     LayerEnd,
@@ -49,6 +50,7 @@ from turbospark.sdk import (
     WeightT,
     apply_rope,
     cached_attention,
+    gather_experts,
     geglu,
     joiner,
     kernels_available,
@@ -62,9 +64,11 @@ from turbospark.sdk import (
     project,
     readable,
     require_divisible,
+    require_whole_groups,
     rope_freqs,
     runs_compiled,
     shard_attention,
+    shard_experts,
     shard_mlp,
     shared_attention,
     softcap,
@@ -295,6 +299,10 @@ def sanitize(weights: dict[str, mx.array], arch: Gemma4Config) -> dict[str, mx.a
       them, but those layers never compute K/V);
     - splits the fused ``experts.gate_up_proj`` ``(E, 2I, H)`` into
       ``experts.gate_proj`` and ``experts.up_proj`` ``(E, I, H)`` each;
+    - reads mlx-lm's expert names (``experts.switch_glu.<proj>.weight``) as
+      ``experts.<proj>``; a packed table's ``scales`` and ``biases`` (under
+      either name) become ``experts.<proj>_scales`` and ``_biases``, split like
+      the words when fused (quantization runs along the inputs, so rows split alike);
     - reads a multimodal checkpoint's decoder (``model.language_model.*``) and
       drops its vision/audio towers, as mlx-lm's ``gemma4`` does.
     """
@@ -307,14 +315,26 @@ def sanitize(weights: dict[str, mx.array], arch: Gemma4Config) -> dict[str, mx.a
             layer = int(name.split("layers.")[1].split(".")[0])
             if not arch.owns_kv(layer):
                 continue
-        if name.endswith(".experts.gate_up_proj"):
-            base = name.removesuffix(".gate_up_proj")
+        if ".experts." in name:
+            name = _expert_name(name)
+        if ".experts.gate_up_proj" in name:
+            base, part = name.split(".gate_up_proj")  # part: "" or "_scales" / "_biases"
             gate, up = mx.split(value, 2, axis=-2)  # (E, 2I, H) -> 2 x (E, I, H)
-            out[f"{base}.gate_proj"] = mx.contiguous(gate)
-            out[f"{base}.up_proj"] = mx.contiguous(up)
+            out[f"{base}.gate_proj{part}"] = mx.contiguous(gate)
+            out[f"{base}.up_proj{part}"] = mx.contiguous(up)
             continue
         out[name] = value
     return out
+
+
+def _expert_name(name: str) -> str:
+    """``...experts.switch_glu.gate_proj.weight`` (mlx-lm) -> ``...experts.gate_proj``;
+    ``....scales`` / ``.biases`` -> ``...experts.gate_proj_scales`` / ``_biases``."""
+    name = name.replace(".experts.switch_glu.", ".experts.", 1).removesuffix(".weight")
+    for part in ("scales", "biases"):
+        if name.endswith(f"_proj.{part}"):
+            return f"{name.removesuffix('.' + part)}_{part}"
+    return name
 
 
 # -- blocks -------------------------------------------------------------------
@@ -483,10 +503,7 @@ class Experts(ExpertLayer):
         """Each rank keeps a slice of every expert's inner width; the weighted
         expert sum is linear in the down projection, so one ``all_sum`` of the
         partial outputs is the whole result."""
-        size, rank = group.size(), group.rank()
-        self.gate_proj = mx.contiguous(mx.split(self.gate_proj, size, axis=1)[rank])
-        self.up_proj = mx.contiguous(mx.split(self.up_proj, size, axis=1)[rank])
-        self.down_proj = mx.contiguous(mx.split(self.down_proj, size, axis=2)[rank])
+        shard_experts(self, group, into=("gate_proj", "up_proj"), out_of=("down_proj",))
         self.group = group
 
     def __call__(
@@ -497,10 +514,10 @@ class Experts(ExpertLayer):
         # (N, H) -> (N, 1, 1, H): batch dims (N, 1) broadcast against the (N, k) indices.
         x = x[:, None, None, :]
 
-        def geglu_experts(w: dict[str, mx.array], idx: mx.array) -> mx.array:
-            gate = mx.gather_mm(x, w["gate_proj"].swapaxes(-1, -2), rhs_indices=idx)  # (N, k, 1, I)
-            up = mx.gather_mm(x, w["up_proj"].swapaxes(-1, -2), rhs_indices=idx)
-            return mx.gather_mm(geglu(gate, up), w["down_proj"].swapaxes(-1, -2), rhs_indices=idx)
+        def geglu_experts(w: dict[str, ExpertTable], idx: mx.array) -> mx.array:
+            gate = gather_experts(x, w["gate_proj"], idx)  # (N, k, 1, I)
+            up = gather_experts(x, w["up_proj"], idx)
+            return gather_experts(geglu(gate, up), w["down_proj"], idx)
 
         y = self.routed(chosen, geglu_experts, overlap=[dense])
         y = y.squeeze(-2)  # (N, k, 1, H) -> (N, k, H)
@@ -517,7 +534,9 @@ def moe_spec(arch: Gemma4Config) -> MoESpec | None:
     """Where each layer's experts live in an install: a fused ``gate_up_proj``
     ``(E, 2I, H)`` (the release layout; gate is the first half of axis 1, as
     ``sanitize`` splits it) or split ``gate_proj``/``up_proj``, under ``model.``
-    or a multimodal release's ``model.language_model.``."""
+    or a multimodal release's ``model.language_model.``, or mlx-lm's
+    ``switch_glu.<proj>.weight`` (packed or not: the cache finds the scales
+    and biases beside a packed tensor)."""
     if not arch.enable_moe_block:
         return None
     inner = arch.moe_intermediate_size
@@ -528,7 +547,9 @@ def moe_spec(arch: Gemma4Config) -> MoESpec | None:
         prefixes = [f"model.layers.{i}.experts", f"model.language_model.layers.{i}.experts"]
         layer = {}
         for name, shape in shapes.items():
-            sources = [ExpertSlice(tensor=f"{p}.{name}") for p in prefixes]
+            sources = [ExpertSlice(tensor=f"{p}.{name}") for p in prefixes] + [
+                ExpertSlice(tensor=f"{p}.switch_glu.{name}.weight") for p in prefixes
+            ]
             if name in fused:
                 sources = [
                     ExpertSlice(tensor=f"{p}.gate_up_proj", rows=fused[name]) for p in prefixes
@@ -820,6 +841,14 @@ class Gemma4(nn.Module):
             require_divisible(group, intermediate_size=arch.layer_intermediate_size(i))
         if arch.enable_moe_block:
             require_divisible(group, moe_intermediate_size=arch.moe_intermediate_size)
+        for i, layer in enumerate(self.model.layers):  # quantized: whole groups on each rank
+            outs = {
+                "self_attn.o_proj": layer.self_attn.o_proj,
+                "mlp.down_proj": layer.mlp.down_proj,
+            }
+            if layer.moe:
+                outs["experts.down_proj"] = layer.experts.tables()["down_proj"]
+            require_whole_groups(group, **{f"model.layers.{i}.{k}": v for k, v in outs.items()})
         for layer in self.model.layers:
             attn = layer.self_attn
             owned = ("k_proj",) if attn.k_eq_v else ("k_proj", "v_proj")

@@ -61,6 +61,7 @@ from turbospark.sdk import (
     project,
     readable,
     require_divisible,
+    require_whole_groups,
     runs_compiled,
     shard_attention,
     shard_gated_delta,
@@ -569,6 +570,11 @@ class QwenGdn(nn.Module):
             linear_num_key_heads=arch.linear_num_key_heads,
             linear_num_value_heads=arch.linear_num_value_heads,
         )
+        for i, layer in enumerate(self.model.layers):  # quantized: whole groups on each rank
+            out = layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
+            name = "linear_attn.out_proj" if layer.is_linear else "self_attn.o_proj"
+            outs = {name: out, "mlp.down_proj": layer.mlp.down_proj}
+            require_whole_groups(group, **{f"model.layers.{i}.{k}": v for k, v in outs.items()})
         for layer in self.model.layers:
             if layer.is_linear:
                 shard_gated_delta(layer.linear_attn, group)
