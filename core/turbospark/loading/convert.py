@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from pydantic import ValidationError
 from tqdm import tqdm
 
@@ -130,6 +130,22 @@ def quantize_model(
         if setting != spec
     }
     return Quantization(default=spec, overrides=block)  # type: ignore[arg-type]
+
+
+def quantized_weights(
+    model: nn.Module,
+    config: dict[str, Any],
+    spec: QuantSpec,
+    overrides: dict[str, QuantSpec | bool],
+    *,
+    progress: bool = False,
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Quantize the loaded *model* and return its parameters under their names,
+    with *config* plus mlx-lm's block (``quantization`` and its copy
+    ``quantization_config``, which transformers reads): what an install holds."""
+    block = quantize_model(model, spec, overrides, progress=progress).to_config()
+    weights = dict(tree_flatten(model.parameters()))
+    return weights, {**config, "quantization": block, "quantization_config": block}
 
 
 def describe_block(block: Quantization | None) -> str:

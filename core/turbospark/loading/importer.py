@@ -24,7 +24,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
 
@@ -32,7 +31,7 @@ from turbospark.contract.hookspecs import ArchConfig
 from turbospark.errors import InstallError
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config, read_config
 from turbospark.loading.install import Manifest, write_install
-from turbospark.loading.convert import overrides_of, quantize_model
+from turbospark.loading.convert import overrides_of, quantized_weights
 from turbospark.loading.plugins import FamilyRegistry, default_registry
 from turbospark.loading.quantization import Quantization, QuantSpec
 
@@ -142,7 +141,10 @@ def import_checkpoint(
         refuse_requantizing(src, raw_config, weights)
     model = check_weights(arch, weights, reg)
     if quantize is not None:
-        weights, raw_config = quantized_weights(model, arch, raw_config, quantize, reg, progress)
+        overrides = reg.get(arch.family).manager().hook.turbospark_quantize_overrides(arch=arch)
+        weights, raw_config = quantized_weights(
+            model, raw_config, quantize, overrides_of(overrides, arch.family), progress=progress
+        )
     extra = {name: (src / name).read_bytes() for name in TEXT_FILES if (src / name).is_file()}
     try:
         return write_install(
@@ -169,27 +171,6 @@ def refuse_requantizing(src: Path, config: dict[str, Any], weights: dict[str, mx
             f"{src} is already quantized ({what}); import it without --quantize, "
             "or quantize its floating-point original"
         )
-
-
-def quantized_weights(
-    model: nn.Module,
-    arch: ArchConfig,
-    config: dict[str, Any],
-    spec: QuantSpec,
-    registry: FamilyRegistry,
-    progress: bool,
-) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Quantize the loaded *model* and return its parameters under their names
-    with *config* plus mlx-lm's block (``quantization`` and its copy
-    ``quantization_config``, which transformers reads)."""
-    hook = registry.get(arch.family).manager().hook
-    overrides = overrides_of(hook.turbospark_quantize_overrides(arch=arch), arch.family)
-    block = quantize_model(model, spec, overrides, progress=progress).to_config()
-    return dict(tree_flatten(model.parameters())), {
-        **config,
-        "quantization": block,
-        "quantization_config": block,
-    }
 
 
 def check_weights(
