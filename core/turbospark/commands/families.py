@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -13,8 +15,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="List installed family plugins, their HF model types and state components "
         "with capabilities; broken plugins are listed with the reason.",
     )
+    parser.add_argument(
+        "installs",
+        nargs="*",
+        type=Path,
+        metavar="INSTALL",
+        help="also describe these install directories (family, dtype, quantization), "
+        "read from their manifest and config.json without loading weights",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.set_defaults(func=run)
+
+
+def describe_install(path: Path) -> dict[str, Any]:
+    """An install's family and packing from its manifest and config block alone."""
+    from turbospark.loading.checkpoint_config import read_config
+    from turbospark.loading.convert import describe_block
+    from turbospark.loading.install import read_manifest
+    from turbospark.loading.quantization import Quantization
+
+    manifest = read_manifest(path)
+    block = Quantization.from_config(read_config(path / "config.json").model_dump())
+    return {
+        "path": str(path),
+        "model_id": manifest.model_id,
+        "family": manifest.family,
+        "dtype": manifest.dtype,
+        "quantization": None if block is None else block.to_config(),
+        "quantization_summary": describe_block(block),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,8 +66,12 @@ def run(args: argparse.Namespace) -> int:
         for fam in registry.families.values()
     ]
     broken = [{"name": b.name, "source": b.source, "error": b.error} for b in registry.broken]
+    installs = [describe_install(path) for path in args.installs]
     if args.json:
-        print(json.dumps({"families": families, "broken": broken}, indent=2))
+        out: dict[str, Any] = {"families": families, "broken": broken}
+        if args.installs:
+            out["installs"] = installs
+        print(json.dumps(out, indent=2))
         return 0
     if not families:
         print(registry.describe_installed())
@@ -65,4 +98,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"    {c['name']:<14} {', '.join(flags)}  — {c['description']}")
     for b in broken:
         print(f"BROKEN {b['name']} ({b['source']}): {b['error']}")
+    for inst in installs:
+        print(
+            f"install {inst['path']}: {inst['model_id']} ({inst['family']}, {inst['dtype']}, "
+            f"{inst['quantization_summary']})"
+        )
     return 0

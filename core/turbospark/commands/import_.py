@@ -6,11 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+from turbospark.commands import add_quantize_flags, quantize_spec
+
 # turbospark.loading.importer.DTYPES, written out so building the parser loads no MLX
 # (tests/test_cli.py holds the two equal).
 DTYPES = ("bfloat16", "float16", "float32")
-# turbospark.loading.quantization.MODES, likewise.
-MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,37 +25,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPES, help="cast floating weights (default: keep)")
     parser.add_argument("--family", help="the family to use (default: found by model_type)")
     parser.add_argument("--model-id", help="the id served as `model` (default: HF_DIR's name)")
-    parser.add_argument(
-        "--quantize",
-        type=int,
-        metavar="BITS",
-        help="quantize as `mlx_lm.convert -q --q-bits BITS` does (4 or 8; affine also takes "
-        "2, 3, 5, 6), so mlx-lm loads the install too (default: keep the checkpoint's weights)",
-    )
-    parser.add_argument(
-        "--group-size",
-        type=int,
-        metavar="N",
-        help="weights per scale with --quantize (affine: 32, 64 or 128, default 64; "
-        "the other modes fix it)",
-    )
-    parser.add_argument(
-        "--mode", choices=MODES, default="affine", help="quantization mode (default: affine)"
-    )
+    add_quantize_flags(parser, "write the install so mlx-lm loads it too")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from turbospark.errors import InvalidInput
     from turbospark.loading.checkpoint_config import read_config
-    from turbospark.loading.convert import describe_block, requested_spec
+    from turbospark.loading.convert import describe_block
     from turbospark.loading.importer import import_checkpoint
     from turbospark.loading.quantization import Quantization
 
-    if args.quantize is None and (args.group_size is not None or args.mode != "affine"):
-        raise InvalidInput("--group-size and --mode apply with --quantize BITS; add it")
-    spec = None if args.quantize is None else requested_spec(args.quantize, args.group_size, args.mode)
+    spec = quantize_spec(args)
     manifest = import_checkpoint(
         args.hf_dir,
         args.out,

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from turbospark.contract.hookspecs import ArchConfig
 from turbospark.errors import InstallError
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config, read_config
-from turbospark.loading.install import Manifest, write_install
 from turbospark.loading.convert import overrides_of, quantized_weights
+from turbospark.loading.install import Manifest, write_install
 from turbospark.loading.plugins import FamilyRegistry, default_registry
 from turbospark.loading.quantization import Quantization, QuantSpec
 
