@@ -33,7 +33,14 @@ def _block(path: Path) -> dict:
 
 @pytest.mark.parametrize(
     ("name", "bits", "group"),
-    [("gemma4", 4, 32), ("gemma4", 8, 64), ("qwen_gdn", 4, 64), ("qwen_gdn", 8, 32)],
+    [
+        ("gemma4", 4, 32),
+        ("gemma4", 8, 64),
+        ("gemma4_moe", 4, 32),
+        ("gemma4_moe", 8, 64),
+        ("qwen_gdn", 4, 64),
+        ("qwen_gdn", 8, 32),
+    ],
 )
 def test_our_checkpoint_is_the_one_mlx_lm_writes(
     name: str, bits: int, group: int, tmp_path: Path
@@ -49,7 +56,10 @@ def test_our_checkpoint_is_the_one_mlx_lm_writes(
     for key, value in expected.items():
         assert got[key].dtype == value.dtype and mx.array_equal(got[key], value).item(), key
     block, reference = _block(ours), _block(theirs)
-    assert {k: block[k] for k in ("bits", "group_size", "mode")} == reference
+    mine = Quantization.from_config({"quantization": block})
+    upstream = Quantization.from_config({"quantization": reference})
+    assert mine is not None and upstream is not None and mine.default == upstream.default
+    assert {k: mine.overrides[k] for k in upstream.overrides} == upstream.overrides
     kept = [path for path, value in block.items() if value is False]
     assert all(f"{path}.scales" not in got and f"{path}.weight" in load_weights(
         ours, read_manifest(ours)

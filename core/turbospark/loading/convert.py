@@ -12,6 +12,11 @@ family's :func:`~turbospark.contract.hookspecs.turbospark_quantize_overrides`
 gives by path suffix (mlx-lm's ``quant_predicate``: gemma4 keeps its MoE
 router at 8 bits in groups of 64). A module left in floating point is
 recorded as ``false`` in the config block, so a reader need not infer it.
+
+Routed experts (an :class:`~turbospark.layers.experts.ExpertLayer`'s stacked
+``(E, out, in)`` tables) are packed by the same rule and written as mlx-lm
+writes its ``SwitchGLU``: ``<layer>.switch_glu.<projection>.weight`` beside
+its ``scales`` and ``biases``, the one layout of packed experts mlx-lm reads.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from turbospark.errors import InstallError
+from turbospark.layers.experts import ExpertLayer
 from turbospark.loading.checkpoint_config import describe
 from turbospark.loading.quantization import AFFINE_BITS, FIXED, Quantization, QuantSpec
 
@@ -78,16 +84,23 @@ def overrides_of(raw: dict[str, Any] | None, family: str) -> dict[str, QuantSpec
 
 
 def _setting(
-    path: str, module: nn.Module, spec: QuantSpec, overrides: dict[str, QuantSpec | bool]
+    path: str, width: int, spec: QuantSpec, overrides: dict[str, QuantSpec | bool]
 ) -> QuantSpec | None:
-    """What mlx-lm's ``wrapped_predicate`` gives *module*: None keeps it in floating
-    point (no quantized form, or the group size does not divide its input width)."""
-    if module.weight.shape[-1] % spec.group_size:
+    """What mlx-lm's ``wrapped_predicate`` gives the module at *path* whose input
+    is *width* wide: None keeps it in floating point (the group size does not
+    divide its width, or the family says so)."""
+    if width % spec.group_size:
         return None
     chosen = next((v for k, v in overrides.items() if path.endswith(k)), True)
     if chosen is False:
         return None
     return spec if chosen is True else chosen
+
+
+def _overridden(path: str, overrides: dict[str, QuantSpec | bool]) -> bool:
+    """Whether the family names *path*'s packing (recorded even when it is the
+    default, as mlx-lm records whatever its ``quant_predicate`` returns)."""
+    return any(path.endswith(k) and v is not True for k, v in overrides.items())
 
 
 def quantize_model(
@@ -97,19 +110,24 @@ def quantize_model(
     *,
     progress: bool = False,
 ) -> Quantization:
-    """Quantize *model* in place with *spec* (and *overrides* by path suffix);
-    returns the config block that describes the result."""
+    """Quantize *model*'s linear layers and embeddings in place with *spec* (and
+    *overrides* by path suffix); returns the config block that describes them."""
     candidates = [
         (path, module)
         for path, module in model.named_modules()
         if hasattr(module, "to_quantized") and hasattr(module, "weight")
     ]
-    chosen = {path: _setting(path, m, spec, overrides or {}) for path, m in candidates}
-    if candidates and not any(chosen.values()):
-        widths = sorted({m.weight.shape[-1] for _, m in candidates})
+    chosen = {
+        path: _setting(path, m.weight.shape[-1], spec, overrides or {}) for path, m in candidates
+    }
+    widths = {m.weight.shape[-1] for _, m in candidates} | {
+        table.shape[-1] for _, table in _expert_tables(model)
+    }
+    if widths and all(width % spec.group_size for width in widths):
         raise InstallError(
             f"group size {spec.group_size} divides the input width of no module "
-            f"(widths {', '.join(map(str, widths[:8]))}); pass a --group-size that divides them"
+            f"(widths {', '.join(map(str, sorted(widths)[:8]))}); pass a --group-size "
+            "that divides them"
         )
     quantized: list[tuple[str, nn.Module]] = []
     with tqdm(total=len(candidates), unit="module", desc="quantize", disable=not progress) as bar:
@@ -127,9 +145,44 @@ def quantize_model(
     block: dict[str, QuantSpec | bool] = {
         path: (False if setting is None else setting)
         for path, setting in chosen.items()
-        if setting != spec
+        if setting != spec or _overridden(path, overrides or {})
     }
     return Quantization(default=spec, overrides=block)  # type: ignore[arg-type]
+
+
+def _expert_tables(model: nn.Module) -> list[tuple[str, mx.array]]:
+    """Every resident stacked expert table, by its ``switch_glu`` module path."""
+    return [
+        (f"{path}.switch_glu.{name}", module[name])
+        for path, module in model.named_modules()
+        if isinstance(module, ExpertLayer)
+        for name in module.projections
+        if name in module
+    ]
+
+
+def _packed_experts(
+    model: nn.Module, spec: QuantSpec, overrides: dict[str, QuantSpec | bool]
+) -> tuple[dict[str, mx.array], dict[str, QuantSpec | bool]]:
+    """The expert tables as mlx-lm's converter writes them (``switch_glu``), packed
+    where the rule packs them, with the block's entries for those it does not."""
+    tensors: dict[str, mx.array] = {}
+    block: dict[str, QuantSpec | bool] = {}
+    for path, table in _expert_tables(model):
+        setting = _setting(path, table.shape[-1], spec, overrides)
+        if setting is None:
+            tensors[f"{path}.weight"] = table
+            block[path] = False
+            continue
+        words, scales, *biases = mx.quantize(
+            table, group_size=setting.group_size, bits=setting.bits, mode=setting.mode
+        )
+        tensors |= {f"{path}.weight": words, f"{path}.scales": scales}
+        tensors |= {f"{path}.biases": b for b in biases if b is not None}
+        mx.eval(list(tensors.values()))
+        if setting != spec or _overridden(path, overrides):
+            block[path] = setting
+    return tensors, block
 
 
 def quantized_weights(
@@ -140,12 +193,25 @@ def quantized_weights(
     *,
     progress: bool = False,
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Quantize the loaded *model* and return its parameters under their names,
-    with *config* plus mlx-lm's block (``quantization`` and its copy
-    ``quantization_config``, which transformers reads): what an install holds."""
-    block = quantize_model(model, spec, overrides, progress=progress).to_config()
-    weights = dict(tree_flatten(model.parameters()))
-    return weights, {**config, "quantization": block, "quantization_config": block}
+    """Quantize the loaded *model* and return its parameters under their names
+    (routed experts under mlx-lm's), with *config* plus mlx-lm's block
+    (``quantization`` and its copy ``quantization_config``, which transformers
+    reads): what an install holds."""
+    described = quantize_model(model, spec, overrides, progress=progress)
+    experts, expert_block = _packed_experts(model, spec, overrides)
+    layers = {path.rsplit(".switch_glu.", 1)[0] for path in expert_block} | {
+        name.rsplit(".switch_glu.", 1)[0] for name in experts
+    }
+    weights = {
+        name: value
+        for name, value in tree_flatten(model.parameters())
+        if name.rsplit(".", 1)[0] not in layers
+    }
+    block = Quantization(
+        default=spec,
+        overrides={**described.overrides, **expert_block},  # type: ignore[dict-item]
+    ).to_config()
+    return weights | experts, {**config, "quantization": block, "quantization_config": block}
 
 
 def describe_block(block: Quantization | None) -> str:
