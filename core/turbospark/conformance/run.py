@@ -89,6 +89,12 @@ def _examples(examples: int | None) -> Iterator[None]:
             os.environ[EXAMPLES_ENV] = previous
 
 
+def kit_module(family: str, quantize: QuantSpec | None) -> str:
+    """The one-class test module :func:`run_kit` runs."""
+    spec = None if quantize is None else f"QuantSpec(**{quantize.model_dump()!r})"
+    return MODULE.format(family=family, quantize=spec)
+
+
 def run_kit(
     family: str, examples: int | None = None, quantize: QuantSpec | None = None
 ) -> KitReport:
@@ -100,8 +106,7 @@ def run_kit(
     with tempfile.TemporaryDirectory(prefix="turbospark-conformance-") as scratch:
         root = Path(scratch)
         module = root / "test_conformance.py"
-        spec = None if quantize is None else f"QuantSpec(**{quantize.model_dump()!r})"
-        module.write_text(MODULE.format(family=family, quantize=spec))
+        module.write_text(kit_module(family, quantize))
         (root / "pytest.ini").write_text("[pytest]\n")
         args = [
             str(module),
