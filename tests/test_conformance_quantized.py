@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import pytest
 
 from turbospark.conformance import FamilyConformance, FamilyKit
-from turbospark.conformance.run import MODULE
+from turbospark.conformance.run import kit_module
 from turbospark.loading.install import build_synthetic_install
 from turbospark.loading.quantization import QuantSpec, quantization_of, summary
 
@@ -60,8 +60,5 @@ def test_the_kit_checks_a_quantized_model(tmp_path: Path) -> None:
 
 def test_the_command_line_kit_asks_for_the_settings_given() -> None:
     namespace: dict[str, Any] = {}
-    exec(
-        MODULE.format(family="qwen4_exp", quantize=f"QuantSpec(**{FOUR_BIT.model_dump()!r})"),
-        namespace,
-    )
+    exec(kit_module("qwen4_exp", FOUR_BIT), namespace)
     assert namespace["TestConformance"].quantize == FOUR_BIT
