@@ -49,10 +49,22 @@ REPLY = 12
 Case = tuple[Path, Any]  # (our install, mlx-lm's model of the same checkpoint)
 
 
+# The fast loop keeps two corners of the matrix; the rest is slow-marked.
+FAST = {("qwen_gdn", 4, "ours"), ("gemma4_moe", 4, "mlx_lm")}
+
+
 @pytest.fixture(
     scope="module",
-    params=[(n, b, w) for n in MLX_LM_FAMILIES for b in SPECS for w in WRITERS],
-    ids=lambda p: f"{p[0]}-{p[1]}bit-{p[2]}",
+    params=[
+        pytest.param(
+            (n, b, w),
+            id=f"{n}-{b}bit-{w}",
+            marks=() if (n, b, w) in FAST else pytest.mark.slow,
+        )
+        for n in MLX_LM_FAMILIES
+        for b in SPECS
+        for w in WRITERS
+    ],
 )
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
     name, bits, writer = request.param
