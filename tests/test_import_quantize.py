@@ -199,3 +199,20 @@ def test_families_names_a_directory_that_is_no_install(
 ) -> None:
     assert main(["families", str(tmp_path)]) == 2
     assert "is not a turbospark install" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_names_the_packing_it_loaded_and_answers_the_openai_client(tmp_path: Path) -> None:
+    import openai
+    from serving import serve_process
+
+    install = tmp_path / "install"
+    build_synthetic_install("qwen4_exp", install, quantize=QuantSpec(bits=4, group_size=32))
+    with serve_process(install, "--no-warm-up", family="qwen4_exp") as (process, base):
+        api = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        model = api.models.list().data[0].id
+        reply = api.completions.create(model=model, prompt="hello", max_tokens=4, temperature=0)
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        process.kill()
+        printed = process.communicate()[0]
+    assert "(qwen4_exp, float32, 4-bit affine, group 32)" in printed
