@@ -157,6 +157,27 @@ def print_family(family: str, res: dict[str, Any]) -> None:
         print_experts(experts)
 
 
+def print_quantized(result: dict[str, Any]) -> None:
+    """One line per size and width: decode, prefill and memory against mlx-lm."""
+    for size, by_size in result.items():
+        for name, row in by_size["rows"].items():
+            fwd, mem = row["forward"], row["memory"]
+            ours = fwd["engines"]["ours_generate"]
+            line = (
+                f"{size:<6} {name:<5} decode {ours['decode_tok_s']:8.1f} tok/s "
+                f"x{fwd['generate_decode_ratio_vs_mlx_lm']:.2f} mlx-lm "
+                f"({row['decode_vs_float']:.2f} of float), prefill "
+                f"x{fwd['generate_prefill_ratio_vs_mlx_lm']:.2f}, weights "
+                f"{mem['ours']['loaded_bytes'] / 1e9:.2f} GB "
+                f"(x{row['loaded_memory_ratio_vs_mlx_lm']:.3f}), peak "
+                f"x{row['peak_memory_ratio_vs_mlx_lm']:.3f}"
+            )
+            for n, level in row.get("concurrency", {}).get("levels", {}).items():
+                if "tok_s_ratio" in level:
+                    line += f", N={n} x{level['tok_s_ratio']:.2f}"
+            print(line)
+
+
 def print_section(section: str, family: str, result: dict[str, Any]) -> None:
     """One finished section of ``bench.run``, printed as it ends."""
     if section in ("forward", "interleaved", "serving", "concurrency", "server_step", "swap",
@@ -196,6 +217,8 @@ def print_section(section: str, family: str, result: dict[str, Any]) -> None:
         from bench.replicas import print_summary
 
         print_summary(result)
+    elif section == "quantized":
+        print_quantized(result)
     else:
         keys = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
         print(keys or sorted(result))

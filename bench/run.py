@@ -29,6 +29,8 @@ Sections, default all but ``tp`` and ``replicas`` (``--only`` picks):
 - ``draft``: speculative decoding's tok/s against acceptance and depth, against off;
 - ``experts`` (gemma4): the routed-expert cache against slot count;
 - ``steering``: decode with every layer steered against steering off;
+- ``quantized`` (gemma4, qwen_gdn): 8- and 4-bit conversions by ``mlx_lm.convert``
+  against mlx-lm on the same directory: forward, memory, concurrency;
 - ``constrain`` (once): llguidance against xgrammar per token;
 - ``batch_decode`` (once, qwen4_exp): batched decode against row by row;
 - ``tp`` (GPU, two cards): tensor parallel TP=2 against TP=1;
@@ -68,6 +70,7 @@ from bench.report import print_section
 from bench.workload import ChatWorkload
 
 SERVER_STEP = ConcurrencyPlan(clients=(16,))  # 16 clients, 3 turns, 64 tokens a reply
+QUANTIZED_CONCURRENCY = ConcurrencyPlan(clients=(16,))
 HERE = Path(__file__).resolve().parent
 UNTRACKED = HERE / "out"  # gitignored
 REFERENCE = HERE / "results"  # committed
@@ -122,6 +125,10 @@ class Plan:
     session_disk_lengths: tuple[int, ...] = (1024, 4096, 16384)
     host_cost_steps: int = 100
     host_cost_rounds: int = 3
+    # bench/quantized.py: sizes converted to 8 and 4 bits; the first also runs
+    # the concurrency plan on each conversion
+    quantized_sizes: tuple[str, ...] = ("small",)
+    quantized_concurrency: ConcurrencyPlan | None = QUANTIZED_CONCURRENCY
 
 
 QUICK = Plan(
@@ -150,6 +157,7 @@ QUICK = Plan(
     session_disk_lengths=(1024, 4096),
     host_cost_steps=30,
     host_cost_rounds=1,
+    quantized_concurrency=None,
 )
 CPU = Plan(
     forward_sizes=("small", "medium"),
@@ -191,11 +199,12 @@ GPU = Plan(
     step_cost_size="chat_large",
     prefill_cost_size="chat_large",
     session_disk_size="large",
+    quantized_sizes=("large", "tp8b"),
 )
 SECTIONS = (
     "forward", "interleaved", "serving", "concurrency", "server_step", "step_cost",
     "prefill_cost", "host_cost", "swap", "session_disk", "dispatch", "draft", "experts",
-    "steering", "constrain", "batch_decode", "tp", "replicas",
+    "steering", "quantized", "constrain", "batch_decode", "tp", "replicas",
 )  # fmt: skip
 
 
@@ -345,6 +354,26 @@ def _steering(ctx: Context, family: str) -> dict[str, Any]:
     return bench_steering(ctx.install(family, p.steering_size), p.decode_tokens, p.reps)
 
 
+def _quantized(ctx: Context, family: str) -> dict[str, Any] | None:
+    from bench.quantized import bench_quantized
+
+    if family not in ("gemma4", "qwen_gdn"):  # the families mlx-lm converts
+        return None
+    p = ctx.plan
+    return {
+        size: bench_quantized(
+            ctx.install(family, size),
+            prompt_tokens=p.prompt_tokens,
+            decode_tokens=p.decode_tokens,
+            chunk=p.chunk,
+            reps=p.reps,
+            log_dir=ctx.logs / "quantized",
+            concurrency=p.quantized_concurrency if i == 0 else None,
+        )
+        for i, size in enumerate(p.quantized_sizes)
+    }
+
+
 def _constrain(ctx: Context, family: str) -> dict[str, Any]:
     from bench.constrain import bench_constrain
 
@@ -376,7 +405,8 @@ RUN: dict[str, Callable[[Context, str], dict[str, Any] | None]] = {
     "concurrency": _concurrency, "server_step": _server_step, "step_cost": _step_cost,
     "prefill_cost": _prefill_cost, "host_cost": _host_cost, "swap": _swap,
     "session_disk": _session_disk, "dispatch": _dispatch, "draft": _draft,
-    "experts": _experts, "steering": _steering, "constrain": _constrain,
+    "experts": _experts, "steering": _steering, "quantized": _quantized,
+    "constrain": _constrain,
     "batch_decode": _batch_decode, "tp": _tp, "replicas": _replicas,
 }  # fmt: skip
 

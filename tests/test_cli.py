@@ -68,7 +68,7 @@ def test_demo_runs_both_modes_and_the_pool_prefills_less(family, tmp_path, capsy
 def test_a_refusal_prints_one_line_and_exits_2(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "manifest.json not found" in err[0]
+    assert len(err) == 1 and "neither manifest.json (an install) nor config.json" in err[0]
 
 
 def test_python_dash_m_runs_the_cli():

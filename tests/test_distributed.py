@@ -110,8 +110,8 @@ def test_every_rank_refuses_bad_groups_with_one_line(gemma4_install, qwen4_exp_i
     for rank in (0, 1):
         got = json.loads((tmp_path / f"out.{rank}").read_text())
         assert got["fine"] is None
-        assert got["mismatch"].startswith("mismatched installs (manifest.json) across ranks")
-        assert "install the same checkpoint on every rank" in got["mismatch"]
+        assert got["mismatch"].startswith("mismatched models (verified manifests) across ranks")
+        assert "open the same checkpoint on every rank" in got["mismatch"]
         assert got["heads"].startswith("world size 2 does not divide num_attention_heads=3")
         assert "mlx.launch -n 3" in got["heads"]
         assert got["family"].startswith("family 'qwen4_exp' cannot be sharded across 2")

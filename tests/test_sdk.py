@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
 import types
 
 import pytest
@@ -65,30 +64,6 @@ def test_a_deprecated_name_still_works_and_names_its_replacement(
         _ = sdk.Nothing  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("turbospark.hookspecs", "turbospark.contract.hookspecs"),
-        ("turbospark.layers.norm_cuda", "turbospark.layers.cuda.norm"),
-        ("turbospark.runner", "turbospark.generation.runner"),
-    ],
-)
-def test_an_old_module_path_imports_the_new_module_with_a_warning(
-    old: str, new: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new} .* turbospark\.sdk"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-
-
-def test_an_old_name_of_the_state_module_warns() -> None:
-    import turbospark.state
-
-    with pytest.warns(DeprecationWarning, match=r"turbospark\.state\.kv\.KVComponent"):
-        assert turbospark.state.KVComponent is sdk.KVComponent  # type: ignore[attr-defined]
-
-
 def test_a_component_spec_takes_its_capabilities_from_the_class() -> None:
     spec = sdk.ComponentSpec.of(sdk.GDNComponent.CAPABILITIES, "gdn", "recurrent state")
     assert (spec.swappable, spec.rewindable, spec.batchable, spec.traceable) == (
@@ -107,40 +82,13 @@ def test_a_component_spec_never_widens_its_class() -> None:
         sdk.ComponentSpec.of(sdk.KVComponent.WINDOWED, "window", "a ring", rewindable=True)
 
 
-@pytest.mark.parametrize(
-    ("name", "module", "replacement"),
-    [
-        ("attention_cuda", "turbospark.layers.cuda.attention", "kernel_cache"),
-        ("heads_cuda", "turbospark.layers.cuda.heads", "norm_rope"),
-        ("gdn_cuda", "turbospark.layers.cuda.gdn", "gated_delta_layer_step"),
-    ],
-)
-def test_a_kernel_module_the_families_no_longer_need_warns(
-    name: str, module: str, replacement: str
-) -> None:
-    with pytest.warns(DeprecationWarning, match=rf"sdk\.{name} .* SDK 1\.2; use .*{replacement}"):
-        assert getattr(sdk, name) is importlib.import_module(module)
-    assert name not in sdk.__all__
+@pytest.mark.parametrize("name", ["attention_cuda", "claim_rows", "gdn_cuda", "mixer_input_bias"])
+def test_the_names_deprecated_in_1_1_are_gone(name: str) -> None:
+    assert not sdk.DEPRECATED
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+        getattr(sdk, name)
 
 
-def test_the_gated_delta_step_pieces_warn_and_still_resolve() -> None:
-    from turbospark.layers.gated_delta import gates, layer
-
-    for name, held in (
-        ("IN_PROJECTIONS", layer.IN_PROJECTIONS),
-        ("decay_rate", gates.decay_rate),
-        ("float32_norm_weight", gates.float32_norm_weight),
-        ("mixer_input_bias", gates.mixer_input_bias),
-    ):
-        with pytest.warns(
-            DeprecationWarning, match=rf"{name} .* use turbospark\.sdk\.gated_delta_layer_step"
-        ):
-            assert getattr(sdk, name) is held
-        assert name not in sdk.__all__
-
-
-def test_claim_rows_warns_and_still_claims() -> None:
-    from turbospark.layers.layer_step import claim_rows
-
-    with pytest.warns(DeprecationWarning, match=r"claim_rows .* use turbospark\.sdk\.cache_step"):
-        assert sdk.claim_rows is claim_rows
+def test_the_flat_module_paths_are_gone() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("turbospark.runner")

@@ -37,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]
 def test_create_streamed_and_not(server: ThreadedServer) -> None:
     kwargs = dict(
         model=MODEL, input="Say hi.", instructions="Be brief.", max_output_tokens=6,
-        temperature=0.0,
+        temperature=0.0, reasoning={"effort": "none"},  # the answer alone: no reasoning item
     )  # fmt: skip
     whole = client(server).responses.create(**kwargs)
     assert whole.object == "response" and whole.output[0].type == "message"

@@ -82,11 +82,13 @@ def rendered_reply(codec: TextCodec, prose: str) -> str:
     ]
     ask = [{"role": "user", "content": "Plan it."}]
     tools = [t.model_dump(exclude_none=True) for t in TOOLS]
-    before = codec.apply_chat_template(ask, tools=tools)
+    # Thinking off: the prompt pre-fills the empty think block the reply's turn renders.
+    before = codec.apply_chat_template(ask, tools=tools, enable_thinking=False)
     whole = codec.apply_chat_template(
         [*ask, {"role": "assistant", "content": prose, "tool_calls": calls}],
         tools=tools,
         add_generation_prompt=False,
+        enable_thinking=False,
     )
     assert whole.startswith(before)
     return whole[len(before) :].removesuffix("<|im_end|>\n")

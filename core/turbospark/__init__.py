@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from turbospark import _moved
-
 if TYPE_CHECKING:
     from turbospark.contract.hookspecs import ArchConfig, ComponentSpec, FamilySpec, hookimpl
     from turbospark.contract.vision import MropePositions, VisionInjection
@@ -101,9 +99,6 @@ _MODULES = {
 }
 _SOURCES = {name: module for module, names in _MODULES.items() for name in names}
 assert sorted(_SOURCES) == sorted(__all__), "every public name needs its module, and no more"
-
-
-_moved.install()  # old flat module paths keep importing, with a warning, for one SDK minor
 
 
 def __getattr__(name: str) -> Any:

@@ -118,7 +118,16 @@ from turbospark.layers.sharding import (
     shard_gated_delta,
     shard_mlp,
 )
-from turbospark.layers.stacked import derived, project, stacked, transposed
+from turbospark.layers.stacked import (
+    Packed,
+    WeightT,
+    derived,
+    matmul_t,
+    project,
+    readable,
+    stacked,
+    transposed,
+)
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config
 from turbospark.loading.family_hooks import CommonHooks, source_file
 from turbospark.loading.install import (
@@ -149,45 +158,20 @@ from turbospark.state.components import (
     refuse_rewind,
     state_position,
 )
-from turbospark.state.kv import BatchKV, BatchLayerKV, KVComponent, LayerKV
+from turbospark.state.kv import (
+    BatchKV,
+    BatchLayerKV,
+    KVComponent,
+    KVQuantization,
+    LayerKV,
+    QuantizedRows,
+)
 from turbospark.text import TextCodec, load_text
 
 # A removed or renamed name -> (its replacement, the version that removes it). Served by
 # __getattr__ with a DeprecationWarning for one minor version; docs/SDK_CHANGES.md lists each.
-DEPRECATED: dict[str, tuple[str, str]] = {
-    "attention_cuda": (
-        "turbospark.sdk.kernels_available, kernels_take, kernel_cache, kernel_rows, "
-        "cache_step, written and attend",
-        "1.2",
-    ),
-    "heads_cuda": ("turbospark.sdk.norm_rope", "1.2"),
-    "claim_rows": ("turbospark.sdk.cache_step", "1.2"),
-    "kept": ("turbospark.sdk.LayerEnd.step_weights", "1.2"),
-    "residual_scale": ("turbospark.sdk.LayerEnd, which makes a layer's last join", "1.2"),
-    "gemm_add": ("turbospark.sdk.project (its residual) or LayerEnd", "1.2"),
-    "norm_cuda": ("turbospark.sdk.normed_input and LayerEnd", "1.2"),
-    "gdn_cuda": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
-    "IN_PROJECTIONS": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
-    "decay_rate": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
-    "float32_norm_weight": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
-    "mixer_input_bias": ("turbospark.sdk.gated_delta_layer_step", "1.2"),
-}
-# Where a deprecated name that is not its replacement still lives: (module, attribute),
-# None for the module itself.
-_STILL_AT: dict[str, tuple[str, str | None]] = {
-    "attention_cuda": ("turbospark.layers.cuda.attention", None),
-    "heads_cuda": ("turbospark.layers.cuda.heads", None),
-    "claim_rows": ("turbospark.layers.layer_step", "claim_rows"),
-    "kept": ("turbospark.layers.layer_step", "kept"),
-    "residual_scale": ("turbospark.layers.fused", "residual_scale"),
-    "gemm_add": ("turbospark.layers.stacked", "gemm_add"),
-    "norm_cuda": ("turbospark.layers.cuda.norm", None),
-    "gdn_cuda": ("turbospark.layers.cuda.gdn", None),
-    "IN_PROJECTIONS": ("turbospark.layers.gated_delta.layer", "IN_PROJECTIONS"),
-    "decay_rate": ("turbospark.layers.gated_delta.gates", "decay_rate"),
-    "float32_norm_weight": ("turbospark.layers.gated_delta.gates", "float32_norm_weight"),
-    "mixer_input_bias": ("turbospark.layers.gated_delta.gates", "mixer_input_bias"),
-}
+DEPRECATED: dict[str, tuple[str, str]] = {}
+
 
 __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "API_VERSION",
@@ -228,6 +212,8 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "KVComponent",
     "BatchLayerKV",
     "BatchKV",
+    "KVQuantization",
+    "QuantizedRows",
     # layers
     "Attended",
     "cached_attention",
@@ -246,6 +232,10 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "project",
     "stacked",
     "transposed",
+    "matmul_t",
+    "readable",
+    "Packed",
+    "WeightT",
     "derived",
     "fused",
     "runs_compiled",
@@ -313,10 +303,6 @@ def __getattr__(name: str) -> Any:
             DeprecationWarning,
             stacklevel=2,
         )
-        if name in _STILL_AT:
-            module, attr = _STILL_AT[name]
-        else:
-            module, _, attr = replacement.rpartition(".")
-        found = importlib.import_module(module)
-        return found if attr is None else getattr(found, attr)
+        module, _, attr = replacement.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'turbospark.sdk' has no attribute {name!r}")

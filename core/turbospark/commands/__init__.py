@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
     from turbospark.loading.quantization import QuantSpec
+    from turbospark.loading.sources import ModelSource
     from turbospark.policies import DraftPolicies
     from turbospark.text import TextCodec
 
+MODEL_HELP = "an install, a checkpoint directory (config.json + safetensors) or a hub id org/name"
 
 # turbospark.loading.quantization.MODES, written out so building a parser loads no MLX
 # (tests/test_cli.py holds the two equal).
@@ -59,14 +61,16 @@ def quantize_spec(args: argparse.Namespace) -> QuantSpec | None:
     return requested_spec(args.quantize, args.group_size, args.mode)
 
 
-def install_text(path: str | Path) -> TextCodec:
-    """The install's tokenizer, after checking *path* is an install at all (so a
-    wrong directory is named as such, not as a missing tokenizer)."""
-    from turbospark.loading.install import read_manifest
+def model_text(model: str | Path) -> tuple[ModelSource, TextCodec]:
+    """What *model* names (resolved once: a hub id downloads or is found in the
+    cache, a checkpoint is verified) and its tokenizer; the source is what the
+    command then passes to ``Runner.open``, so nothing is resolved twice. A
+    wrong directory is named as such, not as a missing tokenizer."""
+    from turbospark.loading.sources import resolve_source
     from turbospark.text import load_text
 
-    read_manifest(path)
-    return load_text(path)
+    source = resolve_source(model)
+    return source, load_text(source.path)
 
 
 _UNITS = {
@@ -112,6 +116,42 @@ def add_pool_memory_flag(parser: argparse.ArgumentParser) -> None:
         help="cap on the memory of parked sessions (e.g. 4GiB): the least recently used "
         "are evicted to fit (default: bounded by --session-slots alone)",
     )
+
+
+def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """``--kv-bits`` and ``--kv-group-size``, shared by generate, chat and serve
+    (checked by ``Runner.open`` before any weight is read)."""
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        metavar="4|8",
+        help="store attention keys/values quantized to 4 or 8 bits (mlx-lm's quantized K/V "
+        "cache, from the first token): sessions take less memory and disk (default: full "
+        "precision)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="values sharing one scale and bias in the quantized K/V cache: 32, 64 or 128, "
+        "dividing the attention head dim (default 64, as mlx-lm)",
+    )
+
+
+def kv_cache_options(args: argparse.Namespace) -> dict[str, int | None]:
+    """``Runner.open``'s ``kv_bits`` and ``kv_group_size`` from the flags; a
+    group size without ``--kv-bits`` is refused by name (it would do nothing)."""
+    from turbospark.errors import InvalidInput
+
+    if args.kv_bits is None and args.kv_group_size is not None:
+        raise InvalidInput(
+            f"--kv-group-size {args.kv_group_size} sets the groups of a quantized K/V cache; "
+            "add --kv-bits 4 or --kv-bits 8, or drop --kv-group-size"
+        )
+    group = 64 if args.kv_group_size is None else args.kv_group_size
+    return {"kv_bits": args.kv_bits, "kv_group_size": group}
 
 
 def add_draft_flags(parser: argparse.ArgumentParser) -> None:

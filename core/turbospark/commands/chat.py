@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.commands import (
+    MODEL_HELP,
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     add_pool_memory_flag,
     draft_policy,
-    install_text,
+    kv_cache_options,
+    model_text,
 )
 from turbospark.commands.generate import add_sampling_args, generation_config, print_text
 from turbospark.commands.steer import add_steering_args, steering_policy
@@ -34,17 +36,18 @@ if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` sta
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "chat",
-        help="chat with an install, showing prefix reuse per turn",
+        help="chat with a model, showing prefix reuse per turn",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
     add_expert_cache_flag(parser)
     parser.add_argument("--system", help="a system message opening every conversation")
     add_sampling_args(parser, max_tokens=256)
     add_draft_flags(parser)
+    add_kv_cache_flags(parser)
     add_steering_args(parser)
     parser.set_defaults(func=run)
 
@@ -77,16 +80,17 @@ def run(args: argparse.Namespace) -> int:
     from turbospark.generation.runner import Runner
     from turbospark.policies import ExpertCacheSlots
 
-    codec = install_text(args.model)
+    source, codec = model_text(args.model)
     config = generation_config(args)
     runner = Runner.open(
-        args.model,
+        source,
         context_length=args.context_length,
         expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
         session_slots=args.session_slots,
         max_parked_bytes=args.max_parked_memory,
         draft=draft_policy(args),
         steering=steering_policy(args),
+        **kv_cache_options(args),
     )
     runner.set_prefix_reuse(True)
     opening = [{"role": "system", "content": args.system}] if args.system else []

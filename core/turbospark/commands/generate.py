@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.commands import (
+    MODEL_HELP,
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     draft_policy,
-    install_text,
+    kv_cache_options,
+    model_text,
     prompt_ids,
 )
 from turbospark.commands.steer import add_steering_args, steering_policy
@@ -48,16 +50,18 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "generate",
-        help="generate one completion from an install",
-        description="Generate from MODEL (an install directory). The prompt is sent as one user "
-        "message through the install's chat template unless --raw is given.",
+        help="generate one completion from a model",
+        description="Generate from MODEL (an install, a checkpoint directory or a hub id). "
+        "The prompt is sent as one user message through the model's chat template unless "
+        "--raw is given.",
     )
-    parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--raw", action="store_true", help="skip the chat template")
     add_sampling_args(parser, max_tokens=128)
     add_draft_flags(parser)
     add_expert_cache_flag(parser)
+    add_kv_cache_flags(parser)
     add_steering_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
@@ -68,15 +72,16 @@ def run(args: argparse.Namespace) -> int:
     from turbospark.generation.runner import Runner
     from turbospark.policies import ExpertCacheSlots
 
-    codec = install_text(args.model)
+    source, codec = model_text(args.model)
     config = generation_config(args)  # refuse bad flags before loading weights
     steering = steering_policy(args)
     runner = Runner.open(
-        args.model,
+        source,
         context_length=args.context_length,
         draft=draft_policy(args),
         expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
         steering=steering,
+        **kv_cache_options(args),
     )
     ids = prompt_ids(codec, args.prompt, args.raw)
     show = None if args.json else print_text

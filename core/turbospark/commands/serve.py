@@ -1,4 +1,5 @@
-"""``turbospark serve MODEL``: the OpenAI-compatible server on one install."""
+"""``turbospark serve MODEL``: the OpenAI-compatible server on one model (an
+install, a checkpoint directory or a hub id)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.commands import (
+    MODEL_HELP,
     add_draft_flags,
     add_expert_cache_flag,
+    add_kv_cache_flags,
     add_pool_memory_flag,
     byte_size,
     draft_policy,
-    install_text,
+    kv_cache_options,
+    model_text,
 )
 from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import InvalidInput
@@ -39,15 +43,17 @@ DEFAULT_PREFILL_BUDGET = 2048
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
-        help="serve an install over the OpenAI API (chat/completions, completions, models)",
-        description="Serve MODEL (an install directory) on an OpenAI-compatible HTTP API. "
+        help="serve a model over the OpenAI API (chat/completions, completions, models)",
+        description="Serve MODEL (an install, a checkpoint directory or a Hugging Face hub id) "
+        "on an OpenAI-compatible HTTP API. "
         "Conversations are matched to sessions by token content: with --session-slots N, "
         "up to N conversations stay warm at once.",
     )
-    parser.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
     add_expert_cache_flag(parser)
+    add_kv_cache_flags(parser)
     parser.add_argument(
         "--session-dir",
         type=Path,
@@ -86,6 +92,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_TOKENS,
         help="max_tokens for a request that omits it (every request also stops at the "
         f"context length; default {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--context-overflow",
+        choices=("refuse", "drop-turns"),
+        default="refuse",
+        help="a chat past the context length: refuse it with a 400 (default), or drop its "
+        "oldest turns (never the system prompt, never half a tool exchange) until it fits "
+        "with room for max_tokens",
     )
     parser.add_argument(
         "--max-batch",
@@ -236,12 +250,12 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     steering = steering_policy(args)
     lockstep = join_group(args) if args.distributed else None
-    codec = install_text(args.model)
+    source, codec = model_text(args.model)
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
         runner = Runner.open(
-            args.model,
+            source,
             group=None if lockstep is None else lockstep.group,
             context_length=args.context_length,
             session_slots=args.session_slots,
@@ -251,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
             draft=draft_policy(args),
             expert_cache=ExpertCacheSlots.parse(args.expert_cache_slots),
             steering=steering,
+            **kv_cache_options(args),
         )
         runner.set_prefix_reuse(not args.no_prefix_reuse)
         return runner
@@ -274,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         cors_origins=args.cors_origin,
         lockstep=lockstep,
+        context_overflow=args.context_overflow,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     disk = runner.session_disk
@@ -287,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     packing = runner.manifest.dtype + ("" if quantized is None else f", {quantized}")
     print(
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}, "
-        f"{packing}) on "
+        f"{packing}, {source.describe()}) on "
         f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
         f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch; "
         f"the page is at http://{args.host}:{args.port}/",
@@ -302,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
 _LOCKSTEP_FLAGS = (
     "session_slots", "max_parked_memory", "context_length", "chunk_size", "prefill_budget", "max_tokens",
     "max_batch", "no_warm_up", "no_prefix_reuse", "expert_cache_slots", "steering",
-    "steering_mode", "steering_scale", "steering_layers",
+    "steering_mode", "steering_scale", "steering_layers", "kv_bits", "kv_group_size",
 )  # fmt: skip
 
 

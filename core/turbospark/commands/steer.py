@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.commands import install_text
+from turbospark.commands import MODEL_HELP, model_text
 
 if TYPE_CHECKING:  # MLX loads in run(), so `turbospark --help` stays light
     from turbospark.policies.steering import SteeringPolicy
@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "of the paired differences, signed so positives project higher (pca). The output is "
         "llama.cpp's control-vector GGUF.",
     )
-    extract.add_argument("model", type=Path, metavar="MODEL", help="an install directory")
+    extract.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     extract.add_argument("--positive", type=Path, required=True, metavar="FILE")
     extract.add_argument("--negative", type=Path, required=True, metavar="FILE")
     extract.add_argument("--out", type=Path, required=True, metavar="VEC.gguf")
@@ -98,7 +98,7 @@ def run_extract(args: argparse.Namespace) -> int:
     )
     from turbospark.policies.steering import parse_layers
 
-    codec = install_text(args.model)
+    source, codec = model_text(args.model)
     positive, negative = read_prompts(args.positive), read_prompts(args.negative)
     if len(positive) != len(negative):
         raise InvalidInput(
@@ -108,7 +108,7 @@ def run_extract(args: argparse.Namespace) -> int:
     if args.method == "pca" and len(positive) < 2:
         raise InvalidInput("--method pca needs at least 2 prompt pairs; add pairs or use mean")
     span = parse_layers(args.layers)
-    runner = Runner.open(args.model)
+    runner = Runner.open(source)
     top = runner.arch.num_hidden_layers - 1
     low, high = span or (1, top)
     if high > top:

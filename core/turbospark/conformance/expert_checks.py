@@ -54,7 +54,7 @@ def _run(
 ) -> list[mx.array]:
     """Logits of every prompt row, then of each decode step, under *policy*."""
     runner = Runner.open(
-        kit.install,
+        kit.source,
         context_length=kit.context_length,
         expert_cache=policy,
         registry=kit.registry,

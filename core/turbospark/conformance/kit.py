@@ -1,4 +1,6 @@
-"""The harness every conformance check works through: one family, one install.
+"""The harness every conformance check works through: one family, one model (an
+install, a checkpoint directory or a hub id, resolved once by
+:func:`~turbospark.loading.sources.resolve_source`).
 
 A :class:`FamilyKit` drives the family two ways. Session checks go through
 :class:`~turbospark.Runner`, the path users take. Component checks call the
@@ -33,8 +35,9 @@ from turbospark.conformance.diagnose import (
 from turbospark.contract.hookspecs import ArchConfig, ComponentSpec, FamilySpec, LogitsWanted
 from turbospark.contract.protocols import LayerHook
 from turbospark.generation.runner import Runner
-from turbospark.loading.install import load_weights, read_manifest, validate_arch
+from turbospark.loading.install import load_weights, validate_arch
 from turbospark.loading.plugins import Family, FamilyRegistry, default_registry
+from turbospark.loading.sources import ModelSource, resolve_source
 from turbospark.policies import DraftPolicies
 from turbospark.policies.steering import SteeringPolicy
 from turbospark.state.components import State
@@ -86,11 +89,11 @@ def kit_settings(kit: FamilyKit) -> settings:
 
 @dataclass
 class FamilyKit:
-    """A family, an install of it, and the tolerances its logits are compared with."""
+    """A family, a model of it, and the tolerances its logits are compared with."""
 
     family: Family
     registry: FamilyRegistry
-    install: Path
+    source: ModelSource
     atol: float = 1e-4
     rtol: float = 1e-4
     examples: int = 15
@@ -103,14 +106,20 @@ class FamilyKit:
     def create(
         cls,
         family: str,
-        install: str | Path,
+        install: str | Path | ModelSource,
         registry: FamilyRegistry | None = None,
         **options: Any,
     ) -> FamilyKit:
         registry = registry or default_registry()
-        return cls(registry.get(family), registry, Path(install), **options)
+        source = resolve_source(install, registry=registry)
+        return cls(registry.get(family), registry, source, **options)
 
     # -- what the family declares ------------------------------------------------
+
+    @property
+    def install(self) -> Path:
+        """The model's directory (a hub id's snapshot, for one)."""
+        return self.source.path
 
     @property
     def spec(self) -> FamilySpec:
@@ -121,8 +130,7 @@ class FamilyKit:
 
     @cached_property
     def arch(self) -> ArchConfig:
-        manifest = read_manifest(self.install)
-        return validate_arch(self.install, manifest, self.spec.arch_config)
+        return validate_arch(self.install, self.source.manifest, self.spec.arch_config)
 
     @cached_property
     def hook(self) -> Any:
@@ -147,7 +155,7 @@ class FamilyKit:
     @cached_property
     def weights(self) -> dict[str, mx.array]:
         """The install's tensors, read once; every model is built from a copy."""
-        return load_weights(self.install, read_manifest(self.install))
+        return load_weights(self.install, self.source.manifest)
 
     def load_model(self) -> Any:
         """A new model object over a private copy of the tensors: nothing done
@@ -252,9 +260,9 @@ class FamilyKit:
         steering: SteeringPolicy | None = None,
         draft: DraftPolicies | None = None,
     ) -> Runner:
-        """A runner over the install; fails first if its sessions share a component."""
+        """A runner over the model; fails first if its sessions share a component."""
         runner = Runner.open(
-            self.install,
+            self.source,
             context_length=self.context_length,
             session_slots=session_slots,
             registry=self.registry,

@@ -72,6 +72,14 @@ class ArchConfig(BaseModel):
         such as ``head_dim``). ``tests/test_synthetic_configs.py`` holds it to that."""
         return self.model_dump(mode="json", exclude={"family"})
 
+    def attention_head_dims(self) -> set[int]:
+        """The head dims of its attention layers' keys and values, so a
+        ``--kv-group-size`` that does not divide one is refused before any
+        weight is read. Defaults to the checkpoint's ``head_dim`` where it has
+        one; a family whose layers differ (Gemma 4's global heads) overrides it."""
+        head_dim = getattr(self, "head_dim", None)
+        return {head_dim} if isinstance(head_dim, int) and head_dim > 0 else set()
+
 
 class ComponentSpec(BaseModel):
     """One kind of per-session state and what the runner may do with it."""
@@ -140,6 +148,12 @@ class FamilySpec(BaseModel):
         default=False,
         description="its forward hooks take ``steer`` and call it at every layer's output "
         "(after the feed-forward residual join); a family that does not is refused steering",
+    )
+    kv_quantizable: bool = Field(
+        default=False,
+        description="its attention runs through turbospark.layers.attention (cached_attention, "
+        "shared_attention) over its KVComponents, which then read a quantized K/V cache "
+        "(--kv-bits); a family attending over its K/V itself is refused it",
     )
 
     def component(self, name: str) -> ComponentSpec:

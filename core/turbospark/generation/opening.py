@@ -14,6 +14,7 @@ from turbospark.contract.hookspecs import ArchConfig, FamilySpec
 from turbospark.errors import InvalidInput, SessionPoolUnsupported
 from turbospark.loading.install import Manifest, tensor_names
 from turbospark.policies import SteeringPolicy
+from turbospark.state.kv import KVQuantization
 
 
 def to_dtype(value: str | mx.Dtype) -> mx.Dtype:
@@ -23,6 +24,25 @@ def to_dtype(value: str | mx.Dtype) -> mx.Dtype:
     if not isinstance(dtype, mx.Dtype):
         raise InvalidInput(f"unknown dtype {value!r}; use bfloat16, float16 or float32")
     return dtype
+
+
+def check_kv_quantization(
+    spec: FamilySpec, arch: ArchConfig, bits: int | None, group_size: int
+) -> KVQuantization | None:
+    """The K/V setting ``--kv-bits``/``--kv-group-size`` ask for, refused
+    where MLX cannot quantize to it, where the group size does not divide an
+    attention head dim, or where the family attends over its K/V itself."""
+    quant = KVQuantization.of(bits, group_size)
+    if quant is None:
+        return None
+    if not spec.kv_quantizable:
+        raise InvalidInput(
+            f"--kv-bits {bits}: family '{spec.name}' attends over its K/V itself (not through "
+            "turbospark.layers.attention), so it cannot read a quantized K/V cache; drop "
+            "--kv-bits to serve it"
+        )
+    quant.check_head_dims(arch.attention_head_dims(), spec.name)
+    return quant
 
 
 def check_steering(spec: FamilySpec, arch: ArchConfig, steering: SteeringPolicy) -> None:

@@ -38,6 +38,7 @@ from turbospark.errors import (
 )
 from turbospark.generation.opening import (
     check_disk_options,
+    check_kv_quantization,
     check_mtp,
     check_pool_capability,
     check_rollback,
@@ -47,14 +48,14 @@ from turbospark.generation.opening import (
 )
 from turbospark.layers.sharding import check_same_install
 from turbospark.loading.install import (
-    MANIFEST,
     Manifest,
     load_weights,
-    read_manifest,
+    manifest_digest,
     validate_arch,
     verify_files,
 )
 from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.loading.sources import ModelSource, resolve_source
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.policies.expert_cache import (
     ExpertCacheStats,
@@ -71,6 +72,7 @@ from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
 from turbospark.state.components import State
+from turbospark.state.kv import KVQuantization, quantize_kv
 
 
 class Runner:
@@ -80,6 +82,7 @@ class Runner:
         self,
         *,
         path: Path,
+        source: ModelSource,
         manifest: Manifest,
         arch: ArchConfig,
         spec: FamilySpec,
@@ -95,8 +98,10 @@ class Runner:
         session_dir: Path | None = None,
         max_session_disk_bytes: int | None = None,
         group: mx.distributed.Group | None = None,
+        kv_quantization: KVQuantization | None = None,
     ) -> None:
         self.path = path
+        self.source = source  # what was opened: an install, a checkpoint or a hub id
         # The processes this model is sharded across (None: not sharded).
         self.group = group if group is not None and group.size() > 1 else None
         self.manifest = manifest
@@ -109,13 +114,15 @@ class Runner:
         self.steering = steering  # the default; a request may ask for its own (use_steering)
         self._steers: dict[str | None, Steer | None] = {}  # compiled, by identity
         self.dtype = dtype or to_dtype(manifest.dtype)
+        # How every session's attention K/V are stored (None: in the compute dtype).
+        self.kv_quantization = kv_quantization
         self._hook = pm.hook
         disk = (
             None
             if session_dir is None
             else DiskOptions(
                 session_dir,
-                ModelIdentity.of(manifest, self.dtype, steering.identity),
+                ModelIdentity.of(manifest, self.dtype, steering.identity, kv_quantization),
                 context_length,
                 max_session_disk_bytes,
             )
@@ -147,7 +154,7 @@ class Runner:
     @classmethod
     def open(
         cls,
-        path: str | Path,
+        path: str | Path | ModelSource,
         arch: ArchConfig | None = None,
         context_length: int = 4096,
         expert_cache: ExpertCacheSlots | None = None,
@@ -161,9 +168,14 @@ class Runner:
         dtype: str | mx.Dtype | None = None,
         registry: FamilyRegistry | None = None,
         group: mx.distributed.Group | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> Runner:
-        """Open an install. Cheap checks (manifest, arch, pool capability,
-        policies) run before any weight is read, so refusals are instant.
+        """Open a model: an install, a checkpoint directory or a hub id
+        (:func:`~turbospark.loading.sources.resolve_source`; a checkpoint's files
+        are verified there, once, and remembered). Cheap checks (manifest, arch,
+        pool capability, policies) run before any weight is read, so refusals
+        are instant.
 
         ``max_parked_bytes`` caps the memory of parked sessions: whenever a
         session is parked, the least recently used ones are cleared until the
@@ -181,18 +193,25 @@ class Runner:
         ``group`` (``mx.distributed.init()`` under ``mlx.launch``) shards the
         model across its processes (tensor parallelism, the family's
         ``turbospark_shard_model``); every process opens the same install and
-        runs the same calls (``docs/SCALING.md``). A group of one changes nothing."""
-        path = Path(path)
-        manifest = read_manifest(path)
+        runs the same calls (``docs/SCALING.md``). A group of one changes nothing.
+
+        ``kv_bits`` (4 or 8; None: full precision) stores every session's
+        attention K/V quantized in groups of ``kv_group_size`` along the head
+        dim (mlx-lm's ``QuantizedKVCache``, from the first token): sessions
+        take a quarter (8-bit) to an eighth (4-bit) of the bytes in float32,
+        so the pool, ``max_parked_bytes`` and the disk tier hold more of them
+        (docs/SESSIONS.md)."""
+        source = resolve_source(path, registry=registry)
+        path, manifest = source.path, source.manifest
         distributed = group is not None and group.size() > 1
         if distributed:  # first, so every rank refuses a mismatch at the same point
-            check_same_install(group, path)
+            check_same_install(group, manifest_digest(manifest), source.describe())
         family = (registry or default_registry()).get(manifest.family)
         spec = family.spec
         installed = validate_arch(path, manifest, spec.arch_config)
         if arch is not None and arch != installed:
             raise InstallError(
-                f"the arch passed to Runner.open does not match {path / MANIFEST}; "
+                f"the arch passed to Runner.open does not match {path}'s config.json; "
                 "pass arch=None or peek_manifest_arch(path)"
             )
         if context_length <= 0:
@@ -202,6 +221,7 @@ class Runner:
         if max_parked_bytes is not None and max_parked_bytes < 0:
             raise InvalidInput(f"max_parked_bytes must be 0 or more, got {max_parked_bytes}")
         check_disk_options(spec, session_slots, session_dir, max_session_disk_bytes)
+        kv_quantization = check_kv_quantization(spec, installed, kv_bits, kv_group_size)
         pm = family.manager()
         draft = draft or DraftPolicies.off()
         if draft.enabled:
@@ -227,7 +247,8 @@ class Runner:
             )
         compute_dtype = to_dtype(dtype or manifest.dtype)
         streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
-        verify_files(path, manifest)
+        if source.kind == "install":  # a checkpoint's files were verified by resolve_source
+            verify_files(path, manifest)
         weights = load_weights(path, manifest)
         for name in set() if streams is None else streams.tensor_names:
             weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read
@@ -239,6 +260,7 @@ class Runner:
             mx.eval(model.parameters())  # drop the unsharded weights now
         runner = cls(
             path=path,
+            source=source,
             manifest=manifest,
             arch=installed,
             spec=spec,
@@ -254,6 +276,7 @@ class Runner:
             session_dir=None if session_dir is None else Path(session_dir),
             max_session_disk_bytes=max_session_disk_bytes,
             group=group,
+            kv_quantization=kv_quantization,
         )
         runner._experts = streams
         runner._moe = moe
@@ -267,9 +290,12 @@ class Runner:
         return runner
 
     def _new_state(self) -> State:
-        return self._hook.turbospark_new_state(
+        """A fresh state, its K/V stored under the runner's setting (every
+        state the runner makes comes from here, so none is ever mixed)."""
+        state = self._hook.turbospark_new_state(
             arch=self.arch, model=self.model, context_length=self.context_length
         )
+        return quantize_kv(state, self.kv_quantization)
 
     # -- introspection -----------------------------------------------------------
 

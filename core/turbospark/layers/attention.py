@@ -3,6 +3,9 @@
 Families compute queries/keys/values (with their own norms and RoPE) and call
 :func:`cached_attention`; the KV layer decides which rows are retained and
 which mask the window implies, so every family gets the same, tested masking.
+A quantized cache (``--kv-bits``) hands back its rows quantized, and
+:func:`attend` reads them through ``mx.quantized_matmul``
+(:func:`quantized_attention`), so a family never knows which it runs on.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ import numpy as np
 
 from turbospark.layers import fused
 from turbospark.layers.cuda import attention as attention_cuda
-from turbospark.state.kv import LayerKV
+from turbospark.state.kv import LayerKV, QuantizedRows, Rows
 
 # What a layer attended: keys, values and the mask (or, for the CUDA kernels, the
 # whole buffers and the rows), which KV-shared layers attend over unchanged.
-Attended = tuple[mx.array, mx.array, mx.array | str | attention_cuda.Rows | None]
+Attended = tuple[Rows, Rows, mx.array | str | attention_cuda.Rows | None]
 
 
 def cached_attention(
@@ -33,7 +36,7 @@ def cached_attention(
     Returns the output ``(1, heads, L, dim)`` and ``(keys, values, mask)`` as
     attended, so KV-sharing layers can reuse them unchanged.
     """
-    if isinstance(kv, LayerKV) and takes_kernels(queries, keys, values):
+    if isinstance(kv, LayerKV) and kv.quant is None and takes_kernels(queries, keys, values):
         # A lone row's decode step on CUDA: the kernels read the whole buffers.
         rows = attention_cuda.Rows(*kv.update(keys, values))
         return attend(queries, kv.keys, kv.values, scale, rows), (kv.keys, kv.values, rows)
@@ -75,8 +78,8 @@ MATMUL_SCORES = 1 << 26
 
 def attend(
     queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
+    keys: Rows,
+    values: Rows,
     scale: float,
     mask: mx.array | str | attention_cuda.Rows | None,
 ) -> mx.array:
@@ -101,7 +104,14 @@ def attend(
     A lone row's decode step on CUDA (:func:`takes_kernels`) comes with
     :class:`~turbospark.layers.cuda.attention.Rows` for a mask and a cache's
     whole buffers, and takes that module's kernels, traced once per buffer
-    size."""
+    size.
+
+    Quantized keys and values (a ``--kv-bits`` cache) take
+    :func:`quantized_attention` on every device."""
+    if isinstance(keys, QuantizedRows):
+        assert isinstance(values, QuantizedRows) and not isinstance(mask, attention_cuda.Rows)
+        return quantized_attention(queries, keys, values, scale, mask)
+    assert isinstance(keys, mx.array) and isinstance(values, mx.array)
     if isinstance(mask, attention_cuda.Rows):
         return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale)
     batch, heads, length, _ = queries.shape
@@ -115,6 +125,41 @@ def attend(
         ):
             return matmul_attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def quantized_attention(
+    queries: mx.array,
+    keys: QuantizedRows,
+    values: QuantizedRows,
+    scale: float,
+    mask: mx.array | str | None,
+) -> mx.array:
+    """``(B, heads, L, D)`` queries over quantized ``(B, kv_heads, T, ·)`` keys
+    and values: mlx-lm's ``quantized_scaled_dot_product_attention`` (scores
+    and output by ``mx.quantized_matmul``, so the rows are never dequantized
+    whole; each key/value head's queries one group of its matmuls; a masked
+    score the dtype's lowest value; a precise softmax). *mask* is any of the
+    caches' masks: ``"causal"``, ``(L, T)``, a batch's ``(B, 1, L, T)``."""
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.data.shape[1]
+    group = heads // kv_heads
+    queries = queries * scale
+    k_parts, v_parts = keys.parts, values.parts
+    if group > 1:
+        queries = queries.reshape(batch, kv_heads, group, length, dim)
+        k_parts = tuple(mx.expand_dims(part, -3) for part in k_parts)
+        v_parts = tuple(mx.expand_dims(part, -3) for part in v_parts)
+    quantized = {"group_size": keys.group_size, "bits": keys.bits}
+    scores = mx.quantized_matmul(queries, *k_parts, transpose=True, **quantized)
+    if mask is not None:
+        if isinstance(mask, str):
+            mask = causal_visible(length, scores.shape[-1])
+        elif group > 1 and mask.ndim > 3:  # (B, 1, L, T) -> (B, 1, 1, L, T)
+            mask = mx.expand_dims(mask, -3)
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(scores, *v_parts, transpose=False, **quantized)
+    return out.reshape(batch, heads, length, -1)
 
 
 def decode_attention(

@@ -45,10 +45,12 @@ from turbospark.layers.layer_step import (
     stream_of,
     written,
 )
+from turbospark.layers.stacked import matmul_t
 
 # What a step's attention reads (AttentionStep.weights): its projections as
-# one matrix, transposed; what its inputs function reads besides (its norms'
-# weights, RoPE's frequencies); the output projection, transposed.
+# one matrix, transposed (or packed: turbospark.layers.stacked.WeightT); what
+# its inputs function reads besides (its norms' weights, RoPE's frequencies);
+# the output projection, alike.
 MixerWeights = tuple[Any, ...]
 # A step's weights: the input norm's, the attention's and the layer end's
 # (LayerEnd.step_weights).
@@ -65,7 +67,7 @@ def _mixed(
     """The joined stream and the heads (:data:`Inputs`) of the normed row."""
     input_w, (in_t, *reads, _), _ = weights
     h, x = normed_stream(stream, input_w, eps)
-    return h, inputs(x @ in_t, tuple(reads), start, *args)
+    return h, inputs(matmul_t(x, in_t), tuple(reads), start, *args)
 
 
 def _ended(

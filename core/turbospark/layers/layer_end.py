@@ -45,30 +45,31 @@ from turbospark.layers.cuda import norm as norm_cuda
 from turbospark.layers.cuda.norm import Unjoined
 from turbospark.layers.fused import geglu, residual_scale, runs_compiled, swiglu
 from turbospark.layers.layer_step import flat, kept
-from turbospark.layers.stacked import gemm_add, stacked, transposed
+from turbospark.layers.stacked import WeightT, gemm_add, matmul_t, readable, stacked, transposed
 
-# The side input block's weights: its input gate and projection, transposed,
+# The side input block's weights: its input gate and projection as a step
+# reads them (transposed, or packed: :data:`~turbospark.layers.stacked.WeightT`),
 # and its norm's weight.
-SideWeights = tuple[mx.array, mx.array, mx.array]
+SideWeights = tuple[WeightT, WeightT, mx.array]
 # What the end reads, in this order: the norm after the mixer (None: pre-norm),
-# the MLP's norm, its gate and up rows stacked and transposed, the down
-# projection's transpose, the norm after the MLP (or None), the side input
+# the MLP's norm, its gate and up rows stacked (transposed, or packed), the down
+# projection's (alike), the norm after the MLP (or None), the side input
 # block's (or None), the layer scalar (or None).
 EndWeights = tuple[Any, ...]
 
 
-def activation(x: mx.array, gate_up_t: mx.array, gelu: bool) -> mx.array:
+def activation(x: mx.array, gate_up_t: WeightT, gelu: bool) -> mx.array:
     """The gated MLP's activation ``(..., inner)`` of its normed input *x*:
     the stacked gate and up rows, then GeGLU (*gelu*) or SwiGLU."""
-    gate, up = mx.split(x @ gate_up_t, 2, axis=-1)  # (..., inner) each
+    gate, up = mx.split(matmul_t(x, gate_up_t), 2, axis=-1)  # (..., inner) each
     return geglu(gate, up) if gelu else swiglu(gate, up)
 
 
 def side_update(
-    h: mx.array, side_input: mx.array, gate_t: mx.array, proj_t: mx.array, gelu: bool
+    h: mx.array, side_input: mx.array, gate_t: WeightT, proj_t: WeightT, gelu: bool
 ) -> mx.array:
     """The side input block's update from the stream *h*, before its norm."""
-    return (geglu if gelu else swiglu)(h @ gate_t, side_input) @ proj_t
+    return matmul_t((geglu if gelu else swiglu)(matmul_t(h, gate_t), side_input), proj_t)
 
 
 def side_parts(
@@ -112,11 +113,12 @@ def parts(
 ) -> tuple[mx.array, mx.array]:
     """The end up to its last join, ``(h, update)``: exactly the modules'
     ops (``nn.Linear`` is ``x @ w.T``, ``nn.RMSNorm`` is
-    ``mx.fast.rms_norm``), over arrays so it compiles; the matmuls' weights
-    come transposed, as leaf views (:mod:`turbospark.layers.stacked`)."""
+    ``mx.fast.rms_norm``, ``nn.QuantizedLinear`` is ``mx.quantized_matmul``),
+    over arrays so it compiles; the matmuls' weights come transposed, as leaf
+    views, or packed (:mod:`turbospark.layers.stacked`)."""
     post_mixer, pre_mlp, gate_up_t, down_t, post_mlp, side, _ = weights
     h = _mixed_in(h, mixed, post_mixer, eps)
-    ff = activation(mx.fast.rms_norm(h, pre_mlp, eps), gate_up_t, gelu) @ down_t
+    ff = matmul_t(activation(mx.fast.rms_norm(h, pre_mlp, eps), gate_up_t, gelu), down_t)
     if post_mlp is not None:
         ff = mx.fast.rms_norm(ff, post_mlp, eps)
     return side_parts(h, ff, side_input, side, eps, gelu)
@@ -156,7 +158,7 @@ def joins(
     ``(h, update)``, the last join left to the next norm (:func:`unjoined`)."""
     post_mixer, pre_mlp, gate_up_t, down_t, post_mlp, side, _ = weights
     h, x = norm_cuda.join_norm(h, mixed, pre_mlp, eps, update_weight=post_mixer)
-    ff = activation(x, gate_up_t, gelu) @ down_t
+    ff = matmul_t(activation(x, gate_up_t, gelu), down_t)
     if side is None:
         return h, ff
     gate_t, proj_t, _ = side
@@ -181,7 +183,7 @@ def unjoined(weights: EndWeights, h: mx.array, update: mx.array, eps: float) -> 
 def step_end(
     h: mx.array,
     out: mx.array,
-    out_t: mx.array,
+    out_t: WeightT,
     side_input: mx.array | None,
     weights: EndWeights,
     by_kernel: bool,
@@ -196,10 +198,10 @@ def step_end(
     if side_input is not None:
         side_input = flat(side_input)
     if by_kernel:
-        return joins(h, out @ out_t, side_input, weights, eps, gelu)
+        return joins(h, matmul_t(out, out_t), side_input, weights, eps, gelu)
     if weights[0] is None:
         return (tail(gemm_add(h, out, out_t), None, side_input, weights, eps, gelu),)
-    return (tail(h, out @ out_t, side_input, weights, eps, gelu),)
+    return (tail(h, matmul_t(out, out_t), side_input, weights, eps, gelu),)
 
 
 Path = tuple[Any, ...]
@@ -285,7 +287,7 @@ class LayerEnd:
         return h + update if scale is None else residual_scale(h, update, scale)
 
     def side_weights(self, layer: nn.Module) -> SideWeights | None:
-        """The side input block's gate and projection (transposed,
+        """The side input block's gate and projection (transposed or packed,
         :func:`~turbospark.layers.stacked.transposed`) and norm weight."""
         if self.side is None:
             return None
@@ -295,10 +297,11 @@ class LayerEnd:
     def weights(self, layer: nn.Module) -> EndWeights | None:
         """:data:`EndWeights` from *layer*'s modules (the MLP's gate and up
         rows stacked: :func:`~turbospark.layers.stacked.stacked`), or None
-        where the MLP is sharded or has biases (the modules then run it)."""
+        where the MLP is sharded or has biases (the modules then run it). A
+        quantized MLP is read packed, as its float form is read transposed."""
         mlp = layer[self.mlp]
         gate_up, down = stacked(mlp, ("gate_proj", "up_proj")), mlp["down_proj"]
-        if gate_up is None or not isinstance(down, nn.Linear):
+        if gate_up is None or not readable(down):
             return None
         if gate_up.bias is not None or "bias" in down:  # the traced forms add none
             return None

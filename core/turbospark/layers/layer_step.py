@@ -149,8 +149,8 @@ def kernels_take(heads: int, kv_heads: int, head_dim: int) -> bool:
 def kernel_cache(kv: object) -> bool:
     """Whether *kv* is what a kernel step writes into: one session's
     :class:`~turbospark.state.kv.LayerKV` with buffers (a prefilled cache;
-    a batch's rows and a fresh cache take the modules' path)."""
-    return isinstance(kv, LayerKV) and kv.keys is not None
+    a batch's rows, a fresh cache and a quantized one take the modules' path)."""
+    return isinstance(kv, LayerKV) and kv.keys is not None and kv.quant is None
 
 
 def kernel_rows(attended: tuple[Any, Any, Any] | None) -> attention_cuda.Rows | None:

@@ -24,8 +24,6 @@ a head count is refused by name (:class:`~turbospark.errors.InvalidInput`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -138,19 +136,15 @@ def shard_gated_delta(gdn: GatedDeltaNet, group: mx.distributed.Group) -> None:
     )
 
 
-def manifest_digest(install: Path) -> str:
-    """sha256 of the install's ``manifest.json``: it hashes every file, so equal
-    digests mean equal installs."""
-    return hashlib.sha256((install / "manifest.json").read_bytes()).hexdigest()
-
-
-def check_same_install(group: mx.distributed.Group, install: Path) -> None:
-    """Refuse, on every rank at once, installs that differ across the group."""
+def check_same_install(group: mx.distributed.Group, digest: str, source: str) -> None:
+    """Refuse, on every rank at once, models that differ across the group; *digest*
+    is the verified manifest's (``loading.install.manifest_digest``), *source* names
+    what this rank opened."""
     check_agree(
         group,
-        "installs (manifest.json)",
-        manifest_digest(install),
-        f"install the same checkpoint on every rank (this rank's: {install})",
+        "models (verified manifests)",
+        digest,
+        f"open the same checkpoint on every rank (this rank's: {source})",
     )
 
 

@@ -14,14 +14,24 @@ checkpoint name and shape, and ``model.parameters()`` still lists them.
 A module whose weight was replaced afterwards (a reload, a test assigning
 weights) no longer matches the views held here, and the stack is rebuilt from
 the new weights on the next call. Sharded projections (``AllToShardedLinear``,
-anything but a plain ``nn.Linear``) are never stacked: the caller then applies
-the modules one by one.
+anything but a plain ``nn.Linear`` or ``nn.QuantizedLinear``) are never
+stacked: the caller then applies the modules one by one.
+
+A quantized projection (``nn.QuantizedLinear``, as mlx-lm's checkpoints load)
+is read by a step as :class:`Packed`: its packed weight, scales and biases
+with the packing as static values, so a compiled step takes the three arrays
+as inputs and traces ``mx.quantized_matmul`` where a float one traces a
+matmul (:func:`matmul_t`; a float weight's graph is unchanged). Quantized
+projections of one packing stack as float ones do: the groups run along the
+input axis, so concatenating the packed rows, scales and biases along the
+output axis is exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import is_
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,34 +39,100 @@ import mlx.nn as nn
 from turbospark.layers import fused
 
 
+class Packed(NamedTuple):
+    """A quantized projection's weight as a step reads it: ``nn.QuantizedLinear``'s
+    packed ``weight`` ``(out, packed in)``, ``scales`` and ``biases`` (None in
+    the microscaling modes), and its packing. A NamedTuple, so ``mx.compile``
+    takes the arrays as inputs and the packing as constants of the trace."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array | None
+    group_size: int
+    bits: int
+    mode: str
+
+    @property
+    def columns(self) -> int:
+        """The product's width (the projection's outputs)."""
+        return self.weight.shape[0]
+
+
+# A projection's weight as a step reads it: ``weight.T`` (float), or packed.
+WeightT = mx.array | Packed
+# The module types whose weights a step reads itself (anything else, sharded
+# or wrapped, is called).
+READABLE = (nn.Linear, nn.QuantizedLinear)
+_PACKED = ("weight", "scales", "biases")
+
+
+def readable(module: nn.Module) -> bool:
+    """Whether a step may read *module*'s weight itself: exactly an ``nn.Linear``
+    or an ``nn.QuantizedLinear`` (not a sharded or wrapped subclass)."""
+    return type(module) in READABLE
+
+
+def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
+    """``x @ weight_t``: a float weight's matmul, or the packed weight's
+    ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs)."""
+    if isinstance(weight_t, Packed):
+        w, scales, biases, group_size, bits, mode = weight_t
+        return mx.quantized_matmul(
+            x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+        )
+    return x @ weight_t
+
+
+def columns(weight_t: WeightT) -> int:
+    """The width of :func:`matmul_t`'s product."""
+    return weight_t.columns if isinstance(weight_t, Packed) else weight_t.shape[1]
+
+
+def _packing(linear: nn.Module) -> tuple[int, int, str] | None:
+    """A quantized linear's ``(group_size, bits, mode)``; None for a float one."""
+    if type(linear) is nn.QuantizedLinear:
+        return linear.group_size, linear.bits, linear.mode
+    return None
+
+
+def _packed(linear: nn.Module, packing: tuple[int, int, str]) -> Packed:
+    return Packed(linear["weight"], linear["scales"], linear.get("biases"), *packing)
+
+
 class Stacked:
-    """The rows of some ``nn.Linear`` layers' weights (and biases) in one array.
+    """The rows of some ``nn.Linear`` layers' weights (and biases) in one array,
+    or of some ``nn.QuantizedLinear`` layers' of one packing (their packed
+    weights, scales and biases, each in one array).
 
     ``splits`` are the row offsets between the parts: ``mx.split(y, splits,
     axis=-1)`` of ``x @ weight.T`` gives each layer's output; ``weight_t`` is
-    ``weight.T``, evaluated (a view of the same memory, no node per call)."""
+    what :func:`matmul_t` reads: ``weight.T`` evaluated (a view of the same
+    memory, no node per call), or the stacked :class:`Packed`."""
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
-        weight = mx.concatenate([linear.weight for linear in linears], axis=0)
+    def __init__(self, linears: Sequence[nn.Module]) -> None:
+        packing = _packing(linears[0])
+        names = ("weight",) if packing is None else _PACKED[: 2 + ("biases" in linears[0])]
         has_bias = "bias" in linears[0]
-        bias = mx.concatenate([linear.bias for linear in linears], axis=0) if has_bias else None
-        mx.eval(weight, *([] if bias is None else [bias]))
+        names += ("bias",) * has_bias
+        held = {name: mx.concatenate([linear[name] for linear in linears]) for name in names}
+        mx.eval(held)
         ends = [0]
         for linear in linears:
-            ends.append(ends[-1] + linear.weight.shape[0])
+            ends.append(ends[-1] + linear["weight"].shape[0])
         self.splits = ends[1:-1]
-        self.weight = weight
-        self.weight_t = weight.T
-        self.bias = bias
-        mx.eval(self.weight_t)
+        self.weight = held["weight"]
+        self.bias = held.get("bias")
+        if packing is None:
+            self.weight_t: WeightT = self.weight.T
+            mx.eval(self.weight_t)
+        else:
+            self.weight_t = Packed(held["weight"], held["scales"], held.get("biases"), *packing)
         # The modules now read their rows of the stack (views: one copy held).
-        for linear, part in zip(linears, mx.split(weight, self.splits, axis=0), strict=True):
-            linear.weight = part
-        if bias is not None:
-            for linear, part in zip(linears, mx.split(bias, self.splits), strict=True):
-                linear.bias = part
+        for name, value in held.items():
+            for linear, part in zip(linears, mx.split(value, self.splits), strict=True):
+                linear[name] = part
         mx.eval([linear.parameters() for linear in linears])
-        self._parts = [linear.weight for linear in linears]
+        self._parts = [linear["weight"] for linear in linears]
 
     def matches(self, owner: nn.Module, names: Sequence[str]) -> bool:
         """Whether every module still holds the rows this stack gave it (a
@@ -67,14 +143,18 @@ class Stacked:
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each layer's output for ``x`` ``(..., in)``, in the order they were stacked."""
-        y = x @ self.weight_t if self.bias is None else gemm_add(self.bias, x, self.weight_t)
+        if self.bias is None:
+            y = matmul_t(x, self.weight_t)
+        else:
+            y = gemm_add(self.bias, x, self.weight_t)
         return mx.split(y, self.splits, axis=-1)
 
 
 def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
     """The stack of *owner*'s linear layers *names* (built on first use, rebuilt
-    when a weight was replaced), or None when any is not a plain ``nn.Linear``
-    (sharded) or only some have a bias."""
+    when a weight was replaced), or None when any is neither a plain
+    ``nn.Linear`` nor an ``nn.QuantizedLinear`` (sharded), when they mix float
+    and quantized or differ in packing, or when only some have a bias."""
     # In the instance's __dict__, not set through Module.__setattr__: no parameter.
     stacks: dict[tuple[str, ...], Stacked] | None = owner.__dict__.get("_stacks")
     if stacks is None:
@@ -83,9 +163,9 @@ def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
     if stack is not None and stack.matches(owner, names):
         return stack
     linears = [owner[name] for name in names]
-    if any(type(linear) is not nn.Linear for linear in linears):
+    if not all(map(readable, linears)):
         return None
-    if len({"bias" in linear for linear in linears}) != 1:
+    if len({("bias" in linear, _packing(linear)) for linear in linears}) != 1:
         return None
     stack = stacks[names] = Stacked(linears)
     return stack
@@ -106,9 +186,17 @@ def derived(
     return value
 
 
-def transposed(linear: nn.Module) -> mx.array:
-    """*linear*'s ``weight.T`` as an evaluated view (:func:`derived`)."""
-    return derived(linear, "_transposed", linear["weight"], lambda weight: weight.T)
+def transposed(linear: nn.Module) -> WeightT:
+    """What a step reads of *linear* (:func:`matmul_t`): its ``weight.T`` as an
+    evaluated view (:func:`derived`), or a quantized linear's :class:`Packed`
+    (kept alike, rebuilt when its weight was replaced)."""
+    packing = _packing(linear)
+    if packing is None:
+        return derived(linear, "_transposed", linear["weight"], lambda weight: weight.T)
+    held = linear.__dict__.get("_packed")
+    if held is None or held.weight is not linear["weight"] or held.scales is not linear["scales"]:
+        held = linear.__dict__["_packed"] = _packed(linear, packing)
+    return held
 
 
 def project(linear: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
@@ -126,9 +214,12 @@ def project(linear: nn.Module, x: mx.array, residual: mx.array | None = None) ->
     return x @ weight_t if residual is None else gemm_add(residual, x, weight_t)
 
 
-def gemm_add(addend: mx.array, x: mx.array, weight_t: mx.array) -> mx.array:
+def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     """``addend + x @ weight_t``, *addend* a bias ``(out,)`` or a residual
     shaped as the product, in the form each device runs fastest.
+
+    - A packed weight (:class:`Packed`): ``mx.quantized_matmul``, then the add
+      (there is no quantized GEMM with a C operand).
 
     - Mostly one GEMM, ``addmm`` with *addend* as its C operand: one kernel
       where a matmul and an add were two.
@@ -147,6 +238,8 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: mx.array) -> mx.array:
       an 8192 -> 2048 projection: 114 ms against 13 ms folded). CUDA's does not (the H200: the same
       time either way).
     """
+    if isinstance(weight_t, Packed):
+        return addend + matmul_t(x, weight_t)
     gpu = fused.builds_for_gpu()
     if gpu and x.size == x.shape[-1]:
         return addend + x @ weight_t

@@ -49,6 +49,8 @@ class CommonHooks:
     build: Callable[..., ArchConfig]
     # Whether its forwards call ``steer`` at each layer's output (turbospark.policies.steering).
     steerable: bool = False
+    # Whether its attention reads K/V through core's cached_attention (a quantized cache works).
+    kv_quantizable: bool = False
 
     @property
     def components(self) -> list[ComponentSpec]:
@@ -63,6 +65,7 @@ class CommonHooks:
             components=self.components,
             state_source=source_file(self.state),
             steerable=self.steerable,
+            kv_quantizable=self.kv_quantizable,
         )
 
     @hookimpl

@@ -64,6 +64,13 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def manifest_digest(manifest: Manifest) -> str:
+    """sha256 of *manifest* canonically serialised: it holds every file's sha256,
+    so other weights (or another arch, family or model id) digest differently.
+    What parked sessions on disk and a group of processes identify a model by."""
+    return hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
+
+
 def read_manifest(path: str | Path) -> Manifest:
     """Parse and validate ``manifest.json``; every failure names the file and field."""
     file = Path(path) / MANIFEST

@@ -47,6 +47,7 @@ from turbospark.server.openapi import openapi_document
 from turbospark.server.service import Service
 from turbospark.server.sessions import ROUTES as PAGE_ROUTES
 from turbospark.server.settings import ServerLimits
+from turbospark.server.window import ContextOverflow
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
@@ -75,6 +76,7 @@ def create_app(
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
     lockstep: Lockstep | None = None,
+    context_overflow: ContextOverflow = "refuse",
 ) -> Starlette:
     """The Starlette app serving *runner*. Prefix reuse is the caller's choice
     (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
@@ -86,6 +88,8 @@ def create_app(
     need it; *cors_origins* lets those browser origins in (``server/access.py``).
     With *lockstep* (rank 0 of ``serve --distributed``) the engine steps in
     lockstep with the other ranks (:mod:`turbospark.generation.distributed`).
+    *context_overflow* says what a chat past the context gets: a 400
+    (``refuse``) or its oldest turns dropped (``drop-turns``, ``window.py``).
 
     Pass the *worker* whose thread opened the runner (``worker.run(lambda:
     Runner.open(...))``). Without one, a new worker thread serves a runner
@@ -104,6 +108,7 @@ def create_app(
         worker=worker,
         limits=limits or ServerLimits(),
         engine=new_engine(runner, codec, max_batch, prefill_budget or chunk_size, lockstep),
+        context_overflow=context_overflow,
     )
     metrics = Metrics(service.engine)
     service.engine.observer = metrics.observe

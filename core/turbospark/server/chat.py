@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse, Response
 from turbospark.errors import TurbosparkError
 from turbospark.generation.generate import (
     Chunk,
-    Completion,
     GenerationStats,
 )
 from turbospark.server.draws import chat_logprobs, draws, text_logprobs
@@ -26,6 +25,7 @@ from turbospark.server.limits import (
     Deadline,
     Ticket,
 )
+from turbospark.server.reasoning import Reasoning, ReasoningSplitter
 from turbospark.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -42,7 +42,7 @@ from turbospark.server.schemas import (
     Usage,
     new_id,
 )
-from turbospark.server.service import EventStream, Service
+from turbospark.server.service import ChatDraws, EventStream, Service
 from turbospark.server.sse import TextEvent, sse
 from turbospark.server.tools import (
     StreamSplitter,
@@ -89,18 +89,33 @@ async def _sse_stream(
     yield sse("[DONE]")
 
 
-def _message(text: str, syntax: ToolSyntax | None) -> AssistantMessage:
-    """The reply, its tool-call blocks parsed out when the request offered tools."""
+def _message(text: str, syntax: ToolSyntax | None, reasoning: Reasoning | None) -> AssistantMessage:
+    """The reply, its reasoning split off, and its tool-call blocks parsed out of
+    the answer when the request offered tools."""
+    thought, text = reasoning.split(text) if reasoning is not None else (None, text)
     if syntax is None:
-        return AssistantMessage(content=text)
+        return AssistantMessage(content=text, reasoning_content=thought)
     prose, calls = syntax.parse(text)
-    return AssistantMessage(content=prose or None, tool_calls=calls or None)
+    return AssistantMessage(
+        content=prose or None, tool_calls=calls or None, reasoning_content=thought
+    )
 
 
-def _finish(done: Completion, syntax: ToolSyntax | None) -> str:
-    if syntax is not None and done.finish_reason == "stop" and syntax.parse(done.text)[1]:
-        return "tool_calls"
-    return done.finish_reason
+def _finish(message: AssistantMessage, finish: str) -> str:
+    return "tool_calls" if message.tool_calls and finish == "stop" else finish
+
+
+def _usage(usage: Usage, plan: ChatDraws) -> Usage:
+    """*usage* with what window fitting dropped, also said in the reuse detail."""
+    dropped = plan.dropped
+    if dropped.messages:
+        usage.turbospark.dropped_messages = dropped.messages
+        usage.turbospark.dropped_tokens = dropped.tokens
+        usage.turbospark.reuse_detail += (
+            f"; the {dropped.messages} oldest message(s) ({dropped.tokens} tokens) were "
+            "dropped to fit the context"
+        )
+    return usage
 
 
 async def chat_completions(request: Request) -> Response:
@@ -115,11 +130,13 @@ async def _chat(
     ticket: Ticket,
     request: Request,
 ) -> Response:
-    choices, syntax = await service.chat_draws(body, deadline)
+    plan = await service.chat_draws(body, deadline)
+    choices, syntax, reasoning = plan.draws, plan.syntax, plan.reasoning
     ident = new_id("chatcmpl")
     codec = service.codec
     if not body.stream:
         done = await service.complete(choices, deadline, request)
+        messages = [_message(d.text, syntax, reasoning) for d in done]
         return JSONResponse(
             ChatCompletion(
                 id=ident,
@@ -127,20 +144,21 @@ async def _chat(
                 choices=[
                     ChatChoice(
                         index=i,
-                        message=_message(d.text, syntax),
-                        finish_reason=_finish(d, syntax),
+                        message=messages[i],
+                        finish_reason=_finish(messages[i], d.finish_reason),
                         logprobs=chat_logprobs(codec, d.tokens, d.logprobs)
                         if body.logprobs
                         else None,
                     )
                     for i, d in enumerate(done)
                 ],
-                usage=Usage.of_choices([d.stats for d in done], body.n),
+                usage=_usage(Usage.of_choices([d.stats for d in done], body.n), plan),
             ).model_dump()
         )
 
     started: set[int] = set()
     splitters: dict[int, StreamSplitter] = {}
+    thinking: dict[int, ReasoningSplitter] = {}
     created = int(time.time())  # every chunk of one completion carries the same time
     texts: dict[int, TextEvent] = {}
 
@@ -151,12 +169,19 @@ async def _chat(
         if chunk.finish_reason is None and not chunk.logprobs and not first:
             if not chunk.text:
                 return None
-            if syntax is None:
+            if syntax is None and (reasoning is None or thinking[index].answering):
                 if index not in texts:
                     texts[index] = TextEvent(chunk_of(index, Delta(content=TextEvent.MARK)))
                 return texts[index](chunk.text)
         started.add(index)
         text, calls, finish = chunk.text, None, chunk.finish_reason
+        thought = None
+        if reasoning is not None:  # the reasoning first; the answer goes on below
+            split = thinking.setdefault(index, reasoning.splitter())
+            thought, text = split.feed(text)
+            if finish is not None:
+                more, rest = split.finish()
+                thought, text = thought + more, text + rest
         if syntax is not None:  # prose goes out at once; tool-call blocks when the choice ends
             splitter = splitters.setdefault(index, StreamSplitter(syntax))
             text = splitter.feed(text)
@@ -166,10 +191,13 @@ async def _chat(
                 if parsed:
                     calls = [ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(parsed)]
                     finish = "tool_calls" if finish == "stop" else finish
+        if not (first or text or thought or calls or finish or chunk.logprobs):
+            return None  # all held back (a marker may be starting)
         delta = Delta(
             role="assistant" if first else None,
-            content=text if text or (first and not calls) else None,
+            content=text if text or (first and not calls and not thought) else None,
             tool_calls=calls,
+            reasoning_content=thought or None,
         )
         logprobs = None
         if chunk.logprobs is not None and chunk.token is not None:
@@ -186,7 +214,7 @@ async def _chat(
 
     def usage_event(usage: Usage) -> BaseModel:
         return ChatCompletionChunk(
-            id=ident, created=created, model=service.model_id, choices=[], usage=usage
+            id=ident, created=created, model=service.model_id, choices=[], usage=_usage(usage, plan)
         )
 
     events = _sse_stream(

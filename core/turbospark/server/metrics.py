@@ -27,6 +27,7 @@ from starlette.responses import Response
 from turbospark.generation.engine import Engine, Job
 from turbospark.generation.generate import GenerationStats
 from turbospark.server.errors import APIError, ClientGone
+from turbospark.server.service import EventStream
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -153,7 +154,8 @@ class Metrics:
         self.ttft.observe(stats.queued_seconds + stats.prefill_seconds)
 
     def counted(self, endpoint: str, handler: Handler) -> Handler:
-        """*handler*, its requests counted by outcome (a stream counts when it starts)."""
+        """*handler*, its requests counted by outcome (a stream when it ends:
+        ``cancelled`` when the client closed it first)."""
 
         @functools.wraps(handler)
         async def wrapper(request: Request) -> Response:
@@ -168,7 +170,12 @@ class Metrics:
             except Exception:
                 self.requests.labels(endpoint, "error").inc()
                 raise
-            self.requests.labels(endpoint, _outcome(response.status_code)).inc()
+            if isinstance(response, EventStream):
+                response.on_end = lambda whole: self.requests.labels(
+                    endpoint, "ok" if whole else "cancelled"
+                ).inc()
+            else:
+                self.requests.labels(endpoint, _outcome(response.status_code)).inc()
             return response
 
         return wrapper

@@ -6,7 +6,11 @@ The request (``input`` as a string or items, ``instructions``, function
 ``response`` object whose ``output`` holds a ``message`` (``output_text``) and
 ``function_call`` items; streamed, it is the Responses event sequence
 (``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``). Nothing is stored: ``store: true``,
+``response.completed``). A thinking model's reasoning comes first, as a
+``reasoning`` item (streamed as ``response.reasoning_text.delta`` events);
+``reasoning.effort: "none"`` turns thinking off in the template. With
+``truncation: "auto"`` a conversation past the context loses its oldest turns
+(``window.py``). Nothing is stored: ``store: true``,
 ``previous_response_id`` and the other options that need state are refused
 by name, as is anything else this server cannot honour.
 """
@@ -27,8 +31,9 @@ from turbospark.errors import TurbosparkError
 from turbospark.generation.generate import Chunk, GenerationStats
 from turbospark.server.errors import APIError, error_json, refusal
 from turbospark.server.limits import Deadline, Ticket
+from turbospark.server.reasoning import Reasoning
 from turbospark.server.schemas import ChatCompletionRequest, Message, Text, TurbosparkOptions
-from turbospark.server.service import EventStream, Service
+from turbospark.server.service import ChatDraws, EventStream, Service
 from turbospark.server.tools import (
     FunctionCall,
     FunctionDef,
@@ -38,14 +43,13 @@ from turbospark.server.tools import (
     Tool,
     ToolCall,
     ToolChoice,
-    ToolSyntax,
 )
+from turbospark.server.window import ContextOverflow
 
 _REFUSED = {
     "previous_response_id": "this server stores no responses; resend the conversation",
     "conversation": "this server stores no conversations; resend them",
     "background": "background responses are not implemented",
-    "reasoning": "reasoning options are not implemented",
     "include": "no extra output can be included",
     "prompt": "stored prompts are not implemented",
     "store": "this server stores no responses (send store: false or leave it out)",
@@ -108,6 +112,15 @@ class NamedFunction(BaseModel):
     name: Text
 
 
+class ReasoningOptions(BaseModel):
+    """``reasoning``: ``effort`` "none" turns the template's thinking off; any
+    other effort leaves it on (nothing bounds how long a model thinks)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -122,9 +135,12 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    reasoning: ReasoningOptions | None = None
     # turbospark's extensions, as on the chat route (extra_body).
     turbospark: TurbosparkOptions | None = None
     draft: Literal["on", "off"] = "on"
+    chat_template_kwargs: dict[str, Any] | None = None  # as on the chat route
 
     @model_validator(mode="before")
     @classmethod
@@ -182,6 +198,9 @@ class ResponsesRequest(BaseModel):
             )
         else:
             choice = self.tool_choice
+        template_kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            template_kwargs.setdefault("enable_thinking", self.reasoning.effort != "none")
         return ChatCompletionRequest(
             model=self.model,
             messages=messages,
@@ -192,17 +211,35 @@ class ResponsesRequest(BaseModel):
             tool_choice=choice,
             turbospark=self.turbospark,
             draft=self.draft,
+            chat_template_kwargs=template_kwargs or None,
         )
 
 
-def _usage(stats: GenerationStats) -> dict[str, Any]:
-    return {
+def context_overflow(body: ResponsesRequest) -> ContextOverflow:
+    """``truncation: "auto"`` drops the oldest turns until the prompt fits
+    (``window.py``); ``"disabled"``, OpenAI's default, refuses an overlong one."""
+    return "drop-turns" if body.truncation == "auto" else "refuse"
+
+
+def _usage(stats: GenerationStats, plan: ChatDraws) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "input_tokens": stats.prompt_tokens,
         "input_tokens_details": {"cached_tokens": stats.reused_tokens},
         "output_tokens": stats.generated_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
     }
+    if plan.dropped.messages:
+        usage["turbospark"] = {
+            "dropped_messages": plan.dropped.messages,
+            "dropped_tokens": plan.dropped.tokens,
+        }
+    return usage
+
+
+def _reasoning_item(ident: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": ident, "summary": [], "content": content, "status": status}
 
 
 def _text_item(ident: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -222,8 +259,10 @@ def _call_item(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def _output(text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
-    items = [_text_item("msg_" + uuid.uuid4().hex, text)] if text or not calls else []
+def _output(text: str, calls: list[ToolCall], thought: str | None) -> list[dict[str, Any]]:
+    items = [_reasoning_item("rs_" + uuid.uuid4().hex, thought)] if thought is not None else []
+    if text or not (calls or items):
+        items.append(_text_item("msg_" + uuid.uuid4().hex, text))
     return items + [_call_item(c) for c in calls]
 
 
@@ -246,7 +285,7 @@ def _response(
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "metadata": body.metadata or {},
         "text": {"format": {"type": "text"}},
-        "truncation": "disabled",
+        "truncation": body.truncation,
         "error": None,
         "incomplete_details": None,
         "output": [],
@@ -270,23 +309,26 @@ async def create(request: Request) -> Response:
 async def _create(
     service: Service, body: ResponsesRequest, deadline: Deadline, ticket: Ticket, request: Request
 ) -> Response:
-    choices, calling = await service.chat_draws(body.chat_request(), deadline)  # calling: a syntax
+    plan = await service.chat_draws(body.chat_request(), deadline, context_overflow(body))
+    choices, calling, reasoning = plan.draws, plan.syntax, plan.reasoning
     ident, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if not body.stream:
         (done,) = await service.complete(choices, deadline, request)
-        text, calls = calling.parse(done.text) if calling else (done.text, [])
+        thought, text = reasoning.split(done.text) if reasoning else (None, done.text)
+        text, calls = calling.parse(text) if calling else (text, [])
         return JSONResponse(
             _response(
                 service,
                 body,
                 ident,
                 created,
-                output=_output(text, calls),
-                usage=_usage(done.stats),
+                output=_output(text, calls, thought),
+                usage=_usage(done.stats, plan),
                 **_ending(done.finish_reason),
             )
         )
-    events = _stream(service, body, ident, created, service.chunks(choices, deadline), calling)
+    chunks = service.chunks(choices, deadline)
+    events = _stream(service, body, ident, created, chunks, plan, reasoning)
     return EventStream(events, ticket.hand_over())
 
 
@@ -296,8 +338,10 @@ async def _stream(
     ident: str,
     created: int,
     chunks: AsyncGenerator[tuple[int, Chunk], None],
-    calling: ToolSyntax | None,
+    plan: ChatDraws,
+    reasoning: Reasoning | None,
 ) -> AsyncIterator[str]:
+    calling = plan.syntax
     sequence = 0
 
     def event(kind: str, **payload: Any) -> str:
@@ -310,24 +354,59 @@ async def _stream(
     yield event("response.created", response=response)
     yield event("response.in_progress", response=response)
     splitter = StreamSplitter(calling) if calling else None
-    message_id = "msg_" + uuid.uuid4().hex
-    opened, text_all = False, ""
+    thinking = reasoning.splitter() if reasoning is not None else None
+    message_id, reasoning_id = "msg_" + uuid.uuid4().hex, "rs_" + uuid.uuid4().hex
+    opened, text_all, thinking_open, thought_all = False, "", False, ""
+    output: list[dict[str, Any]] = []  # the items done
     try:
         async for _, chunk in chunks:
-            text = splitter.feed(chunk.text) if splitter is not None else chunk.text
+            text, thought = chunk.text, ""
+            if thinking is not None:
+                thought, text = thinking.feed(text)
+                if chunk.finish_reason is not None:
+                    more, rest = thinking.finish()
+                    thought, text = thought + more, text + rest
+            if thought:
+                if not thinking_open:
+                    thinking_open = True
+                    item = _reasoning_item(reasoning_id, "", "in_progress")
+                    yield event("response.output_item.added", output_index=0, item=item)
+                thought_all += thought
+                yield event(
+                    "response.reasoning_text.delta",
+                    item_id=reasoning_id,
+                    output_index=0,
+                    content_index=0,
+                    delta=thought,
+                )
+            if thinking_open and (text or chunk.finish_reason is not None):
+                thinking_open = False
+                yield event(
+                    "response.reasoning_text.done",
+                    item_id=reasoning_id,
+                    output_index=0,
+                    content_index=0,
+                    text=thought_all,
+                )
+                item = _reasoning_item(reasoning_id, thought_all)
+                yield event("response.output_item.done", output_index=0, item=item)
+                output.append(item)
+            at = len(output)  # the message's index: after the reasoning item, if any
+            text = splitter.feed(text) if splitter is not None else text
             calls: list[ToolCall] = []
             if chunk.finish_reason is not None and splitter is not None:
                 tail, calls = splitter.finish()
                 text += tail
-            if (text or (chunk.finish_reason is not None and not calls)) and not opened:
+            ends_bare = chunk.finish_reason is not None and not (calls or output)
+            if (text or ends_bare) and not opened:
                 opened = True
                 item = _text_item(message_id, "", "in_progress")
-                yield event("response.output_item.added", output_index=0, item=item)
+                yield event("response.output_item.added", output_index=at, item=item)
                 part = {"type": "output_text", "text": "", "annotations": []}
                 yield event(
                     "response.content_part.added",
                     item_id=message_id,
-                    output_index=0,
+                    output_index=at,
                     content_index=0,
                     part=part,
                 )
@@ -336,31 +415,30 @@ async def _stream(
                 yield event(
                     "response.output_text.delta",
                     item_id=message_id,
-                    output_index=0,
+                    output_index=at,
                     content_index=0,
                     delta=text,
                 )
             if chunk.finish_reason is None:
                 continue
-            output: list[dict[str, Any]] = []
             if opened:
                 part = {"type": "output_text", "text": text_all, "annotations": []}
                 yield event(
                     "response.output_text.done",
                     item_id=message_id,
-                    output_index=0,
+                    output_index=at,
                     content_index=0,
                     text=text_all,
                 )
                 yield event(
                     "response.content_part.done",
                     item_id=message_id,
-                    output_index=0,
+                    output_index=at,
                     content_index=0,
                     part=part,
                 )
                 item = _text_item(message_id, text_all)
-                yield event("response.output_item.done", output_index=0, item=item)
+                yield event("response.output_item.done", output_index=at, item=item)
                 output.append(item)
             for call in calls:
                 item = _call_item(call)
@@ -386,7 +464,7 @@ async def _stream(
                 output.append(item)
             assert chunk.stats is not None
             ending = _ending(chunk.finish_reason)
-            final = response | {"output": output, "usage": _usage(chunk.stats)} | ending
+            final = response | {"output": output, "usage": _usage(chunk.stats, plan)} | ending
             kind = (
                 "response.completed" if ending["status"] == "completed" else "response.incomplete"
             )

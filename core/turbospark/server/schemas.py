@@ -93,7 +93,8 @@ class BaseRequest(BaseModel):
         return data
 
     model: Text
-    max_tokens: int | None = Field(default=None, ge=0)
+    # At least one: a reply of no tokens is a mistake (as /v1/messages and /v1/responses say).
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="extension: keep the k most likely tokens")
@@ -195,6 +196,8 @@ class Message(BaseModel):
     content: Text | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool result's call
+    # An assistant's earlier reasoning (vLLM's field): its template decides whether to keep it.
+    reasoning_content: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -224,6 +227,8 @@ class Message(BaseModel):
             out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -251,13 +256,29 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(BaseRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="extension (vLLM's and mlx-lm's): more arguments for the chat template, "
+        "e.g. {'enable_thinking': false}",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or {}) & _TEMPLATE_OWN)
+        if taken:
+            raise ValueError(
+                f"may not set {', '.join(map(repr, taken))}: the server renders "
+                "it from the request itself (send it as its own field)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _logprobs_asked(self) -> ChatCompletionRequest:
@@ -279,6 +300,12 @@ class ChatCompletionRequest(BaseRequest):
         )
 
 
+# What the server passes the chat template itself: a request's template arguments
+# cannot replace them.
+_TEMPLATE_OWN = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "documents"}
+)
+
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
@@ -290,7 +317,7 @@ class CompletionRequest(BaseRequest):
         | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     )
-    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's completions default
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
@@ -380,6 +407,10 @@ class TurbosparkUsage(BaseModel):
     draft_proposed: int = 0  # speculative tokens verified (--draft)
     draft_accepted: int = 0  # of which the model agreed with
     draft_probed: int = 0  # shadow probes: guesses compared with plain steps' tokens
+    # Window fitting (--context-overflow drop-turns): the oldest messages dropped
+    # so the prompt fits, and the prompt tokens they took.
+    dropped_messages: int = 0
+    dropped_tokens: int = 0
 
 
 class Usage(BaseModel):
@@ -450,6 +481,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a thinking model's reasoning (vLLM's field)
 
 
 class TopLogprob(BaseModel):
@@ -494,6 +526,7 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -50,6 +51,7 @@ from turbospark.server.limits import (
     read_body,
 )
 from turbospark.server.prompt_bound import PromptBound
+from turbospark.server.reasoning import Reasoning
 from turbospark.server.schemas import (
     BaseRequest,
     ChatCompletionRequest,
@@ -62,6 +64,7 @@ from turbospark.server.tools import (
     ToolSyntax,
     check_choice,
 )
+from turbospark.server.window import ContextOverflow, Dropped, fit
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
@@ -69,6 +72,26 @@ R = TypeVar("R", bound=BaseModel)  # every request body has a ``model``
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
 GIL_SWITCH_INTERVAL_S = 0.0005  # see Service.start: the runner thread gets the GIL back fast
+
+
+@dataclass(frozen=True)
+class ChatDraws:
+    """A chat request made ready: its draws; when tool calls are parsed out of
+    the replies, the install's tool syntax bound to the request's tools; how
+    the replies' reasoning is split off (None: it is not); and what window
+    fitting dropped from the conversation."""
+
+    draws: list[Draw]
+    syntax: ToolSyntax | None
+    reasoning: Reasoning | None
+    dropped: Dropped
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    ids: list[int]
+    text: str  # the rendered prompt the ids encode
+    dropped: Dropped
 
 
 class Service:
@@ -91,12 +114,14 @@ class Service:
         worker: RunnerWorker,
         limits: ServerLimits,
         engine: Engine,
+        context_overflow: ContextOverflow = "refuse",
     ) -> None:
         self.runner = runner
         self.codec = codec
         self.model_id = model_id
         self.chunk_size = chunk_size
         self.default_max_tokens = default_max_tokens
+        self.context_overflow: ContextOverflow = context_overflow
         self.created = int(time.time())
         self.worker = worker
         self.limits = limits
@@ -172,12 +197,17 @@ class Service:
         return await deadline.run(future, "while the grammar was compiled")
 
     async def chat_draws(
-        self, body: ChatCompletionRequest, deadline: Deadline
-    ) -> tuple[list[Draw], ToolSyntax | None]:
-        """A chat request's draws (its prompt rendered with its tools, a forced
-        call's grammar) and, when tool calls are parsed out of the replies, the
-        install's tool syntax bound to the request's tools (their parameter
-        types). The Anthropic and Responses endpoints translate into this request."""
+        self,
+        body: ChatCompletionRequest,
+        deadline: Deadline,
+        overflow: ContextOverflow | None = None,
+    ) -> ChatDraws:
+        """A chat request's draws (its prompt rendered with its tools and template
+        arguments, a forced call's grammar), with how to read the replies
+        (:class:`ChatDraws`). A conversation past the context is refused or
+        loses its oldest turns, as *overflow* says (default: the server's
+        ``--context-overflow``). The Anthropic and Responses endpoints translate
+        into this request."""
         why = check_choice(body.tools, body.tool_choice)
         if why is not None:
             raise APIError(400, why, param="tool_choice", code="invalid_value")
@@ -194,20 +224,46 @@ class Service:
                 param="response_format",
                 code="invalid_value",
             )
-        ids = await self.prompt_ids(body.messages, deadline, body.tools)
-        grammar = await self.response_grammar(body.response_format, deadline, forced)
         config = body.generation_config(
             self.chunk_size, self.default_max_tokens, self.steering_of(body)
         )
+        dropping = (overflow or self.context_overflow) == "drop-turns"
+        room = (config.max_tokens if config.max_tokens is not None else 1) if dropping else None
+        work = functools.partial(
+            self._chat_prompt, body.messages, body.tools, body.chat_template_kwargs, room
+        )
+        future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+        prompt = await deadline.run(future, "while the prompt was tokenized")
+        grammar = await self.response_grammar(body.response_format, deadline, forced)
         choices = draws(
-            [ids],
+            [prompt.ids],
             body,
             config,
             vocab_size=self.codec.vocab_size,
             top_logprobs=body.kept_logprobs,
             grammar=grammar,
         )
-        return choices, syntax if calling else None
+        reasoning = Reasoning.of(prompt.text, self.codec.chat_template, grammar is not None)
+        return ChatDraws(choices, syntax if calling else None, reasoning, prompt.dropped)
+
+    @functools.cached_property
+    def user_after_tool_results(self) -> bool:
+        """Whether the install's template renders a user message right after tool
+        results. Alternating templates (Gemma's: tool results are a user turn)
+        refuse it, so a translated turn holding results and text must join them
+        (``anthropic.py``); the template, not the family's name, says so."""
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+        probe = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "r"},
+            {"role": "user", "content": "q"},
+        ]
+        try:
+            self.codec.apply_chat_template(probe)
+        except TurbosparkError:
+            return False
+        return True
 
     def steering_of(self, body: BaseRequest) -> SteeringPolicy | None:
         """The request's steering: the served setting (None), or its override of
@@ -296,17 +352,34 @@ class Service:
         prompt: list[Message] | str | list[int],
         deadline: Deadline,
         tools: list[Tool] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt's ids, checked, rendered and tokenized on the text pool."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             work = functools.partial(self._completion_ids, prompt)
         else:
-            work = functools.partial(self._chat_ids, prompt, tools)
+            work = functools.partial(self._chat_ids, prompt, tools, template_kwargs)
         future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
         return await deadline.run(future, "while the prompt was tokenized")
 
-    def _chat_ids(self, messages: list[Message], tools: list[Tool] | None) -> list[int]:
-        extra: dict[str, Any] = {}
+    def _chat_ids(
+        self,
+        messages: list[Message],
+        tools: list[Tool] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        return self._chat_prompt(messages, tools, template_kwargs).ids
+
+    def _chat_prompt(
+        self,
+        messages: list[Message],
+        tools: list[Tool] | None,
+        template_kwargs: dict[str, Any] | None = None,
+        room: int | None = None,
+    ) -> ChatPrompt:
+        """The chat's prompt. With *room* (window fitting), the oldest turns are
+        dropped until the prompt leaves that many tokens for the reply."""
+        extra: dict[str, Any] = dict(template_kwargs or {})
         if tools:
             if "tools" not in (self.codec.chat_template or ""):
                 raise APIError(
@@ -317,12 +390,29 @@ class Service:
                     code="invalid_value",
                 )
             extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
-        try:
-            text = self.codec.apply_chat_template([m.template_dict() for m in messages], **extra)
-        except TurbosparkError as exc:
-            raise refusal(exc, "messages") from exc
-        self._fits(len(text), "messages")
-        return self._checked(self.codec.encode(text), "messages")
+        rendered: dict[int, str] = {}  # id() of an encoding -> the text it encodes
+
+        def render(kept: list[Message]) -> str:
+            try:
+                text = self.codec.apply_chat_template([m.template_dict() for m in kept], **extra)
+            except TurbosparkError as exc:
+                raise refusal(exc, "messages") from exc
+            return text
+
+        if room is None:
+            text = render(messages)
+            self._fits(len(text), "messages")
+            ids = self._checked(self.codec.encode(text), "messages")
+            return ChatPrompt(ids, text, Dropped())
+
+        def encode(kept: list[Message]) -> list[int]:
+            text = render(kept)
+            ids = self.codec.encode(text)
+            rendered[id(ids)] = text
+            return ids
+
+        ids, dropped = fit(messages, encode, room, self.runner.context_length)
+        return ChatPrompt(self._checked(ids, "messages"), rendered[id(ids)], dropped)
 
     def _completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -453,6 +543,14 @@ class EventStream(StreamingResponse):
         super().__init__(events, media_type="text/event-stream")
         self.events = events
         self.ticket = ticket
+        # Told, once the stream ends, whether it was sent whole (False: the client
+        # left first); the metrics count the request then, not when it started.
+        self.on_end: Callable[[bool], None] | None = None
+        self._whole = False
+
+    async def stream_response(self, send: Any) -> None:
+        await super().stream_response(send)
+        self._whole = True
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -460,3 +558,5 @@ class EventStream(StreamingResponse):
         finally:
             self.ticket.release()
             await self.events.aclose()
+            if self.on_end is not None:
+                self.on_end(self._whole)

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from turbospark.generation.engine import RowInfo
 from turbospark.server.errors import APIError
 from turbospark.sessions.session import Session
+from turbospark.state.kv import describe_kv
 
 if TYPE_CHECKING:
     from turbospark.server.service import Service
@@ -140,6 +141,10 @@ class SessionsView(_View):
     model: str
     family: str
     context_length: int
+    kv_cache: str = Field(
+        description="how every session's attention K/V are stored: 'full precision', or "
+        "bits and group size (--kv-bits, --kv-group-size); one setting for every session here"
+    )
     engine: EngineView
     pool: PoolView
     sessions: list[SessionView] = Field(description="active first, then by last use")
@@ -225,6 +230,7 @@ def build_view(service: Service) -> SessionsView:
         model=service.model_id,
         family=runner.manifest.family,
         context_length=runner.context_length,
+        kv_cache=describe_kv(runner.kv_quantization),
         engine=EngineView(
             warming=engine.warming,
             active_rows=len(rows),

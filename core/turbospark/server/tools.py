@@ -34,6 +34,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from turbospark.server.tool_grammars import (
+    GEMMA4_KEY,
+    GEMMA4_QUOTE,
+    Gemma4Rules,
+    QwenXmlRules,
+    gemma4_call_rule,
+    schema_type,
+)
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -168,24 +177,22 @@ def forced_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | None:
     """A Lark grammar (llguidance) for one forced call, or None when the model may choose."""
     if choice in (None, "none", "auto"):
         return None
-    allowed = tools
-    if isinstance(choice, NamedToolChoice):
-        allowed = [t for t in tools if t.function.name == choice.function.name]
-    options = [
-        {
+    options = []
+    for tool in _allowed(tools, choice):
+        parameters = tool.function.parameters
+        # The tool's definitions move to the call object's root, where its
+        # ``#/$defs/...`` references resolve once the parameters sit under "arguments".
+        defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+        call = {
             "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters,
-            },
+            "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
             "required": ["name", "arguments"],
             "additionalProperties": False,
+            **defs,
+            "x-guidance": {"whitespace_flexible": False},
         }
-        for t in allowed
-    ]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    body = json.dumps(schema | {"x-guidance": {"whitespace_flexible": False}})
-    return f'start: "{OPEN}\\n" %json {body} "\\n{CLOSE}"'
+        options.append(f"%json {json.dumps(call)}")
+    return f'start: "{OPEN}\\n" ({" | ".join(options)}) "\\n{CLOSE}"'
 
 
 def check_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
@@ -216,20 +223,11 @@ _XML_BLOCK = re.compile(
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
 
 
-def _schema_type(schema: Any) -> str | None:
-    """The schema's one non-null type (``["integer", "null"]`` -> ``integer``)."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(kind, list):
-        kinds = [k for k in kind if k != "null"]
-        kind = kinds[0] if len(kinds) == 1 else None
-    return kind if isinstance(kind, str) else None
-
-
 def _xml_value(text: str, schema: Any) -> Any:
     """One parameter's text as its schema's type (vLLM's ``qwen3_coder`` reading):
     a string stays text, a boolean may be Python's ``True``; anything else is read
     as JSON, and text that is not JSON stays text (nothing is lost)."""
-    kind = _schema_type(schema)
+    kind = schema_type(schema)
     if kind == "string":
         return text
     if kind == "boolean" and text.lower() in ("true", "false"):
@@ -267,76 +265,26 @@ def parse_qwen_xml(text: str, tools: Sequence[Tool] = ()) -> tuple[str, list[Too
     return "".join(kept).strip() if calls else text, calls
 
 
-class _QwenXmlGrammar:
-    """A Lark grammar (llguidance) for one call's parameters: the required ones,
-    in order, each value following its schema: a string is raw text on one line
-    (no ``<``), an ``enum``/``const`` one of its values as the template writes
-    them, a small integer range exactly, anything else JSON matching the
-    sub-schema (llguidance's ``%json``)."""
-
-    def __init__(self) -> None:
-        self.rules: list[str] = []
-
-    def rule(self, body: str) -> str:
-        name = f"q{len(self.rules)}"
-        self.rules.append(f"{name}: {body}")
-        return name
-
-    @staticmethod
-    def written(value: Any) -> str:
-        """A value as the template writes it."""
-        if isinstance(value, str):
-            return value
-        if isinstance(value, dict | list):
-            return json.dumps(value)
-        return str(value)
-
-    def value(self, schema: Any) -> str:
-        if not isinstance(schema, dict):
-            return "TEXT"
-        if "const" in schema:
-            return self.rule(json.dumps(self.written(schema["const"])))
-        if isinstance(schema.get("enum"), list) and schema["enum"]:
-            return self.rule(" | ".join(json.dumps(self.written(v)) for v in schema["enum"]))
-        kind = _schema_type(schema)
-        if kind == "string" or (kind is None and not schema):
-            return "TEXT"
-        if kind == "integer":
-            low, high = schema.get("minimum"), schema.get("maximum")
-            if isinstance(low, int) and isinstance(high, int) and 0 <= high - low <= 100:
-                return self.rule(" | ".join(json.dumps(str(v)) for v in range(low, high + 1)))
-        body = json.dumps(schema | {"x-guidance": {"whitespace_flexible": False}})
-        return self.rule(f"%json {body}")
-
-    def call(self, tool: Tool) -> str:
-        parameters = tool.function.parameters
-        if _schema_type(parameters) not in (None, "object"):
-            raise ValueError(
-                f"tools: the parameters of '{tool.function.name}' must be a JSON schema of "
-                f"type object, got type {parameters.get('type')!r}"
-            )
-        properties = parameters.get("properties") or {}
-        required = [k for k in parameters.get("required", []) if k in properties]
-        pieces = [json.dumps(f"{tool.function.name}>\n")]
-        for key in required:
-            value = self.value(properties[key])
-            pieces += [json.dumps(f"<parameter={key}>\n"), value, json.dumps("\n</parameter>\n")]
-        return self.rule(" ".join(pieces))
-
-
 def forced_qwen_xml_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | None:
-    """As :func:`forced_grammar`, in Qwen3.5's XML syntax (:class:`_QwenXmlGrammar`).
-    ValueError names a tool whose parameters are not an object schema."""
+    """As :func:`forced_grammar`, in Qwen3.5's XML syntax: one call of an allowed
+    function, its parameters following the schema (:class:`QwenXmlRules`).
+    ValueError names a schema part the grammar cannot enforce."""
     if choice in (None, "none", "auto"):
         return None
-    allowed = tools
-    if isinstance(choice, NamedToolChoice):
-        allowed = [t for t in tools if t.function.name == choice.function.name]
-    grammar = _QwenXmlGrammar()
-    calls = " | ".join(grammar.call(t) for t in allowed)
+    rules = QwenXmlRules()
+    calls = " | ".join(
+        rules.call(t.function.name, t.function.parameters) for t in _allowed(tools, choice)
+    )
     head = f"start: {json.dumps(OPEN + chr(10) + QWEN_XML_FUNCTION)} ({calls}) "
     head += json.dumps("</function>\n" + CLOSE)
-    return "\n".join([head, *grammar.rules, "TEXT: /[^<\\n]{1,200}/"])
+    return "\n".join([head, *rules.rules])
+
+
+def _allowed(tools: list[Tool], choice: ToolChoice | None) -> list[Tool]:
+    """The tools a forced *choice* lets the model call."""
+    if isinstance(choice, NamedToolChoice):
+        return [t for t in tools if t.function.name == choice.function.name]
+    return tools
 
 
 # -- Gemma 4's native syntax ----------------------------------------------------------
@@ -347,12 +295,12 @@ def forced_qwen_xml_grammar(tools: list[Tool], choice: ToolChoice | None) -> str
 # keys are bare, every string is wrapped in ``<|"|>`` and other values are written as
 # JSON scalars, objects ``{...}`` and lists ``[...]``.
 
-GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+GEMMA4_OPEN, GEMMA4_CLOSE = "<|tool_call>", "<tool_call|>"
 _GEMMA4_BLOCK = re.compile(
     r"<\|tool_call>call:([A-Za-z0-9_.-]{1,64})(\{.*?\})<tool_call\|>", re.DOTALL
 )
 _SCALAR = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|true|false|null")
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+_KEY = re.compile(GEMMA4_KEY)
 
 
 class _Gemma4Args:
@@ -433,95 +381,21 @@ def parse_gemma4(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(kept).strip() if calls else text, calls
 
 
-class _Gemma4Grammar:
-    """A Lark grammar (llguidance) for Gemma 4 argument objects, following the
-    common parts of a JSON schema: ``properties`` (the required ones, in order,
-    then none of the optional ones), ``enum``/``const``, and the ``type`` of
-    strings, integers (a small ``minimum``..``maximum`` range exactly), numbers, booleans, null, arrays and objects. Anything
-    else is any well-formed value."""
-
-    GENERIC = (
-        'value: string | NUMBER | "true" | "false" | "null" | object | list',
-        'object: "{" (pair ("," pair)*)? "}"',
-        'pair: KEY ":" value',
-        'list: "[" (value ("," value)*)? "]"',
-        f"string: {json.dumps(GEMMA4_QUOTE)} TEXT? {json.dumps(GEMMA4_QUOTE)}",
-        "TEXT: /([^<]|<[^|])+/",
-        "KEY: /[A-Za-z_][A-Za-z0-9_]*/",
-        "NUMBER: /-?(0|[1-9][0-9]{0,14})(\\.[0-9]{1,15})?/",
-        "INTEGER: /-?(0|[1-9][0-9]{0,14})/",
-    )
-
-    def __init__(self) -> None:
-        self.rules: list[str] = []
-
-    def rule(self, body: str) -> str:
-        name = f"r{len(self.rules)}"
-        self.rules.append(f"{name}: {body}")
-        return name
-
-    def literal(self, value: Any) -> str:
-        if isinstance(value, str):
-            return json.dumps(GEMMA4_QUOTE + value + GEMMA4_QUOTE)
-        return json.dumps(json.dumps(value))  # numbers, booleans, null as written
-
-    def schema(self, schema: Any) -> str:
-        if not isinstance(schema, dict):
-            return "value"
-        if "const" in schema:
-            return self.rule(self.literal(schema["const"]))
-        if isinstance(schema.get("enum"), list) and schema["enum"]:
-            if all(isinstance(v, str | int | float | bool) or v is None for v in schema["enum"]):
-                return self.rule(" | ".join(self.literal(v) for v in schema["enum"]))
-            return "value"
-        kind = schema.get("type")
-        if kind == "string":
-            return "string"
-        if kind == "integer":
-            low, high = schema.get("minimum"), schema.get("maximum")
-            if isinstance(low, int) and isinstance(high, int) and 0 <= high - low <= 100:
-                return self.rule(" | ".join(self.literal(v) for v in range(low, high + 1)))
-            return "INTEGER"
-        if kind == "number":
-            return "NUMBER"
-        if kind == "boolean":
-            return self.rule('"true" | "false"')
-        if kind == "null":
-            return self.rule('"null"')
-        if kind == "array":
-            item = self.schema(schema.get("items"))
-            return self.rule(f'"[" ({item} ("," {item})*)? "]"')
-        if kind == "object" or "properties" in schema:
-            return self.object(schema)
-        return "value"
-
-    def object(self, schema: dict[str, Any]) -> str:
-        properties = schema.get("properties")
-        if not isinstance(properties, dict) or not properties:
-            return "object"
-        required = [k for k in schema.get("required", []) if k in properties]
-        if not all(_KEY.fullmatch(k) for k in required):
-            return "object"
-        pairs = [f"{json.dumps(k + ':')} {self.schema(properties[k])}" for k in required]
-        return self.rule('"{" ' + ' "," '.join(pairs) + ' "}"')
-
-
 def forced_gemma4_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | None:
     """As :func:`forced_grammar`, in Gemma 4's syntax: one call of an allowed
-    function, its arguments following the parameter schema as far as
-    :class:`_Gemma4Grammar` reads it."""
+    function, its arguments following the schema (:class:`Gemma4Rules`), every
+    string one the parser reads back unchanged. ValueError names a schema part
+    the grammar cannot enforce."""
     if choice in (None, "none", "auto"):
         return None
-    allowed = tools
-    if isinstance(choice, NamedToolChoice):
-        allowed = [t for t in tools if t.function.name == choice.function.name]
-    grammar = _Gemma4Grammar()
+    rules = Gemma4Rules()
     calls = [
-        f"{json.dumps(t.function.name)} {grammar.schema(t.function.parameters)}" for t in allowed
+        gemma4_call_rule(rules, t.function.name, t.function.parameters)
+        for t in _allowed(tools, choice)
     ]
-    call = grammar.rule(" | ".join(calls))
+    call = rules.rule(" | ".join(calls))
     head = f"start: {json.dumps(GEMMA4_OPEN + 'call:')} {call} {json.dumps(GEMMA4_CLOSE)}"
-    return "\n".join([head, *grammar.rules, *_Gemma4Grammar.GENERIC])
+    return "\n".join([head, *rules.all_rules()])
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,12 @@ Why each field:
   actually fed (SEMANTICS.md); a cache without them (mlx-lm's prompt cache
   files) cannot prove a match.
 * **model identity** (family, a sha256 of the install's manifest, the dtype
-  the runner computes in): a state is meaningless under other weights, so a
-  file is never loaded into a different model.
+  the runner computes in, its steering and its K/V quantization): a state is
+  meaningless under other weights, so a file is never loaded into a
+  different model; K/V quantized under one ``--kv-bits``/``--kv-group-size``
+  are other arrays than another's, so a file is never mixed into a runner of
+  another setting (refused as ``kv_quantization_differs``, naming the flags
+  that would load it).
 * **checkpoints**: without them a recurrent (GDN) session could only resume
   when the next prompt extends its record exactly; llama.cpp's slot files
   drop them and then re-prefill everything.
@@ -53,8 +57,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turbospark.errors import TurbosparkError
-from turbospark.loading.install import Manifest
+from turbospark.loading.install import Manifest, manifest_digest
 from turbospark.sessions.session import Checkpoint, SessionSnapshot
+from turbospark.state.kv import KVQuantization, describe_kv
 
 SUFFIX = ".safetensors"
 META_KEY = "turbospark"
@@ -86,17 +91,26 @@ class ModelIdentity(BaseModel):
     dtype: str
     # Activation steering changes every hidden state; None while steering is off.
     steering: str | None = None
+    # How attention K/V are stored (--kv-bits); None: full precision (and files
+    # written before the setting existed).
+    kv_quantization: KVQuantization | None = None
 
     @classmethod
-    def of(cls, manifest: Manifest, dtype: mx.Dtype, steering: str | None) -> ModelIdentity:
+    def of(
+        cls,
+        manifest: Manifest,
+        dtype: mx.Dtype,
+        steering: str | None,
+        kv_quantization: KVQuantization | None = None,
+    ) -> ModelIdentity:
         """The identity of a runner: its manifest canonically serialised and hashed
         (every weight file's sha256 is in it, so other weights hash differently)."""
-        digest = hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
         return cls(
             family=manifest.family,
-            manifest_sha256=digest,
+            manifest_sha256=manifest_digest(manifest),
             dtype=str(dtype).removeprefix("mlx.core."),
             steering=steering,
+            kv_quantization=kv_quantization,
         )
 
 
@@ -123,6 +137,7 @@ class RejectReason(StrEnum):
     MALFORMED = "malformed"  # safetensors, but the metadata is not a session's
     CHECKSUM = "checksum"  # the content does not hash to the recorded sha256
     FOREIGN = "foreign"  # built under another model, dtype or steering
+    KV_QUANTIZATION_DIFFERS = "kv_quantization_differs"  # K/V stored under another --kv-bits
 
 
 class SessionFileError(TurbosparkError):
@@ -210,6 +225,20 @@ def check_model(path: Path, meta: SessionMeta, model: ModelIdentity) -> None:
     """Refuse a file built under another model, naming the first difference."""
     if meta.model == model:
         return
+    theirs_kv, ours_kv = meta.model.kv_quantization, model.kv_quantization
+    if meta.model.model_copy(update={"kv_quantization": ours_kv}) == model:
+        flags = (
+            "no --kv-bits"
+            if theirs_kv is None
+            else f"--kv-bits {theirs_kv.bits} --kv-group-size {theirs_kv.group_size}"
+        )
+        raise SessionFileError(
+            path,
+            RejectReason.KV_QUANTIZATION_DIFFERS,
+            f"kv_quantization: its K/V are stored {describe_kv(theirs_kv)}, this runner's "
+            f"{describe_kv(ours_kv)}; K/V of two settings are never mixed, so serve it with "
+            f"{flags} to reuse it",
+        )
     for field in ModelIdentity.model_fields:
         theirs, ours = getattr(meta.model, field), getattr(model, field)
         if theirs != ours:

@@ -24,16 +24,206 @@ A component opts in with a ``merge(parts)`` classmethod returning a batched
 component that offers ``extend``, ``filter`` and ``extract``
 (:class:`~turbospark.state.components.BatchedComponent`), and its :class:`~turbospark.contract.hookspecs.ComponentSpec`
 says ``batchable=True``.
+
+**Quantized K/V.** With a :class:`KVQuantization` (``--kv-bits``), every
+layer stores its keys and values as ``mx.quantize``'s ``(data, scales,
+biases)`` (:class:`QuantizedRows`), exactly as mlx-lm's ``QuantizedKVCache``
+does, and attention reads them through ``mx.quantized_matmul``
+(:func:`turbospark.layers.attention.quantized_attention`). Each token's row
+is quantized on its own (groups run along the head dim), so every move here
+(growing, the ring's trim, merging, padding, filtering, extracting,
+snapshots) is the same slice of the three arrays that it is of one. A cache
+is quantized from its first token, so a session's memory is bounded by the
+setting from the start (mlx-lm waits ``quantized_kv_start`` tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from functools import lru_cache
+from typing import Literal, NamedTuple
 
 import mlx.core as mx
+from pydantic import BaseModel, ConfigDict
 
-from turbospark.state.components import BatchedComponent, Capabilities, LayeredComponent, Snapshot
+from turbospark.errors import InvalidInput
+from turbospark.state.components import (
+    BatchedComponent,
+    Capabilities,
+    LayeredComponent,
+    Snapshot,
+    State,
+)
+
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class KVQuantization(BaseModel):
+    """How attention K/V are stored: ``mx.quantize``'s affine form at *bits*,
+    in groups of *group_size* along the head dim (mlx-lm's ``--kv-bits`` and
+    ``--kv-group-size``, default 64 as there). One per runner: every session
+    it serves holds K/V of one setting, so no two are ever mixed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bits: Literal[4, 8]
+    group_size: Literal[32, 64, 128] = 64
+
+    @classmethod
+    def of(cls, bits: int | None, group_size: int = 64) -> KVQuantization | None:
+        """The setting for *bits* (None: full-precision K/V), refused in one
+        line naming the fix where MLX cannot quantize to it."""
+        if bits is None:
+            return None
+        if bits not in KV_BITS:
+            raise InvalidInput(
+                f"--kv-bits {bits}: K/V quantize to 4 or 8 bits; pass --kv-bits 4 or "
+                "--kv-bits 8, or leave it out for full-precision K/V"
+            )
+        if group_size not in KV_GROUP_SIZES:
+            raise InvalidInput(
+                f"--kv-group-size {group_size}: MLX quantizes in groups of 32, 64 or 128; "
+                "pass one of those (64 is mlx-lm's default)"
+            )
+        return cls(bits=bits, group_size=group_size)  # type: ignore[arg-type]
+
+    def check_head_dims(self, dims: Iterable[int], family: str) -> None:
+        """Refuse a group size that does not divide every attention head dim
+        (each group's scale and bias cover *group_size* of one head's values)."""
+        for dim in sorted(set(dims)):
+            if dim % self.group_size:
+                raise InvalidInput(
+                    f"--kv-group-size {self.group_size} does not divide family '{family}''s "
+                    f"attention head dim {dim}; pass a --kv-group-size (32, 64 or 128) "
+                    f"that divides {dim}"
+                )
+
+    def describe(self) -> str:
+        return f"{self.bits}-bit, group {self.group_size}"
+
+
+def describe_kv(quant: KVQuantization | None) -> str:
+    """The K/V setting in words (the sessions view, refusals): 'full precision' or bits and group."""
+    return "full precision" if quant is None else quant.describe()
+
+
+class QuantizedRows(NamedTuple):
+    """Keys or values as ``mx.quantize`` returns them (``data`` uint32,
+    ``scales`` and ``biases`` in the model's dtype, each ``(B, heads, T, n)``),
+    with the setting that reads them back."""
+
+    data: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    def map(self, fn: Callable[[mx.array], mx.array]) -> QuantizedRows:
+        return QuantizedRows(fn(self.data), fn(self.scales), fn(self.biases), *self[3:])
+
+    @property
+    def parts(self) -> tuple[mx.array, mx.array, mx.array]:
+        return self.data, self.scales, self.biases
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The rows' shape but the last axis (the data's: packed)."""
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+# Keys or values as a cache holds them: one array, or its quantized parts.
+Rows = mx.array | QuantizedRows
+
+
+def quantize_rows(rows: mx.array, quant: KVQuantization | None) -> Rows:
+    """*rows* ``(B, heads, L, D)`` as a cache stores them under *quant*."""
+    if quant is None:
+        return rows
+    data, scales, biases = mx.quantize(rows, group_size=quant.group_size, bits=quant.bits)
+    return QuantizedRows(data, scales, biases, quant.bits, quant.group_size)
+
+
+def _map(rows: Rows, fn: Callable[[mx.array], mx.array]) -> Rows:
+    return rows.map(fn) if isinstance(rows, QuantizedRows) else fn(rows)
+
+
+def _parts(rows: Rows) -> tuple[mx.array, ...]:
+    return rows.parts if isinstance(rows, QuantizedRows) else (rows,)
+
+
+def _assign(buffer: Rows, index: tuple[slice, ...], new: Rows) -> None:
+    """``buffer[index] = new``, in place, part by part."""
+    for mine, theirs in zip(_parts(buffer), _parts(new), strict=True):
+        mine[index] = theirs
+
+
+def _zeros(like: Rows, batch: int, length: int) -> Rows:
+    """Zeros of *like*'s heads, widths and dtypes, *batch* rows of *length* tokens."""
+    return _map(like, lambda a: mx.zeros((batch, a.shape[1], length, a.shape[3]), a.dtype))
+
+
+def _concat(first: Rows, second: Rows) -> Rows:
+    """*first* then *second* along the token axis."""
+    if isinstance(first, QuantizedRows):
+        assert isinstance(second, QuantizedRows)
+        joined = (
+            mx.concatenate([a, b], axis=2) for a, b in zip(first.parts, second.parts, strict=True)
+        )
+        return QuantizedRows(*joined, first.bits, first.group_size)
+    assert isinstance(second, mx.array)
+    return mx.concatenate([first, second], axis=2)
+
+
+def _nbytes(rows: Rows | None) -> int:
+    return 0 if rows is None else rows.nbytes
+
+
+def _snap(rows: Rows, prefix: str) -> Snapshot:
+    if isinstance(rows, QuantizedRows):
+        return {prefix: rows.data, f"{prefix}.scales": rows.scales, f"{prefix}.biases": rows.biases}
+    return {prefix: rows}
+
+
+def _unsnap(snapshot: Mapping[str, mx.array], prefix: str, quant: KVQuantization | None) -> Rows:
+    """The rows :func:`_snap` wrote, refused where they were written under
+    another K/V setting than *quant* (the session file's identity keeps such a
+    file out; this keeps any other caller honest)."""
+    quantized = f"{prefix}.scales" in snapshot
+    if quantized != (quant is not None):
+        raise InvalidInput(
+            f"a snapshot's {prefix} holds {'quantized' if quantized else 'full-precision'} "
+            f"K/V and this cache stores {describe_kv(quant)}; restore it into a runner "
+            "opened with the K/V setting it was written under"
+        )
+    if quant is None:
+        return snapshot[prefix]
+    data, scales, biases = (snapshot[f"{prefix}{end}"] for end in ("", ".scales", ".biases"))
+    expected = scales.shape[-1] * quant.group_size * quant.bits // 32
+    if data.shape[-1] != expected:
+        raise InvalidInput(
+            f"a snapshot's {prefix} was quantized under another --kv-bits/--kv-group-size "
+            f"than this cache's ({quant.describe()}); restore it into a runner opened with "
+            "the K/V setting it was written under"
+        )
+    return QuantizedRows(data, scales, biases, quant.bits, quant.group_size)
+
+
+def quantize_kv(state: State, quant: KVQuantization | None) -> State:
+    """*state* (fresh from the family's hook) with every attention K/V
+    component storing its rows under *quant*; other components (recurrent
+    state) untouched. The runner applies it to every state it makes, so a
+    family never needs to know the setting."""
+    if quant is not None:
+        for component in state.values():
+            if isinstance(component, KVComponent):
+                component.quantize(quant)
+    return state
 
 
 class LayerKV:
@@ -43,16 +233,20 @@ class LayerKV:
     ``KVCache`` does), so decode never re-copies the history. A windowed layer
     keeps at least ``window - 1 + headroom`` recent tokens: ``window - 1`` are
     what the next query attends to, ``headroom`` is how far it can rewind.
-    ``base`` is the absolute position of buffer row 0.
+    ``base`` is the absolute position of buffer row 0. With *quant* the rows
+    are stored quantized (:class:`QuantizedRows`; see the module).
     """
 
     step = 256
 
-    def __init__(self, window: int | None = None, headroom: int = 0):
+    def __init__(
+        self, window: int | None = None, headroom: int = 0, quant: KVQuantization | None = None
+    ):
         self.window = window
         self.headroom = headroom
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.quant = quant
+        self.keys: Rows | None = None
+        self.values: Rows | None = None
         self.base = 0
         self.fill = 0
 
@@ -77,35 +271,38 @@ class LayerKV:
     def rewind(self, n: int) -> None:
         self.fill -= n
 
-    def _make_room(self, keys: mx.array, values: mx.array, length: int) -> None:
+    def _make_room(self, keys: Rows, values: Rows, length: int) -> None:
         """Room for *length* more rows (*keys* and *values* give the heads,
         widths and dtypes of new buffers)."""
-        n_heads = keys.shape[1]
         if self.keys is not None and self.fill + length <= self.keys.shape[2]:
             return
         if self.keys is not None and self.retain is not None and self.fill > self.retain:
             # Drop rows the window can no longer reach (keeping the rewind headroom).
-            drop = self.fill - self.retain
-            self.keys = self.keys[:, :, drop : self.fill]
-            self.values = self.values[:, :, drop : self.fill]
+            drop, fill = self.fill - self.retain, self.fill
+            self.keys = _map(self.keys, lambda a: a[:, :, drop:fill])
+            self.values = _map(self.values, lambda a: a[:, :, drop:fill])
             self.base += drop
             self.fill -= drop
         grow = ((length + self.step - 1) // self.step) * self.step
-        k_new = mx.zeros((1, n_heads, grow, keys.shape[3]), keys.dtype)
-        v_new = mx.zeros((1, n_heads, grow, values.shape[3]), values.dtype)
-        if self.keys is None:
+        k_new, v_new = _zeros(keys, 1, grow), _zeros(values, 1, grow)
+        if self.keys is None or self.values is None:
             self.keys, self.values = k_new, v_new
         else:
-            self.keys = mx.concatenate([self.keys[:, :, : self.fill], k_new], axis=2)
-            self.values = mx.concatenate([self.values[:, :, : self.fill], v_new], axis=2)
+            fill = self.fill
+            self.keys = _concat(_map(self.keys, lambda a: a[:, :, :fill]), k_new)
+            self.values = _concat(_map(self.values, lambda a: a[:, :, :fill]), v_new)
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[int, int]:
-        """Append ``(1, heads, L, dim)`` keys/values; return the buffer rows
-        ``[start, stop)`` the new queries attend over (with the mask, for several)."""
+        """Append ``(1, heads, L, dim)`` keys/values (quantized first, under a
+        quantized cache); return the buffer rows ``[start, stop)`` the new
+        queries attend over (with the mask, for several)."""
         length = keys.shape[2]
+        keys, values = quantize_rows(keys, self.quant), quantize_rows(values, self.quant)
         self._make_room(keys, values, length)
-        self.keys[:, :, self.fill : self.fill + length] = keys
-        self.values[:, :, self.fill : self.fill + length] = values
+        assert self.keys is not None and self.values is not None
+        rows = (slice(None), slice(None), slice(self.fill, self.fill + length))
+        _assign(self.keys, rows, keys)
+        _assign(self.values, rows, values)
         return self._advance(length)
 
     def claim(self) -> tuple[int, int]:
@@ -136,11 +333,16 @@ class LayerKV:
             start = max(0, self.fill - self.window)
         return start, self.fill
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Rows, Rows, int]:
         """:meth:`update`, then those rows and the absolute position of the
         first one (for the mask)."""
         start, stop = self.update(keys, values)
-        return self.keys[:, :, start:stop], self.values[:, :, start:stop], self.base + start
+        assert self.keys is not None and self.values is not None
+        return (
+            _map(self.keys, lambda a: a[:, :, start:stop]),
+            _map(self.values, lambda a: a[:, :, start:stop]),
+            self.base + start,
+        )
 
     def mask(self, queries: int, key_start: int, keys: int) -> mx.array | str | None:
         """The attention mask for the last ``queries`` positions against ``keys``
@@ -162,17 +364,23 @@ class LayerKV:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        """Bytes its buffers hold: the quantized parts, under a quantized cache."""
+        return _nbytes(self.keys) + _nbytes(self.values)
 
     def arrays(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        if self.keys is None or self.values is None:
+            return []
+        return [*_parts(self.keys), *_parts(self.values)]
 
     def snapshot(self, prefix: str) -> Snapshot:
-        if self.keys is None:
+        """The used rows (a quantized cache's as their three parts: a file
+        holds the quantized arrays, never a dequantized copy)."""
+        if self.keys is None or self.values is None:
             return {}
+        fill = self.fill
         return {
-            f"{prefix}.keys": self.keys[:, :, : self.fill],
-            f"{prefix}.values": self.values[:, :, : self.fill],
+            **_snap(_map(self.keys, lambda a: a[:, :, :fill]), f"{prefix}.keys"),
+            **_snap(_map(self.values, lambda a: a[:, :, :fill]), f"{prefix}.values"),
             f"{prefix}.base": mx.array(self.base),
         }
 
@@ -180,8 +388,8 @@ class LayerKV:
         if f"{prefix}.keys" not in snapshot:
             self.reset()
             return
-        self.keys = snapshot[f"{prefix}.keys"]
-        self.values = snapshot[f"{prefix}.values"]
+        self.keys = _unsnap(snapshot, f"{prefix}.keys", self.quant)
+        self.values = _unsnap(snapshot, f"{prefix}.values", self.quant)
         self.base = int(snapshot[f"{prefix}.base"].item())
         self.fill = self.keys.shape[2]
 
@@ -202,6 +410,13 @@ class KVComponent(LayeredComponent[LayerKV]):
         super().__init__(name, [LayerKV(window, headroom) for _ in range(num_layers)])
         self.window = window
         self.headroom = headroom
+
+    def quantize(self, quant: KVQuantization) -> None:
+        """Store every layer's rows under *quant* from now on (a fresh
+        component: :func:`quantize_kv`; rows already written stay as they are)."""
+        assert all(layer.keys is None for layer in self.layers), "quantize a fresh component"
+        for layer in self.layers:
+            layer.quant = quant
 
     @classmethod
     def adopt(
@@ -245,13 +460,15 @@ class BatchLayerKV:
         self,
         window: int | None,
         headroom: int,
-        keys: mx.array | None,
-        values: mx.array | None,
+        keys: Rows | None,
+        values: Rows | None,
         left: list[int],
         fill: int,
+        quant: KVQuantization | None = None,
     ) -> None:
         self.window = window
         self.headroom = headroom
+        self.quant = quant  # the rows' setting: its sessions' (one runner's)
         self.keys = keys  # (B, kv_heads, capacity, dim); None until the first write
         self.values = values
         self.left = left
@@ -264,20 +481,24 @@ class BatchLayerKV:
         of each session, proportional to its size. Sessions that have not run
         yet (fresh prompts prefilled together) merge into a batch whose buffers
         are allocated by the first write."""
+        quant = layers[0].quant
         first = next((layer for layer in layers if layer.keys is not None), None)
-        if first is None:
-            return cls(layers[0].window, layers[0].headroom, None, None, [0] * len(layers), 0)
-        _, heads, _, dim = first.keys.shape
+        if first is None or first.keys is None or first.values is None:
+            window, headroom = layers[0].window, layers[0].headroom
+            return cls(window, headroom, None, None, [0] * len(layers), 0, quant)
         width = max(layer.fill for layer in layers)
-        shape = (len(layers), heads, width + cls.step, dim)
-        keys, values = mx.zeros(shape, first.keys.dtype), mx.zeros(shape, first.keys.dtype)
+        keys = _zeros(first.keys, len(layers), width + cls.step)
+        values = _zeros(first.values, len(layers), width + cls.step)
         for row, layer in enumerate(layers):
-            if layer.keys is not None and layer.fill:
-                begin = width - layer.fill
-                keys[row : row + 1, :, begin:width] = layer.keys[:, :, : layer.fill]
-                values[row : row + 1, :, begin:width] = layer.values[:, :, : layer.fill]
+            if layer.keys is not None and layer.values is not None and layer.fill:
+                fill, cols = (
+                    layer.fill,
+                    (slice(row, row + 1), slice(None), slice(width - layer.fill, width)),
+                )
+                _assign(keys, cols, _map(layer.keys, lambda a, f=fill: a[:, :, :f]))
+                _assign(values, cols, _map(layer.values, lambda a, f=fill: a[:, :, :f]))
         left = [width - layer.fill for layer in layers]
-        return cls(first.window, first.headroom, keys, values, left, width)
+        return cls(first.window, first.headroom, keys, values, left, width, quant)
 
     @property
     def retain(self) -> int | None:
@@ -285,47 +506,59 @@ class BatchLayerKV:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return _nbytes(self.keys) + _nbytes(self.values)
 
     def arrays(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        if self.keys is None or self.values is None:
+            return []
+        return [*_parts(self.keys), *_parts(self.values)]
 
     def prepare(self, length: int) -> None:
         self._make_room(length)
 
     def _make_room(self, length: int) -> None:
-        if self.keys is None or self.fill + length <= self.keys.shape[2]:
+        if self.keys is None or self.values is None or self.fill + length <= self.keys.shape[2]:
             return
         if self.retain is not None and self.fill > self.retain:
             # Columns no row's window can reach any more (the headroom is kept).
-            drop = self.fill - self.retain
-            self.keys = self.keys[:, :, drop : self.fill]
-            self.values = self.values[:, :, drop : self.fill]
+            drop, fill = self.fill - self.retain, self.fill
+            self.keys = _map(self.keys, lambda a: a[:, :, drop:fill])
+            self.values = _map(self.values, lambda a: a[:, :, drop:fill])
             self.left = [max(0, pad - drop) for pad in self.left]
             self.fill -= drop
-        batch, heads, _, dim = self.keys.shape
+        batch, fill = len(self.left), self.fill
         grow = -(-length // self.step) * self.step
-        zeros = mx.zeros((batch, heads, grow, dim), self.keys.dtype)
-        self.keys = mx.concatenate([self.keys[:, :, : self.fill], zeros], axis=2)
-        self.values = mx.concatenate([self.values[:, :, : self.fill], zeros], axis=2)
+        self.keys = _concat(
+            _map(self.keys, lambda a: a[:, :, :fill]), _zeros(self.keys, batch, grow)
+        )
+        self.values = _concat(
+            _map(self.values, lambda a: a[:, :, :fill]), _zeros(self.values, batch, grow)
+        )
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
-        """Append ``(B, heads, L, dim)`` for every row; return the visible columns
-        and the index of the first one (for :meth:`mask`)."""
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Rows, Rows, int]:
+        """Append ``(B, heads, L, dim)`` for every row (quantized first, under a
+        quantized cache); return the visible columns and the index of the
+        first one (for :meth:`mask`)."""
         length = keys.shape[2]
-        if self.keys is None:  # the first write of sessions merged fresh
-            batch, heads, _, dim = keys.shape
+        keys, values = quantize_rows(keys, self.quant), quantize_rows(values, self.quant)
+        if self.keys is None or self.values is None:  # the first write of sessions merged fresh
             capacity = -(-length // self.step) * self.step
-            self.keys = mx.zeros((batch, heads, capacity, dim), keys.dtype)
-            self.values = mx.zeros((batch, heads, capacity, dim), values.dtype)
+            self.keys = _zeros(keys, keys.shape[0], capacity)
+            self.values = _zeros(values, values.shape[0], capacity)
         self._make_room(length)
-        self.keys[:, :, self.fill : self.fill + length] = keys
-        self.values[:, :, self.fill : self.fill + length] = values
+        _assign(self.keys, (slice(None), slice(None), slice(self.fill, self.fill + length)), keys)
+        _assign(
+            self.values, (slice(None), slice(None), slice(self.fill, self.fill + length)), values
+        )
         self.fill += length
-        start = 0
+        start, fill = 0, self.fill
         if self.window is not None and length == 1:
             start = max(0, self.fill - self.window)
-        return self.keys[:, :, start : self.fill], self.values[:, :, start : self.fill], start
+        return (
+            _map(self.keys, lambda a: a[:, :, start:fill]),
+            _map(self.values, lambda a: a[:, :, start:fill]),
+            start,
+        )
 
     def mask(self, queries: int, key_start: int, keys: int) -> mx.array | None:
         """``(B, 1, queries, keys)``: causal, within the window, and never padding.
@@ -356,18 +589,18 @@ class BatchLayerKV:
             self.left = self.left + other.left
             return
         width = max(self.fill, other.fill)
-        parts = [part for part in (self, other) if part.keys is not None]
-        _, heads, _, dim = parts[0].keys.shape
+        like = next(part for part in (self, other) if part.keys is not None)
+        assert like.keys is not None and like.values is not None
         rows = len(self.left) + len(other.left)
-        shape = (rows, heads, width + self.step, dim)
-        keys, values = mx.zeros(shape, parts[0].keys.dtype), mx.zeros(shape, parts[0].keys.dtype)
+        keys = _zeros(like.keys, rows, width + self.step)
+        values = _zeros(like.values, rows, width + self.step)
         first = 0
         for part in (self, other):
-            count = len(part.left)
-            if part.keys is not None and part.fill:
-                begin = width - part.fill
-                keys[first : first + count, :, begin:width] = part.keys[:, :, : part.fill]
-                values[first : first + count, :, begin:width] = part.values[:, :, : part.fill]
+            count, fill = len(part.left), part.fill
+            if part.keys is not None and part.values is not None and fill:
+                cols = (slice(first, first + count), slice(None), slice(width - fill, width))
+                _assign(keys, cols, _map(part.keys, lambda a, f=fill: a[:, :, :f]))
+                _assign(values, cols, _map(part.values, lambda a, f=fill: a[:, :, :f]))
             first += count
         self.left = [pad + width - self.fill for pad in self.left] + [
             pad + width - other.fill for pad in other.left
@@ -379,29 +612,32 @@ class BatchLayerKV:
         kept, so the next step writes in place; padding every kept row has is
         dropped. Rows that are already a prefix are a slice, not a copy."""
         self.left = [self.left[row] for row in rows]
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return
         common = min(self.left)  # padding every remaining row has: drop it
         if rows == list(range(len(rows))):
-            self.keys = self.keys[: len(rows), :, common:]
-            self.values = self.values[: len(rows), :, common:]
+            count = len(rows)
+            self.keys = _map(self.keys, lambda a: a[:count, :, common:])
+            self.values = _map(self.values, lambda a: a[:count, :, common:])
         else:
             index = mx.array(rows)
-            self.keys = self.keys[index, :, common:]
-            self.values = self.values[index, :, common:]
+            self.keys = _map(self.keys, lambda a: a[index, :, common:])
+            self.values = _map(self.values, lambda a: a[index, :, common:])
         self.left = [pad - common for pad in self.left]
         self.fill -= common
 
     def extract(self, row: int, position: int, back: int) -> LayerKV:
         """Row *row* as a one-row :class:`LayerKV` at *position*, its last *back*
         columns dropped."""
-        layer = LayerKV(self.window, self.headroom)
-        if self.keys is None:  # never written (a layer that reads another's K/V)
+        layer = LayerKV(self.window, self.headroom, self.quant)
+        if (
+            self.keys is None or self.values is None
+        ):  # never written (a layer that reads another's K/V)
             return layer
         end = self.fill - back
         begin = min(self.left[row], end)
-        layer.keys = mx.contiguous(self.keys[row : row + 1, :, begin:end])
-        layer.values = mx.contiguous(self.values[row : row + 1, :, begin:end])
+        layer.keys = _map(self.keys, lambda a: mx.contiguous(a[row : row + 1, :, begin:end]))
+        layer.values = _map(self.values, lambda a: mx.contiguous(a[row : row + 1, :, begin:end]))
         layer.fill = end - begin
         layer.base = position - layer.fill
         return layer

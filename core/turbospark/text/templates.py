@@ -103,17 +103,19 @@ GEMMA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
 )
 
-# Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``,
-# earlier assistant turns lose their reasoning (the text up to ``</think>``), and
-# ``enable_thinking=False`` pre-fills an empty think block. With ``tools``, as the
-# Qwen3.5 checkpoints' template: the system turn opens with the tools in ``<tools>``
+# Qwen3.5 (ChatML): no BOS, every turn in ``<|im_start|>role ... <|im_end|>``.
+# Thinking, as the Qwen3.5 checkpoints' template: the generation prompt opens a
+# ``<think>\n`` block the reply closes, unless ``enable_thinking=False`` pre-fills
+# an empty one (``<think>\n\n</think>\n\n``); an assistant turn's reasoning is its
+# ``reasoning_content``, else the text up to ``</think>`` of its content, and it is
+# kept (re-rendered as ``<think>\nREASONING\n</think>\n\n``) only on the turns after
+# the last user message (a tool loop's), dropped from earlier ones. With ``tools``,
+# as the checkpoints' template: the system turn opens with the tools in ``<tools>``
 # (one JSON object a line) and the XML call format's instructions, the system text
 # after them; an assistant's ``tool_calls`` are rendered as
 # ``<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>``
 # blocks (a string V raw, a mapping or list as JSON, other scalars as ``str``), and
 # consecutive ``tool`` results as ``<tool_response>`` blocks in one user turn.
-# (Unlike the checkpoints', the generation prompt opens no ``<think>`` block
-# unless asked to close one: the synthetic installs do not reason.)
 QWEN_CHAT_TEMPLATE = (
     "{% if tools %}"
     "{{ '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:"
@@ -135,6 +137,11 @@ QWEN_CHAT_TEMPLATE = (
     "{{ '<|im_end|>\\n' }}"
     "{% set skip_first = messages[0]['role'] == 'system' %}"
     "{% else %}{% set skip_first = false %}{% endif %}"
+    "{% set ns = namespace(last_query=messages | length - 1, found=false) %}"
+    "{% for message in messages[::-1] %}"
+    "{% if not ns.found and message['role'] == 'user' %}"
+    "{% set ns.found = true %}{% set ns.last_query = messages | length - 1 - loop.index0 %}"
+    "{% endif %}{% endfor %}"
     "{% for message in messages %}"
     "{% if loop.first and skip_first %}"
     "{% elif message['role'] == 'tool' %}"
@@ -144,10 +151,19 @@ QWEN_CHAT_TEMPLATE = (
     "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
     "{{ '<|im_end|>\\n' }}{% endif %}"
     "{% else %}"
+    "{% set content = message['content'] %}{% set reasoning = '' %}"
     "{% if message['role'] == 'assistant' %}"
-    "{% set content = message['content'].split('</think>')[-1].lstrip('\\n') %}"
-    "{% else %}{% set content = message['content'] %}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + content }}"
+    "{% if message['reasoning_content'] is string %}"
+    "{% set reasoning = message['reasoning_content'] %}"
+    "{% elif '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
+    ".lstrip('\\n') %}{% endif %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{% endif %}"
+    "{% if message['role'] == 'assistant' and loop.index0 > ns.last_query "
+    "and (loop.last or reasoning | trim) %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning | trim + '\\n</think>\\n\\n' + content }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + content }}{% endif %}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
     "{% for call in message['tool_calls'] %}"
     "{% set fn = call['function'] if call['function'] is defined else call %}"
@@ -168,5 +184,5 @@ QWEN_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}"
     "{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{% endif %}{% endif %}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
 )

@@ -46,18 +46,21 @@ from turbospark.sdk import (
     State,
     Unjoined,
     VisionMap,
+    WeightT,
     apply_rope,
     cached_attention,
     geglu,
     joiner,
     kernels_available,
     kv_copies,
+    matmul_t,
     merge_heads,
     norm_rope,
     norm_rope_ops,
     normed_heads,
     normed_input,
     project,
+    readable,
     require_divisible,
     rope_freqs,
     runs_compiled,
@@ -248,6 +251,10 @@ class Gemma4Config(ArchConfig):
             self.global_head_dim if self.is_full(layer) and self.global_head_dim else self.head_dim
         )
 
+    def attention_head_dims(self) -> set[int]:
+        """Every K/V-owning layer's head dim (the global layers' are wider)."""
+        return {self.layer_head_dim(i) for i in range(self.first_kv_shared_layer)}
+
     def k_eq_v(self, layer: int) -> bool:
         return self.attention_k_eq_v and self.is_full(layer)
 
@@ -387,7 +394,7 @@ class Attention(nn.Module):
         stack = stacked(self, self._names) if joint else None
         if stack is not None:  # a step or a verify pass: q, k and v normed together
             queries, keys, values = joint_inputs_step(
-                x @ stack.weight_t, self._joint_norm(), start, self["_freqs"], self.n_heads,
+                matmul_t(x, stack.weight_t), self._joint_norm(), start, self["_freqs"], self.n_heads,
                 self.n_kv_heads, self.eps,
             )  # fmt: skip
         else:
@@ -623,14 +630,14 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
 
 
-def step_weights(attn: Attention) -> tuple[mx.array, ...] | None:
+def step_weights(attn: Attention) -> tuple[WeightT | mx.array, ...] | None:
     """What a layer step's attention reads: the projections before it
     (stacked for a K/V-owning layer, the query's alone for a KV-shared one)
-    transposed, their norm weights (``Attention._joint_norm``), RoPE's
-    frequencies and the output projection transposed; None where a
-    projection is sharded."""
+    transposed or packed (:func:`transposed`), their norm weights
+    (``Attention._joint_norm``), RoPE's frequencies and the output projection
+    alike; None where a projection is sharded."""
     o_proj = attn["o_proj"]
-    if type(o_proj) is not nn.Linear:
+    if not readable(o_proj):
         return None
     if attn.owns_kv:
         stack = stacked(attn, attn._names)
@@ -639,7 +646,7 @@ def step_weights(attn: Attention) -> tuple[mx.array, ...] | None:
         projections_t = stack.weight_t
     else:
         q_proj = attn["q_proj"]
-        if type(q_proj) is not nn.Linear:
+        if not readable(q_proj):
             return None
         projections_t = transposed(q_proj)
     return projections_t, attn._joint_norm(), attn["_freqs"], transposed(o_proj)
@@ -726,7 +733,8 @@ class Gemma4TextModel(nn.Module):
             # Ids past the PLE table (multimodal placeholders) read row 0, as in HF;
             # when the table covers the vocabulary no id is past it.
             ids = mx.where(tokens < arch.vocab_size_per_layer_input, tokens, 0)
-        table = self["embed_tokens_per_layer"]["weight"][ids]
+        # The module, not its weight: a quantized table dequantizes the rows it gathers.
+        table = self["embed_tokens_per_layer"](ids)
         table = table.reshape(*shape, n, self.ple_dim)  # (B, L, n*P) -> (B, L, n, P)
         proj = project(self["per_layer_model_projection"], h).reshape(*shape, n, self.ple_dim)
         # The projection's scale hidden**-0.5 goes into the norm's eps instead

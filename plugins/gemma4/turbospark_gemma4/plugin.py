@@ -27,7 +27,13 @@ from turbospark_gemma4.state import new_state
 TURBOSPARK_SDK = ">=1.1,<2"  # the turbospark.sdk versions this family is written for
 
 common = CommonHooks(
-    "gemma4", ["gemma4_text"], Gemma4Config, state_module, synthetic.build, steerable=True
+    "gemma4",
+    ["gemma4_text"],
+    Gemma4Config,
+    state_module,
+    synthetic.build,
+    steerable=True,
+    kv_quantizable=True,
 )
 turbospark_family = common.turbospark_family
 turbospark_pool_capability = common.turbospark_pool_capability

@@ -48,6 +48,7 @@ from turbospark.sdk import (
     State,
     Unjoined,
     VisionMap,
+    WeightT,
     cached_attention,
     derived,
     gated_delta_layer_step,
@@ -58,6 +59,7 @@ from turbospark.sdk import (
     normed_heads,
     normed_input,
     project,
+    readable,
     require_divisible,
     runs_compiled,
     shard_attention,
@@ -443,12 +445,13 @@ class DecoderLayer(nn.Module):
         return None if stepped is None else stepped[0]
 
 
-def step_weights(attn: GatedAttention) -> tuple[mx.array, ...] | None:
-    """What a full-attention layer's step reads: q/k/v stacked and transposed,
-    the scaled q_norm and the k_norm weights, the output projection
-    transposed; None where a projection is sharded or has a bias."""
+def step_weights(attn: GatedAttention) -> tuple[WeightT | mx.array, ...] | None:
+    """What a full-attention layer's step reads: q/k/v stacked and transposed
+    (or packed), the scaled q_norm and the k_norm weights, the output
+    projection alike (:func:`transposed`); None where a projection is sharded
+    or has a bias."""
     qkv, out = stacked(attn, ("q_proj", "k_proj", "v_proj")), attn["o_proj"]
-    if qkv is None or qkv.bias is not None or type(out) is not nn.Linear:
+    if qkv is None or qkv.bias is not None or not readable(out):
         return None
     return qkv.weight_t, scaled_query_norm(attn), attn["k_norm"]["weight"], transposed(out)
 

@@ -33,6 +33,7 @@ common = CommonHooks(
     state_module,
     synthetic.build,
     steerable=True,
+    kv_quantizable=True,
 )
 turbospark_family = common.turbospark_family
 turbospark_pool_capability = common.turbospark_pool_capability

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from turbospark.layers.stacked import derived
+from turbospark.layers.stacked import WeightT, columns, derived
 
 # -- gates and normalisation --------------------------------------------------
 
@@ -37,13 +37,14 @@ def input_bias(dt_bias: mx.array, columns: int) -> mx.array:
     return mx.concatenate([zeros, dt_bias, mx.zeros((heads,), dt_bias.dtype)])
 
 
-def mixer_input_bias(mixer: nn.Module, in_proj_t: mx.array) -> mx.array:
+def mixer_input_bias(mixer: nn.Module, in_proj_t: WeightT) -> mx.array:
     """*mixer*'s :func:`input_bias` for its stacked projections *in_proj_t*, in
-    their dtype (a float32 bias would promote the GEMM), built once per
-    ``dt_bias`` (:func:`derived`)."""
-    columns, dtype = in_proj_t.shape[1], in_proj_t.dtype
+    their dtype (a float32 bias would promote the GEMM; packed ones compute in
+    the model's, ``dt_bias``'s), built once per ``dt_bias`` (:func:`derived`)."""
+    width = columns(in_proj_t)
+    dtype = in_proj_t.dtype if isinstance(in_proj_t, mx.array) else mixer["dt_bias"].dtype
     return derived(
-        mixer, "_input_bias", mixer["dt_bias"], lambda dt: input_bias(dt.astype(dtype), columns)
+        mixer, "_input_bias", mixer["dt_bias"], lambda dt: input_bias(dt.astype(dtype), width)
     )
 
 

@@ -30,7 +30,7 @@ from turbospark.layers.gated_delta.rule import (
     traced_layer,
 )
 from turbospark.layers.gated_delta.state import GDNComponent
-from turbospark.layers.stacked import Stacked, gemm_add, project, stacked
+from turbospark.layers.stacked import Stacked, WeightT, gemm_add, matmul_t, project, stacked
 
 IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")  # stacked in this order
 
@@ -113,10 +113,15 @@ class GatedDeltaNet(nn.Module):
 
     def in_projections(self) -> Stacked:
         """``in_proj_qkv/z/a/b`` as one weight, in that order (one matmul). A
-        sharded mixer's projections are sliced in place, still ``nn.Linear``."""
+        sharded mixer's projections are sliced in place, still ``nn.Linear``; a
+        quantized one's are ``nn.QuantizedLinear`` of one packing (as mlx-lm
+        quantizes every linear layer alike)."""
         stack = stacked(self, IN_PROJECTIONS)
         if stack is None:
-            raise TypeError("a gated-DeltaNet's input projections must be plain nn.Linear layers")
+            raise TypeError(
+                "a gated-DeltaNet's input projections must be plain nn.Linear layers, or "
+                "nn.QuantizedLinear layers of one packing; re-quantize them alike"
+            )
         return stack
 
     def __call__(
@@ -185,7 +190,7 @@ class GatedDeltaNet(nn.Module):
 
 def mix(
     x: mx.array,
-    in_proj_t: mx.array,
+    in_proj_t: WeightT,
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -255,7 +260,7 @@ def mix(
 
 def mix_kernel(
     x: mx.array,
-    in_proj_t: mx.array,
+    in_proj_t: WeightT,
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,
@@ -282,7 +287,7 @@ def mix_kernel(
     batch, length, _ = x.shape
     if length == 1 and not keep:  # a decode step: all of it but the GEMMs in one kernel
         out, recurrent, tail = gdn_cuda.decode_mixer(
-            x @ in_proj_t, tail, conv_weight, in_bias, rate, recurrent, norm_weight,
+            matmul_t(x, in_proj_t), tail, conv_weight, in_bias, rate, recurrent, norm_weight,
             key_heads, value_heads, key_head_dim, value_head_dim, eps,
         )  # fmt: skip
         return out, tail, recurrent
@@ -329,7 +334,7 @@ def kept_layer(
 
 def mix_unrolled(
     x: mx.array,
-    in_proj_t: mx.array,
+    in_proj_t: WeightT,
     tail: mx.array,
     recurrent: mx.array,
     conv_weight: mx.array,

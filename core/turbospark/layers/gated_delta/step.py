@@ -28,12 +28,13 @@ from turbospark.layers.gated_delta.layer import IN_PROJECTIONS
 from turbospark.layers.gated_delta.state import GDNComponent
 from turbospark.layers.layer_end import EndWeights, LayerEnd, step_end
 from turbospark.layers.layer_step import Stream, flat, lifted, normed_stream, stream_of
-from turbospark.layers.stacked import stacked, transposed
+from turbospark.layers.stacked import WeightT, matmul_t, readable, stacked, transposed
 
 # What the step's mixer reads (mixer_weights): the input projections stacked
-# and transposed, the conv weight, the projections' bias, the decay rate, the
-# gated norm's weight (float32) and the output projection transposed.
-MixerWeights = tuple[mx.array, ...]
+# and transposed (or packed: turbospark.layers.stacked.WeightT), the conv
+# weight, the projections' bias, the decay rate, the gated norm's weight
+# (float32) and the output projection transposed (or packed).
+MixerWeights = tuple[WeightT | mx.array, ...]
 # A step's weights: the input norm's, the mixer's and the layer end's
 # (LayerEnd.step_weights).
 StepWeights = tuple[mx.array, MixerWeights, EndWeights]
@@ -43,7 +44,7 @@ def mixer_weights(mixer: nn.Module) -> MixerWeights | None:
     """:data:`MixerWeights` of a :class:`~turbospark.layers.gated_delta.layer.GatedDeltaNet`;
     None where a projection is sharded or wrapped (the modules then run)."""
     projections, out = stacked(mixer, IN_PROJECTIONS), mixer["out_proj"]
-    if projections is None or type(out) is not nn.Linear:
+    if projections is None or not readable(out):
         return None
     in_t = projections.weight_t
     return (
@@ -79,7 +80,7 @@ def step_layer(
     input_w, (in_t, conv_w, in_bias, rate, norm_w, out_t), end = weights
     h, x = normed_stream(stream, input_w, eps)
     out, recurrent, tail = gdn_cuda.decode_mixer(
-        (x @ in_t)[None], tail, conv_w, in_bias, rate, recurrent, norm_w, *dims, mixer_eps
+        matmul_t(x, in_t)[None], tail, conv_w, in_bias, rate, recurrent, norm_w, *dims, mixer_eps
     )
     return *lifted(step_end(h, flat(out), out_t, None, end, by_kernel, eps, False)), tail, recurrent
 
