@@ -215,4 +215,4 @@ def test_serve_names_the_packing_it_loaded_and_answers_the_openai_client(tmp_pat
         assert reply.usage is not None and reply.usage.completion_tokens > 0
         process.kill()
         printed = process.communicate()[0]
-    assert "(qwen4_exp, float32, 4-bit affine, group 32)" in printed
+    assert f"(qwen4_exp, float32, 4-bit affine, group 32, install {install})" in printed
