@@ -194,6 +194,19 @@ def test_cli_refusals_are_one_line_and_write_nothing(
     assert not (tmp_path / "out").exists()
 
 
+def test_families_describes_a_checkpoint_mlx_lm_wrote_as_it_lies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = source("gemma4_moe", tmp_path / "src")
+    theirs = mlx_lm_convert(src, tmp_path / "theirs", QuantSpec(bits=4, group_size=32))
+    assert main(["families", str(theirs)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == (
+        f"checkpoint {theirs}: theirs (gemma4, float32, 4-bit affine, group 32 "
+        "(2 modules 8-bit affine, group 64))"
+    )
+
+
 def test_families_names_a_directory_that_is_no_install(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
