@@ -66,6 +66,20 @@ def test_our_checkpoint_is_the_one_mlx_lm_writes(
     ) for path in kept)  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["gemma4_moe", "qwen_gdn"])
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+def test_the_microscaling_modes_write_what_mlx_lm_writes(
+    name: str, mode: str, tmp_path: Path
+) -> None:
+    src = source(name, tmp_path / "src")
+    spec = requested_spec(8 if mode == "mxfp8" else 4, None, mode)
+    got = mlx_lm_parameters(our_convert(src, tmp_path / "ours", spec))
+    expected = mlx_lm_parameters(mlx_lm_convert(src, tmp_path / "theirs", spec))
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and mx.array_equal(got[key], value).item(), key
+
+
 def test_gemma4_keeps_its_router_at_8_bits_as_mlx_lm_does(tmp_path: Path) -> None:
     src = source("gemma4_moe", tmp_path / "src")
     spec = QuantSpec(bits=4, group_size=32)

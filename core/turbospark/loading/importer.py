@@ -30,7 +30,7 @@ from tqdm import tqdm
 from turbospark.contract.hookspecs import ArchConfig
 from turbospark.errors import InstallError
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config, read_config
-from turbospark.loading.convert import overrides_of, quantized_weights
+from turbospark.loading.convert import overrides_of, quantized_weights, requested_spec
 from turbospark.loading.install import Manifest, write_install
 from turbospark.loading.plugins import FamilyRegistry, default_registry
 from turbospark.loading.quantization import Quantization, QuantSpec
@@ -138,6 +138,7 @@ def import_checkpoint(
     raw_config = json.loads((src / "config.json").read_text())
     weights = read_weights(weight_files(src), dtype, progress)
     if quantize is not None:
+        quantize = requested_spec(quantize.bits, quantize.group_size, quantize.mode)
         refuse_requantizing(src, raw_config, weights)
     model = check_weights(arch, weights, reg)
     if quantize is not None:
