@@ -28,6 +28,8 @@ MLX_LM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"num_layers": 2, "num_experts": 4, "hidden_size_per_layer_input": 32},
     ),
     "qwen_gdn": ("qwen_gdn", {"num_layers": 4}),
+    # The head is the packed embedding (QuantizedEmbedding.as_linear).
+    "qwen_gdn_tied": ("qwen_gdn", {"num_layers": 4, "tie_word_embeddings": True}),
 }
 VOCAB = 128
 

@@ -40,6 +40,7 @@ def _block(path: Path) -> dict:
         ("gemma4_moe", 8, 64),
         ("qwen_gdn", 4, 64),
         ("qwen_gdn", 8, 32),
+        ("qwen_gdn_tied", 4, 32),
     ],
 )
 def test_our_checkpoint_is_the_one_mlx_lm_writes(
