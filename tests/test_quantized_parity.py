@@ -1,9 +1,9 @@
 """Quantized checkpoints against mlx-lm, on every path, for every family mlx-lm has.
 
 The matrix: gemma4 (dense), gemma4 with routed experts, and qwen_gdn (its
-head untied and tied to the packed embedding); 4-bit
-(groups of 32) and 8-bit (groups of 64, which leaves gemma4's 96-wide down
-projections in floating point: a mixed checkpoint) affine; written by
+head untied and tied to the packed embedding); 4-bit (groups of 32) and 8-bit
+(groups of 64, which leaves gemma4's 96-wide down projections in floating
+point: a mixed checkpoint) affine; written by
 ``mlx_lm.convert -q`` and imported as it is, or written by our converter
 (``turbospark import --quantize``). On each checkpoint mlx-lm's own model
 (``mlx_lm.utils.load_model`` on the same directory, so for our converter's
