@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from quantized import mlx_lm_convert, mlx_lm_parameters, our_convert, source
+from quantized_checkpoints import mlx_lm_convert, mlx_lm_parameters, our_convert, source
 
 from turbospark import build_synthetic_install
 from turbospark.cli import main

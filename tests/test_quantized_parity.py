@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
-from quantized import MLX_LM_FAMILIES, VOCAB, mlx_lm_convert, our_convert, source
+from quantized_checkpoints import MLX_LM_FAMILIES, VOCAB, mlx_lm_convert, our_convert, source
 
 from turbospark import Runner
 from turbospark.generation.drafters import ReplayDrafter
