@@ -124,6 +124,13 @@ def test_import_dtypes_match_the_importer():
     assert import_.DTYPES == DTYPES
 
 
+def test_quantize_modes_match_the_loader():
+    from turbospark.commands import QUANT_MODES
+    from turbospark.loading.quantization import MODES
+
+    assert QUANT_MODES == MODES
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000), ("100", 100)],

@@ -13,11 +13,52 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
+    from turbospark.loading.quantization import QuantSpec
     from turbospark.loading.sources import ModelSource
     from turbospark.policies import DraftPolicies
     from turbospark.text import TextCodec
 
 MODEL_HELP = "an install, a checkpoint directory (config.json + safetensors) or a hub id org/name"
+
+# turbospark.loading.quantization.MODES, written out so building a parser loads no MLX
+# (tests/test_cli.py holds the two equal).
+QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+
+
+def add_quantize_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--quantize BITS [--group-size N] [--mode M]``, as ``mlx_lm.convert -q`` takes them."""
+    parser.add_argument(
+        "--quantize",
+        type=int,
+        metavar="BITS",
+        help=f"{what}, quantized as `mlx_lm.convert -q --q-bits BITS` does (4 or 8; affine "
+        "also takes 2, 3, 5, 6)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        metavar="N",
+        help="weights per scale with --quantize (affine: 32, 64 or 128, default 64; "
+        "the other modes fix it)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=QUANT_MODES,
+        default="affine",
+        help="quantization mode with --quantize (default: affine)",
+    )
+
+
+def quantize_spec(args: argparse.Namespace) -> QuantSpec | None:
+    """The settings :func:`add_quantize_flags`'s flags ask for, refused by flag."""
+    from turbospark.errors import InvalidInput
+    from turbospark.loading.convert import requested_spec
+
+    if args.quantize is None:
+        if args.group_size is not None or args.mode != "affine":
+            raise InvalidInput("--group-size and --mode apply with --quantize BITS; add it")
+        return None
+    return requested_spec(args.quantize, args.group_size, args.mode)
 
 
 def model_text(model: str | Path) -> tuple[ModelSource, TextCodec]:

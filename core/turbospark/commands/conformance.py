@@ -6,6 +6,7 @@ import argparse
 import textwrap
 from typing import TYPE_CHECKING
 
+from turbospark.commands import add_quantize_flags, quantize_spec
 from turbospark.errors import TurbosparkError
 
 if TYPE_CHECKING:  # pytest and hypothesis load in run(): they are the conformance extra's
@@ -30,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="hypothesis schedules per interleaving check (default 15)",
     )
+    add_quantize_flags(parser, "run the kit on a synthetic install")
     parser.set_defaults(func=run)
 
 
@@ -45,13 +47,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the core without its conformance extra
         raise TurbosparkError(str(exc)) from None
 
-    report = run_kit(args.family, examples=args.examples)
+    report = run_kit(args.family, examples=args.examples, quantize=quantize_spec(args))
     print(report.model_dump_json(indent=2) if args.json else render(report))
     return 0 if report.passed else 1
 
 
 def render(report: KitReport) -> str:
-    lines = [f"conformance of family '{report.family}' ({report.source})"]
+    packed = "" if report.quantization is None else f", {report.quantization}"
+    lines = [f"conformance of family '{report.family}' ({report.source}{packed})"]
     for check in report.checks:
         lines.append(f"  {MARKS[check.outcome]:<5} {check.check}")
         if check.detail:

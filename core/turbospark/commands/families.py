@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -13,8 +15,67 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="List installed family plugins, their HF model types and state components "
         "with capabilities; broken plugins are listed with the reason.",
     )
+    parser.add_argument(
+        "installs",
+        nargs="*",
+        type=Path,
+        metavar="INSTALL",
+        help="also describe these installs or checkpoint directories (family, dtype, "
+        "quantization), read from their manifest, config.json and safetensors header "
+        "without loading weights",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.set_defaults(func=run)
+
+
+# safetensors header dtypes -> ours, for a checkpoint without a manifest.
+_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def describe_install(path: Path) -> dict[str, Any]:
+    """An install's (or a plain checkpoint directory's) family and packing, from
+    its manifest, ``config.json`` and safetensors header alone: no tensor is read."""
+    from turbospark.loading.checkpoint_config import read_config
+    from turbospark.loading.convert import describe_block
+    from turbospark.loading.importer import resolve_arch
+    from turbospark.loading.install import MANIFEST, read_manifest
+    from turbospark.loading.plugins import default_registry
+    from turbospark.loading.quantization import Quantization
+
+    if (path / MANIFEST).is_file() or not (path / "config.json").is_file():
+        manifest = read_manifest(path)  # refuses a directory that is neither, by name
+        model_id, family, dtype = manifest.model_id, manifest.family, manifest.dtype
+        kind = "install"
+    else:
+        kind = "checkpoint"
+        config = read_config(path / "config.json")
+        model_id, family = path.name, resolve_arch(config, None, default_registry()).family
+        dtype = _header_dtype(path)
+    block = Quantization.from_config(read_config(path / "config.json").model_dump())
+    return {
+        "path": str(path),
+        "kind": kind,
+        "model_id": model_id,
+        "family": family,
+        "dtype": dtype,
+        "quantization": None if block is None else block.to_config(),
+        "quantization_summary": describe_block(block),
+    }
+
+
+def _header_dtype(path: Path) -> str:
+    """The floating dtype a checkpoint's first shard stores (bfloat16 if any)."""
+    shard = min(path.glob("*.safetensors"), default=None)
+    if shard is None:
+        return "unknown"
+    with shard.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    found = {
+        _FLOATS[v["dtype"]]
+        for k, v in header.items()
+        if k != "__metadata__" and v["dtype"] in _FLOATS
+    }
+    return "bfloat16" if "bfloat16" in found else min(found, default="unknown")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,8 +98,12 @@ def run(args: argparse.Namespace) -> int:
         for fam in registry.families.values()
     ]
     broken = [{"name": b.name, "source": b.source, "error": b.error} for b in registry.broken]
+    installs = [describe_install(path) for path in args.installs]
     if args.json:
-        print(json.dumps({"families": families, "broken": broken}, indent=2))
+        out: dict[str, Any] = {"families": families, "broken": broken}
+        if args.installs:
+            out["installs"] = installs
+        print(json.dumps(out, indent=2))
         return 0
     if not families:
         print(registry.describe_installed())
@@ -65,4 +130,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"    {c['name']:<14} {', '.join(flags)}  — {c['description']}")
     for b in broken:
         print(f"BROKEN {b['name']} ({b['source']}): {b['error']}")
+    for inst in installs:
+        print(
+            f"{inst['kind']} {inst['path']}: {inst['model_id']} ({inst['family']}, {inst['dtype']}, "
+            f"{inst['quantization_summary']})"
+        )
     return 0

@@ -272,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from turbospark.generation.runner import Runner
+    from turbospark.loading.quantization import quantization_of, summary
     from turbospark.policies import ExpertCacheSlots
     from turbospark.server.app import create_app
     from turbospark.server.worker import RunnerWorker
@@ -332,9 +333,12 @@ def run(args: argparse.Namespace) -> int:
         + (f" ({len(disk.rejected)} refused, moved to rejected/)" if disk.rejected else "")
     )  # fmt: skip
     ranks = "" if lockstep is None else f" sharded across {lockstep.group.size()} processes,"
+    # The packing actually loaded (not the config's claim): what the tensors were read as.
+    quantized = summary(quantization_of(runner.model))
+    packing = runner.manifest.dtype + ("" if quantized is None else f", {quantized}")
     print(
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}, "
-        f"{source.describe()}) on "
+        f"{packing}, {source.describe()}) on "
         f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
         f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch; "
         f"the page is at http://{args.host}:{args.port}/",

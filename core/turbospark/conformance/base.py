@@ -35,6 +35,7 @@ from turbospark.conformance.state_checks import StateChecks
 from turbospark.conformance.steering_checks import SteeringChecks
 from turbospark.conformance.vision_checks import VisionChecks
 from turbospark.loading.plugins import FamilyRegistry
+from turbospark.loading.quantization import QuantSpec
 
 
 # pytest collects base classes last-first: state checks run first, the property test last.
@@ -57,6 +58,10 @@ class FamilyConformance(
 
     synthetic_dims: ClassVar[dict[str, Any]] = {}
     """Keyword arguments for ``build_synthetic_install`` (keep the model tiny)."""
+
+    quantize: ClassVar[QuantSpec | None] = None
+    """Quantize the synthetic install with these settings (``turbospark import
+    --quantize``'s converter), so every check runs on a quantized model."""
 
     registry: ClassVar[FamilyRegistry | None] = None
     """Where the family is found; None means the installed plugins (entry points)."""

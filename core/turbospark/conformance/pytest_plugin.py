@@ -10,7 +10,8 @@ your own conftest or test class, keeping the shape documented here):
 ``family_install``   a :class:`~pathlib.Path` to an install directory of that
                      family (``manifest.json``, ``config.json``, safetensors).
                      Default: a synthetic install built once per class by the
-                     family's own hook with the class's ``synthetic_dims``.
+                     family's own hook with the class's ``synthetic_dims``,
+                     quantized with the class's ``quantize`` when set.
 ``kit``              the :class:`~turbospark.conformance.FamilyKit` every check
                      takes, built from the two above and the class's tolerances.
 ``component``        not a fixture: checks that take it are parametrized with
@@ -56,7 +57,9 @@ def family_install(
 ) -> Path:
     cls = conformance_class(request.cls)
     path = tmp_path_factory.mktemp(f"{cls.family}-install")
-    build_synthetic_install(cls.family, path, registry=family_registry, **cls.synthetic_dims)
+    build_synthetic_install(
+        cls.family, path, registry=family_registry, quantize=cls.quantize, **cls.synthetic_dims
+    )
     return path
 
 

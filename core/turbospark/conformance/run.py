@@ -22,15 +22,18 @@ from pydantic import BaseModel
 
 from turbospark.conformance.kit import EXAMPLES_ENV
 from turbospark.loading.plugins import default_registry
+from turbospark.loading.quantization import QuantSpec
 
 Outcome = Literal["passed", "failed", "skipped", "error"]
 
 MODULE = """\
 from turbospark.conformance import FamilyConformance
+from turbospark.loading.quantization import QuantSpec
 
 
 class TestConformance(FamilyConformance):
     family = {family!r}
+    quantize = {quantize}
 """
 
 
@@ -42,6 +45,7 @@ class CheckResult(BaseModel):
 
 class KitReport(BaseModel):
     family: str
+    quantization: str | None = None
     source: str
     passed: bool
     counts: dict[str, int]
@@ -85,15 +89,24 @@ def _examples(examples: int | None) -> Iterator[None]:
             os.environ[EXAMPLES_ENV] = previous
 
 
-def run_kit(family: str, examples: int | None = None) -> KitReport:
-    """Every conformance check against *family*'s synthetic install."""
+def kit_module(family: str, quantize: QuantSpec | None) -> str:
+    """The one-class test module :func:`run_kit` runs."""
+    spec = None if quantize is None else f"QuantSpec(**{quantize.model_dump()!r})"
+    return MODULE.format(family=family, quantize=spec)
+
+
+def run_kit(
+    family: str, examples: int | None = None, quantize: QuantSpec | None = None
+) -> KitReport:
+    """Every conformance check against *family*'s synthetic install, quantized
+    with *quantize* when given."""
     source = default_registry().get(family).source  # refuses an unknown family by name
     collector = _Collector()
     output = io.StringIO()
     with tempfile.TemporaryDirectory(prefix="turbospark-conformance-") as scratch:
         root = Path(scratch)
         module = root / "test_conformance.py"
-        module.write_text(MODULE.format(family=family))
+        module.write_text(kit_module(family, quantize))
         (root / "pytest.ini").write_text("[pytest]\n")
         args = [
             str(module),
@@ -112,6 +125,7 @@ def run_kit(family: str, examples: int | None = None) -> KitReport:
     ok = code == pytest.ExitCode.OK and bool(checks) and not (counts["failed"] or counts["error"])
     return KitReport(
         family=family,
+        quantization=None if quantize is None else quantize.label(),
         source=source,
         passed=ok,
         counts=counts,

@@ -258,6 +258,17 @@ def turbospark_load_model(
 
 
 @hookspec(firstresult=True)
+def turbospark_quantize_overrides(arch: ArchConfig) -> dict[str, dict[str, int] | bool] | None:
+    """Modules ``turbospark import --quantize`` packs unlike the rest, by path
+    suffix: ``{"router.proj": {"bits": 8, "group_size": 64}}`` keeps a router at
+    8 bits, ``False`` keeps a module in floating point (mlx-lm's
+    ``quant_predicate``: match it where mlx-lm has the model, so both convert
+    alike). ``None``, or no implementation: every module the group size fits
+    is packed with the requested settings.
+    """
+
+
+@hookspec(firstresult=True)
 def turbospark_shard_model(model: nn.Module, group: mx.distributed.Group) -> bool:
     """Shard the loaded *model* across *group* for tensor parallelism, in place,
     and return True: attention and MLP blocks split by head and width with the

@@ -8,6 +8,11 @@ text config's, when ``config.json`` nests one under ``text_config``); the
 config is read by :mod:`turbospark.loading.checkpoint_config` (the same reading every later
 open does) and validated by the family's ``ArchConfig`` before any tensor is
 read, and every tensor is checked against it before anything is written.
+
+A checkpoint mlx-lm quantized imports unchanged (its packed tensors and its
+``quantization`` block are kept as they are). With ``quantize=`` the import
+quantizes the model the family loaded (:mod:`turbospark.loading.convert`) and
+writes its parameters with mlx-lm's config block, so mlx-lm loads the result.
 """
 
 from __future__ import annotations
@@ -15,16 +20,20 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
 
 from turbospark.contract.hookspecs import ArchConfig
 from turbospark.errors import InstallError
 from turbospark.loading.checkpoint_config import HFConfig, arch_from_config, read_config
+from turbospark.loading.convert import overrides_of, quantized_weights, requested_spec
 from turbospark.loading.install import Manifest, write_install
 from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.loading.quantization import Quantization, QuantSpec
 
 # Files beside the weights that the install carries over unchanged.
 TEXT_FILES = (
@@ -113,9 +122,11 @@ def import_checkpoint(
     model_id: str | None = None,
     registry: FamilyRegistry | None = None,
     progress: bool = True,
+    quantize: QuantSpec | None = None,
 ) -> Manifest:
     """Import the checkpoint at *hf_dir* as an install at *out* (which must not
-    hold anything yet); returns the written manifest."""
+    hold anything yet), quantized with *quantize* when given; returns the
+    written manifest."""
     src, dst = Path(hf_dir), Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise InstallError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -124,8 +135,17 @@ def import_checkpoint(
     config = read_config(src / "config.json")
     reg = registry or default_registry()
     arch = resolve_arch(config, family, reg)
+    raw_config = json.loads((src / "config.json").read_text())
     weights = read_weights(weight_files(src), dtype, progress)
-    check_weights(arch, weights, reg)
+    if quantize is not None:
+        quantize = requested_spec(quantize.bits, quantize.group_size, quantize.mode)
+        refuse_requantizing(src, raw_config, weights)
+    model = check_weights(arch, weights, reg)
+    if quantize is not None:
+        overrides = reg.get(arch.family).manager().hook.turbospark_quantize_overrides(arch=arch)
+        weights, raw_config = quantized_weights(
+            model, raw_config, quantize, overrides_of(overrides, arch.family), progress=progress
+        )
     extra = {name: (src / name).read_bytes() for name in TEXT_FILES if (src / name).is_file()}
     try:
         return write_install(
@@ -133,7 +153,7 @@ def import_checkpoint(
             arch=arch,
             model_id=model_id or src.resolve().name,
             weights=weights,
-            config=json.loads((src / "config.json").read_text()),
+            config=raw_config,
             extra_files=extra,
             shard_bytes=SHARD_BYTES,
         )
@@ -142,12 +162,27 @@ def import_checkpoint(
         raise
 
 
-def check_weights(arch: ArchConfig, weights: dict[str, mx.array], registry: FamilyRegistry) -> None:
+def refuse_requantizing(src: Path, config: dict[str, Any], weights: dict[str, mx.array]) -> None:
+    """``--quantize`` on a quantized checkpoint would pack packed weights: refuse it."""
+    block = Quantization.from_config(config)
+    packed = next((name for name in weights if name.endswith(".scales")), None)
+    if block is not None or packed is not None:
+        what = block.default.label() if block is not None else f"{packed} is packed"
+        raise InstallError(
+            f"{src} is already quantized ({what}); import it without --quantize, "
+            "or quantize its floating-point original"
+        )
+
+
+def check_weights(
+    arch: ArchConfig, weights: dict[str, mx.array], registry: FamilyRegistry
+) -> nn.Module:
     """Load *weights* into the family's model once, as ``Runner.open`` will, so a
     missing, unexpected or mis-shaped tensor is refused by name before anything
     is written (never an import that succeeds and an install that does not open).
-    The weights keep their dtype, so the check costs what serving costs."""
+    The weights keep their dtype, so the check costs what serving costs; returns
+    the loaded model."""
     floating = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     dtype = mx.bfloat16 if mx.bfloat16 in floating else (floating or [mx.float32])[0]
     hook = registry.get(arch.family).manager().hook
-    hook.turbospark_load_model(arch=arch, weights=weights, dtype=dtype, experts=None)
+    return hook.turbospark_load_model(arch=arch, weights=weights, dtype=dtype, experts=None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from turbospark.contract.hookspecs import ArchConfig
 from turbospark.errors import InstallError
 from turbospark.loading.checkpoint_config import arch_from_config, describe, read_config
-from turbospark.loading.quantization import quantize_like
+from turbospark.loading.convert import overrides_of, quantized_weights
+from turbospark.loading.quantization import QuantSpec, quantize_like
 
 if TYPE_CHECKING:
     from turbospark.loading.plugins import FamilyRegistry
@@ -267,14 +269,55 @@ def _write_shards(root: Path, weights: dict[str, mx.array], shard_bytes: int | N
 
 
 def build_synthetic_install(
-    family: str, path: str | Path, *, registry: FamilyRegistry | None = None, **dims: Any
+    family: str,
+    path: str | Path,
+    *,
+    registry: FamilyRegistry | None = None,
+    quantize: QuantSpec | None = None,
+    **dims: Any,
 ) -> ArchConfig:
     """A random-weight install of *family* at *path*, built by the family's own hook.
 
     *dims* are the family's size knobs (``vocab_size``, ``num_layers``, ``seed``,
-    ``model_id``, ``dtype`` ...); unknown ones are refused by the family.
+    ``model_id``, ``dtype`` ...); unknown ones are refused by the family. With
+    *quantize*, the install is built in floating point, loaded by the family and
+    quantized by the converter ``turbospark import --quantize`` runs
+    (:func:`turbospark.loading.convert.quantized_weights`), so tests and the
+    kit get quantized installs as cheaply as floating ones.
     """
     from turbospark.loading.plugins import default_registry
 
-    fam = (registry or default_registry()).get(family)
-    return fam.manager().hook.turbospark_build_synthetic_install(path=Path(path), dims=dims)
+    reg = registry or default_registry()
+    hook = reg.get(family).manager().hook
+    if quantize is None:
+        return hook.turbospark_build_synthetic_install(path=Path(path), dims=dims)
+    with tempfile.TemporaryDirectory() as tmp:
+        arch = hook.turbospark_build_synthetic_install(path=Path(tmp), dims=dims)
+        manifest = read_manifest(tmp)
+        model = hook.turbospark_load_model(
+            arch=arch,
+            weights=load_weights(tmp, manifest),
+            dtype=getattr(mx, manifest.dtype),
+            experts=None,
+        )
+        raw = hook.turbospark_quantize_overrides(arch=arch)
+        weights, config = quantized_weights(
+            model,
+            json.loads((Path(tmp) / "config.json").read_text()),
+            quantize.check(),
+            overrides_of(raw, family),
+        )
+        kept = [n for n in manifest.files if n != "config.json" and not _is_weight_file(n)]
+        write_install(
+            path,
+            arch=arch,
+            model_id=manifest.model_id,
+            weights=weights,
+            config=config,
+            extra_files={name: (Path(tmp) / name).read_bytes() for name in kept},
+        )
+    return arch
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(".safetensors") or name == "model.safetensors.index.json"

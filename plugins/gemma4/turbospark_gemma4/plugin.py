@@ -63,6 +63,12 @@ def turbospark_load_model(
 
 
 @hookimpl
+def turbospark_quantize_overrides(arch: ArchConfig) -> dict[str, dict[str, int] | bool]:
+    # mlx-lm's gemma4 quant_predicate: the MoE router stays at 8 bits in groups of 64.
+    return {"router.proj": {"group_size": 64, "bits": 8}}
+
+
+@hookimpl
 def turbospark_shard_model(model: nn.Module, group: mx.distributed.Group) -> bool:
     assert isinstance(model, Gemma4)
     model.shard(group)
