@@ -161,9 +161,9 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, 
     )  # fmt: skip
 
     async def main() -> tuple[list, list]:
-        draws, _ = await service.chat_draws(body, service.deadline())
+        draws = (await service.chat_draws(body, service.deadline())).draws
         alone = [pair async for pair in service.chunks(draws, service.deadline())]
-        draws, _ = await service.chat_draws(body, service.deadline())
+        draws = (await service.chat_draws(body, service.deadline())).draws
         batches = []
         async for batch in service.chunk_batches(draws, service.deadline()):
             batches.append(batch)

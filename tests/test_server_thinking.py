@@ -97,7 +97,7 @@ def test_the_reasoning_is_the_raw_reply_split(
             stream=True,
             extra_body=THINK,
             **bias,
-        )  # fmt: skip
+        )
     )
     thought = "".join(getattr(d.choices[0].delta, "reasoning_content", None) or "" for d in deltas)
     said = "".join(d.choices[0].delta.content or "" for d in deltas)

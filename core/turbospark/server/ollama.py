@@ -434,7 +434,8 @@ async def _run(
     started = time.perf_counter()
     syntax: ToolSyntax | None = None
     if raw_prompt is None:
-        choices, syntax = await service.chat_draws(chat, deadline)
+        plan = await service.chat_draws(chat, deadline)
+        choices, syntax = plan.draws, plan.syntax
     else:
         ids = await service.prompt_ids(raw_prompt, deadline)
         grammar = await service.response_grammar(chat.response_format, deadline)
