@@ -24,7 +24,7 @@ from turbospark_gemma4 import synthetic
 from turbospark_gemma4.model import Gemma4, Gemma4Config, moe_spec, sanitize
 from turbospark_gemma4.state import new_state
 
-TURBOSPARK_SDK = ">=1.1,<2"  # the turbospark.sdk versions this family is written for
+TURBOSPARK_SDK = ">=1.2,<2"  # the turbospark.sdk versions this family is written for
 
 common = CommonHooks(
     "gemma4",

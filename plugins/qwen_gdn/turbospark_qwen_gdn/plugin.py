@@ -23,7 +23,7 @@ from turbospark_qwen_gdn.model import QwenGdn, QwenGdnConfig, sanitize
 from turbospark_qwen_gdn.mtp import QwenMtp
 from turbospark_qwen_gdn.state import new_state
 
-TURBOSPARK_SDK = ">=1.1,<2"  # the turbospark.sdk versions this family is written for
+TURBOSPARK_SDK = ">=1.2,<2"  # the turbospark.sdk versions this family is written for
 
 # Checkpoints (and mlx-lm) use "qwen3_5"; transformers writes "qwen3_5_text" too.
 common = CommonHooks(
