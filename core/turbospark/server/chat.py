@@ -178,10 +178,7 @@ async def _chat(
         thought = None
         if reasoning is not None:  # the reasoning first; the answer goes on below
             split = thinking.setdefault(index, reasoning.splitter())
-            thought, text = split.feed(text)
-            if finish is not None:
-                more, rest = split.finish()
-                thought, text = thought + more, text + rest
+            thought, text = split.take(text, finish is not None)
         if syntax is not None:  # prose goes out at once; tool-call blocks when the choice ends
             splitter = splitters.setdefault(index, StreamSplitter(syntax))
             text = splitter.feed(text)

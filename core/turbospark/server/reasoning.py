@@ -96,6 +96,15 @@ class ReasoningSplitter:
                 self._held = ""
         return reasoning, answer
 
+    def take(self, text: str, last: bool) -> tuple[str, str]:
+        """:meth:`feed`, and on the reply's *last* chunk what was held back too:
+        ``(reasoning, answer)`` of one streamed chunk."""
+        reasoning, answer = self.feed(text)
+        if last:
+            more, rest = self.finish()
+            reasoning, answer = reasoning + more, answer + rest
+        return reasoning, answer
+
     def finish(self) -> tuple[str, str]:
         """What was held back, at the reply's end."""
         held, self._held = self._held, ""

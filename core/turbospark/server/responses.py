@@ -605,10 +605,7 @@ async def _stream(
                 tokens.append(chunk.token)
             text, thought = chunk.text, ""
             if thinking is not None:
-                thought, text = thinking.feed(text)
-                if chunk.finish_reason is not None:
-                    more, rest = thinking.finish()
-                    thought, text = thought + more, text + rest
+                thought, text = thinking.take(text, chunk.finish_reason is not None)
             if thought:
                 if not thinking_open:
                     thinking_open = True

@@ -204,6 +204,38 @@ class SchemaRules:
         self.rules.append(f"{name}: {terminal}")
         return self.rule(name, f"[suffix={literal(suffix)}]")
 
+    def members(
+        self, schema: dict[str, Any], pattern: str, what: str, why: str
+    ) -> tuple[list[tuple[str, Any, bool]], Any]:
+        """An object's keys the syntax can write, as ``(key, schema, required)``
+        (a required key named only by ``required`` takes ``additionalProperties``),
+        and its ``additionalProperties``; an optional key the syntax cannot write
+        is left out, a required one refused."""
+        properties = schema.get("properties") or {}
+        required = list(dict.fromkeys(schema.get("required") or []))
+        extra = schema.get("additionalProperties", True)
+        members = [(k, s, k in required) for k, s in properties.items()]
+        for key in required:
+            if key not in properties:
+                if extra is False:
+                    raise self.refuse(f"require '{key}', which additionalProperties forbids")
+                members.append((key, extra, True))
+        kept = []
+        for key, sub, need in members:
+            if re.fullmatch(pattern, key) is None:
+                if need:
+                    raise self.refuse(f"require the {what} '{key}', {why}")
+                continue
+            kept.append((key, sub, need))
+        return kept, extra
+
+    def other_keys(self, schema: dict[str, Any], pattern: str) -> str:
+        """A terminal for the keys *pattern* allows that are not the schema's properties."""
+        names = " | ".join(literal(k) for k in schema.get("properties") or {})
+        term = f"K{len(self.rules)}"
+        self.rules.append(f"{term}: {lark_regex(pattern)}" + (f" & ~({names})" if names else ""))
+        return term
+
     def only(self, schema: dict[str, Any], allowed: frozenset[str], what: str) -> None:
         """Refuse a keyword of *schema* that the grammar for *what* would ignore."""
         extra = sorted(set(schema) - allowed - ANNOTATIONS)
@@ -348,28 +380,14 @@ class Gemma4Rules(SchemaRules):
 
     def object(self, schema: dict[str, Any]) -> str:
         self.only(schema, OBJECT_KEYS, "an object")
-        properties = schema.get("properties") or {}
-        required = list(dict.fromkeys(schema.get("required") or []))
-        extra = schema.get("additionalProperties", True)
-        members = [(k, s, k in required) for k, s in properties.items()]
-        for key in required:
-            if key not in properties:
-                if extra is False:
-                    raise self.refuse(f"require '{key}', which additionalProperties forbids")
-                members.append((key, extra, True))
-        pairs = []
-        for key, sub, need in members:
-            if re.fullmatch(GEMMA4_KEY, key) is None:
-                if need:
-                    raise self.refuse(f"require the key '{key}', which is not a bare key")
-                continue  # an optional key the syntax cannot write is left out
-            pairs.append((self.rule(f"{literal(key + ':')} {self.value(sub)}"), need))
+        members, extra = self.members(schema, GEMMA4_KEY, "key", "which is not a bare key")
+        pairs = [
+            (self.rule(f"{literal(key + ':')} {self.value(sub)}"), need)
+            for key, sub, need in members
+        ]
         more = None
         if extra is not False:
-            names = " | ".join(literal(k) for k in properties)
-            key = lark_regex(GEMMA4_KEY) + (f" & ~({names})" if names else "")
-            name = f"K{len(self.rules)}"
-            self.rules.append(f"{name}: {key}")
+            name = self.other_keys(schema, GEMMA4_KEY)
             more = self.rule(f'{name} ":" {self.value(extra)}')
         return self.rule(f'"{{" {chain(self, pairs, more, literal(","))} "}}"')
 
@@ -454,29 +472,13 @@ class QwenXmlRules(SchemaRules):
                 f"got type {parameters.get('type')!r}"
             )
         self.only(schema, OBJECT_KEYS, "the parameters")
-        properties = schema.get("properties") or {}
-        required = list(dict.fromkeys(schema.get("required") or []))
-        extra = schema.get("additionalProperties", True)
-        members = [(k, s, k in required) for k, s in properties.items()]
-        for key in required:
-            if key not in properties:
-                if extra is False:
-                    raise self.refuse(f"require '{key}', which additionalProperties forbids")
-                members.append((key, extra, True))
-        pairs = []
-        for key, sub, need in members:
-            if re.fullmatch(QWEN_XML_NAME, key) is None:
-                if need:
-                    raise self.refuse(f"require the parameter '{key}', which has no XML name")
-                continue
-            pairs.append(
-                (self.rule(f"{literal(f'<parameter={key}>{chr(10)}')} {self.value(sub)}"), need)
-            )
+        members, extra = self.members(schema, QWEN_XML_NAME, "parameter", "which has no XML name")
+        pairs = [
+            (self.rule(f"{literal(f'<parameter={key}>{chr(10)}')} {self.value(sub)}"), need)
+            for key, sub, need in members
+        ]
         more = None
         if extra is not False:
-            names = " | ".join(literal(k) for k in properties)
-            key = lark_regex(QWEN_XML_NAME) + (f" & ~({names})" if names else "")
-            term = f"K{len(self.rules)}"
-            self.rules.append(f"{term}: {key}")
+            term = self.other_keys(schema, QWEN_XML_NAME)
             more = self.rule(f'"<parameter=" {term} ">\\n" {self.value(extra)}')
         return self.rule(f"{literal(name + '>' + chr(10))} {chain(self, pairs, more, '')}")
