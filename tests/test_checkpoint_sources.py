@@ -252,7 +252,7 @@ def test_serve_names_what_it_opened(plain):
         )
         assert reply.model == "tiny-plain"
     output = process.stdout.read()  # the process is gone: its pipe drains to the end
-    assert f"serving tiny-plain (qwen_gdn, checkpoint {plain}) on http://" in output
+    assert f"serving tiny-plain (qwen_gdn, float32, checkpoint {plain}) on http://" in output
 
 
 def test_the_kit_takes_a_plain_directory(qwen_gdn_install, plain):
