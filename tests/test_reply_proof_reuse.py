@@ -1,0 +1,190 @@
+"""Reply-proof reuse over loopback with the openai client: a re-sent reply is fed
+as the ids it was generated as, so the next turn continues its session through
+the reply even where re-tokenising the text would give other ids; an edited
+reply is not taken for ours; and a checkpoint kept where the generation prompt
+starts serves the next turn of a template that re-renders the reply otherwise
+(Qwen3.5's thinking block). Every second turn is held equal to the same turn
+on a server that reuses nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serving import client, serving
+
+from turbospark.server import ThreadedServer
+from turbospark.server.chat_ids import chat_ids
+from turbospark.sessions.replies import ReplyIndex
+from turbospark.text import TextCodec, load_text
+
+ASK = [{"role": "user", "content": "Say it twice."}]
+THEN = {"role": "user", "content": "And once more?"}
+# Biased toward two tokens and penalised for repeating them, greedy decoding
+# alternates: qwen_gdn's "h", "e" (re-tokenised as the merge "he"), gemma4's
+# "h" and "<unused0>" (a special token the text drops).
+BIAS = {"gemma4": {15: 10, 102: 7}, "qwen_gdn": {14: 10, 11: 7}}
+SKEW = {"frequency_penalty": 2.0, "presence_penalty": 2.0}
+
+
+def model_of(server: ThreadedServer) -> str:
+    return server.service.model_id  # type: ignore[attr-defined]
+
+
+def chat(server: ThreadedServer, messages: list[dict[str, Any]], **extra: Any) -> Any:
+    return client(server).chat.completions.create(
+        model=model_of(server), messages=messages, max_tokens=6, temperature=0.0, **extra
+    )
+
+
+def biased(family: str) -> dict[str, Any]:
+    return {"logit_bias": {str(t): b for t, b in BIAS[family].items()}, **SKEW}
+
+
+def in_record(first: Any) -> int:
+    """Tokens of turn 1 its session holds: the prompt and every reply token fed
+    (a reply cut by max_tokens never feeds its last token; a stop id is never one)."""
+    choice = first.choices[0]
+    generated = first.usage.completion_tokens
+    return first.usage.prompt_tokens + generated - (choice.finish_reason == "length")
+
+
+@pytest.fixture(scope="module", params=["gemma4", "qwen_gdn"])
+def family(request: pytest.FixtureRequest) -> tuple[str, Path, TextCodec]:
+    path = request.getfixturevalue(f"{request.param}_install")
+    return request.param, path, load_text(path)
+
+
+@pytest.fixture(scope="module")
+def servers(
+    family: tuple[str, Path, TextCodec],
+) -> Iterator[tuple[ThreadedServer, ThreadedServer]]:
+    """A server that reuses sessions and one that reuses nothing, on one install."""
+    _, path, codec = family
+    with serving(path, codec, slots=2) as warm, serving(path, codec, slots=2, reuse=False) as cold:
+        yield warm, cold
+
+
+def test_a_resent_reply_is_reused_through_its_generated_ids(
+    family: tuple[str, Path, TextCodec], servers: tuple[ThreadedServer, ThreadedServer]
+) -> None:
+    name, _, codec = family
+    warm, cold = servers
+    first = chat(warm, ASK, **biased(name))
+    text = first.choices[0].message.content
+    # The reply's text re-tokenises to other ids than were generated.
+    assert len(codec.encode(text)) != first.usage.completion_tokens
+    turn = [*ASK, {"role": "assistant", "content": text}, THEN]
+    second = chat(warm, turn)
+    assert second.usage.prompt_tokens_details.cached_tokens == in_record(first)
+    assert second.usage.turbospark["reuse_reason"] == "extends"
+    assert "generated ids of 1 re-sent" in second.usage.turbospark["reuse_detail"]
+    # The uninterrupted path: the same conversation, every prompt prefilled whole.
+    alone = chat(cold, ASK, **biased(name))
+    assert alone.choices[0].message.content == text
+    again = chat(cold, turn)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens == second.usage.prompt_tokens
+    assert again.choices[0].message.content == second.choices[0].message.content
+
+
+def test_an_edited_reply_is_not_taken_for_ours(
+    family: tuple[str, Path, TextCodec], servers: tuple[ThreadedServer, ThreadedServer]
+) -> None:
+    name, _, _ = family
+    warm, cold = servers
+    first = chat(warm, ASK, **biased(name))
+    turn = [*ASK, {"role": "assistant", "content": first.choices[0].message.content + "!"}, THEN]
+    second = chat(warm, turn)
+    detail = second.usage.turbospark["reuse_detail"]
+    assert "not text this server generated" in detail and "generated ids" not in detail
+    assert second.usage.prompt_tokens_details.cached_tokens < in_record(first)
+    if name == "qwen_gdn":  # recurrent state: back to the prompt-end checkpoint
+        assert second.usage.turbospark["reuse_reason"] == "checkpoint"
+        assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+    chat(cold, ASK, **biased(name))
+    assert chat(cold, turn).choices[0].message.content == second.choices[0].message.content
+
+
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+def test_thinking_turns_resume_where_the_generation_prompt_began(
+    qwen_gdn_install: Path,
+) -> None:
+    """The history drops the reply's thinking block, so the second prompt leaves
+    the first's record inside its generation prompt: the checkpoint taken where
+    that began serves it, and the reply is a fresh server's."""
+    codec = load_text(qwen_gdn_install)
+    opening = len(codec.encode("<|im_start|>assistant\n<think>\n"))
+    with serving(qwen_gdn_install, codec, slots=2) as warm:
+        first = chat(warm, ASK, extra_body=THINK)
+        reply = first.choices[0].message.content or "ok"
+        turn = [*ASK, {"role": "assistant", "content": reply}, THEN]
+        second = chat(warm, turn, extra_body=THINK)
+    assert second.usage.turbospark["reuse_reason"] == "checkpoint"
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - opening
+    with serving(qwen_gdn_install, codec, slots=2) as fresh:
+        alone = chat(fresh, turn, extra_body=THINK)
+    assert alone.usage.prompt_tokens_details.cached_tokens == 0
+    assert alone.choices[0].message.content == second.choices[0].message.content
+    assert alone.choices[0].message.reasoning_content == (  # type: ignore[attr-defined]
+        second.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+    )
+
+
+def _render(codec: TextCodec) -> Any:
+    return lambda messages, generation_prompt: codec.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt
+    )
+
+
+def test_a_reply_the_template_does_not_render_verbatim_is_tokenised_as_text(
+    gemma4_install: Path,
+) -> None:
+    """Gemma's template trims a reply: the spliced ids would not be the text the
+    template renders, so the prompt is plain tokenisation, and the note says why."""
+    codec = load_text(gemma4_install)
+    replies = ReplyIndex()
+    replies.add(" hh ", [7, 15, 102, 15, 7])
+    messages = [*ASK, {"role": "assistant", "content": " hh "}, THEN]
+    built = chat_ids(messages, _render(codec), codec, replies, boundary=False)
+    assert built.ids == codec.encode(built.text)
+    assert "not render the re-sent replies verbatim" in built.note
+    replies.add("hh", [15, 102, 15])
+    messages[1] = {"role": "assistant", "content": "hh"}
+    built = chat_ids(messages, _render(codec), codec, replies, boundary=False)
+    start = built.text.index("hh")
+    assert built.ids == [
+        *codec.encode(built.text[:start]),
+        15,
+        102,
+        15,
+        *codec.encode(built.text[start + 2 :]),
+    ]
+
+
+def test_the_generation_prompt_start_is_found_only_where_the_ids_split_there(
+    qwen_gdn_install: Path,
+) -> None:
+    codec = load_text(qwen_gdn_install)
+    built = chat_ids(ASK, _render(codec), codec, ReplyIndex(), boundary=True)
+    bare = codec.apply_chat_template(ASK, add_generation_prompt=False)
+    assert built.checkpoint_at == len(codec.encode(bare)) < len(built.ids)
+    assert built.ids == codec.encode(built.text) and built.note == ""
+
+
+def test_the_reply_index_is_bounded_least_recently_used_first() -> None:
+    replies = ReplyIndex(max_replies=2, max_ids=5)
+    replies.add("a", [1, 2])
+    replies.add("b", [3])
+    assert replies.ids_of("a") == (1, 2)  # now the most recent
+    replies.add("c", [4])
+    assert replies.ids_of("b") is None and len(replies) == 2
+    replies.add("d", [5, 6, 7, 8])  # 5 ids would be 7 held: "a" goes too
+    assert replies.ids_of("a") is None and replies.ids_of("d") == (5, 6, 7, 8)
+    replies.add("", [1])
+    replies.add("e", [])
+    assert len(replies) == 2
