@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from serving import client, serving
 
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig
 from turbospark.server import ThreadedServer
 from turbospark.server.chat_ids import chat_ids
 from turbospark.sessions.replies import ReplyIndex
@@ -188,3 +190,36 @@ def test_the_reply_index_is_bounded_least_recently_used_first() -> None:
     replies.add("", [1])
     replies.add("e", [])
     assert len(replies) == 2
+
+
+def test_prompts_prefilled_together_checkpoint_where_each_generation_prompt_begins(
+    qwen_gdn_install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a batched prefill a row leaves the merged state at its mark, is
+    checkpointed, and goes on; each next turn resumes from its own mark, and
+    every reply equals a fresh runner's."""
+    from test_engine import Collector, alone, open_runner, run_all
+
+    codec = load_text(qwen_gdn_install)
+    groups: list[int] = []
+    feed = Engine._feed_group
+    monkeypatch.setattr(
+        Engine, "_feed_group", lambda self, g, b: groups.append(len(g.rows)) or feed(self, g, b)
+    )
+    engine = Engine(open_runner(qwen_gdn_install), codec, max_batch=4)
+    config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[], chunk_size=64)
+    prompts = [[1, 20 + i, 30, 40, 50, 60, 70 + i, 5, 1, 7, 8] for i in range(2)]
+    marks = [7, 9]
+    firsts = [
+        Job(ids=p, config=config, emit=Collector(), checkpoint_at=at)
+        for p, at in zip(prompts, marks, strict=True)
+    ]
+    run_all(engine, [(0, job) for job in firsts])
+    assert max(groups) == 2, "the two prompts were never prefilled together"
+    for prompt, at in zip(prompts, marks, strict=True):
+        ids = [*prompt[:at], 90, 91]
+        job = Job(ids=ids, config=config, emit=Collector())
+        run_all(engine, [(0, job)])
+        stats = job.emit.chunks[-1].stats
+        assert (stats.reuse_reason, stats.reused_tokens) == ("checkpoint", at)
+        assert job.emit.tokens == alone(qwen_gdn_install, codec, ids, config).tokens
