@@ -101,7 +101,7 @@ def test_an_edited_reply_is_not_taken_for_ours(
     turn = [*ASK, {"role": "assistant", "content": first.choices[0].message.content + "!"}, THEN]
     second = chat(warm, turn)
     detail = second.usage.turbospark["reuse_detail"]
-    assert "not text this server generated" in detail and "generated ids" not in detail
+    assert "not replies this server generated" in detail and "generated ids" not in detail
     assert second.usage.prompt_tokens_details.cached_tokens < in_record(first)
     if name == "qwen_gdn":  # recurrent state: back to the prompt-end checkpoint
         assert second.usage.turbospark["reuse_reason"] == "checkpoint"
@@ -147,25 +147,27 @@ def test_a_reply_the_template_does_not_render_verbatim_is_tokenised_as_text(
     gemma4_install: Path,
 ) -> None:
     """Gemma's template trims a reply: the spliced ids would not be the text the
-    template renders, so the prompt is plain tokenisation, and the note says why."""
+    template renders, so the prompt is plain tokenisation, and the note says why.
+    A reply is spliced only after the prompt it followed."""
     codec = load_text(gemma4_install)
+    render = _render(codec)
+    asked = codec.encode(render(ASK, True))
     replies = ReplyIndex()
-    replies.add(" hh ", [7, 15, 102, 15, 7])
+    replies.add(asked, " hh ", [7, 15, 102, 15, 7])
     messages = [*ASK, {"role": "assistant", "content": " hh "}, THEN]
-    built = chat_ids(messages, _render(codec), codec, replies, boundary=False)
+    built = chat_ids(messages, render, codec, replies, boundary=False)
     assert built.ids == codec.encode(built.text)
-    assert "not render the re-sent replies verbatim" in built.note
-    replies.add("hh", [15, 102, 15])
+    assert "not render the assistant messages verbatim" in built.note
+    replies.add(asked, "hh", [15, 102, 15])
     messages[1] = {"role": "assistant", "content": "hh"}
-    built = chat_ids(messages, _render(codec), codec, replies, boundary=False)
+    built = chat_ids(messages, render, codec, replies, boundary=False)
     start = built.text.index("hh")
-    assert built.ids == [
-        *codec.encode(built.text[:start]),
-        15,
-        102,
-        15,
-        *codec.encode(built.text[start + 2 :]),
-    ]
+    assert built.ids[: len(asked)] == asked and start == len(render(ASK, True))
+    assert built.ids == [*asked, 15, 102, 15, *codec.encode(built.text[start + 2 :])]
+    other = [{"role": "user", "content": "Say it thrice."}, messages[1], THEN]
+    built = chat_ids(other, render, codec, replies, boundary=False)
+    assert built.ids == codec.encode(built.text)
+    assert "1 re-sent assistant message(s) are not replies" in built.note
 
 
 def test_the_generation_prompt_start_is_found_only_where_the_ids_split_there(
@@ -180,15 +182,16 @@ def test_the_generation_prompt_start_is_found_only_where_the_ids_split_there(
 
 def test_the_reply_index_is_bounded_least_recently_used_first() -> None:
     replies = ReplyIndex(max_replies=2, max_ids=5)
-    replies.add("a", [1, 2])
-    replies.add("b", [3])
-    assert replies.ids_of("a") == (1, 2)  # now the most recent
-    replies.add("c", [4])
-    assert replies.ids_of("b") is None and len(replies) == 2
-    replies.add("d", [5, 6, 7, 8])  # 5 ids would be 7 held: "a" goes too
-    assert replies.ids_of("a") is None and replies.ids_of("d") == (5, 6, 7, 8)
-    replies.add("", [1])
-    replies.add("e", [])
+    replies.add([9], "a", [1, 2])
+    replies.add([9], "b", [3])
+    assert replies.ids_of("a", lambda: [9]) == (1, 2)  # now the most recent
+    assert replies.ids_of("a", lambda: [8]) is None  # after another prompt
+    replies.add([9], "c", [4])
+    assert not replies.knows("b") and len(replies) == 2
+    replies.add([9], "d", [5, 6, 7, 8])  # 5 ids would be 7 held: "a" goes too
+    assert replies.ids_of("a", lambda: [9]) is None and replies.ids_of("d", lambda: [9])
+    replies.add([9], "", [1])
+    replies.add([9], "e", [])
     assert len(replies) == 2
 
 

@@ -1168,7 +1168,7 @@ class Engine:
         self._evicted(row.job, evicted_at_checkin)
         if row.stops.stopped is None and not row.job.warm_up:
             # A stop string cut the text short of the ids: nothing to vouch for then.
-            self.replies.add(self.codec.decode(row.generated), row.generated)
+            self.replies.add(row.job.ids, self.codec.decode(row.generated), row.generated)
         now = time.perf_counter()
         prefilled = row.prefilled or now
         stats = GenerationStats(

@@ -18,6 +18,7 @@ how a prompt is tokenised decide how much of the conversation is reused:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,61 +51,69 @@ def chat_ids(
     check: Callable[[str], None] | None = None,
 ) -> ChatIds:
     """The prompt of *messages* (template dicts), its ids with every re-sent
-    reply this server generated fed as its generated ids, and, with *boundary*,
-    where its generation prompt starts. *check* sees the rendered prompt before
-    anything is tokenised (a refusal of an overlong one)."""
+    reply this server generated after the same prompt fed as its generated ids,
+    and, with *boundary*, where its generation prompt starts. *check* sees the
+    rendered prompt before anything is tokenised (a refusal of an overlong one)."""
     text = render(messages, True)
     if check is not None:
         check(text)
     sent = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("content")]
-    ours = {i: replies.ids_of(messages[i]["content"]) for i in sent}
-    found = {i: ids for i, ids in ours.items() if ids is not None}
+    known = [i for i in sent if replies.knows(messages[i]["content"])]
+    pieces = _pieces(messages, known, render, text) if known else None
     notes = []
-    if len(found) < len(sent):
+    if known and pieces is None:
         notes.append(
-            f"{len(sent) - len(found)} re-sent assistant message(s) are not text this server "
-            "generated (edited, or from elsewhere) and were tokenised as text"
-        )
-    pieces = _pieces(messages, found, render, text) if found else None
-    if found and pieces is None:
-        notes.append(
-            "the template does not render the re-sent replies verbatim, so they were "
+            "the template does not render the assistant messages verbatim, so they were "
             "tokenised as text"
         )
-        found = {}
-    if pieces is None:
-        pieces = [text]
     ids: list[int] = []
-    spliced = 0
-    for k, piece in enumerate(pieces):
-        if piece:
-            ids.extend(codec.encode(piece))
-        if k < len(found):
-            reply = list(found.values())[k]
-            ids.extend(reply)
-            spliced += len(reply)
+    found = spliced = 0
+    rest = text  # the text after the last reply spliced in, still to tokenise
+    if pieces is not None:
+        rest = pieces[0]
+        for k, i in enumerate(known):
+            content = messages[i]["content"]
+            reply = replies.ids_of(content, functools.partial(_with, ids, rest, codec))
+            if reply is None:  # the same text, after another prompt: not this reply
+                rest += content + pieces[k + 1]
+                continue
+            ids = _with(ids, rest, codec) + list(reply)
+            rest = pieces[k + 1]
+            found, spliced = found + 1, spliced + len(reply)
+    ids = _with(ids, rest, codec)
     if found:
         notes.insert(
             0,
-            f"the generated ids of {len(found)} re-sent repl(y/ies) ({spliced} token(s)) "
-            "were used in place of their re-tokenised text",
+            f"the generated ids of {found} re-sent repl(y/ies) ({spliced} token(s)) were used "
+            "in place of their re-tokenised text",
         )
-    at = _generation_start(messages, render, codec, text, pieces[-1], ids) if boundary else None
+    if found < len(sent) and not (known and pieces is None):
+        notes.append(
+            f"{len(sent) - found} re-sent assistant message(s) are not replies this server "
+            "generated after the same prompt (edited, or from elsewhere) and were tokenised "
+            "as text"
+        )
+    at = _generation_start(messages, render, codec, text, rest, ids) if boundary else None
     return ChatIds(ids, text, at, "; ".join(notes))
+
+
+def _with(ids: list[int], text: str, codec: TextCodec) -> list[int]:
+    """*ids*, then *text* tokenised."""
+    return [*ids, *codec.encode(text)] if text else list(ids)
 
 
 def _pieces(
     messages: list[dict[str, Any]],
-    found: dict[int, tuple[int, ...]],
+    known: list[int],
     render: Render,
     text: str,
 ) -> list[str] | None:
-    """The prompt's text around each found reply's content (one more piece than
-    replies), or None when the template does not render each content verbatim
-    exactly once where its placeholder goes."""
+    """The prompt's text around the content of each message in *known* (one
+    more piece than messages), or None when the template does not render each
+    content verbatim exactly once where its placeholder goes."""
     marked = [dict(m) for m in messages]
     marks = []
-    for n, i in enumerate(found):
+    for n, i in enumerate(known):
         marks.append(f"{_OPEN}{n}{_CLOSE}")
         marked[i]["content"] = marks[-1]
     try:
@@ -119,7 +128,7 @@ def _pieces(
         before, rest = rest.split(mark)
         pieces.append(before)
     pieces.append(rest)
-    contents = [messages[i]["content"] for i in found]
+    contents = [messages[i]["content"] for i in known]
     joined = pieces[0] + "".join(c + p for c, p in zip(contents, pieces[1:], strict=True))
     return pieces if joined == text else None
 
