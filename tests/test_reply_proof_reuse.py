@@ -164,6 +164,10 @@ def test_a_reply_the_template_does_not_render_verbatim_is_tokenised_as_text(
     start = built.text.index("hh")
     assert built.ids[: len(asked)] == asked and start == len(render(ASK, True))
     assert built.ids == [*asked, 15, 102, 15, *codec.encode(built.text[start + 2 :])]
+    # A client's text holding the placeholder cannot misplace the reply's ids.
+    forged = [*messages[:2], {"role": "user", "content": "\ue000turbospark-reply-0\ue001"}]
+    built = chat_ids(forged, render, codec, replies, boundary=False)
+    assert built.ids == codec.encode(built.text) and "verbatim" in built.note
     other = [{"role": "user", "content": "Say it thrice."}, messages[1], THEN]
     built = chat_ids(other, render, codec, replies, boundary=False)
     assert built.ids == codec.encode(built.text)
