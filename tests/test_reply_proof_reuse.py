@@ -18,6 +18,7 @@ from serving import client, serving
 from turbospark.generation.engine import Engine, Job
 from turbospark.generation.generate import GenerationConfig
 from turbospark.server import ThreadedServer
+from turbospark.server import chat_ids as chat_ids_module
 from turbospark.server.chat_ids import chat_ids
 from turbospark.sessions.replies import ReplyIndex
 from turbospark.text import TextCodec, load_text
@@ -174,14 +175,25 @@ def test_a_reply_the_template_does_not_render_verbatim_is_tokenised_as_text(
     assert "1 re-sent assistant message(s) are not replies" in built.note
 
 
+@pytest.mark.parametrize("separators", [True, False])
 def test_the_generation_prompt_start_is_found_only_where_the_ids_split_there(
-    qwen_gdn_install: Path,
+    qwen_gdn_install: Path, monkeypatch: pytest.MonkeyPatch, separators: bool
 ) -> None:
+    """Found through the added token the generation prompt opens with, or by
+    tokenising the text before it again: the same position either way."""
+    if not separators:
+        monkeypatch.setattr(chat_ids_module, "_separators", lambda tokenizer: ())
     codec = load_text(qwen_gdn_install)
     built = chat_ids(ASK, _render(codec), codec, ReplyIndex(), boundary=True)
     bare = codec.apply_chat_template(ASK, add_generation_prompt=False)
     assert built.checkpoint_at == len(codec.encode(bare)) < len(built.ids)
     assert built.ids == codec.encode(built.text) and built.note == ""
+    # A generation prompt whose ids do not start where its text does: none.
+    joined = lambda messages, generation_prompt: (  # noqa: E731
+        codec.apply_chat_template(messages, add_generation_prompt=False)
+        + ("he" if generation_prompt else "h")
+    )
+    assert chat_ids(ASK, joined, codec, ReplyIndex(), boundary=True).checkpoint_at is None
 
 
 def test_the_reply_index_is_bounded_least_recently_used_first() -> None:

@@ -154,7 +154,22 @@ def _generation_start(
     suffix = text[len(bare) :]
     if len(suffix) > len(last) or not last.endswith(suffix):
         return None
-    head, tail = codec.encode(last[: len(last) - len(suffix)]), codec.encode(suffix)
-    if not tail or ids[len(ids) - len(head) - len(tail) :] != head + tail:
+    tail = codec.encode(suffix)
+    if not tail or ids[len(ids) - len(tail) :] != tail:
         return None
+    if not suffix.startswith(_separators(codec.tokenizer)):
+        # Tokenising the head again is the proof: a merge may cross the boundary.
+        head = codec.encode(last[: len(last) - len(suffix)])
+        if ids[len(ids) - len(head) - len(tail) : len(ids) - len(tail)] != head:
+            return None
     return len(ids) - len(tail)
+
+
+@functools.cache
+def _separators(tokenizer: Any) -> tuple[str, ...]:
+    """The added tokens that take no whitespace from the text before them: the
+    tokenizer splits the text at them before anything else, so text before one
+    is tokenised as it would be alone (a generation prompt opening with one,
+    as ChatML's ``<|im_start|>``, needs no second pass over the prompt)."""
+    added = tokenizer.get_added_tokens_decoder().values()
+    return tuple(t.content for t in added if t.content and not t.lstrip)
