@@ -17,7 +17,13 @@ appended and asks for ``reply_tokens`` tokens at temperature 0, streamed.
 The appended reply is a fixed text of about ``reply_tokens`` characters
 (~tokens with the synthetic tokenizers), as in :mod:`bench.workload`, so both
 servers see byte-identical prompts (checked: ``usage.prompt_tokens`` per
-request, ``same_prompt_tokens``; no ratio is reported otherwise).
+request, ``same_prompt_tokens``; no ratio is reported otherwise). With
+``append_replies`` (``--append-replies``) each turn appends instead the reply
+text as the client received it, as a real client does: the servers' prompts
+then differ where their replies did (and no ratio is reported), and what
+counts is ``cached_by_turn``, the prompt tokens each server says it had
+cached (``usage.prompt_tokens_details.cached_tokens``) per turn, reported in
+every mode.
 
 Both must also generate the same number of tokens. Ours takes the
 ``ignore_eos`` extension (vLLM's name). mlx-lm's server has no such field
@@ -77,6 +83,10 @@ class ConcurrencyPlan:
     user_chars: int = 64
     reps: int = 1  # per level, fresh chats each, alternating which server goes first
     seed: int = 100
+    # Each turn appends the previous reply as the client received it, not the
+    # workload's fixed text: how a real client continues, so the cached tokens
+    # per turn show whether each server reuses through its own re-sent replies.
+    append_replies: bool = False
 
 
 def conversations(n: int, plan: ConcurrencyPlan, seed: int) -> list[list[list[dict[str, str]]]]:
@@ -109,8 +119,11 @@ def run_clients(
     chats: list[list[list[dict[str, str]]]],
     max_tokens: int,
     extra: dict[str, Any],
+    append_replies: bool = False,
 ) -> dict[str, Any]:
-    """All clients at once, each turn after its previous reply ended."""
+    """All clients at once, each turn after its previous reply ended; with
+    *append_replies*, each turn carries the replies this server sent (the
+    user messages stay the chats')."""
     rows: list[list[dict[str, Any]]] = [[] for _ in chats]
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(chats) + 1)
@@ -119,8 +132,13 @@ def run_clients(
         try:
             with httpx.Client(timeout=600.0) as http:
                 barrier.wait()
+                sent: list[dict[str, str]] = []
+                reply = ""
                 for turn, messages in enumerate(chats[index]):
+                    if append_replies and turn:
+                        messages = [*sent, {"role": "assistant", "content": reply}, messages[-1]]
                     row = request_with_retries(http, base, messages, max_tokens, extra)
+                    sent, reply = messages, row.pop("text")
                     rows[index].append({"client": index, "turn": turn, **row})
         except BaseException as exc:  # reported below, after every thread ended
             errors.append(exc)
@@ -264,6 +282,7 @@ def bench_concurrency(
             "reply_tokens": plan.reply_tokens,
             "user_chars": plan.user_chars,
             "reps": plan.reps,
+            "append_replies": plan.append_replies,
             "turbospark_args": extra_args["turbospark"] + ["--session-slots", str(most)],
             "mlx_lm_args": extra_args["mlx_lm"],
             "mlx_lm_eos_ids_biased": eos,
@@ -303,11 +322,15 @@ def bench_concurrency(
             for rep in range(plan.reps):
                 chats = conversations(n, plan, plan.seed + 100 * i + rep)
                 for kind in KINDS if (i + rep) % 2 == 0 else KINDS[::-1]:
-                    run = run_clients(bases[kind], chats, plan.reply_tokens, bodies[kind])
+                    run = run_clients(
+                        bases[kind], chats, plan.reply_tokens, bodies[kind], plan.append_replies
+                    )
                     for row in run["requests"]:
                         row["rep"] = rep
                     runs[kind].append(run)
             level: dict[str, Any] = {kind: medians(runs[kind]) for kind in KINDS}
+            for kind in KINDS:
+                level[kind]["cached_by_turn"] = cached_by_turn(level[kind]["requests"])
             level.update(compare(level, plan.reply_tokens))
             if "tok_s_ratio" in level:
                 level["tok_s_ratio_per_rep"] = [
@@ -328,6 +351,21 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def cached_by_turn(requests: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """Per turn, over every client and repetition: prompt tokens sent and those
+    the server said it had cached (``usage.prompt_tokens_details.cached_tokens``,
+    which mlx_lm.server reports too)."""
+    turns = sorted({row["turn"] for row in requests})
+    return [
+        {
+            "turn": turn,
+            "prompt_tokens": sum(r["prompt_tokens"] for r in requests if r["turn"] == turn),
+            "cached_tokens": sum(r["cached_tokens"] for r in requests if r["turn"] == turn),
+        }
+        for turn in turns
+    ]
+
+
 def summary(result: dict[str, Any]) -> list[str]:
     """One line per level: ours, theirs, ratios."""
     lines = []
@@ -344,6 +382,16 @@ def summary(result: dict[str, Any]) -> list[str]:
             f"{b['completion_tok_s']:7.1f} tok/s  TTFT p50 {b['ttft_p50_s'] * 1e3:7.1f} p95 "
             f"{b['ttft_p95_s'] * 1e3:7.1f} ms  wall {b['wall_s']:6.2f} s | {ratio}"
             + (f" | retries {b['retries']}" if b.get("retries") else "")
+        )
+        cached = {
+            kind: " ".join(
+                f"{t['cached_tokens']}/{t['prompt_tokens']}" for t in level[kind]["cached_by_turn"]
+            )
+            for kind in KINDS
+        }
+        lines.append(
+            f"       cached/prompt tokens per turn: ours {cached['turbospark']} | "
+            f"mlx_lm.server {cached['mlx_lm']}"
         )
     return lines
 
@@ -366,6 +414,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--append-replies",
+        action="store_true",
+        help="each turn appends the reply as received (default: a fixed text)",
+    )
+    parser.add_argument(
         "--serve-arg", action="append", default=[], help="passed to turbospark serve; repeatable"
     )
     args = parser.parse_args()
@@ -374,6 +427,7 @@ def main() -> None:
         turns=args.turns,
         reply_tokens=args.reply_tokens,
         reps=args.reps,
+        append_replies=args.append_replies,
     )
     dtype = args.dtype or default_dtype()
     report: dict[str, Any] = {"machine": machine(), "dtype": dtype, "size": args.size}

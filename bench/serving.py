@@ -114,7 +114,7 @@ def chat_request(
     max_tokens: int,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chat completion: time to first token, total time, usage.
+    """One streamed chat completion: time to first token, total time, usage, the reply's text.
     *extra* body fields (``ignore_eos``, ``logit_bias``) go to this server only."""
     body = {
         "model": MODEL,
@@ -128,6 +128,7 @@ def chat_request(
     start = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
+    text: list[str] = []
     with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -140,7 +141,9 @@ def chat_request(
             if "error" in event:
                 raise RuntimeError(f"server error: {event['error']}")
             for choice in event.get("choices") or []:
-                has_token = choice.get("delta", {}).get("content") is not None
+                content = choice.get("delta", {}).get("content")
+                has_token = content is not None
+                text.append(content or "")
                 if first is None and (has_token or choice.get("finish_reason")):
                     first = time.perf_counter()
             usage = event.get("usage") or usage
@@ -155,6 +158,7 @@ def chat_request(
         "prefill_tokens": prompt - cached,
         "completion_tokens": int(usage.get("completion_tokens", 0)),
         "batch_size": (usage.get("turbospark") or {}).get("batch_size"),
+        "text": "".join(text),  # the reply as this client received it
     }
 
 

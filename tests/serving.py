@@ -41,11 +41,12 @@ def serving(
     registry: FamilyRegistry | None = None,
     draft: DraftPolicies | None = None,
     expert_cache: ExpertCacheSlots | None = None,
+    reuse: bool = True,
     **options: Any,
 ) -> Iterator[ThreadedServer]:
     """A fresh runner served as ``turbospark serve`` does: opened on the worker thread
-    (from *registry*'s families when given). *options* go to ``create_app``
-    (``api_key``, ``cors_origins``, ...)."""
+    (from *registry*'s families when given), prefix reuse on unless *reuse* is
+    false. *options* go to ``create_app`` (``api_key``, ``cors_origins``, ...)."""
     worker = RunnerWorker()
 
     def open_runner() -> Runner:
@@ -57,7 +58,7 @@ def serving(
             draft=draft,
             expert_cache=expert_cache,
         )
-        runner.set_prefix_reuse(True)
+        runner.set_prefix_reuse(reuse)
         return runner
 
     app = create_app(worker.run(open_runner), codec, worker=worker, limits=limits, **options)

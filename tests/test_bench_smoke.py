@@ -404,3 +404,26 @@ def test_committed_results_have_plain_names_and_a_machine() -> None:
         assert file.stem == expected, file
         device = file.relative_to(results).parts[0]
         assert device in ("cpu", "gpu") and (device == "cpu") == ("cpu" in row["machine"]["device"])
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_concurrency_appending_replies_as_received(
+    bench: dict, family: str, tmp_path: Path
+) -> None:
+    """Both servers, one client, two turns, each turn carrying the reply it was
+    sent: the cached tokens of every turn reported for both; ours reuses the
+    whole first turn, its reply included (the reply's generated ids, fed again)."""
+    c = bench["concurrency"]
+    plan = c.ConcurrencyPlan(clients=(1,), turns=2, reply_tokens=4, append_replies=True)
+    out = c.bench_concurrency(bench[family], plan, tmp_path)
+    level = out["levels"]["1"]
+    assert out["settings"]["append_replies"] is True
+    for kind in c.KINDS:
+        assert [t["turn"] for t in level[kind]["cached_by_turn"]] == [0, 1]
+    first, second = level["turbospark"]["cached_by_turn"]
+    if family == "qwen_gdn":
+        # The reply's last token is never fed (max_tokens ended it): all but it is cached.
+        assert second["cached_tokens"] == first["prompt_tokens"] + plan.reply_tokens - 1
+    else:  # Gemma's template trims a reply: this one (blank) is not rendered as sent
+        assert second["cached_tokens"] >= first["prompt_tokens"]
+    assert any("cached/prompt tokens per turn" in line for line in c.summary(out))

@@ -126,8 +126,8 @@ def test_bad_template_kwargs_are_a_400_and_change_no_session(
 def test_a_second_turn_names_its_reuse(server: ThreadedServer) -> None:
     """The template drops an earlier turn's reasoning, so the second prompt leaves
     the first one's record where the reply began; on recurrent state (qwen_gdn)
-    only a checkpoint at or below that point could be used, and the report says
-    so. A tool loop's turn keeps its reasoning (sent back as reasoning_content):
+    only a checkpoint at or below that point can be used: the one taken where
+    the generation prompt began, and the report says so. A tool loop's turn keeps its reasoning (sent back as reasoning_content):
     the record extends to the reasoning, and the prompt-end checkpoint is used."""
     first = chat(server, ASK)
     thought = first.choices[0].message.reasoning_content  # type: ignore[attr-defined]
@@ -136,7 +136,8 @@ def test_a_second_turn_names_its_reuse(server: ThreadedServer) -> None:
         [*ASK, {"role": "assistant", "content": first.choices[0].message.content or "ok"},
          {"role": "user", "content": "Thanks."}],
     )  # fmt: skip
-    assert second.usage.turbospark["reuse_reason"] in {"not_rewindable", "shared_prefix"}
+    assert second.usage.turbospark["reuse_reason"] == "checkpoint"
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
     assert second.usage.turbospark["reuse_detail"]
     chat(server, ASK)  # the first turn again, live
     call = {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}

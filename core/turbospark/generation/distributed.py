@@ -209,6 +209,7 @@ class LockstepEngine(Engine):
                 {
                     "id": self._next_id,
                     "ids": job.ids,
+                    "checkpoint_at": job.checkpoint_at,  # every rank cuts its prefill there
                     "config": job.config.model_dump(mode="json"),
                     "forks": [fork.config.model_dump(mode="json") for fork in job.forks],
                 }
@@ -236,6 +237,8 @@ class LockstepEngine(Engine):
             submitted=job.submitted,
             processors=job.processors,
             top_logprobs=job.top_logprobs,
+            checkpoint_at=job.checkpoint_at,
+            prompt_note=job.prompt_note,
             # The choices' own copies: their flags, too, change only between steps.
             forks=[
                 Job(
@@ -261,7 +264,11 @@ class LockstepEngine(Engine):
                     for c in entry["forks"]
                 ]
                 job = Job(
-                    ids=entry["ids"], config=config, emit=self._forget(entry["id"]), forks=forks
+                    ids=entry["ids"],
+                    config=config,
+                    emit=self._forget(entry["id"]),
+                    forks=forks,
+                    checkpoint_at=entry["checkpoint_at"],
                 )
                 self._jobs[entry["id"]] = (job, job)
             self._queue.append(job)

@@ -77,6 +77,7 @@ from turbospark.generation.sampling import LogprobTable, Sampler, sample_togethe
 from turbospark.generation.speculation import Queued, Speculation, settle, speculation_for
 from turbospark.layers.fused import STEP_TOKENS
 from turbospark.policies.steering import Steer
+from turbospark.sessions.replies import ReplyIndex
 from turbospark.sessions.reuse import ReuseReason, ReuseReport
 from turbospark.sessions.session import Session
 from turbospark.state.components import State
@@ -112,6 +113,13 @@ class Job:
     # rows when this job's prefill ends, each starting from its state by reference.
     forks: list[Job] = field(default_factory=list)
     drafter: Drafter | None = None  # replaces the runner's draft policy (benchmarks' oracles)
+    # Where the chat template's generation prompt starts (the server's rendering
+    # says): non-rewindable state is checkpointed there too, since a template that
+    # re-renders the reply otherwise (thinking dropped) leaves the session there.
+    checkpoint_at: int | None = None
+    # How the prompt was built, appended to the reuse detail (a re-sent reply's
+    # generated ids spliced in, or why they were not).
+    prompt_note: str = ""
 
 
 @dataclass(eq=False)
@@ -325,6 +333,16 @@ class _Batch:
         self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
 
+def _split_at(chunks: Iterator[tuple[int, int]], at: int | None) -> Iterator[tuple[int, int]]:
+    """*chunks*, the one spanning *at* cut there (a checkpoint is taken at *at*)."""
+    for begin, end in chunks:
+        if at is not None and begin < at < end:
+            yield begin, at
+            yield at, end
+        else:
+            yield begin, end
+
+
 class Engine:
     """The scheduler loop over one runner (see the module docstring)."""
 
@@ -361,6 +379,9 @@ class Engine:
         self.evictions = 0
         self.observer = observer  # called on the runner thread (metrics)
         self.write_through = write_through
+        # Finished replies' text to their generated ids: the server feeds a re-sent
+        # reply as those ids, so its session continues through it (replies.py).
+        self.replies = ReplyIndex()
 
     # -- the outside: any thread ----------------------------------------------------
 
@@ -626,6 +647,8 @@ class Engine:
         sampler = self._new_sampler(job)
         started = time.perf_counter()
         kept, report, evicted = acquire(runner, job.ids, config.steering)
+        if job.prompt_note:
+            report = report.model_copy(update={"detail": f"{report.detail}; {job.prompt_note}"})
         self._evicted(job, evicted)
         session = runner.checkout()
         row = _Row(
@@ -767,6 +790,10 @@ class Engine:
         length = min(length, *(row.job.config.chunk_size for row in rows))
         if budget is not None:
             length = max(1, min(length, budget // len(rows)))
+        for row in rows:  # no row's chunk runs past its generation-prompt checkpoint
+            at = row.job.checkpoint_at
+            if at is not None and at > row.next_prefill:
+                length = min(length, at - row.next_prefill)
         starts = [row.next_prefill for row in rows]
         chunks = [
             row.job.ids[start : start + length] for row, start in zip(rows, starts, strict=True)
@@ -782,15 +809,23 @@ class Engine:
             self._regrouped.extend(rows)
             return budget
         done: dict[_Row, int] = {}
+        marked: list[_Row] = []  # at their generation-prompt checkpoint, prompt not done
         for i, row in enumerate(rows):
             self.runner.fed(row.session, starts[i], chunks[i])
             row.next_prefill += length
             if row.next_prefill == len(row.job.ids):
                 row.leaves_at = row.next_prefill
                 done[row] = i
-        group.leave({row: 0 for row in done})
+            elif row.next_prefill == row.job.checkpoint_at:
+                row.leaves_at = row.next_prefill
+                marked.append(row)
+        # A checkpoint holds the row's own state: it leaves the merged state first,
+        # and goes on from there alone or in a later group.
+        group.leave({row: 0 for row in [*done, *marked]})
         if not group.rows:
             self._groups.remove(group)
+        for row in marked:
+            self.runner.checkpoint(row.session)
         for row, i in done.items():
             self.runner.checkpoint(row.session)
             self._prefilled(row, logits[i])
@@ -820,9 +855,11 @@ class Engine:
     def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
         """Whole chunks (:func:`prompt_chunks`) of one row, up to
         the budget; the last one with its last token's logits."""
-        ids = row.job.ids
+        ids, at = row.job.ids, row.job.checkpoint_at
         try:
-            for begin, end in prompt_chunks(len(ids), row.next_prefill, row.job.config.chunk_size):
+            for begin, end in _split_at(
+                prompt_chunks(len(ids), row.next_prefill, row.job.config.chunk_size), at
+            ):
                 if budget is not None and budget <= 0:
                     break
                 logits = self.runner.feed(
@@ -830,6 +867,8 @@ class Engine:
                 )
                 budget = None if budget is None else budget - (end - begin)
                 row.next_prefill = end
+                if end == at:
+                    self.runner.checkpoint(row.session)
                 if end == len(ids):
                     self.runner.checkpoint(row.session)
                     self._prefilled(row, logits)
@@ -1127,6 +1166,9 @@ class Engine:
             tail = row.stops.feed(row.decoder.flush()) + row.stops.flush()
         evicted_at_checkin = self._checkin(row)
         self._evicted(row.job, evicted_at_checkin)
+        if row.stops.stopped is None and not row.job.warm_up:
+            # A stop string cut the text short of the ids: nothing to vouch for then.
+            self.replies.add(row.job.ids, self.codec.decode(row.generated), row.generated)
         now = time.perf_counter()
         prefilled = row.prefilled or now
         stats = GenerationStats(

@@ -47,6 +47,8 @@ class Draw:
     penalties: tuple[float, float] = (0.0, 0.0)
     repetition: float = 1.0  # HF/vLLM's repetition_penalty (1: off)
     bias: dict[int, float] = field(default_factory=dict)
+    checkpoint_at: int | None = None  # where the generation prompt starts (Job.checkpoint_at)
+    prompt_note: str = ""  # how the prompt was built, for the reuse detail (Job.prompt_note)
 
     def job(self, emit: Emit) -> Job:
         processors: list[LogitsProcessor] = []
@@ -64,6 +66,8 @@ class Draw:
             emit=emit,
             processors=list(processors),
             top_logprobs=self.top_logprobs,
+            checkpoint_at=self.checkpoint_at,
+            prompt_note=self.prompt_note,
         )
 
 

@@ -36,6 +36,7 @@ from turbospark.generation.logits_processors import Grammar, GrammarCompiler
 from turbospark.generation.runner import Runner
 from turbospark.policies.steering import SteeringPolicy
 from turbospark.server.bridge import LoopBridge
+from turbospark.server.chat_ids import ChatIds, chat_ids
 from turbospark.server.draws import Draw, draws, leads
 from turbospark.server.errors import (
     APIError,
@@ -92,6 +93,8 @@ class ChatPrompt:
     ids: list[int]
     text: str  # the rendered prompt the ids encode
     dropped: Dropped
+    checkpoint_at: int | None = None  # where the generation prompt starts (chat_ids.py)
+    note: str = ""  # how re-sent replies were fed, for the reuse detail
 
 
 class Service:
@@ -243,6 +246,8 @@ class Service:
             top_logprobs=body.kept_logprobs,
             grammar=grammar,
         )
+        for draw in choices:
+            draw.checkpoint_at, draw.prompt_note = prompt.checkpoint_at, prompt.note
         reasoning = Reasoning.of(prompt.text, self.codec.chat_template, grammar is not None)
         return ChatDraws(choices, syntax if calling else None, reasoning, prompt.dropped)
 
@@ -390,29 +395,46 @@ class Service:
                     code="invalid_value",
                 )
             extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
-        rendered: dict[int, str] = {}  # id() of an encoding -> the text it encodes
+        built: dict[int, ChatIds] = {}  # id() of an encoding -> how it was built
 
-        def render(kept: list[Message]) -> str:
-            try:
-                text = self.codec.apply_chat_template([m.template_dict() for m in kept], **extra)
-            except TurbosparkError as exc:
-                raise refusal(exc, "messages") from exc
-            return text
+        def render(dicts: list[dict[str, Any]], generation_prompt: bool) -> str:
+            return self.codec.apply_chat_template(
+                dicts, add_generation_prompt=generation_prompt, **extra
+            )
 
-        if room is None:
-            text = render(messages)
-            self._fits(len(text), "messages")
-            ids = self._checked(self.codec.encode(text), "messages")
-            return ChatPrompt(ids, text, Dropped())
+        def fits(text: str) -> None:
+            if room is None:  # fitting drops turns instead
+                self._fits(len(text), "messages")
 
         def encode(kept: list[Message]) -> list[int]:
-            text = render(kept)
-            ids = self.codec.encode(text)
-            rendered[id(ids)] = text
-            return ids
+            try:
+                prompt = chat_ids(
+                    [m.template_dict() for m in kept],
+                    render,
+                    self.codec,
+                    self.engine.replies,
+                    boundary=self._checkpoints,
+                    check=fits,
+                )
+            except TurbosparkError as exc:
+                raise refusal(exc, "messages") from exc
+            built[id(prompt.ids)] = prompt
+            return prompt.ids
 
-        ids, dropped = fit(messages, encode, room, self.runner.context_length)
-        return ChatPrompt(self._checked(ids, "messages"), rendered[id(ids)], dropped)
+        if room is None:
+            ids, dropped = encode(messages), Dropped()
+        else:
+            ids, dropped = fit(messages, encode, room, self.runner.context_length)
+        prompt = built[id(ids)]
+        return ChatPrompt(
+            self._checked(ids, "messages"), prompt.text, dropped, prompt.checkpoint_at, prompt.note
+        )
+
+    @functools.cached_property
+    def _checkpoints(self) -> bool:
+        """Whether the model holds state that cannot rewind, so a checkpoint where
+        the generation prompt starts is worth finding (chat_ids.py)."""
+        return any(c.rewindable is False for c in self.runner.family.components)
 
     def _completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -28,7 +28,7 @@ from turbospark.sessions.session import Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.state.components import Snapshot, State
 
-MAX_CHECKPOINTS = 4  # per session: enough for a few turns back, bounded in memory
+MAX_CHECKPOINTS = 4  # per session: two a turn (generation prompt, prompt end), two turns back
 
 
 @dataclass(frozen=True)

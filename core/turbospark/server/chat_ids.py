@@ -1,0 +1,175 @@
+"""A chat prompt's ids: re-sent replies fed as the ids generated, and where the generation prompt starts.
+
+Sessions are reused by token content (docs/SEMANTICS.md), so two things about
+how a prompt is tokenised decide how much of the conversation is reused:
+
+- A re-sent assistant reply whose text is exactly what this server generated
+  is fed as the ids it generated (:class:`~turbospark.sessions.replies.ReplyIndex`),
+  not as its text tokenised again (which may split differently, or lose a
+  special token the text dropped): the template is rendered with a unique
+  placeholder for that content, the pieces around it are tokenised, and the
+  ids are spliced in. Only where the template renders the content verbatim;
+  otherwise the prompt is tokenised as text.
+- Where the generation prompt starts: a template that re-renders the reply
+  otherwise on the next turn (Qwen3.5's thinking block, dropped from history)
+  leaves the session there, so the engine checkpoints non-rewindable state at
+  that position too (``Job.checkpoint_at``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from turbospark.errors import TurbosparkError
+from turbospark.sessions.replies import ReplyIndex
+from turbospark.text import TextCodec
+
+# Private-use code points around a counter: text no client sends and no template writes.
+_OPEN, _CLOSE = "\ue000turbospark-reply-", "\ue001"
+
+Render = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_generation_prompt)
+
+
+@dataclass(frozen=True)
+class ChatIds:
+    ids: list[int]
+    text: str  # the rendered prompt the ids encode
+    checkpoint_at: int | None  # where the generation prompt starts in ids (None: not known)
+    note: str  # how re-sent replies were fed, for the reuse detail ("" when none was sent)
+
+
+def chat_ids(
+    messages: list[dict[str, Any]],
+    render: Render,
+    codec: TextCodec,
+    replies: ReplyIndex,
+    *,
+    boundary: bool,
+    check: Callable[[str], None] | None = None,
+) -> ChatIds:
+    """The prompt of *messages* (template dicts), its ids with every re-sent
+    reply this server generated after the same prompt fed as its generated ids,
+    and, with *boundary*, where its generation prompt starts. *check* sees the
+    rendered prompt before anything is tokenised (a refusal of an overlong one)."""
+    text = render(messages, True)
+    if check is not None:
+        check(text)
+    sent = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("content")]
+    known = [i for i in sent if replies.knows(messages[i]["content"])]
+    pieces = _pieces(messages, known, render, text) if known else None
+    notes = []
+    if known and pieces is None:
+        notes.append(
+            "the template does not render the assistant messages verbatim, so they were "
+            "tokenised as text"
+        )
+    ids: list[int] = []
+    found = spliced = 0
+    rest = text  # the text after the last reply spliced in, still to tokenise
+    if pieces is not None:
+        rest = pieces[0]
+        for k, i in enumerate(known):
+            content = messages[i]["content"]
+            reply = replies.ids_of(content, functools.partial(_with, ids, rest, codec))
+            if reply is None:  # the same text, after another prompt: not this reply
+                rest += content + pieces[k + 1]
+                continue
+            ids = _with(ids, rest, codec) + list(reply)
+            rest = pieces[k + 1]
+            found, spliced = found + 1, spliced + len(reply)
+    ids = _with(ids, rest, codec)
+    if found:
+        notes.insert(
+            0,
+            f"the generated ids of {found} re-sent repl(y/ies) ({spliced} token(s)) were used "
+            "in place of their re-tokenised text",
+        )
+    if found < len(sent) and not (known and pieces is None):
+        notes.append(
+            f"{len(sent) - found} re-sent assistant message(s) are not replies this server "
+            "generated after the same prompt (edited, or from elsewhere) and were tokenised "
+            "as text"
+        )
+    at = _generation_start(messages, render, codec, text, rest, ids) if boundary else None
+    return ChatIds(ids, text, at, "; ".join(notes))
+
+
+def _with(ids: list[int], text: str, codec: TextCodec) -> list[int]:
+    """*ids*, then *text* tokenised."""
+    return [*ids, *codec.encode(text)] if text else list(ids)
+
+
+def _pieces(
+    messages: list[dict[str, Any]],
+    known: list[int],
+    render: Render,
+    text: str,
+) -> list[str] | None:
+    """The prompt's text around the content of each message in *known* (one
+    more piece than messages), or None when the template does not render each
+    content verbatim exactly once where its placeholder goes."""
+    marked = [dict(m) for m in messages]
+    marks = []
+    for n, i in enumerate(known):
+        marks.append(f"{_OPEN}{n}{_CLOSE}")
+        marked[i]["content"] = marks[-1]
+    try:
+        shaped = render(marked, True)
+    except TurbosparkError:  # a template that inspects the content may refuse a placeholder
+        return None
+    pieces = []
+    rest = shaped
+    for mark in marks:
+        if rest.count(mark) != 1:
+            return None
+        before, rest = rest.split(mark)
+        pieces.append(before)
+    pieces.append(rest)
+    contents = [messages[i]["content"] for i in known]
+    joined = pieces[0] + "".join(c + p for c, p in zip(contents, pieces[1:], strict=True))
+    return pieces if joined == text else None
+
+
+def _generation_start(
+    messages: list[dict[str, Any]],
+    render: Render,
+    codec: TextCodec,
+    text: str,
+    last: str,
+    ids: list[int],
+) -> int | None:
+    """Where the generation prompt's ids start: the prompt rendered without it
+    must be a prefix of the prompt, and the ids must split there (the last
+    piece's ids are those of its text before the generation prompt, then the
+    generation prompt's own)."""
+    try:
+        bare = render(messages, False)
+    except TurbosparkError:
+        return None
+    if not bare or len(bare) >= len(text) or not text.startswith(bare):
+        return None
+    suffix = text[len(bare) :]
+    if len(suffix) > len(last) or not last.endswith(suffix):
+        return None
+    tail = codec.encode(suffix)
+    if not tail or ids[len(ids) - len(tail) :] != tail:
+        return None
+    if not suffix.startswith(_separators(codec.tokenizer)):
+        # Tokenising the head again is the proof: a merge may cross the boundary.
+        head = codec.encode(last[: len(last) - len(suffix)])
+        if ids[len(ids) - len(head) - len(tail) : len(ids) - len(tail)] != head:
+            return None
+    return len(ids) - len(tail)
+
+
+@functools.cache
+def _separators(tokenizer: Any) -> tuple[str, ...]:
+    """The added tokens that take no whitespace from the text before them: the
+    tokenizer splits the text at them before anything else, so text before one
+    is tokenised as it would be alone (a generation prompt opening with one,
+    as ChatML's ``<|im_start|>``, needs no second pass over the prompt)."""
+    added = tokenizer.get_added_tokens_decoder().values()
+    return tuple(t.content for t in added if t.content and not t.lstrip)
