@@ -123,7 +123,8 @@ def test_the_view_reports_every_session_and_reveals_none(
         assert not s["tainted"] and s["request"] is None
         assert s["checkpoints"] >= 1 and 0 < s["newest_checkpoint"] <= s["tokens"]
         assert s["file"] and s["saved"]  # write-through: each reply is a session on disk
-    assert parked["checkpoints"] == 2  # one per prompt boundary: Alice's two turns
+    # Two per turn of Alice's: where the generation prompt starts, and the prompt's end.
+    assert parked["checkpoints"] == 4
     pool = body["pool"]
     assert pool["slots"] == 4 and pool["empty_slots"] == 2 and pool["evictions"] == 0
     assert (pool["live_bytes"], pool["parked_bytes"]) == (live["bytes"], parked["bytes"])
