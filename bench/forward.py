@@ -200,3 +200,64 @@ def bench_forward(
             )
             result[f"{prefix}{phase}_ratio_reps"] = [x / y for x, y in zip(a, b, strict=True)]
     return result
+
+
+def _ours_held(runner: Runner, held: list[int], new: list[int]) -> Callable[[], Sample]:
+    def run() -> Sample:
+        runner.reset()
+        if held:
+            runner.prefill_chunk(held, 0, logits=False)
+        mx.synchronize()
+        start = time.perf_counter()
+        int(mx.argmax(runner.prefill_chunk(new, len(held))).item())
+        return {"prefill_s": time.perf_counter() - start}
+
+    return run
+
+
+def _theirs_held(model: nn.Module, held: list[int], new: list[int]) -> Callable[[], Sample]:
+    def run() -> Sample:
+        cache = model.make_cache()
+        if held:
+            model(mx.array(held)[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        mx.synchronize()
+        start = time.perf_counter()
+        token, _ = next(generate_step(mx.array(new), model, max_tokens=1, prompt_cache=cache))
+        int(token)
+        return {"prefill_s": time.perf_counter() - start}
+
+    return run
+
+
+def bench_prefill_held(
+    path: Path, *, new_tokens: int, held: tuple[int, ...], reps: int
+) -> dict[str, Any]:
+    """One prompt of *new_tokens* fed on top of each *held* history length, to
+    its first token's id: ours (the live session, one forward) against
+    mlx-lm's ``generate_step`` on a cache holding the same history. What a
+    chat turn's prefill costs as the conversation grows: the attention over
+    the history is the part that grows. Medians over *reps* interleaved
+    rounds; ``ratio_reps`` is each round's ours ÷ theirs rate (the spread)."""
+    runner = Runner.open(path, context_length=max(held) + new_tokens + 2)
+    model, _ = load_model(path)
+    out: dict[str, Any] = {"new_tokens": new_tokens, "reps": reps, "held": {}}
+    for length in held:
+        history = random_tokens(length, runner.vocab_size, seed=2)
+        new = random_tokens(new_tokens, runner.vocab_size, seed=3)
+        samples = interleaved(
+            {"ours": _ours_held(runner, history, new), "mlx_lm": _theirs_held(model, history, new)},
+            reps,
+        )
+        ours, theirs = (median_of(samples[k], "prefill_s") for k in ("ours", "mlx_lm"))
+        out["held"][str(length)] = {
+            "ours_ms": 1e3 * ours,
+            "mlx_lm_ms": 1e3 * theirs,
+            "ratio_vs_mlx_lm": theirs / ours,
+            "ratio_reps": [
+                b["prefill_s"] / a["prefill_s"]
+                for a, b in zip(samples["ours"], samples["mlx_lm"], strict=True)
+            ],
+        }
+    runner.close()
+    return out

@@ -439,7 +439,8 @@ class Runner:
                 steer=self._compiled(live.steering),
             )
             if self.mtp_head is None:
-                out = self._hook.turbospark_forward(**forward)
+                for part in _parts(fed, start, want, lazy):
+                    out = self._hook.turbospark_forward(**{**forward, **part})
             else:
                 out, hidden = self._hook.turbospark_forward_with_hidden(**forward)
                 self.mtp_track(live).write(start, hidden)
@@ -821,6 +822,20 @@ def _clip_ids(ids: mx.array, top: int) -> mx.array:
 
 def _state_arrays(state: State) -> list[mx.array]:
     return [a for component in state.values() for a in component.arrays()]
+
+
+def _parts(
+    fed: mx.array, start: int, want: LogitsWanted, lazy: mx.array | None
+) -> list[dict[str, Any]]:
+    """The forwards one feed runs: the rows whose logits nobody reads apart from
+    the last row, whose logits are wanted (``"last"``)."""
+    if want != "last" or lazy is not None or fed.size < 2:
+        return [{}]
+    n = fed.size - 1
+    return [
+        {"tokens": fed[:n], "logits": "none"},
+        {"tokens": fed[n:], "start": start + n, "logits": "last"},
+    ]
 
 
 def _split_lazy(tokens: Sequence[int | mx.array]) -> tuple[mx.array | None, list[int]]:
