@@ -59,7 +59,9 @@ def _in_graph(outputs: list[mx.array], array: mx.array) -> bool:
 
 
 @contextmanager
-def recorded(runner: Runner) -> Iterator[list[dict[int, mx.array]]]:
+def recorded(
+    runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[dict[int, mx.array]]]:
     """Each forward's layer outputs ``{layer: output}``, in the order the
     forwards ran (a forward begins where layer 0 runs)."""
     layers = list(runner.model.model.layers)
@@ -75,11 +77,9 @@ def recorded(runner: Runner) -> Iterator[list[dict[int, mx.array]]]:
         forwards[-1][index] = out[0] if isinstance(out, tuple) else out
         return out
 
-    cls.__call__ = spy
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(cls, "__call__", spy)
         yield forwards
-    finally:
-        cls.__call__ = real
 
 
 @contextmanager
@@ -106,7 +106,7 @@ def test_a_chunk_without_logits_stops_at_the_last_state_write(
     runner, last_writer = family
     runner.reset()
     runner.prefill_chunk(list(range(10, 40)), 0, logits=False)
-    with recorded(runner) as forwards, evaluated(monkeypatch) as calls:
+    with recorded(runner, monkeypatch) as forwards, evaluated(monkeypatch) as calls:
         runner.prefill_chunk(list(range(40, 64)), 30, logits=False)
     (forward,) = forwards
     (outputs,) = calls
@@ -120,7 +120,7 @@ def test_the_last_chunk_runs_every_layer_for_its_last_token_alone(
     runner, last_writer = family
     runner.reset()
     runner.prefill_chunk(list(range(10, 40)), 0, logits=False)
-    with recorded(runner) as forwards, evaluated(monkeypatch) as calls:
+    with recorded(runner, monkeypatch) as forwards, evaluated(monkeypatch) as calls:
         logits = runner.prefill_chunk(list(range(40, 64)), 30, logits=True)
     assert logits is not None and logits.shape == (VOCAB,)
     (outputs,) = calls
@@ -131,26 +131,32 @@ def test_the_last_chunk_runs_every_layer_for_its_last_token_alone(
     mx.eval(outputs)
 
 
-def test_a_batched_prefill_group_does_the_same(family: Any) -> None:
+def test_a_batched_prefill_group_does_the_same(
+    family: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sessions with histories of their own, merged, fed 12 tokens each as
+    the engine's prefill group feeds them (``Runner.forward_batch``)."""
     runner, last_writer = family
     runner.reset()
     sessions = [runner.checkout() for _ in range(2)]
-    for i, session in enumerate(sessions):
-        runner.feed(session, list(range(10 + i, 30)), 0)
-    state = runner.merge_states(sessions)
-    for component in state.values():
-        component.prepare(12)
-    tokens = mx.array([list(range(50, 62)), list(range(70, 82))], dtype=mx.int32)
-    with recorded(runner) as forwards:
-        logits = runner.forward_batch(tokens, [20, 19], state)
-    outputs = [logits, *(a for component in state.values() for a in component.arrays())]
-    others, last = forwards
-    assert _computed(others, outputs) == list(range(last_writer))
-    assert _computed(last, outputs) == sorted(last)
-    mx.eval(outputs)
-    for session in sessions:
-        runner.checkin(session)
-    runner.forget_sessions()
+    try:
+        for i, session in enumerate(sessions):
+            runner.feed(session, list(range(10 + i, 30)), 0)
+        state = runner.merge_states(sessions)
+        for component in state.values():
+            component.prepare(12)
+        tokens = mx.array([list(range(50, 62)), list(range(70, 82))], dtype=mx.int32)
+        with recorded(runner, monkeypatch) as forwards:
+            logits = runner.forward_batch(tokens, [20, 19], state)
+        outputs = [logits, *(a for component in state.values() for a in component.arrays())]
+        others, last = forwards
+        assert _computed(others, outputs) == list(range(last_writer))
+        assert _computed(last, outputs) == sorted(last)
+        mx.eval(outputs)
+    finally:
+        for session in sessions:
+            runner.checkin(session)
+        runner.forget_sessions()
 
 
 def test_a_windowed_layer_fetches_only_the_rows_its_queries_see() -> None:
