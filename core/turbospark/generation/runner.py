@@ -362,8 +362,10 @@ class Runner:
         logits: bool = False,
         then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
-        """Feed *tokens* to *session* at ``start..`` in one forward; with *logits*,
-        float32 logits ``(vocab,)`` after the last one (else None). Every forward
+        """Feed *tokens* to *session* at ``start..``; with *logits*, float32
+        logits ``(vocab,)`` after the last one (else None), the last token then
+        fed in a forward of its own, so the others get only the state's work
+        (:func:`_forwards`). Every forward
         of the one-row path comes through here: the engine's on the sessions
         its requests checked out (:meth:`checkout`), the live-session calls
         (:meth:`produce`, :meth:`prefill_chunk`) on the live one.
@@ -398,7 +400,7 @@ class Runner:
     def prefill_chunk(
         self, tokens: Sequence[int], start: int, logits: bool = True
     ) -> mx.array | None:
-        """Feed *tokens* to the live session at ``start..`` in one forward; logits
+        """Feed *tokens* to the live session at ``start..`` (:meth:`feed`); logits
         after the last one."""
         return self.feed(self.store.live, tokens, start, logits=logits)
 
