@@ -25,6 +25,12 @@ benchmark synchronises instead:
    holds its own device work. The synchronisation removes the overlap the
    engine normally has, so the phases add up to more than a normal run;
    they say where, not how long.
+3. **held**: one row's prompt of ``new_tokens`` (460) fed on top of ``0``,
+   ``~700`` and ``~1,400`` held tokens, to its first token's id, ours (the
+   live session, as a chat turn's prefill) against mlx-lm's
+   ``generate_step`` on a cache holding the same history, at a 4-layer
+   (``chat``) and a 16-layer (``chat_host``) size: the attention over the
+   history is the part that grows; interleaved reps, each round's ratio kept.
 
 Run: ``uv run python bench/prefill_cost.py --family gemma4 [--size chat_host]
 [--json]``; on a GPU: ``python3 -m bench.run --device gpu --only prefill_cost``
@@ -46,7 +52,10 @@ if __package__ in (None, ""):
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
 
+from bench.common import interleaved, median_of, random_tokens
 from turbospark.generation.engine import Engine, Job, _Batch
 from turbospark.generation.generate import GenerationConfig
 from turbospark.generation.runner import Runner
@@ -64,6 +73,7 @@ CASES = [
     (16, 1, 300),
 ]
 PROMPT_TOKENS, NEW_TOKENS, REPLY_TOKENS = 80, 145, 64
+HELD_NEW_TOKENS, HELD = 460, (0, 700, 1400)
 
 
 @contextmanager
@@ -234,8 +244,72 @@ def phases(
     }
 
 
-def bench_prefill_cost(path: Path) -> dict[str, Any]:
-    return {"shapes": shapes(path), "phases": phases(path)}
+def _ours_held(runner: Runner, history: list[int], new: list[int]) -> Callable[[], float]:
+    def run() -> float:
+        runner.reset()
+        if history:
+            runner.prefill_chunk(history, 0, logits=False)
+        mx.synchronize()
+        began = time.perf_counter()
+        int(mx.argmax(runner.prefill_chunk(new, len(history))).item())
+        return time.perf_counter() - began
+
+    return run
+
+
+def _theirs_held(model: Any, history: list[int], new: list[int]) -> Callable[[], float]:
+    def run() -> float:
+        cache = model.make_cache()
+        if history:
+            model(mx.array(history)[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        mx.synchronize()
+        began = time.perf_counter()
+        token, _ = next(generate_step(mx.array(new), model, max_tokens=1, prompt_cache=cache))
+        int(token)
+        return time.perf_counter() - began
+
+    return run
+
+
+def held(
+    path: Path, new_tokens: int = HELD_NEW_TOKENS, lengths: tuple[int, ...] = HELD, reps: int = 5
+) -> dict[str, Any]:
+    """One prompt of *new_tokens* on top of each held length in *lengths*, to
+    its first id: ours against mlx-lm's ``generate_step``, medians over
+    *reps* interleaved rounds (after a warm-up each); ``ratio`` is mlx-lm's
+    time ÷ ours (above 1 favours turbospark), ``ratio_reps`` each round's."""
+    runner = Runner.open(path, context_length=max(lengths) + new_tokens + 2)
+    model, _ = load_model(path)
+    out: dict[str, Any] = {"new_tokens": new_tokens, "reps": reps, "rows": []}
+    for length in lengths:
+        history = random_tokens(length, runner.vocab_size, seed=2)
+        new = random_tokens(new_tokens, runner.vocab_size, seed=3)
+        engines = {
+            "ours": _ours_held(runner, history, new),
+            "mlx_lm": _theirs_held(model, history, new),
+        }
+        samples = interleaved({k: (lambda f=f: {"s": f()}) for k, f in engines.items()}, reps)
+        ours, theirs = (median_of(samples[k], "s") for k in ("ours", "mlx_lm"))
+        out["rows"].append({
+            "held": length,
+            "ours_ms": round(1e3 * ours, 2),
+            "mlx_lm_ms": round(1e3 * theirs, 2),
+            "ratio": theirs / ours,
+            "ratio_reps": [
+                b["s"] / a["s"] for a, b in zip(samples["ours"], samples["mlx_lm"], strict=True)
+            ],
+        })  # fmt: skip
+    runner.close()
+    return out
+
+
+def bench_prefill_cost(path: Path, held_paths: dict[str, Path] | None = None) -> dict[str, Any]:
+    """Shapes and phases on *path*; with *held_paths* (size -> install), the held comparison."""
+    out = {"shapes": shapes(path), "phases": phases(path)}
+    if held_paths:
+        out["held"] = {size: held(p) for size, p in held_paths.items()}
+    return out
 
 
 def main() -> None:
@@ -249,12 +323,15 @@ def main() -> None:
     parser.add_argument("--size", default="chat_host")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--held-size", action="append", default=[],
+                        help="sizes to run the held comparison at (bench.run: chat, chat_host)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     dtype = args.dtype or default_dtype()
     report: dict[str, Any] = {"machine": machine(), "dtype": dtype, "size": args.size}
     for family in args.family or FAMILIES:
-        result = bench_prefill_cost(install(family, args.size, dtype, args.cache_dir))
+        held_paths = {size: install(family, size, dtype, args.cache_dir) for size in args.held_size}
+        result = bench_prefill_cost(install(family, args.size, dtype, args.cache_dir), held_paths)
         report[family] = result
         if args.json:
             continue
@@ -275,6 +352,14 @@ def main() -> None:
                 f"  {label:20s} {row['calls']:5d} calls {row['total_ms']:9.1f} ms "
                 f"({row['per_call_ms']:.2f} ms a call)"
             )
+        for size, h in result.get("held", {}).items():
+            print(f"# {size}: {h['new_tokens']} new tokens over a history, mlx-lm's time ÷ ours")
+            for row in h["rows"]:
+                spread = ", ".join(f"{r:.2f}" for r in row["ratio_reps"])
+                print(
+                    f"  held {row['held']:>5}: {row['ours_ms']:8.1f} vs {row['mlx_lm_ms']:8.1f} ms, "
+                    f"{row['ratio']:.2f} ({spread})"
+                )
     if args.json:
         print(json.dumps(report, indent=1))
 

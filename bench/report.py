@@ -219,6 +219,10 @@ def print_section(section: str, family: str, result: dict[str, Any]) -> None:
         print_summary(result)
     elif section == "quantized":
         print_quantized(result)
+    elif section == "prefill_cost":
+        print(sorted(result))
+        for figure, value, spread in figures(section, result):
+            print(f"{figure}: {value} ({spread})")
     else:
         keys = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
         print(keys or sorted(result))
@@ -312,6 +316,13 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
         if ngram := result.get("ngram_copy"):
             rows.append(("prompt lookup on a copy-heavy prompt: tok/s ÷ off",
                          f"{ngram['tok_s'] / ngram['off_tok_s']:.2f}", ""))  # fmt: skip
+    elif section == "prefill_cost":
+        for size, h in result.get("held", {}).items():
+            for r in h["rows"]:
+                rows.append((f"{size}: prefill of {h['new_tokens']} tokens over {r['held']} held, "
+                             "time ÷ mlx-lm generate_step's", f"{r['ratio']:.2f}",
+                             f"{_spread(r['ratio_reps'])} over {len(r['ratio_reps'])} reps; "
+                             f"{r['ours_ms']:.0f} vs {r['mlx_lm_ms']:.0f} ms"))  # fmt: skip
     elif section == "batch_decode":
         for key, level in result["levels"].items():
             rows.append((f"qwen4_exp {key}: batched ÷ row by row tok/s", f"{level['ratio']:.2f}",

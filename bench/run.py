@@ -22,6 +22,7 @@ Sections, default all but ``tp`` and ``replicas`` (``--only`` picks):
 - ``server_step``: the server's decode step against its engine's step alone;
 - ``step_cost``: the engine's batched decode step alone, host against wall time;
 - ``prefill_cost``: a batched prefill forward's first and second run, and the engine's phases;
+  one prompt's prefill over a growing history against mlx-lm's ``generate_step``;
 - ``host_cost`` (CPU): thread CPU time to build one decode step, ours against mlx-lm's;
 - ``swap``: swap cost against history length, pool memory, against an mlx-lm cache hit;
 - ``session_disk``: reloading a session from disk against prefilling it again;
@@ -121,6 +122,8 @@ class Plan:
     step_cost_batches: tuple[int, ...] = (8, 16)
     step_cost_steps: int = 100
     prefill_cost_size: str = "chat_host"
+    # bench/prefill_cost.py's held comparison: a 4-layer and a 16-layer size
+    prefill_held_sizes: tuple[str, ...] = ("chat", "chat_host")
     session_disk_size: str = "small"
     session_disk_lengths: tuple[int, ...] = (1024, 4096, 16384)
     host_cost_steps: int = 100
@@ -199,6 +202,7 @@ GPU = Plan(
     batch_decode=("large", (8, 16), (128, 1024), 64),
     step_cost_size="chat_large",
     prefill_cost_size="chat_large",
+    prefill_held_sizes=("chat_large",),
     session_disk_size="large",
     quantized_sizes=("large", "tp8b"),
     quantized_concurrency=None,  # a lease's command is too short for two more servers a width
@@ -291,7 +295,8 @@ def _step_cost(ctx: Context, family: str) -> dict[str, Any]:
 def _prefill_cost(ctx: Context, family: str) -> dict[str, Any]:
     from bench.prefill_cost import bench_prefill_cost
 
-    return bench_prefill_cost(ctx.install(family, ctx.plan.prefill_cost_size))
+    held = {size: ctx.install(family, size) for size in ctx.plan.prefill_held_sizes}
+    return bench_prefill_cost(ctx.install(family, ctx.plan.prefill_cost_size), held)
 
 
 def _host_cost(ctx: Context, family: str) -> dict[str, Any]:

@@ -219,6 +219,9 @@ def test_prefill_cost(bench: dict, family: str) -> None:
     assert out["turns"][0]["steps"] >= 3
     assert out["phases"]["group forward"]["calls"] >= 1
     assert out["phases"]["batched decode step"]["calls"] >= 1
+    held = module.held(bench[family], new_tokens=5, lengths=(0, 4), reps=1)
+    assert [r["held"] for r in held["rows"]] == [0, 4]
+    assert all(r["ours_ms"] > 0 and r["mlx_lm_ms"] > 0 for r in held["rows"])
 
 
 def test_server_step_time_limit(bench: dict) -> None:

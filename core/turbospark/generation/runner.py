@@ -362,8 +362,10 @@ class Runner:
         logits: bool = False,
         then: Callable[[mx.array], mx.array] | None = None,
     ) -> mx.array | None:
-        """Feed *tokens* to *session* at ``start..`` in one forward; with *logits*,
-        float32 logits ``(vocab,)`` after the last one (else None). Every forward
+        """Feed *tokens* to *session* at ``start..``; with *logits*, float32
+        logits ``(vocab,)`` after the last one (else None), the last token then
+        fed in a forward of its own, so the others get only the state's work
+        (:func:`_forwards`). Every forward
         of the one-row path comes through here: the engine's on the sessions
         its requests checked out (:meth:`checkout`), the live-session calls
         (:meth:`produce`, :meth:`prefill_chunk`) on the live one.
@@ -398,7 +400,7 @@ class Runner:
     def prefill_chunk(
         self, tokens: Sequence[int], start: int, logits: bool = True
     ) -> mx.array | None:
-        """Feed *tokens* to the live session at ``start..`` in one forward; logits
+        """Feed *tokens* to the live session at ``start..`` (:meth:`feed`); logits
         after the last one."""
         return self.feed(self.store.live, tokens, start, logits=logits)
 
@@ -431,17 +433,22 @@ class Runner:
         try:
             forward = dict(
                 model=self.model,
-                tokens=fed,
-                start=start,
                 state=live.state,
                 vision=self._vision,
-                logits=want,
                 steer=self._compiled(live.steering),
             )
             if self.mtp_head is None:
-                out = self._hook.turbospark_forward(**forward)
-            else:
-                out, hidden = self._hook.turbospark_forward_with_hidden(**forward)
+                for begin, end, wanted in _forwards(fed.size, want):
+                    out = self._hook.turbospark_forward(
+                        **forward,
+                        tokens=_tokens(fed, begin, end),
+                        start=start + begin,
+                        logits=wanted,
+                    )
+            else:  # the MTP track reads every token's hidden state: nothing to skip
+                out, hidden = self._hook.turbospark_forward_with_hidden(
+                    **forward, tokens=fed, start=start, logits=want
+                )
                 self.mtp_track(live).write(start, hidden)
             if then is not None and out is not None:
                 out = then(out)
@@ -689,15 +696,20 @@ class Runner:
         self, tokens: mx.array, positions: list[int], state: State, steer: Steer | None = None
     ) -> mx.array:
         """Last-token logits ``(B, vocab)`` for ``tokens`` ``(B, L)``, row ``i`` at
-        ``positions[i]..``; *steer* from :meth:`batch_steer` over the same rows."""
-        return self._hook.turbospark_forward_batch(
-            model=self.model,
-            tokens=tokens,
-            positions=positions,
-            state=state,
-            logits="last",
-            steer=steer,
-        )
+        ``positions[i]..``; *steer* from :meth:`batch_steer` over the same rows.
+        Only the state's work for all tokens but the last (:func:`_forwards`)."""
+        logits = None
+        for begin, end, wanted in _forwards(tokens.shape[1], "last"):
+            logits = self._hook.turbospark_forward_batch(
+                model=self.model,
+                tokens=_tokens(tokens, begin, end),
+                positions=[p + begin for p in positions],
+                state=state,
+                logits=wanted,
+                steer=steer,
+            )
+        assert logits is not None
+        return logits
 
     # -- tools -------------------------------------------------------------------
 
@@ -821,6 +833,28 @@ def _clip_ids(ids: mx.array, top: int) -> mx.array:
 
 def _state_arrays(state: State) -> list[mx.array]:
     return [a for component in state.values() for a in component.arrays()]
+
+
+def _forwards(length: int, want: LogitsWanted) -> list[tuple[int, int, LogitsWanted]]:
+    """The forwards that feed *length* tokens, as ``(begin, end, logits
+    wanted)``: one, or, where only the last token's logits are wanted, the
+    others first with none wanted, then the last token alone. Tokens whose
+    logits nobody reads then get only the work the state needs: MLX computes
+    lazily only what the evaluated arrays (logits and state) depend on, so
+    the last state-writing layer's attention and MLP, and every layer after
+    it, run for the last token alone, as in mlx-lm's ``generate_step``.
+    One forward of them all would run every layer for every token, to read
+    one token's logits."""
+    if want != "last" or length < 2:
+        return [(0, length, want)]
+    return [(0, length - 1, "none"), (length - 1, length, "last")]
+
+
+def _tokens(tokens: mx.array, begin: int, end: int) -> mx.array:
+    """Tokens ``[begin, end)`` along the last axis (all of them: the array itself)."""
+    if begin == 0 and end == tokens.shape[-1]:
+        return tokens
+    return tokens[..., begin:end]
 
 
 def _split_lazy(tokens: Sequence[int | mx.array]) -> tuple[mx.array | None, list[int]]:

@@ -226,6 +226,16 @@ def quantize_kv(state: State, quant: KVQuantization | None) -> State:
     return state
 
 
+def _visible_from(window: int | None, fill: int, length: int) -> int:
+    """The first buffer row any of the last *length* queries of *fill* rows
+    sees: a windowed layer's first query sees ``window - 1`` rows before its
+    own, so older rows (kept only as rewind headroom) are not fetched: their
+    attention would be masked out anyway. One query needs no mask then."""
+    if window is None:
+        return 0
+    return max(0, fill - length - (window - 1))
+
+
 class LayerKV:
     """Keys and values of one attention layer, optionally limited to a sliding window.
 
@@ -327,11 +337,7 @@ class LayerKV:
 
     def _advance(self, length: int) -> tuple[int, int]:
         self.fill += length
-        start = 0
-        if self.window is not None and length == 1:
-            # Decode: only the last `window` rows are visible, so no mask is needed.
-            start = max(0, self.fill - self.window)
-        return start, self.fill
+        return _visible_from(self.window, self.fill, length), self.fill
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Rows, Rows, int]:
         """:meth:`update`, then those rows and the absolute position of the
@@ -551,9 +557,7 @@ class BatchLayerKV:
             self.values, (slice(None), slice(None), slice(self.fill, self.fill + length)), values
         )
         self.fill += length
-        start, fill = 0, self.fill
-        if self.window is not None and length == 1:
-            start = max(0, self.fill - self.window)
+        start, fill = _visible_from(self.window, self.fill, length), self.fill
         return (
             _map(self.keys, lambda a: a[:, :, start:fill]),
             _map(self.values, lambda a: a[:, :, start:fill]),
