@@ -128,12 +128,13 @@ def test_chunks_and_steps_equal_the_modules(
 ) -> None:
     """Uneven chunks, then three decode steps: every forward's logits and
     every state array at the end; the steps took the layer step, each layer
-    kind once a step."""
+    kind once a step, and so did each chunk's last token (a chunk whose logits
+    are read feeds its last token alone: six one-token forwards)."""
     want, got, taken = _both(monkeypatch, norms, lambda: chunks_and_steps(_open(install), PROMPT))
     for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
         _close(a, b, f"forward {i}'s logits")
     assert_states_close(got[1], want[1], ATOL)
-    assert taken == {"linear": 3 * 3, "attention": 3}
+    assert taken == {"linear": 3 * 6, "attention": 6}
 
 
 def test_steps_across_a_grown_buffer(
