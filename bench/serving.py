@@ -107,6 +107,14 @@ def running_server(
                 proc.wait()
 
 
+# Sent to every server: mlx-lm's tokenizer passes ``enable_thinking`` itself (True
+# where the vocabulary has ``<think>``, as the synthetic Qwen one does) and ours
+# leaves the template its default, so a Qwen3.5-style template would render other
+# ids for each. Thinking is turned off for both, as an operator serving without
+# reasoning would; templates without the flag ignore it.
+TEMPLATE_KWARGS = {"enable_thinking": False}
+
+
 def chat_request(
     client: httpx.Client,
     base: str,
@@ -123,6 +131,7 @@ def chat_request(
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "chat_template_kwargs": TEMPLATE_KWARGS,
         **(extra or {}),
     }
     start = time.perf_counter()
