@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.common import random_tokens
 from bench.concurrency import ConcurrencyPlan, bench_concurrency
-from bench.forward import bench_forward
+from bench.forward import _ours_loop, _theirs_loop, bench_forward
 
 BITS = (8, 4)
 GROUP_SIZE = 64  # mlx-lm's default, and mlx-community's usual
@@ -65,24 +65,18 @@ def _memory_child(path: Path, engine: str, prompt_tokens: int, decode_tokens: in
         runner = Runner.open(path, context_length=prompt_tokens + decode_tokens + 2)
         loaded = mx.get_active_memory()
         prompt = random_tokens(prompt_tokens, runner.vocab_size, seed=1)
-        logits = runner.prefill_chunk(prompt, 0, logits=True)
-        token = int(mx.argmax(logits).item())
-        for i in range(decode_tokens):
-            token = int(mx.argmax(runner.produce(token, prompt_tokens + i)).item())
+        run = _ours_loop(runner, prompt, decode_tokens, chunk=prompt_tokens)
     else:
         from mlx_lm.utils import load_model
 
         model, _ = load_model(path)
         mx.eval(model.parameters())
         loaded = mx.get_active_memory()
-        cache = model.make_cache()
         config = json.loads((path / "config.json").read_text())
         vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
         prompt = random_tokens(prompt_tokens, vocab, seed=1)
-        out = model(mx.array(prompt)[None], cache=cache)
-        token = int(mx.argmax(out[0, -1]).item())
-        for _ in range(decode_tokens):
-            token = int(mx.argmax(model(mx.array([[token]]), cache=cache)[0, -1]).item())
+        run = _theirs_loop(model, prompt, decode_tokens, chunk=prompt_tokens)
+    run()  # the prompt in one chunk, then greedy decode: bench.forward's hand loops
     print(
         json.dumps(
             {

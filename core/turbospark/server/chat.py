@@ -106,15 +106,8 @@ def _finish(message: AssistantMessage, finish: str) -> str:
 
 
 def _usage(usage: Usage, plan: ChatDraws) -> Usage:
-    """*usage* with what window fitting dropped, also said in the reuse detail."""
-    dropped = plan.dropped
-    if dropped.messages:
-        usage.turbospark.dropped_messages = dropped.messages
-        usage.turbospark.dropped_tokens = dropped.tokens
-        usage.turbospark.reuse_detail += (
-            f"; the {dropped.messages} oldest message(s) ({dropped.tokens} tokens) were "
-            "dropped to fit the context"
-        )
+    """*usage* with what window fitting dropped (:meth:`ChatDraws.report_dropped`)."""
+    plan.report_dropped(usage.turbospark)
     return usage
 
 

@@ -318,13 +318,7 @@ def _usage(stats: GenerationStats, plan: ChatDraws) -> dict[str, Any]:
     # The chat routes' extension: why the prefix was (not) reused, timings, and
     # what window fitting dropped.
     extension = Usage.from_stats(stats).turbospark
-    if plan.dropped.messages:
-        extension.dropped_messages = plan.dropped.messages
-        extension.dropped_tokens = plan.dropped.tokens
-        extension.reuse_detail += (
-            f"; the {plan.dropped.messages} oldest message(s) ({plan.dropped.tokens} tokens) "
-            "were dropped to fit the context"
-        )
+    plan.report_dropped(extension)
     return {
         "input_tokens": stats.prompt_tokens,
         "input_tokens_details": {"cached_tokens": stats.reused_tokens},

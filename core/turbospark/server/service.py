@@ -58,6 +58,7 @@ from turbospark.server.schemas import (
     ChatCompletionRequest,
     Message,
     ResponseFormat,
+    TurbosparkUsage,
 )
 from turbospark.server.settings import ServerLimits
 from turbospark.server.tools import (
@@ -86,6 +87,17 @@ class ChatDraws:
     syntax: ToolSyntax | None
     reasoning: Reasoning | None
     dropped: Dropped
+
+    def report_dropped(self, usage: TurbosparkUsage) -> None:
+        """Say in *usage* (every route's ``usage.turbospark``) what window fitting
+        dropped, in its fields and in the reuse detail."""
+        if self.dropped.messages:
+            usage.dropped_messages = self.dropped.messages
+            usage.dropped_tokens = self.dropped.tokens
+            usage.reuse_detail += (
+                f"; the {self.dropped.messages} oldest message(s) ({self.dropped.tokens} "
+                "tokens) were dropped to fit the context"
+            )
 
 
 @dataclass(frozen=True)
