@@ -28,10 +28,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-# safetensors header dtypes -> ours, for a checkpoint without a manifest.
-_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
 def describe_install(path: Path) -> dict[str, Any]:
     """An install's (or a plain checkpoint directory's) family and packing, from
     its manifest, ``config.json`` and safetensors header alone: no tensor is read."""
@@ -64,18 +60,12 @@ def describe_install(path: Path) -> dict[str, Any]:
 
 
 def _header_dtype(path: Path) -> str:
-    """The floating dtype a checkpoint's first shard stores (bfloat16 if any)."""
-    shard = min(path.glob("*.safetensors"), default=None)
-    if shard is None:
-        return "unknown"
-    with shard.open("rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    found = {
-        _FLOATS[v["dtype"]]
-        for k, v in header.items()
-        if k != "__metadata__" and v["dtype"] in _FLOATS
-    }
-    return "bfloat16" if "bfloat16" in found else min(found, default="unknown")
+    """The compute dtype a checkpoint's shards give, as an open reads it
+    (:func:`~turbospark.loading.sources.checkpoint_dtype`); ``unknown`` without shards."""
+    from turbospark.loading.sources import checkpoint_dtype
+
+    shards = sorted(f.name for f in path.glob("*.safetensors"))
+    return checkpoint_dtype(path, shards) if shards else "unknown"
 
 
 def run(args: argparse.Namespace) -> int:

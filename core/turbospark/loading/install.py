@@ -152,15 +152,25 @@ def load_weights(path: str | Path, manifest: Manifest) -> dict[str, mx.array]:
     return weights
 
 
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's tensors (name -> dtype, shape, offsets) from its JSON
+    header alone (no tensor is read); a file that is none is refused by name."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InstallError(f"{file} is not a safetensors file ({exc}); re-download it") from exc
+    header.pop("__metadata__", None)
+    return header
+
+
 def tensor_names(path: str | Path, manifest: Manifest) -> set[str]:
-    """Every tensor name the install's safetensors files hold, from their JSON
-    headers alone (no tensor is read): cheap checks before a load."""
+    """Every tensor name the install's safetensors files hold, from their
+    headers alone: cheap checks before a load."""
     names: set[str] = set()
     for name in manifest.weight_files:
-        with open(Path(path) / name, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        names.update(k for k in header if k != "__metadata__")
+        names.update(safetensors_header(Path(path) / name))
     return names
 
 

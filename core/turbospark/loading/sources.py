@@ -26,7 +26,6 @@ keeps both size and mtime is not seen (docs/IMPORT.md says so).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -46,6 +45,7 @@ from turbospark.loading.install import (
     FileEntry,
     Manifest,
     read_manifest,
+    safetensors_header,
     sha256_file,
 )
 from turbospark.loading.plugins import FamilyRegistry, default_registry
@@ -337,13 +337,5 @@ def checkpoint_dtype(directory: Path, shards: list[str]) -> str:
     import records it), read from the safetensors headers alone."""
     found: set[str] = set()
     for name in shards:
-        with open(directory / name, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            try:
-                header = json.loads(f.read(size))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise InstallError(
-                    f"{directory / name} is not a safetensors file ({exc}); re-download it"
-                ) from exc
-        found.update(v["dtype"] for k, v in header.items() if k != "__metadata__")
+        found.update(v["dtype"] for v in safetensors_header(directory / name).values())
     return next((mlx for st, mlx in _FLOAT_DTYPES.items() if st in found), "float32")
