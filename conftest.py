@@ -9,8 +9,12 @@ A test marked ``bench`` (a benchmark's smoke test) is also ``slow``, so the inne
 loop, ``-m "not slow"``, leaves it out and ``-m bench`` runs the benchmarks alone."""
 
 import os
+import tempfile
 
 os.environ.setdefault("TURBOSPARK_PLUGINS", "gemma4,qwen_gdn,qwen4_exp")
+# Every open remembers what it verified: the suite's records go to a folder of
+# its own, never the user's cache.
+os.environ.setdefault("TURBOSPARK_CACHE", tempfile.mkdtemp(prefix="turbospark-test-cache-"))
 if os.environ.get("TURBOSPARK_TEST_DEVICE") == "gpu":
     os.environ.setdefault("MLX_ENABLE_TF32", "0")  # read when MLX loads
 

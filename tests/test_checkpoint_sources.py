@@ -1,12 +1,13 @@
 """Serving what the user has: a plain checkpoint directory (ours without its
 manifest, or one ``mlx_lm.convert`` wrote) or a Hugging Face hub id computes
 what the install computes; verification is done once and remembered outside the
-directory, a changed file is detected, and sessions saved against other weights
-are refused."""
+directory (an install's as well as a checkpoint's), a changed file is detected,
+and sessions saved against other weights are refused."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -130,6 +131,49 @@ def test_an_added_or_removed_file_is_detected(plain, caplog):
     assert "chat_template.jinja (added)" in caplog.text
     assert "chat_template.jinja (removed)" in caplog.text
     assert "chat_template.jinja" in added.files and "chat_template.jinja" not in removed.files
+
+
+def installed_copy(install: Path, out: Path) -> Path:
+    shutil.copytree(install, out)
+    return out
+
+
+def test_an_install_is_hashed_once_then_trusted_by_size_and_mtime(
+    qwen_gdn_install, tmp_path, monkeypatch
+):
+    path = installed_copy(qwen_gdn_install, tmp_path / "install")
+    first = Runner.open(path, context_length=64).prefill_chunk(PROMPT, 0)
+    monkeypatch.setattr(sources, "sha256_file", never_hash)
+    again = Runner.open(path, context_length=64).prefill_chunk(PROMPT, 0)
+    assert mx.array_equal(first, again)
+
+
+def test_an_install_changed_after_its_record_is_hashed_again_and_refused(
+    qwen_gdn_install, tmp_path
+):
+    path = installed_copy(qwen_gdn_install, tmp_path / "install")
+    Runner.open(path, context_length=64)
+    file = path / "model.safetensors"
+    data, stat = bytearray(file.read_bytes()), file.stat()
+    data[-1] ^= 0xFF  # same size, new mtime: the record no longer vouches for it
+    file.write_bytes(bytes(data))
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(InstallError, match="model.safetensors sha256 mismatch"):
+        Runner.open(path, context_length=64)
+    with pytest.raises(InstallError, match="sha256 mismatch"):  # refused again, never recorded
+        Runner.open(path, context_length=64)
+
+
+def test_a_manifest_naming_other_hashes_is_checked_again_despite_the_record(
+    qwen_gdn_install, tmp_path
+):
+    path = installed_copy(qwen_gdn_install, tmp_path / "install")
+    Runner.open(path, context_length=64)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["model.safetensors"]["sha256"] = "0" * 64  # sizes and mtimes unchanged
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(InstallError, match="model.safetensors sha256 mismatch"):
+        Runner.open(path, context_length=64)
 
 
 def test_sessions_saved_against_other_weights_are_refused(plain, tmp_path):

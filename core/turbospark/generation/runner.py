@@ -52,10 +52,9 @@ from turbospark.loading.install import (
     load_weights,
     manifest_digest,
     validate_arch,
-    verify_files,
 )
 from turbospark.loading.plugins import FamilyRegistry, default_registry
-from turbospark.loading.sources import ModelSource, resolve_source
+from turbospark.loading.sources import ModelSource, resolve_source, verify_install
 from turbospark.policies import DraftPolicies, ExpertCacheSlots, SteeringPolicy
 from turbospark.policies.expert_cache import (
     ExpertCacheStats,
@@ -248,7 +247,7 @@ class Runner:
         compute_dtype = to_dtype(dtype or manifest.dtype)
         streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
         if source.kind == "install":  # a checkpoint's files were verified by resolve_source
-            verify_files(path, manifest)
+            verify_install(path, manifest)
         weights = load_weights(path, manifest)
         for name in set() if streams is None else streams.tensor_names:
             weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read

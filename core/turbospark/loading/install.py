@@ -122,8 +122,8 @@ def peek_manifest_arch(path: str | Path, registry: FamilyRegistry | None = None)
     return validate_arch(path, manifest, family.spec.arch_config)
 
 
-def verify_files(path: str | Path, manifest: Manifest) -> None:
-    """Check every listed file exists with the recorded size and sha256."""
+def check_sizes(path: str | Path, manifest: Manifest) -> None:
+    """Every listed file exists with the recorded size: checked before any hashing."""
     root = Path(path)
     for name, entry in manifest.files.items():
         file = root / name
@@ -135,12 +135,16 @@ def verify_files(path: str | Path, manifest: Manifest) -> None:
                 f"{file} is {size} bytes but {MANIFEST} records {entry.size}: "
                 "the file was truncated or replaced; re-run the import"
             )
-        digest = sha256_file(file)
-        if digest != entry.sha256:
-            raise InstallError(
-                f"{file} sha256 mismatch: {MANIFEST} records {entry.sha256[:12]}…, "
-                f"the file hashes to {digest[:12]}…; the file is corrupt, re-run the import"
-            )
+
+
+def check_digest(path: str | Path, manifest: Manifest, name: str, digest: str) -> None:
+    """File *name* hashed to *digest*: refuse it unless that is what the manifest records."""
+    file, entry = Path(path) / name, manifest.files[name]
+    if digest != entry.sha256:
+        raise InstallError(
+            f"{file} sha256 mismatch: {MANIFEST} records {entry.sha256[:12]}…, "
+            f"the file hashes to {digest[:12]}…; the file is corrupt, re-run the import"
+        )
 
 
 def load_weights(path: str | Path, manifest: Manifest) -> dict[str, mx.array]:

@@ -4,8 +4,9 @@ Every opener (``Runner.open``, the CLI commands, the conformance kit) resolves
 what the user named through :func:`resolve_source`, the way mlx-lm's
 ``--model`` takes a directory or a Hugging Face repo id:
 
-- a directory with ``manifest.json`` is an install, read as it always was
-  (``Runner.open`` hashes its files at every open, as before);
+- a directory with ``manifest.json`` is an install; ``Runner.open`` checks its
+  files against the manifest's sha256 (:func:`verify_install`), hashing only
+  those the record below does not vouch for;
 - any other directory with ``config.json`` and safetensors is a checkpoint,
   served where it lies: its weights are never copied;
 - ``org/name`` that is not a local path is a hub id, resolved by
@@ -21,6 +22,11 @@ resolved directory under :func:`cache_root`. A later open compares each
 file's size and ``mtime_ns`` with the record and hashes only files that
 differ, were added or were removed, saying so in a warning. A rewrite that
 keeps both size and mtime is not seen (docs/IMPORT.md says so).
+
+An install is remembered the same way: a file whose size and ``mtime_ns`` match
+the record, and whose recorded sha256 is the one its manifest names, is not
+hashed again. Hashing is most of an open of a large install (about 10 s for
+16 GB), and a server restart should not pay it each time.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from turbospark.loading.install import (
     MANIFEST,
     FileEntry,
     Manifest,
+    check_digest,
+    check_sizes,
     read_manifest,
     safetensors_header,
     sha256_file,
@@ -86,7 +94,8 @@ class RecordedFile(BaseModel):
 
 
 class CheckpointRecord(BaseModel):
-    """What a checkpoint's files hashed to, and the size and mtime they had then."""
+    """What a checkpoint's (or an install's) files hashed to, and the size and
+    mtime they had then."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -271,6 +280,31 @@ def verify_checkpoint(
         arch=arch.model_dump(mode="json", exclude={"family"}),
         files={n: FileEntry(size=files[n].size, sha256=files[n].sha256) for n in names},
     )
+
+
+def verify_install(directory: Path, manifest: Manifest, *, progress: bool = False) -> None:
+    """Refuse an install whose files are missing, resized or do not hash to its
+    manifest's sha256. A file the record saw at the same size and ``mtime_ns``
+    with the sha256 the manifest names is trusted unhashed; the rest are hashed
+    and, when they match, recorded for the next open."""
+    check_sizes(directory, manifest)
+    stats = {name: (directory / name).stat() for name in manifest.files}
+    record = load_record(directory)
+    known = {} if record is None else record.files
+    stale = [
+        name
+        for name, entry in manifest.files.items()
+        if name not in known
+        or (known[name].size, known[name].mtime_ns, known[name].sha256)
+        != (stats[name].st_size, stats[name].st_mtime_ns, entry.sha256)
+    ]
+    if not stale:
+        return
+    hashed = hash_files(directory, stale, stats, progress)
+    for name, entry in hashed.items():
+        check_digest(directory, manifest, name, entry.sha256)
+    files = {n: e for n, e in known.items() if n in manifest.files and n not in hashed}
+    save_record(CheckpointRecord(directory=str(directory.resolve()), files={**files, **hashed}))
 
 
 def hash_files(
