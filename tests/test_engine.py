@@ -576,6 +576,49 @@ def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, reque
     assert all(session.position == 0 for session in runner.sessions())
 
 
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_a_request_during_the_warm_up_cuts_it_short_and_gets_the_reply_it_gets_after(
+    family, request
+):
+    """A request that arrives during the warm-up waits only for the step under
+    way: the warm-up's rows leave (no forward of theirs runs again), its
+    sessions are forgotten, and the request's reply is the one it gets from an
+    engine that warmed up whole, and from no warm-up at all."""
+    install = request.getfixturevalue(f"{family}_install")
+    config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[])
+    prompt = [3, *range(40, 60)]
+    replies, steps = [], []
+    for cut in ("whole", "cut short", "none"):
+        runner = open_runner(install)
+        engine = Engine(runner, load_text(install), max_batch=4, prefill_budget=16)
+        job = Job(ids=prompt, config=config, emit=Collector())
+        real = engine.step
+        steps.clear()
+
+        def step(real=real, engine=engine, job=job, cut=cut):
+            if cut == "cut short" and engine.warming and not steps:
+                engine.submit(job)  # arrives during the warm-up's first step
+            steps.append(engine.warming)
+            return real()
+
+        engine.step = step
+        if cut != "none":
+            engine.warm_up([2, *range(5, 25)])
+        warm_steps = sum(steps)
+        assert not engine.warming and all(s.position == 0 for s in runner.sessions())
+        if cut == "whole":
+            whole_steps = warm_steps
+        elif cut == "cut short":  # its first step, the one its rows leave at, and the idle one
+            assert warm_steps == 3 < whole_steps and engine.queue_depth == 1
+        if cut != "cut short":
+            engine.submit(job)
+        while not job.emit.done:
+            assert engine.step(), "the engine ran out of work before the request ended"
+        assert job.emit.error is None
+        replies.append(job.emit.tokens)
+    assert replies[0] == replies[1] == replies[2]
+
+
 def test_warm_up_neither_writes_nor_reads_the_session_directory(qwen_gdn_install, tmp_path):
     """The warm-up's sessions are throwaway: none reaches the session directory
     (at every start it would add its own), and a session already there is not

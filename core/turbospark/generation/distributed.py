@@ -181,6 +181,7 @@ class LockstepEngine(Engine):
     def __init__(self, runner: Runner, codec: TextCodec, lockstep: Lockstep, **kwargs: Any):
         super().__init__(runner, codec, **kwargs)
         self.lockstep = lockstep
+        self.yields_warm_up = False  # every rank runs the same warm-up steps, whole
         self._inbox: list[Job] = []
         self._next_id = 0
         # id -> (the request's own job, the engine's copy); cancelled flags cross
