@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -58,10 +58,16 @@ def server_command(
     ]  # fmt: skip
 
 
+def accepts(kind: str, base: str) -> bool:
+    """Whether the server answers ``/v1/models``: it takes requests from now on."""
+    return httpx.get(f"{base}/v1/models", timeout=2.0).status_code == 200
+
+
 def _ready(kind: str, base: str) -> bool:
     """Whether the server takes requests at full speed: ours answers HTTP while it
-    warms up (``/health`` says ``warming``; a request then waits for the warm-up)."""
-    if httpx.get(f"{base}/v1/models", timeout=2.0).status_code != 200:
+    warms up (``/health`` says ``warming``; a request then cuts the warm-up short,
+    and the benchmarks that time warm servers wait for it to end)."""
+    if not accepts(kind, base):
         return False
     if kind != "turbospark":
         return True
@@ -69,10 +75,11 @@ def _ready(kind: str, base: str) -> bool:
 
 
 @contextmanager
-def running_server(
+def launched(
     kind: str, path: Path, slots: int, log: Path, extra: Sequence[str] = ()
-) -> Iterator[str]:
-    """Start a server, wait until it is ready (:func:`_ready`), yield its base URL; always kill it."""
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Start a server on a free port, yield the process and its base URL at once
+    (nothing waited for); always kill it."""
     port = _free_port()
     with log.open("w") as sink:
         proc = subprocess.Popen(
@@ -81,23 +88,8 @@ def running_server(
             stderr=subprocess.STDOUT,
             env=os.environ.copy(),
         )
-        base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{kind} server exited with {proc.returncode}; see {log}")
-                try:
-                    if _ready(kind, base):
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{kind} server not ready after {READY_TIMEOUT_S}s; see {log}"
-                    )
-                time.sleep(0.25)
-            yield base
+            yield proc, f"http://127.0.0.1:{port}"
         finally:
             proc.terminate()
             try:
@@ -105,6 +97,35 @@ def running_server(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def wait_until(
+    kind: str, proc: subprocess.Popen, base: str, log: Path, ready: Callable[[str, str], bool]
+) -> None:
+    """Poll *ready* every few ms until it holds; refuse a server that exited or
+    is not ready after ``READY_TIMEOUT_S``."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} server exited with {proc.returncode}; see {log}")
+        try:
+            if ready(kind, base):
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{kind} server not ready after {READY_TIMEOUT_S}s; see {log}")
+        time.sleep(0.02)
+
+
+@contextmanager
+def running_server(
+    kind: str, path: Path, slots: int, log: Path, extra: Sequence[str] = ()
+) -> Iterator[str]:
+    """Start a server, wait until it is ready (:func:`_ready`), yield its base URL; always kill it."""
+    with launched(kind, path, slots, log, extra) as (proc, base):
+        wait_until(kind, proc, base, log, _ready)
+        yield base
 
 
 # Sent to every server: mlx-lm's tokenizer passes ``enable_thinking`` itself (True
