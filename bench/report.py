@@ -219,6 +219,14 @@ def print_section(section: str, family: str, result: dict[str, Any]) -> None:
         print_summary(result)
     elif section == "quantized":
         print_quantized(result)
+    elif section == "startup":
+        for kind in ("turbospark", "mlx_lm"):
+            r = result[kind]
+            print(
+                f"{kind:<10} ready {r['ready_s']:.2f} s, first token {r['first_token_s']:.2f} s "
+                f"(its request's TTFT {r['first_request_ttft_s']:.3f} s), median of {result['reps']}"
+            )
+        print(f"launch to first token, mlx_lm ÷ ours: {result['first_token_ratio']:.2f}")
     elif section == "prefill_cost":
         print(sorted(result))
         for figure, value, spread in figures(section, result):
@@ -297,6 +305,12 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
                          f"{a['completion_tok_s']:.0f} vs {b['completion_tok_s']:.0f} tok/s"))  # fmt: skip
             rows.append((f"N={n} clients: TTFT p50, mlx_lm.server ÷ ours", f"{1 / level['ttft_p50_ratio']:.2f}",
                          f"{a['ttft_p50_s'] * 1e3:.0f} vs {b['ttft_p50_s'] * 1e3:.0f} ms"))  # fmt: skip
+    elif section == "startup":
+        a, b = result["turbospark"], result["mlx_lm"]
+        rows.append(("launch to first streamed token: mlx_lm.server ÷ ours",
+                     f"{result['first_token_ratio']:.2f}",
+                     f"{a['first_token_s']:.1f} vs {b['first_token_s']:.1f} s (ready {a['ready_s']:.1f} vs "
+                     f"{b['ready_s']:.1f} s); per launch {_spread(result['first_token_ratio_per_rep'])}"))  # fmt: skip
     elif section == "experts":
         for name, r in result["engines"].items():
             rows.append((f"expert cache {name}: decode tok/s ÷ every expert resident",

@@ -19,6 +19,7 @@ Sections, default all but ``tp`` and ``replicas`` (``--only`` picks):
 - ``interleaved``: K conversations round-robin in process, pool against no pool;
 - ``serving``: the same chats over HTTP, ``turbospark serve`` against ``mlx_lm.server``;
 - ``concurrency``: N clients at once, each a multi-turn chat, against both servers;
+- ``startup``: launch to ready and to the first streamed token, against ``mlx_lm.server``;
 - ``server_step``: the server's decode step against its engine's step alone;
 - ``step_cost``: the engine's batched decode step alone, host against wall time;
 - ``prefill_cost``: a batched prefill forward's first and second run, and the engine's phases;
@@ -133,6 +134,7 @@ class Plan:
     quantized_sizes: tuple[str, ...] = ("small",)
     quantized_concurrency: ConcurrencyPlan | None = QUANTIZED_CONCURRENCY
     quantized_bits: tuple[int, ...] = (8, 4)
+    startup_reps: int = 5  # bench/startup.py: cold launches of each server
 
 
 QUICK = Plan(
@@ -162,6 +164,7 @@ QUICK = Plan(
     host_cost_steps=30,
     host_cost_rounds=1,
     quantized_concurrency=None,
+    startup_reps=2,
 )
 CPU = Plan(
     forward_sizes=("small", "medium"),
@@ -206,9 +209,10 @@ GPU = Plan(
     session_disk_size="large",
     quantized_sizes=("large", "tp8b"),
     quantized_concurrency=None,  # a lease's command is too short for two more servers a width
+    startup_reps=3,
 )
 SECTIONS = (
-    "forward", "interleaved", "serving", "concurrency", "server_step", "step_cost",
+    "forward", "interleaved", "serving", "concurrency", "startup", "server_step", "step_cost",
     "prefill_cost", "host_cost", "swap", "session_disk", "dispatch", "draft", "experts",
     "steering", "quantized", "constrain", "batch_decode", "tp", "replicas",
 )  # fmt: skip
@@ -261,6 +265,13 @@ def _concurrency(ctx: Context, family: str) -> dict[str, Any]:
 
     path = ctx.install(family, ctx.plan.chat_size)
     return bench_concurrency(path, ctx.plan.concurrency, ctx.logs)
+
+
+def _startup(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.startup import bench_startup
+
+    path = ctx.install(family, ctx.plan.chat_size)
+    return bench_startup(path, ctx.plan.startup_reps, ctx.logs)
 
 
 def _server_step(ctx: Context, family: str) -> dict[str, Any]:
@@ -410,7 +421,8 @@ def _replicas(ctx: Context, family: str) -> dict[str, Any]:
 
 RUN: dict[str, Callable[[Context, str], dict[str, Any] | None]] = {
     "forward": _forward, "interleaved": _interleaved, "serving": _serving,
-    "concurrency": _concurrency, "server_step": _server_step, "step_cost": _step_cost,
+    "concurrency": _concurrency, "startup": _startup, "server_step": _server_step,
+    "step_cost": _step_cost,
     "prefill_cost": _prefill_cost, "host_cost": _host_cost, "swap": _swap,
     "session_disk": _session_disk, "dispatch": _dispatch, "draft": _draft,
     "experts": _experts, "steering": _steering, "quantized": _quantized,

@@ -38,6 +38,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             server_step,
             serving,
             session_disk,
+            startup,
             steering,
             swap,
             thread_profile,
@@ -65,6 +66,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "server_step": server_step,
         "swap": swap,
         "session_disk": session_disk,
+        "startup": startup,
         "steering": steering,
         "thread_profile": thread_profile,
         "workload": workload,
@@ -443,3 +445,19 @@ def test_concurrency_appending_replies_as_received(
     else:  # Gemma's template trims a reply: this one (blank) is not rendered as sent
         assert second["cached_tokens"] >= first["prompt_tokens"]
     assert any("cached/prompt tokens per turn" in line for line in c.summary(out))
+
+
+def test_startup(bench: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One cold launch of each server: every time in order (ready, then the
+    first token) and the ratio from the two, printed as the entry point prints it."""
+    out = bench["startup"].bench_startup(bench["gemma4"], 1, tmp_path)
+    for kind in bench["startup"].KINDS:
+        (row,) = out[kind]["per_rep"]
+        assert 0 < row["ready_s"] < row["first_token_s"], kind
+        assert 0 < row["first_request_ttft_s"] < row["first_token_s"], kind
+    assert out["turbospark"]["warm_s"] >= out["turbospark"]["ready_s"]
+    ratio = out["mlx_lm"]["first_token_s"] / out["turbospark"]["first_token_s"]
+    assert out["first_token_ratio"] == out["first_token_ratio_per_rep"][0] == ratio
+    bench["report"].print_section("startup", "gemma4", out)
+    assert "launch to first token" in capsys.readouterr().out
+    assert bench["report"].figures("startup", out)

@@ -158,7 +158,7 @@ def test_an_install_changed_after_its_record_is_hashed_again_and_refused(
     data[-1] ^= 0xFF  # same size, new mtime: the record no longer vouches for it
     file.write_bytes(bytes(data))
     os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    with pytest.raises(InstallError, match="model.safetensors sha256 mismatch"):
+    with pytest.raises(InstallError, match=r"model\.safetensors sha256 mismatch"):
         Runner.open(path, context_length=64)
     with pytest.raises(InstallError, match="sha256 mismatch"):  # refused again, never recorded
         Runner.open(path, context_length=64)
@@ -172,7 +172,7 @@ def test_a_manifest_naming_other_hashes_is_checked_again_despite_the_record(
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["files"]["model.safetensors"]["sha256"] = "0" * 64  # sizes and mtimes unchanged
     (path / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(InstallError, match="model.safetensors sha256 mismatch"):
+    with pytest.raises(InstallError, match=r"model\.safetensors sha256 mismatch"):
         Runner.open(path, context_length=64)
 
 
