@@ -524,13 +524,15 @@ class Engine:
         then. The rounds left are not run later: their throwaway sessions
         would take pool slots from real conversations by then.
 
-        1. The first request prefills *ids*; *rows* - 1 more (default
+        1. A short fresh prompt alone: a lone row's short forward and its
+           decode, through the one-row forward (the compiled step functions).
+           It goes first because it is what a first request alone takes, and
+           its steps are the shortest: a request that comes now waits least.
+        2. The first request prefills *ids*; *rows* - 1 more (default
            ``max_batch`` - 1) take a few of its tokens, and they stop one step
            apart, so the batch decodes at each size from *rows* down to one
            (compiled pieces that are not shapeless trace once per batch size,
            e.g. the gated-DeltaNet step).
-        2. A short fresh prompt alone: a lone row's short forward and its
-           decode, through the one-row forward (the compiled step functions).
         3. Two distinct fresh prompts prefill together (a batched group). Their
            lengths differ by a few tokens, as real prompts' do, so the longer
            row's last few run alone after the group's forward: a lone row with
@@ -567,8 +569,8 @@ class Engine:
         ]
         alone = [(3 + 11 * j) % vocab for j in range(min(span, STEP_TOKENS))]
         rounds = [
-            first,
             [(alone, 3)],
+            first,
             [(p, 2) for p in fresh],
             [([*p, *extra], 2) for p, extra in zip(fresh, more, strict=True)],
         ]
