@@ -112,7 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-warm-up",
         action="store_true",
-        help="accept requests at once instead of running prefill and decode once first",
+        help="skip the warm-up: prefill and decode run once at start, so that later requests "
+        "find their paths built (a request that comes during it cuts it short)",
     )
     parser.add_argument(
         "--no-prefix-reuse", action="store_true", help="prefill every prompt from scratch"

@@ -85,8 +85,9 @@ def create_app(
     *max_batch* requests decode together (:mod:`turbospark.generation.engine`); the rest
     wait in arrival order; each step prefills at most *prefill_budget* prompt
     tokens in all (default: *chunk_size*). With *warm_up* prompt ids, the engine runs them
-    (alone and batched) before it admits the first request; ``/health`` says
-    ``warming`` meanwhile. With *api_key*, conversations and the sessions view
+    (alone and batched) as soon as it starts, and a request that arrives
+    meanwhile cuts the warm-up short (``Engine.warm_up``); ``/health`` says
+    ``warming`` until it ends. With *api_key*, conversations and the sessions view
     need it; *cors_origins* lets those browser origins in (``server/access.py``).
     With *lockstep* (rank 0 of ``serve --distributed``) the engine steps in
     lockstep with the other ranks (:mod:`turbospark.generation.distributed`).

@@ -154,7 +154,8 @@ class Service:
 
     def start(self, warm_up: list[int] | None) -> None:
         """Warm up (when given prompt ids), then run the engine's loop on the
-        runner thread until :meth:`stop`. Requests queue meanwhile."""
+        runner thread until :meth:`stop`. A request that queues during the
+        warm-up cuts it short (``Engine.warm_up``)."""
         self._stop.clear()
         self.engine.warming = warm_up is not None
         # The runner thread drops the GIL while it waits for a step's ids; the
