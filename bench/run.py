@@ -208,7 +208,7 @@ GPU = Plan(
     prefill_held_sizes=("chat_large",),
     session_disk_size="large",
     quantized_sizes=("large", "tp8b"),
-    quantized_concurrency=None,  # a lease's command is too short for two more servers a width
+    quantized_concurrency=None,  # a lease's command is too short for both servers a width
     startup_reps=3,
 )
 SECTIONS = (
@@ -472,6 +472,13 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="repeatable: the sizes the quantized section converts (default: the plan's)",
     )
+    parser.add_argument(
+        "--quantized-clients",
+        type=int,
+        action="append",
+        help="repeatable: client counts the quantized section's first size runs both servers "
+        "at (default: the plan's; 0: none)",
+    )
     args = parser.parse_args(argv)
     if args.save and (args.out or args.quick):
         parser.error("--save writes the full plan to bench/results/; drop --out and --quick")
@@ -487,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, quantized_sizes=tuple(args.quantized_size))
     if args.quantized_bits:
         plan = replace(plan, quantized_bits=tuple(args.quantized_bits))
+    if args.quantized_clients:
+        clients = tuple(n for n in args.quantized_clients if n > 0)
+        plan = replace(
+            plan, quantized_concurrency=ConcurrencyPlan(clients=clients) if clients else None
+        )
     wrong = CPU_ONLY if args.device == "gpu" else GPU_ONLY
     sections = [
         s for s in SECTIONS

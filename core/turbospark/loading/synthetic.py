@@ -52,7 +52,11 @@ class RandomWeights:
     """Named random tensors from one seeded generator, collected in :attr:`tensors`
     (checkpoint name -> array) for :func:`write_synthetic`; each method adds one and
     returns nothing. Nothing is neutral (norm weights are not all ones), so a
-    skipped norm or a mis-wired gate shows."""
+    skipped norm or a mis-wired gate shows.
+
+    Each tensor is drawn in float64 and kept in float32 (what :func:`write_synthetic`
+    casts from anyway), so an 8B-parameter install holds 32 GB, not 64, while it
+    is built."""
 
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
@@ -60,15 +64,19 @@ class RandomWeights:
 
     def linear(self, name: str, shape: tuple[int, ...]) -> None:
         """``(..., out, in)`` with unit-variance outputs for unit-variance inputs."""
-        self.tensors[name] = self.rng.normal(0.0, shape[-1] ** -0.5, shape)
+        self.tensors[name] = _f32(self.rng.normal(0.0, shape[-1] ** -0.5, shape))
 
     def scale(self, name: str, shape: tuple[int, ...], spread: float = 0.2) -> None:
         """A positive scale around 1 (norm weights used as is, layer scalars)."""
-        self.tensors[name] = 1.0 + self.rng.uniform(-spread, spread, shape)
+        self.tensors[name] = _f32(1.0 + self.rng.uniform(-spread, spread, shape))
 
     def centred(self, name: str, shape: tuple[int, ...], spread: float = 0.2) -> None:
         """A zero-centred norm weight (the model multiplies by ``1 + w``)."""
-        self.tensors[name] = self.rng.uniform(-spread, spread, shape)
+        self.tensors[name] = _f32(self.rng.uniform(-spread, spread, shape))
+
+
+def _f32(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float32)
 
 
 # -- text --------------------------------------------------------------------------
@@ -267,10 +275,12 @@ def write_synthetic(
     if dtype not in DTYPES:
         raise InvalidInput(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     target = getattr(mx, dtype)
-    weights = {
-        name: mx.array(np.asarray(value, dtype=np.float32)).astype(target)
-        for name, value in tensors.items()
-    }
+    weights = {}
+    for name, value in tensors.items():
+        # Cast now, one tensor at a time: left lazy, every float32 copy would
+        # be held at once until the write evaluates them.
+        weights[name] = mx.array(np.asarray(value, dtype=np.float32)).astype(target)
+        mx.eval(weights[name])
     write_install(
         path, arch=arch, model_id=model_id, weights=weights, extra_files=text.files(arch.vocab_size)
     )
