@@ -133,7 +133,7 @@ def test_causal_blocks_are_the_whole_chunk(
         return whole(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attention, "causal_blocks", spy)
-    monkeypatch.setattr(attention, "MATMUL_SCORES", HEADS * keys_in * budget)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", HEADS * keys_in * budget)
     got = attention.attend(q, keys, values, 0.3, "causal")
     assert blocks == [max(1, budget)]
     assert got.shape == want.shape
@@ -141,15 +141,15 @@ def test_causal_blocks_are_the_whole_chunk(
 
 
 def test_a_chunk_within_the_bound_takes_the_op_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Within MATMUL_SCORES (every chat-sized prompt) nothing is blocked."""
+    """Within BLOCK_SCORES (every chat-sized prompt) nothing is blocked."""
     from turbospark.layers import attention
 
     calls: list[int] = []
     monkeypatch.setattr(attention, "causal_blocks", lambda *a: calls.append(a[-1]))
     q, kv = mx.zeros((1, HEADS, 5, DIM)), mx.zeros((1, 2, 30, DIM))
-    monkeypatch.setattr(attention, "MATMUL_SCORES", HEADS * 5 * 30)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", HEADS * 5 * 30)
     attention.attend(q, kv, kv, 1.0, "causal")
     assert calls == []
-    monkeypatch.setattr(attention, "MATMUL_SCORES", HEADS * 4 * 30)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", HEADS * 4 * 30)
     attention.attend(q, kv, kv, 1.0, "causal")
     assert calls == [4]

@@ -74,6 +74,12 @@ _FUSED_DECODE = mx.metal.is_available()
 # over 370 keys) holds 1.2 Mi; one row's 512-token chunk over 4k keys with 16
 # heads, 32 Mi; a 2k-token chunk over 32k keys with 32 heads, 2 Gi (the op).
 MATMUL_SCORES = 1 << 26
+# Most scores one block of a long causal chunk holds where the op would hold
+# them all (causal_blocks): 16 Mi, 64 MiB in float32. Measured on the CPU
+# (a 2k-token chunk over 8k keys, 16 heads): peak 1.25 GB whole, 1.09 GB in
+# 64 Mi blocks (MLX allocates a block's scores as it queues it, so blocks
+# overlap), 0.36 GB in 16 Mi ones, in the same time.
+BLOCK_SCORES = 1 << 24
 # The widest head MLX's fused attention takes for several queries on a GPU
 # (cuDNN's flash attention on CUDA, half types; Metal's full kernel). Past
 # it, and on the CPU, the op falls back to ops that hold every score at once.
@@ -146,10 +152,10 @@ def attend(
 
     Where the op would fall back to holding every score at once
     (:func:`op_holds_scores`: the CPU, heads wider than cuDNN's), a
-    ``"causal"`` chunk whose scores pass :data:`MATMUL_SCORES` attends a
-    block of queries at a time (:func:`causal_blocks`): a long prompt's
-    peak memory is then one block's scores, not the chunk's over the whole
-    context.
+    ``"causal"`` chunk of more than :data:`BLOCK_SCORES` scores attends a
+    block of queries at a time (:func:`causal_blocks`, each block then as
+    above): a long prompt's peak memory is then a few blocks' scores, not
+    the chunk's over the whole context.
 
     Quantized keys and values (a ``--kv-bits`` cache) take
     :func:`quantized_attention` on every device."""
@@ -160,6 +166,10 @@ def attend(
     if isinstance(mask, attention_cuda.Rows):
         return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale)
     batch, heads, length, _ = queries.shape
+    if isinstance(mask, str) and length > 1 and op_holds_scores(queries, values):
+        rows = BLOCK_SCORES // (batch * heads * keys.shape[2])
+        if rows < length:  # a long chunk over a long context: its scores a block at a time
+            return causal_blocks(queries, keys, values, scale, max(1, rows))
     if fused.builds_for_gpu() and not _FUSED_DECODE:
         if length == 1 and not isinstance(mask, str):  # None, or a batch's padding mask
             return decode_attention(queries, keys, values, scale, mask)
@@ -169,10 +179,6 @@ def attend(
             and batch * heads * length * keys.shape[2] <= MATMUL_SCORES
         ):
             return matmul_attention(queries, keys, values, scale, mask)
-    if isinstance(mask, str) and length > 1 and op_holds_scores(queries, values):
-        rows = MATMUL_SCORES // (batch * heads * keys.shape[2])
-        if rows < length:  # a long chunk over a long context: its scores a block at a time
-            return causal_blocks(queries, keys, values, scale, max(1, rows))
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
