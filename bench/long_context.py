@@ -13,9 +13,10 @@ plan's size and greedy-decodes through its library generation loop
 - ``max_over_median_step``: the slowest decode step over the median one,
   after the first :data:`SETTLE` (the issue's target: no step at any context
   length past 2x the steady step);
-- ``loaded_bytes``: MLX's active memory after the load; ``peak_bytes``: its
-  peak over the load and the run (``mx.get_peak_memory``): resident weights,
-  K/V and whatever the prompt's forwards held at once.
+- ``loaded_bytes``: MLX's active memory after the load; ``load_peak_bytes``
+  its peak by then; ``peak_bytes``: its peak over the load and the run
+  (``mx.get_peak_memory``): resident weights, K/V and whatever the prompt's
+  forwards held at once.
 
 Ratios are ours ÷ mlx-lm; ``tokens_match`` says both decoded the same ids
 (the comparison's premise: same weights, same greedy tokens).
@@ -77,12 +78,14 @@ def _child(path: Path, engine: str, prompt_tokens: int, decode_tokens: int, chun
         prompt = random_tokens(prompt_tokens, vocab, seed=1)
         run = _theirs_generate(model, prompt, decode_tokens, chunk)
     load_s = time.perf_counter() - start
+    load_peak = mx.get_peak_memory()
     sample = run()
     print(
         json.dumps(
             {
                 "load_s": load_s,
                 "loaded_bytes": loaded,
+                "load_peak_bytes": load_peak,
                 "peak_bytes": mx.get_peak_memory(),
                 **sample,
             }
