@@ -34,7 +34,7 @@ from turbospark.generation.generate import GenerationConfig, stream_generate
 from turbospark.generation.runner import Runner
 from turbospark.text import load_text
 
-Sample = dict[str, float]
+Sample = dict[str, Any]  # times in seconds; the library loops add lists
 
 
 def _ours_loop(runner: Runner, prompt: list[int], decode: int, chunk: int) -> Callable[[], Sample]:
@@ -84,11 +84,13 @@ def _ours_generate(
 
     def run() -> Sample:
         start = time.perf_counter()
-        first = None
-        for _step in stream_generate(runner, codec, prompt, config):
-            if first is None:
-                first = time.perf_counter()
-        return {"prefill_s": first - start, "decode_s": time.perf_counter() - first}
+        arrivals: list[float] = []  # each token's, from the start
+        ids: list[int] = []
+        for step in stream_generate(runner, codec, prompt, config):
+            if step.token is not None:
+                arrivals.append(time.perf_counter() - start)
+                ids.append(step.token)
+        return _timed(arrivals, time.perf_counter() - start, ids)
 
     return run
 
@@ -99,7 +101,8 @@ def _theirs_generate(
     def run() -> Sample:
         cache = model.make_cache()
         start = time.perf_counter()
-        first = None
+        arrivals: list[float] = []
+        ids: list[int] = []
         steps = generate_step(
             mx.array(prompt),
             model,
@@ -108,12 +111,24 @@ def _theirs_generate(
             prefill_step_size=chunk,
         )
         for token, _ in steps:
-            int(token)  # the caller reads every id, as a detokeniser would
-            if first is None:
-                first = time.perf_counter()
-        return {"prefill_s": first - start, "decode_s": time.perf_counter() - first}
+            ids.append(int(token))  # the caller reads every id, as a detokeniser would
+            arrivals.append(time.perf_counter() - start)
+        return _timed(arrivals, time.perf_counter() - start, ids)
 
     return run
+
+
+def _timed(arrivals: list[float], end: float, ids: list[int]) -> Sample:
+    """A library loop's sample from each token's arrival (seconds from the
+    start): prefill is the first token's, decode the rest of the run; the
+    arrivals and ids go along for :mod:`bench.long_context` (decode steps
+    one by one, the two engines' tokens side by side)."""
+    return {
+        "prefill_s": arrivals[0],
+        "decode_s": end - arrivals[0],
+        "arrivals_s": arrivals,
+        "tokens": ids,
+    }
 
 
 def _uncompiled(run: Callable[[], Sample]) -> Callable[[], Sample]:

@@ -227,6 +227,10 @@ def print_section(section: str, family: str, result: dict[str, Any]) -> None:
                 f"(its request's TTFT {r['first_request_ttft_s']:.3f} s), median of {result['reps']}"
             )
         print(f"launch to first token, mlx_lm ÷ ours: {result['first_token_ratio']:.2f}")
+    elif section == "long_context":
+        from bench.long_context import summary as long_context_summary
+
+        print(*long_context_summary(result), sep="\n")
     elif section == "prefill_cost":
         print(sorted(result))
         for figure, value, spread in figures(section, result):
@@ -337,6 +341,16 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
                              "mlx-lm generate_step's time ÷ ours", f"{r['ratio']:.2f}",
                              f"{_spread(r['ratio_reps'])} over {len(r['ratio_reps'])} reps; "
                              f"{r['ours_ms']:.0f} vs {r['mlx_lm_ms']:.0f} ms"))  # fmt: skip
+    elif section == "long_context":
+        for r in result["rows"]:
+            ours, theirs = r["engines"]["ours"], r["engines"]["mlx_lm"]
+            n = r["prompt_tokens"]
+            rows.append((f"{n}-token prompt: library decode tok/s ÷ mlx-lm", f"{r['decode_ratio_vs_mlx_lm']:.2f}",
+                         f"{ours['decode_tok_s']:.0f} vs {theirs['decode_tok_s']:.0f} tok/s; slowest step "
+                         f"÷ median {ours['max_over_median_step']:.2f} vs {theirs['max_over_median_step']:.2f}"))  # fmt: skip
+            rows.append((f"{n}-token prompt: peak memory ÷ mlx-lm's", f"{r['peak_memory_ratio_vs_mlx_lm']:.2f}",
+                         f"{ours['peak_bytes'] / 1e9:.2f} vs {theirs['peak_bytes'] / 1e9:.2f} GB; "
+                         f"same tokens: {r['tokens_match']}"))  # fmt: skip
     elif section == "batch_decode":
         for key, level in result["levels"].items():
             rows.append((f"qwen4_exp {key}: batched ÷ row by row tok/s", f"{level['ratio']:.2f}",

@@ -31,6 +31,8 @@ Sections, default all but ``tp`` and ``replicas`` (``--only`` picks):
 - ``draft``: speculative decoding's tok/s against acceptance and depth, against off;
 - ``experts`` (gemma4): the routed-expert cache against slot count;
 - ``steering``: decode with every layer steered against steering off;
+- ``long_context``: long prompts against mlx-lm, each engine in a fresh process: decode
+  tok/s, the slowest decode step over the median, the first 16 tokens, peak memory;
 - ``quantized`` (gemma4, qwen_gdn): 8- and 4-bit conversions by ``mlx_lm.convert``
   against mlx-lm on the same directory: forward, memory, concurrency;
 - ``constrain`` (once): llguidance against xgrammar per token;
@@ -135,6 +137,10 @@ class Plan:
     quantized_concurrency: ConcurrencyPlan | None = QUANTIZED_CONCURRENCY
     quantized_bits: tuple[int, ...] = (8, 4)
     startup_reps: int = 5  # bench/startup.py: cold launches of each server
+    # bench/long_context.py: the install size, prompt lengths, decode tokens
+    long_context_size: str = "small"
+    long_context_lengths: tuple[int, ...] = (1024, 4096)
+    long_context_decode: int = 64
 
 
 QUICK = Plan(
@@ -165,6 +171,8 @@ QUICK = Plan(
     host_cost_rounds=1,
     quantized_concurrency=None,
     startup_reps=2,
+    long_context_lengths=(1024,),
+    long_context_decode=32,
 )
 CPU = Plan(
     forward_sizes=("small", "medium"),
@@ -210,11 +218,14 @@ GPU = Plan(
     quantized_sizes=("large", "tp8b"),
     quantized_concurrency=None,  # a lease's command is too short for both servers a width
     startup_reps=3,
+    long_context_size="large",
+    long_context_lengths=(4096, 16384, 32768),
+    long_context_decode=128,
 )
 SECTIONS = (
     "forward", "interleaved", "serving", "concurrency", "startup", "server_step", "step_cost",
     "prefill_cost", "host_cost", "swap", "session_disk", "dispatch", "draft", "experts",
-    "steering", "quantized", "constrain", "batch_decode", "tp", "replicas",
+    "steering", "long_context", "quantized", "constrain", "batch_decode", "tp", "replicas",
 )  # fmt: skip
 
 
@@ -393,6 +404,18 @@ def _quantized(ctx: Context, family: str) -> dict[str, Any] | None:
     }
 
 
+def _long_context(ctx: Context, family: str) -> dict[str, Any]:
+    from bench.long_context import bench_long_context
+
+    p = ctx.plan
+    return bench_long_context(
+        ctx.install(family, p.long_context_size),
+        prompt_lengths=p.long_context_lengths,
+        decode_tokens=p.long_context_decode,
+        chunk=p.chunk,
+    )
+
+
 def _constrain(ctx: Context, family: str) -> dict[str, Any]:
     from bench.constrain import bench_constrain
 
@@ -425,7 +448,8 @@ RUN: dict[str, Callable[[Context, str], dict[str, Any] | None]] = {
     "step_cost": _step_cost,
     "prefill_cost": _prefill_cost, "host_cost": _host_cost, "swap": _swap,
     "session_disk": _session_disk, "dispatch": _dispatch, "draft": _draft,
-    "experts": _experts, "steering": _steering, "quantized": _quantized,
+    "experts": _experts, "steering": _steering, "long_context": _long_context,
+    "quantized": _quantized,
     "constrain": _constrain,
     "batch_decode": _batch_decode, "tp": _tp, "replicas": _replicas,
 }  # fmt: skip

@@ -95,6 +95,7 @@ def test_scores_past_the_bound_take_the_op(monkeypatch: pytest.MonkeyPatch) -> N
     calls: list[str] = []
     monkeypatch.setattr(fused, "BUILD_FOR_GPU", True)
     monkeypatch.setattr(attention, "_FUSED_DECODE", False)
+    monkeypatch.setattr(attention, "op_holds_scores", lambda *a: False)  # cuDNN's head dims
     monkeypatch.setattr(attention, "matmul_attention", lambda *a: calls.append("matmul"))
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **k: calls.append("op"))
     q = mx.zeros((1, HEADS, 5, DIM))
@@ -104,3 +105,51 @@ def test_scores_past_the_bound_take_the_op(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(attention, "MATMUL_SCORES", HEADS * 5 * 30 - 1)
     attention.attend(q, kv, kv, 1.0, "causal")
     assert calls == ["matmul", "op"]
+
+
+@pytest.mark.parametrize("gpu_forms", [False, True])
+@pytest.mark.parametrize(("length", "keys_in", "budget"), [(12, 12, 5), (7, 30, 3), (9, 30, 1)])
+def test_causal_blocks_are_the_whole_chunk(
+    monkeypatch: pytest.MonkeyPatch, gpu_forms: bool, length: int, keys_in: int, budget: int
+) -> None:
+    """A ``"causal"`` chunk past the scores bound, where the op would hold
+    every score (the CPU; wide heads on a GPU), attends a block of queries at
+    a time, each over the keys it sees: the whole chunk's output to float32
+    rounding, a first chunk (as many keys as queries) and a later one, blocks
+    of a few rows and of one."""
+    from turbospark.layers import attention
+
+    monkeypatch.setattr(fused, "BUILD_FOR_GPU", gpu_forms)
+    monkeypatch.setattr(attention, "_FUSED_DECODE", False)
+    q = mx.random.normal((1, HEADS, length, DIM), key=mx.random.key(7))
+    buffer = mx.random.normal((1, 2, 40, 2 * DIM), key=mx.random.key(8))
+    keys, values = buffer[:, :, :keys_in, :DIM], buffer[:, :, :keys_in, DIM:]
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.3, mask="causal")
+    blocks: list[int] = []
+    whole = attention.causal_blocks
+
+    def spy(*args: object) -> mx.array:
+        blocks.append(args[-1])  # type: ignore[arg-type]
+        return whole(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "causal_blocks", spy)
+    monkeypatch.setattr(attention, "BLOCK_SCORES", HEADS * keys_in * budget)
+    got = attention.attend(q, keys, values, 0.3, "causal")
+    assert blocks == [max(1, budget)]
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-6).item()
+
+
+def test_a_chunk_within_the_bound_takes_the_op_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within BLOCK_SCORES (every chat-sized prompt) nothing is blocked."""
+    from turbospark.layers import attention
+
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "causal_blocks", lambda *a: calls.append(a[-1]))
+    q, kv = mx.zeros((1, HEADS, 5, DIM)), mx.zeros((1, 2, 30, DIM))
+    monkeypatch.setattr(attention, "BLOCK_SCORES", HEADS * 5 * 30)
+    attention.attend(q, kv, kv, 1.0, "causal")
+    assert calls == []
+    monkeypatch.setattr(attention, "BLOCK_SCORES", HEADS * 4 * 30)
+    attention.attend(q, kv, kv, 1.0, "causal")
+    assert calls == [4]

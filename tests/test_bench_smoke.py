@@ -32,6 +32,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             forward,
             host_cost,
             interleaved,
+            long_context,
             prefill_cost,
             report,
             run,
@@ -59,6 +60,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "forward": forward,
         "host_cost": host_cost,
         "interleaved": interleaved,
+        "long_context": long_context,
         "prefill_cost": prefill_cost,
         "serving": serving,
         "report": report,
@@ -339,6 +341,23 @@ def test_draft_mtp(bench: dict, tmp_path: Path) -> None:
     (row,) = draft.bench_mtp(path, depths=[2], tokens=6, reps=1)
     assert row["output_equals_off"] and row["proposed"] >= row["accepted"] >= 0
     assert row["tok_s"] > 0 and row["off_tok_s"] > 0 and row["proposal_ms"] > 0
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_long_context(bench: dict, family: str) -> None:
+    out = bench["long_context"].bench_long_context(
+        bench[family], prompt_lengths=(24, 40), decode_tokens=8, chunk=16
+    )
+    assert [r["prompt_tokens"] for r in out["rows"]] == [24, 40]
+    for row in out["rows"]:
+        assert row["tokens_match"]  # same weights, same greedy ids in both engines
+        for engine in row["engines"].values():
+            assert len(engine["step_s"]) == 8
+            assert engine["peak_bytes"] >= engine["loaded_bytes"] > 0
+            assert engine["max_over_median_step"] >= 1
+        assert row["peak_memory_ratio_vs_mlx_lm"] > 0 and row["decode_ratio_vs_mlx_lm"] > 0
+    assert bench["long_context"].summary(out)
+    assert bench["report"].figures("long_context", out)
 
 
 def test_experts(bench: dict, tmp_path: Path) -> None:

@@ -89,6 +89,48 @@ def test_decode_step_equals_sequential(compiled: bool, by_matmul: bool) -> None:
     np.testing.assert_allclose(np.array(state), np.array(s_seq), atol=ATOL)
 
 
+@pytest.mark.parametrize("fused_forms", [False, True])
+@pytest.mark.parametrize("length", [129, 300, 512])
+def test_grouped_preparation_is_one_group_bit_for_bit(length: int, fused_forms: bool) -> None:
+    """A long forward prepared a group of chunks at a time (what bounds its
+    memory) gives exactly what preparing every chunk at once gives: the
+    groups cut at chunk boundaries, and each chunk's arithmetic is the same
+    in any group. With a GPU's forms too (the doubling inverse)."""
+    q, k, v, log_g, beta, state = _inputs(length, seed=length)
+    built = fused.BUILD_FOR_GPU
+    fused.BUILD_FOR_GPU = fused_forms
+    try:
+        whole = gated_delta_chunked(q, k, v, log_g, beta, state, 16, group_tokens=length + 64)
+        grouped = gated_delta_chunked(q, k, v, log_g, beta, state, 16, group_tokens=100)
+        mx.eval(whole, grouped)
+    finally:
+        fused.BUILD_FOR_GPU = built
+    for a, b in zip(whole, grouped, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def _scratch_bytes(length: int, group_tokens: int) -> int:
+    """What :func:`gated_delta_chunked` holds above its inputs, at its peak."""
+    inputs = _inputs(length, seed=1)
+    mx.eval(inputs)
+    mx.clear_cache()  # every buffer new: none a larger cached one
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(gated_delta_chunked(*inputs, 64, group_tokens=group_tokens))
+    return mx.get_peak_memory() - base
+
+
+def test_a_long_forward_holds_a_bounded_preparation() -> None:
+    """Doubling a grouped forward's length adds to its peak little more than
+    the longer output (gathered, then joined): the preparation held at once
+    is the groups', not the length's. Preparing every chunk of 4,096 tokens
+    at once holds more than twice the grouped peak."""
+    grouped = _scratch_bytes(2048, group_tokens=256)
+    longer = _scratch_bytes(4096, group_tokens=256)
+    assert longer < 1.6 * grouped
+    assert _scratch_bytes(4096, group_tokens=4096) > 2 * longer
+
+
 def test_state_carries_across_calls() -> None:
     """Two chunked calls (split at an odd point) equal one sequential pass."""
     q, k, v, log_g, beta, state = _inputs(101, seed=5)

@@ -74,6 +74,50 @@ _FUSED_DECODE = mx.metal.is_available()
 # over 370 keys) holds 1.2 Mi; one row's 512-token chunk over 4k keys with 16
 # heads, 32 Mi; a 2k-token chunk over 32k keys with 32 heads, 2 Gi (the op).
 MATMUL_SCORES = 1 << 26
+# Most scores one block of a long causal chunk holds where the op would hold
+# them all (causal_blocks): 16 Mi, 64 MiB in float32. Measured on the CPU
+# (a 2k-token chunk over 8k keys, 16 heads): peak 1.25 GB whole, 1.09 GB in
+# 64 Mi blocks (MLX allocates a block's scores as it queues it, so blocks
+# overlap), 0.36 GB in 16 Mi ones, in the same time.
+BLOCK_SCORES = 1 << 24
+# The widest head MLX's fused attention takes for several queries on a GPU
+# (cuDNN's flash attention on CUDA, half types; Metal's full kernel). Past
+# it, and on the CPU, the op falls back to ops that hold every score at once.
+FUSED_PREFILL_HEAD_DIM = 128
+
+
+def op_holds_scores(queries: mx.array, values: mx.array) -> bool:
+    """Whether ``mx.fast.scaled_dot_product_attention`` of several queries
+    falls back to ops that hold all ``(B, heads, L, T)`` scores (and their
+    masked and softmaxed copies) at once: always on the CPU; on a GPU for
+    heads wider than :data:`FUSED_PREFILL_HEAD_DIM` (the ~1B shapes' 256 and
+    Gemma 4's 512-wide global heads) or float32 ones."""
+    if mx.default_device() == mx.cpu:
+        return True
+    widest = max(queries.shape[-1], values.shape[-1])
+    return widest > FUSED_PREFILL_HEAD_DIM or queries.dtype == mx.float32
+
+
+def causal_blocks(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, rows: int
+) -> mx.array:
+    """``"causal"`` attention of ``(B, heads, L, D)`` queries over ``(B,
+    kv_heads, T, D)`` keys, *rows* queries at a time, each block over only
+    the keys it sees (block ``[r0, r1)``: the first ``T - L + r1``), so what
+    it holds is one block's scores where the op's fallback holds all of them,
+    and the keys past the block's last query are never scored. Every query
+    row's softmax is its own, so the blocks give the whole's output (to
+    rounding: a row's sums run over its visible keys only)."""
+    length, total = queries.shape[2], keys.shape[2]
+    outs: list[mx.array] = []
+    for begin in range(0, length, rows):
+        end = min(begin + rows, length)
+        seen = total - length + end
+        block = queries[:, :, begin:end]
+        if outs:  # scored once the block before is through: one block's scores at a time
+            block = mx.depends(block, outs[-1])
+        outs.append(attend(block, keys[:, :, :seen], values[:, :, :seen], scale, "causal"))
+    return mx.concatenate(outs, axis=2)
 
 
 def attend(
@@ -106,6 +150,13 @@ def attend(
     whole buffers, and takes that module's kernels, traced once per buffer
     size.
 
+    Where the op would fall back to holding every score at once
+    (:func:`op_holds_scores`: the CPU, heads wider than cuDNN's), a
+    ``"causal"`` chunk of more than :data:`BLOCK_SCORES` scores attends a
+    block of queries at a time (:func:`causal_blocks`, each block then as
+    above): a long prompt's peak memory is then a few blocks' scores, not
+    the chunk's over the whole context.
+
     Quantized keys and values (a ``--kv-bits`` cache) take
     :func:`quantized_attention` on every device."""
     if isinstance(keys, QuantizedRows):
@@ -115,6 +166,10 @@ def attend(
     if isinstance(mask, attention_cuda.Rows):
         return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale)
     batch, heads, length, _ = queries.shape
+    if isinstance(mask, str) and length > 1 and op_holds_scores(queries, values):
+        rows = BLOCK_SCORES // (batch * heads * keys.shape[2])
+        if rows < length:  # a long chunk over a long context: its scores a block at a time
+            return causal_blocks(queries, keys, values, scale, max(1, rows))
     if fused.builds_for_gpu() and not _FUSED_DECODE:
         if length == 1 and not isinstance(mask, str):  # None, or a batch's padding mask
             return decode_attention(queries, keys, values, scale, mask)

@@ -10,6 +10,12 @@ import numpy as np
 from turbospark.layers import fused
 
 CHUNK_SIZE = 64
+# Tokens whose WY chunks are prepared at once (a multiple of CHUNK_SIZE). The
+# preparation holds about 70 float32 values a token and value-head dim (a 32k
+# prompt in one forward of a ~1B qwen_gdn: ~9 GB a layer), so a longer forward
+# takes its tokens this many at a time; a prompt chunk of the usual size (512)
+# is one group, as before.
+GROUP_TOKENS = 512
 # A verify pass's trace (mix(traced=True)): conv input, deltas, keys, decays, G_i.
 Trace = tuple[mx.array, mx.array, mx.array, mx.array, mx.array]
 
@@ -205,8 +211,40 @@ def gated_delta_chunked(
     beta: mx.array,
     state: mx.array,
     chunk_size: int = CHUNK_SIZE,
+    group_tokens: int | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """The recurrence over a prompt, chunk by chunk (WY form), carrying ``state``.
+    """The recurrence over a prompt, chunk by chunk (WY form), carrying ``state``:
+    :func:`gated_delta_wy` on *group_tokens* (None: :data:`GROUP_TOKENS`)
+    tokens at a time (rounded up to whole chunks), so what a long forward holds at once is bounded by the group, not
+    its length. The groups cut at chunk boundaries and each chunk's arithmetic
+    is the same whichever group it is in, so the output is the same, bit for bit,
+    as one group's (``tests/test_gated_delta_forms.py``)."""
+    length = q.shape[1]
+    tokens = GROUP_TOKENS if group_tokens is None else group_tokens
+    group = max(1, tokens // chunk_size) * chunk_size
+    if length <= group:
+        return gated_delta_wy(q, k, v, log_g, beta, state, chunk_size)
+    ys = []
+    for begin in range(0, length, group):
+        parts = [x[:, begin : begin + group] for x in (q, k, v, log_g, beta)]
+        if ys:  # prepared once the group before is through: one group's arrays at a time
+            parts = mx.depends(parts, [state])
+        y, state = gated_delta_wy(*parts, state, chunk_size)
+        ys.append(y)
+    return mx.concatenate(ys, axis=1), state
+
+
+def gated_delta_wy(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[mx.array, mx.array]:
+    """The recurrence over *q*'s tokens, chunk by chunk (WY form), every chunk
+    prepared at once, carrying ``state``.
 
     Within a chunk with decays ``G_i = prod_{m<=i} g_m`` and start state ``S0``,
     the deltas ``u_i = beta_i (v_i - g_i S_{i-1} k_i)`` satisfy
