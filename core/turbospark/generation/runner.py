@@ -72,7 +72,8 @@ from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
 from turbospark.state.components import State
-from turbospark.state.kv import KVQuantization, quantize_kv
+from turbospark.layers.layer_step import kernels_available
+from turbospark.state.kv import KVComponent, KVQuantization, LayerKV, ladder, quantize_kv
 
 
 class Runner:
@@ -287,6 +288,7 @@ class Runner:
                     f"DraftPolicies.mtp: the install at {path} names mtp.* tensors but "
                     f"family '{spec.name}' built no MTP head from them; re-import the checkpoint"
                 )
+        runner.warm_up()
         return runner
 
     def _new_state(self) -> State:
@@ -296,6 +298,55 @@ class Runner:
             arch=self.arch, model=self.model, context_length=self.context_length
         )
         return quantize_kv(state, self.kv_quantization)
+
+    def warm_up(self) -> int:
+        """Trace a lone row's decode step at every capacity a session's K/V
+        can take up to the context length (the growth ladder,
+        :func:`~turbospark.state.kv.ladder`), once, at load: where the
+        attention kernels run (:func:`~turbospark.layers.layer_step.kernels_available`)
+        a decode step is traced with the cache's whole buffers, so each new
+        capacity would otherwise trace it on some request's step (a step
+        after each growth cost 2-3x a steady one). Returns the rungs traced
+        (0: nothing to warm, a step here never traces per capacity).
+
+        On a scratch state: a one-token prefill and one decode step,
+        evaluated (every kernel built once), then for each rung the step
+        built over zero buffers of that capacity and never evaluated, so the
+        rungs cost host time alone (about one step's graph each) and no
+        memory. A quantized cache and a sharded model take the modules' path,
+        which traces no capacity."""
+        if not kernels_available() or self.kv_quantization is not None or self.group is not None:
+            return 0
+        state = self._new_state()
+
+        def step(start: int) -> mx.array | None:
+            return self._hook.turbospark_forward(
+                model=self.model, state=state, vision=None, steer=None, logits="last",
+                tokens=mx.array([0], dtype=mx.int32), start=start,
+            )  # fmt: skip
+
+        step(0)  # a prefill: the buffers
+        mx.eval(step(1), *_state_arrays(state))  # a decode step: its kernels
+        layers = [
+            layer
+            for component in state.values()
+            if isinstance(component, KVComponent)
+            for layer in component.layers
+            if layer.keys is not None
+        ]
+        others = {
+            name: component.snapshot()
+            for name, component in state.items()
+            if not isinstance(component, KVComponent)
+        }
+        rungs = ladder(self.context_length + 1)
+        for capacity in rungs:
+            for layer in layers:
+                _scratch_rows(layer, capacity)
+            for name, snapshot in others.items():
+                state[name].restore(snapshot)
+            step(capacity - 1)  # traced, never evaluated
+        return len(rungs)
 
     # -- introspection -----------------------------------------------------------
 
@@ -833,6 +884,18 @@ def _clip_ids(ids: mx.array, top: int) -> mx.array:
 
 def _state_arrays(state: State) -> list[mx.array]:
     return [a for component in state.values() for a in component.arrays()]
+
+
+def _scratch_rows(layer: LayerKV, capacity: int) -> None:
+    """*layer* holding ``capacity - 1`` rows of lazy zeros in buffers of
+    *capacity* (its heads, widths and dtypes kept), so the next step claims
+    the last row without growing: :meth:`Runner.warm_up`'s stand-in cache."""
+    assert layer.keys is not None and layer.values is not None
+    layer.keys, layer.values = (
+        mx.zeros((1, rows.shape[1], capacity, rows.shape[3]), rows.dtype)  # type: ignore[union-attr]
+        for rows in (layer.keys, layer.values)
+    )
+    layer.base, layer.fill = 0, capacity - 1
 
 
 def _forwards(length: int, want: LogitsWanted) -> list[tuple[int, int, LogitsWanted]]:
