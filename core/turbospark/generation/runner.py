@@ -73,7 +73,7 @@ from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
 from turbospark.state.components import State
 from turbospark.layers.layer_step import kernels_available
-from turbospark.state.kv import KVComponent, KVQuantization, LayerKV, ladder, quantize_kv
+from turbospark.state.kv import STEP, KVComponent, KVQuantization, LayerKV, ladder, quantize_kv
 
 
 class Runner:
@@ -339,7 +339,8 @@ class Runner:
             for name, component in state.items()
             if not isinstance(component, KVComponent)
         }
-        rungs = ladder(self.context_length + 1)
+        # A buffer full at the last rung below the limit grows by at least a step.
+        rungs = ladder(self.context_length + STEP)
         for capacity in rungs:
             for layer in layers:
                 _scratch_rows(layer, capacity)
