@@ -46,6 +46,7 @@ from turbospark.generation.opening import (
     check_steering,
     to_dtype,
 )
+from turbospark.layers.layer_step import kernels_available
 from turbospark.layers.sharding import check_same_install
 from turbospark.loading.install import (
     Manifest,
@@ -72,7 +73,6 @@ from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
 from turbospark.state.components import State
-from turbospark.layers.layer_step import kernels_available
 from turbospark.state.kv import STEP, KVComponent, KVQuantization, LayerKV, ladder, quantize_kv
 
 
