@@ -306,7 +306,8 @@ class Runner:
         attention kernels run (:func:`~turbospark.layers.layer_step.kernels_available`)
         a decode step is traced with the cache's whole buffers, so each new
         capacity would otherwise trace it on some request's step (a step
-        after each growth cost 2-3x a steady one). Returns the rungs traced
+        after each growth cost 1.4-2.8x a steady one on the CPU, with the
+        kernels' contract in ops). Returns the rungs traced
         (0: nothing to warm, a step here never traces per capacity).
 
         On a scratch state: a one-token prefill and one decode step,
@@ -314,8 +315,14 @@ class Runner:
         built over zero buffers of that capacity and never evaluated, so the
         rungs cost host time alone (about one step's graph each) and no
         memory. A quantized cache and a sharded model take the modules' path,
-        which traces no capacity."""
-        if not kernels_available() or self.kv_quantization is not None or self.group is not None:
+        which traces no capacity; streamed experts are left alone (a step's
+        routing would load experts and count in their cache's statistics)."""
+        if (
+            not kernels_available()
+            or self.kv_quantization is not None
+            or self.group is not None
+            or self._experts is not None
+        ):
             return 0
         state = self._new_state()
 
@@ -346,7 +353,7 @@ class Runner:
                 _scratch_rows(layer, capacity)
             for name, snapshot in others.items():
                 state[name].restore(snapshot)
-            step(capacity - 1)  # traced, never evaluated
+            step(min(capacity, self.context_length) - 1)  # traced, never evaluated
         return len(rungs)
 
     # -- introspection -----------------------------------------------------------
