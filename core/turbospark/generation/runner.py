@@ -73,7 +73,7 @@ from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
 from turbospark.state.components import State
-from turbospark.state.kv import STEP, KVComponent, KVQuantization, LayerKV, ladder, quantize_kv
+from turbospark.state.kv import STEP, KVComponent, KVQuantization, ladder, quantize_kv
 
 
 class Runner:
@@ -334,13 +334,8 @@ class Runner:
 
         step(0)  # a prefill: the buffers
         mx.eval(step(1), *_state_arrays(state))  # a decode step: its kernels
-        layers = [
-            layer
-            for component in state.values()
-            if isinstance(component, KVComponent)
-            for layer in component.layers
-            if layer.keys is not None
-        ]
+        position = 2  # every rung's step writes here (a family may check it)
+        kv = [component for component in state.values() if isinstance(component, KVComponent)]
         others = {
             name: component.snapshot()
             for name, component in state.items()
@@ -349,11 +344,11 @@ class Runner:
         # A buffer full at the last rung below the limit grows by at least a step.
         rungs = ladder(self.context_length + STEP)
         for capacity in rungs:
-            for layer in layers:
-                _scratch_rows(layer, capacity)
+            for component in kv:
+                component.at(position, capacity)
             for name, snapshot in others.items():
                 state[name].restore(snapshot)
-            step(min(capacity, self.context_length) - 1)  # traced, never evaluated
+            step(position)  # traced, never evaluated
         return len(rungs)
 
     # -- introspection -----------------------------------------------------------
@@ -892,18 +887,6 @@ def _clip_ids(ids: mx.array, top: int) -> mx.array:
 
 def _state_arrays(state: State) -> list[mx.array]:
     return [a for component in state.values() for a in component.arrays()]
-
-
-def _scratch_rows(layer: LayerKV, capacity: int) -> None:
-    """*layer* holding ``capacity - 1`` rows of lazy zeros in buffers of
-    *capacity* (its heads, widths and dtypes kept), so the next step claims
-    the last row without growing: :meth:`Runner.warm_up`'s stand-in cache."""
-    assert layer.keys is not None and layer.values is not None
-    layer.keys, layer.values = (
-        mx.zeros((1, rows.shape[1], capacity, rows.shape[3]), rows.dtype)  # type: ignore[union-attr]
-        for rows in (layer.keys, layer.values)
-    )
-    layer.base, layer.fill = 0, capacity - 1
 
 
 def _forwards(length: int, want: LogitsWanted) -> list[tuple[int, int, LogitsWanted]]:

@@ -463,6 +463,23 @@ class KVComponent(LayeredComponent[LayerKV]):
         for layer in self.layers:
             layer.quant = quant
 
+    def at(self, position: int, capacity: int) -> None:
+        """Every written layer holding ``capacity - 1`` rows of lazy zeros
+        (never evaluated: no memory) in buffers of *capacity*, its last row
+        at *position*, so the next step claims the last row without growing:
+        a scratch state's stand-in cache for tracing a step at one capacity
+        of the ladder (``Runner.warm_up``)."""
+        for layer in self.layers:
+            if layer.keys is None or layer.values is None:
+                continue
+            layer.keys, layer.values = (
+                _map(rows, lambda a: mx.zeros((1, a.shape[1], capacity, a.shape[3]), a.dtype))
+                for rows in (layer.keys, layer.values)
+            )
+            layer.fill = capacity - 1
+            layer.base = position - layer.fill
+        self._position = position
+
     @classmethod
     def adopt(
         cls, name: str, layers: list[LayerKV], window: int | None, headroom: int, position: int
