@@ -46,6 +46,7 @@ from turbospark.generation.opening import (
     check_steering,
     to_dtype,
 )
+from turbospark.layers.fused import STEP_TOKENS
 from turbospark.layers.layer_step import kernels_available
 from turbospark.layers.sharding import check_same_install
 from turbospark.loading.install import (
@@ -310,8 +311,8 @@ class Runner:
         kernels' contract in ops). Returns the rungs traced
         (0: nothing to warm, a step here never traces per capacity).
 
-        On a scratch state: a one-token prefill and one decode step,
-        evaluated (every kernel built once), then for each rung the step
+        On a scratch state: a short prompt (fed as :meth:`feed` feeds one)
+        and one decode step, evaluated (every kernel built once), then for each rung the step
         built over zero buffers of that capacity and never evaluated, so the
         rungs cost host time alone (about one step's graph each) and no
         memory. A quantized cache and a sharded model take the modules' path,
@@ -326,15 +327,19 @@ class Runner:
             return 0
         state = self._new_state()
 
-        def step(start: int) -> mx.array | None:
+        def step(start: int, length: int = 1, logits: LogitsWanted = "last") -> mx.array | None:
             return self._hook.turbospark_forward(
-                model=self.model, state=state, vision=None, steer=None, logits="last",
-                tokens=mx.array([0], dtype=mx.int32), start=start,
+                model=self.model, state=state, vision=None, steer=None, logits=logits,
+                tokens=mx.zeros((length,), dtype=mx.int32), start=start,
             )  # fmt: skip
 
-        step(0)  # a prefill: the buffers
-        mx.eval(step(1), *_state_arrays(state))  # a decode step: its kernels
-        position = 2  # every rung's step writes here (a family may check it)
+        # A prompt past the compiled lengths, fed as _feed feeds one (the last
+        # token alone): the prefill's uncompiled and one-token forms.
+        prompt = STEP_TOKENS + 2
+        for begin, end, wanted in _forwards(prompt, "last"):
+            step(begin, end - begin, wanted)
+        mx.eval(step(prompt), *_state_arrays(state))  # a decode step: its kernels
+        position = prompt + 1  # every rung's step writes here (a family may check it)
         kv = [component for component in state.values() if isinstance(component, KVComponent)]
         others = {
             name: component.snapshot()
