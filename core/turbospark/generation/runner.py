@@ -308,21 +308,23 @@ class Runner:
         a decode step is traced with the cache's whole buffers, so each new
         capacity would otherwise trace it on some request's step (a step
         after each growth cost 1.4-2.8x a steady one on the CPU, with the
-        kernels' contract in ops). Returns the rungs traced
-        (0: nothing to warm, a step here never traces per capacity).
+        kernels' contract in ops). Returns the rungs traced (0: nothing to
+        warm, a step here never traces per capacity).
 
         On a scratch state: a short prompt (fed as :meth:`feed` feeds one)
-        and one decode step, evaluated (every kernel built once), then for each rung the step
-        built over zero buffers of that capacity and never evaluated, so the
-        rungs cost host time alone (about one step's graph each) and no
-        memory. A quantized cache and a sharded model take the modules' path,
-        which traces no capacity; streamed experts are left alone (a step's
+        and one decode step, evaluated (every kernel built once, and the
+        first prompt's forms traced), then for each rung the step built over
+        zero buffers of that capacity and never evaluated, so the rungs cost
+        host time alone (about one step's graph each) and no memory. A
+        quantized cache and a sharded model take the modules' path, which
+        traces no capacity; streamed experts are left alone (a step's
         routing would load experts and count in their cache's statistics)."""
         if (
             not kernels_available()
             or self.kv_quantization is not None
             or self.group is not None
             or self._experts is not None
+            or self.context_length < 3
         ):
             return 0
         state = self._new_state()
@@ -335,7 +337,7 @@ class Runner:
 
         # A prompt past the compiled lengths, fed as _feed feeds one (the last
         # token alone): the prefill's uncompiled and one-token forms.
-        prompt = STEP_TOKENS + 2
+        prompt = min(STEP_TOKENS + 2, self.context_length - 2)
         for begin, end, wanted in _forwards(prompt, "last"):
             step(begin, end - begin, wanted)
         mx.eval(step(prompt), *_state_arrays(state))  # a decode step: its kernels
