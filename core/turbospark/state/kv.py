@@ -14,7 +14,9 @@ the runner traces every rung up to its context length at load
 (``Runner.warm_up``), so no step on the user's path traces. What the ladder
 costs: at most ``1/32`` of a buffer beyond mlx-lm's step-256 growth (3 %,
 and none below 8k rows), and a buffer still grows by at least :data:`STEP`
-rows (a window's ring still trims at most once every 256 steps).
+rows (a window's ring still trims at most once every 256 steps). A batch's
+buffers (:class:`BatchLayerKV`) keep growing by steps: a batched step takes
+the modules' path, which sees only the columns in use, never the capacity.
 
 Continuous batching decodes every active session in one forward. While a
 session is in the batch its state lives here, merged with the others'; it
