@@ -76,11 +76,18 @@ def test_a_decode_to_the_limit_stays_within_the_warmed_rungs() -> None:
             assert layer.keys.shape[2] in warmed
 
 
-@pytest.fixture(scope="module")
-def install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """gemma4: full layers, windowed ones (a window of 8) and KV-shared ones."""
-    dims = {"num_layers": 4, "sliding_window": 8}
-    return kind_install(tmp_path_factory.mktemp("ladder-gemma4"), "gemma4", dims)
+# gemma4: full layers, windowed ones (a window of 8) and KV-shared ones;
+# qwen_gdn: an attention layer among gated-DeltaNet ones.
+KINDS = {
+    "gemma4": {"num_layers": 4, "sliding_window": 8},
+    "qwen_gdn": {"num_layers": 4},
+}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family = request.param
+    return kind_install(tmp_path_factory.mktemp(f"ladder-{family}"), family, KINDS[family])
 
 
 Traces = Counter[tuple[str, tuple[int, ...]]]
