@@ -102,7 +102,10 @@ def test_chunks_and_steps_equal_the_plain_path(
     runs = []
     for kernel in (False, True):
         handed = _path(monkeypatch, kernel)
-        runs.append(chunks_and_steps(_open(install), PROMPT))
+        runner = _open(install)
+        handed.clear()  # the load's warm-up: a scratch state's rows
+        handed.clear()  # the load's warm-up (Runner.warm_up): a scratch state's rows
+        runs.append(chunks_and_steps(runner, PROMPT))
     (ref_logits, ref_state), (got_logits, got_state) = runs
     for i, (a, b) in enumerate(zip(got_logits, ref_logits, strict=True)):
         _close(a, b, f"forward {i}'s logits")
@@ -121,6 +124,7 @@ def test_steps_across_a_trim_and_a_grown_buffer(
     for kernel in (False, True):
         handed = _path(monkeypatch, kernel)
         runner = _open(install)
+        handed.clear()  # the load's warm-up: a scratch state's rows
         runner.prefill_chunk(prompt, 0)
         steps = [runner.produce(5 + i, len(prompt) + i) for i in range(5)]
         runs.append((steps, state_arrays(runner.sessions()[0].state)))

@@ -17,6 +17,7 @@ replaced weights. Float32 on CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -111,15 +112,20 @@ def _switch(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
     return take
 
 
-def _both(monkeypatch: pytest.MonkeyPatch, norms: bool, run) -> tuple[object, object, dict]:
-    """``run()`` with the modules' path, then with the layer step (each with
-    every kernel's forms); both results and the layer steps taken."""
+def _both(
+    monkeypatch: pytest.MonkeyPatch, norms: bool, install: Path, run
+) -> tuple[object, object, dict]:
+    """``run(runner)`` over *install* with the modules' path, then with the
+    layer step (each with every kernel's forms); both results and the layer
+    steps *run* took (the runner's load steps too: ``Runner.warm_up``)."""
     out = []
     for on in (False, True):
         with monkeypatch.context() as patch:
             taken = _kernels(patch, norms)
             _switch(patch)(on)
-            out.append(run())
+            runner = _open(install)
+            taken.update(linear=0, attention=0)
+            out.append(run(runner))
     return out[0], out[1], taken
 
 
@@ -130,7 +136,7 @@ def test_chunks_and_steps_equal_the_modules(
     every state array at the end; the steps took the layer step, each layer
     kind once a step, and so did each chunk's last token (a chunk whose logits
     are read feeds its last token alone: six one-token forwards)."""
-    want, got, taken = _both(monkeypatch, norms, lambda: chunks_and_steps(_open(install), PROMPT))
+    want, got, taken = _both(monkeypatch, norms, install, partial(chunks_and_steps, prompt=PROMPT))
     for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
         _close(a, b, f"forward {i}'s logits")
     assert_states_close(got[1], want[1], ATOL)
@@ -145,13 +151,12 @@ def test_steps_across_a_grown_buffer(
     every step's logits and the state."""
     prompt = [3 + (5 * i) % 97 for i in range(254)]
 
-    def run() -> tuple[list[mx.array], dict]:
-        runner = _open(install)
+    def run(runner: Runner) -> tuple[list[mx.array], dict]:
         runner.prefill_chunk(prompt, 0)
         steps = [runner.produce(5 + i, len(prompt) + i) for i in range(5)]
         return steps, state_arrays(runner.sessions()[0].state)
 
-    want, got, _ = _both(monkeypatch, norms, run)
+    want, got, _ = _both(monkeypatch, norms, install, run)
     for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
         _close(a, b, f"step {i}")
     assert_states_close(got[1], want[1], ATOL)

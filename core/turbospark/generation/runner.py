@@ -46,6 +46,8 @@ from turbospark.generation.opening import (
     check_steering,
     to_dtype,
 )
+from turbospark.layers.fused import STEP_TOKENS
+from turbospark.layers.layer_step import kernels_available
 from turbospark.layers.sharding import check_same_install
 from turbospark.loading.install import (
     Manifest,
@@ -71,7 +73,7 @@ from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
 from turbospark.state.components import State
-from turbospark.state.kv import KVQuantization, quantize_kv
+from turbospark.state.kv import STEP, KVComponent, KVQuantization, ladder, quantize_kv
 
 
 class Runner:
@@ -286,6 +288,7 @@ class Runner:
                     f"DraftPolicies.mtp: the install at {path} names mtp.* tensors but "
                     f"family '{spec.name}' built no MTP head from them; re-import the checkpoint"
                 )
+        runner.warm_up()
         return runner
 
     def _new_state(self) -> State:
@@ -295,6 +298,64 @@ class Runner:
             arch=self.arch, model=self.model, context_length=self.context_length
         )
         return quantize_kv(state, self.kv_quantization)
+
+    def warm_up(self) -> int:
+        """Trace a lone row's decode step at every capacity a session's K/V
+        can take up to the context length (the growth ladder,
+        :func:`~turbospark.state.kv.ladder`), once, at load: where the
+        attention kernels run (:func:`~turbospark.layers.layer_step.kernels_available`)
+        a decode step is traced with the cache's whole buffers, so each new
+        capacity would otherwise trace it on some request's step (a step
+        after each growth cost 1.4-2.8x a steady one on the CPU, with the
+        kernels' contract in ops). Returns the rungs traced (0: nothing to
+        warm, a step here never traces per capacity).
+
+        On a scratch state: a short prompt (fed as :meth:`feed` feeds one)
+        and one decode step, evaluated (every kernel built once, and the
+        first prompt's forms traced), then for each rung the step built over
+        zero buffers of that capacity and never evaluated, so the rungs cost
+        host time alone (about one step's graph each) and no memory. A
+        quantized cache and a sharded model take the modules' path, which
+        traces no capacity; streamed experts are left alone (a step's
+        routing would load experts and count in their cache's statistics)."""
+        if (
+            not kernels_available()
+            or self.kv_quantization is not None
+            or self.group is not None
+            or self._experts is not None
+            or self.context_length < 3
+        ):
+            return 0
+        state = self._new_state()
+
+        def step(start: int, length: int = 1, logits: LogitsWanted = "last") -> mx.array | None:
+            return self._hook.turbospark_forward(
+                model=self.model, state=state, vision=None, steer=None, logits=logits,
+                tokens=mx.zeros((length,), dtype=mx.int32), start=start,
+            )  # fmt: skip
+
+        # A prompt past the compiled lengths, fed as _feed feeds one (the last
+        # token alone): the prefill's uncompiled and one-token forms.
+        prompt = min(STEP_TOKENS + 2, self.context_length - 2)
+        for begin, end, wanted in _forwards(prompt, "last"):
+            step(begin, end - begin, wanted)
+        mx.eval(step(prompt), *_state_arrays(state))  # a decode step: its kernels
+        position = prompt + 1  # every rung's step writes here (a family may check it)
+        kv = [component for component in state.values() if isinstance(component, KVComponent)]
+        others = {
+            name: component.snapshot()
+            for name, component in state.items()
+            if not isinstance(component, KVComponent)
+        }
+        # A buffer full at the last rung below the limit grows by at least a step.
+        rungs = ladder(self.context_length + STEP)
+        for capacity in rungs:
+            for component in kv:
+                component.at(position, capacity)
+            for name, snapshot in others.items():
+                state[name].restore(snapshot)
+            step(position)  # traced, never evaluated
+        return len(rungs)
 
     # -- introspection -----------------------------------------------------------
 

@@ -140,7 +140,8 @@ def shared_layer(
 @cache
 def owner_trace(inputs: Inputs) -> Callable[..., Sequence[mx.array]]:
     """:func:`owner_layer` over *inputs*, compiled: traced once per stream
-    form and buffer size (the caches grow 256 rows at a time)."""
+    form and buffer size (the rungs of the caches' growth ladder,
+    :func:`~turbospark.state.kv.capacity_for`, each traced at load)."""
     return mx.compile(partial(owner_layer, inputs))
 
 

@@ -3,6 +3,21 @@
 A session's K/V grows in blocks and, for a sliding window, keeps a ring
 (:class:`LayerKV`); :class:`KVComponent` is the component of a group of layers.
 
+**Growth ladder.** A lone session's buffers only ever take a capacity from
+one fixed ladder (:func:`capacity_for`): multiples of :data:`STEP` (256 rows,
+mlx-lm's ``KVCache.step``) up to :data:`FINE_UNTIL`, then :data:`PER_OCTAVE`
+sizes an octave (spaced ``2**k / 32``: 512 rows past 16k, 1024 past 32k). A
+traced decode step (the CUDA kernels' path, :mod:`turbospark.layers.attention_step`)
+sees the whole buffers, so it is traced once per capacity; with every
+session's capacities on one ladder a process traces each rung once, and
+the runner traces every rung up to its context length at load
+(``Runner.warm_up``), so no step on the user's path traces. What the ladder
+costs: at most ``1/32`` of a buffer beyond mlx-lm's step-256 growth (3 %,
+and none below 8k rows), and a buffer still grows by at least :data:`STEP`
+rows (a window's ring still trims at most once every 256 steps). A batch's
+buffers (:class:`BatchLayerKV`) keep growing by steps: a batched step takes
+the modules' path, which sees only the columns in use, never the capacity.
+
 Continuous batching decodes every active session in one forward. While a
 session is in the batch its state lives here, merged with the others'; it
 joins once (its arrays are copied in, a cost proportional to its size) and
@@ -58,6 +73,30 @@ from turbospark.state.components import (
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+
+# The growth ladder (see the module): rows a buffer grows by at least, the
+# capacity up to which every multiple of it is a rung, and rungs an octave past it.
+STEP = 256
+FINE_UNTIL = 8192
+PER_OCTAVE = 32
+
+
+def capacity_for(rows: int) -> int:
+    """The smallest rung of the growth ladder holding *rows*: a multiple of
+    :data:`STEP` up to :data:`FINE_UNTIL`, then a multiple of an octave's
+    ``1/PER_OCTAVE`` (so a buffer wastes at most that share of itself)."""
+    if rows <= FINE_UNTIL:
+        return max(1, -(-rows // STEP)) * STEP
+    spacing = max(STEP, (1 << ((rows - 1).bit_length() - 1)) // PER_OCTAVE)
+    return -(-rows // spacing) * spacing
+
+
+def ladder(limit: int) -> list[int]:
+    """Every rung of the growth ladder up to the one holding *limit* rows."""
+    rungs = [STEP]
+    while rungs[-1] < limit:
+        rungs.append(capacity_for(rungs[-1] + 1))
+    return rungs
 
 
 class KVQuantization(BaseModel):
@@ -239,15 +278,17 @@ def _visible_from(window: int | None, fill: int, length: int) -> int:
 class LayerKV:
     """Keys and values of one attention layer, optionally limited to a sliding window.
 
-    Buffers grow in ``step``-token blocks and are written in place (as mlx-lm's
-    ``KVCache`` does), so decode never re-copies the history. A windowed layer
+    Buffers grow by at least ``step`` rows to a rung of the growth ladder
+    (:func:`capacity_for`, see the module) and are written in place (as
+    mlx-lm's ``KVCache`` does), so decode never re-copies the history and a
+    traced step meets only the ladder's capacities. A windowed layer
     keeps at least ``window - 1 + headroom`` recent tokens: ``window - 1`` are
     what the next query attends to, ``headroom`` is how far it can rewind.
     ``base`` is the absolute position of buffer row 0. With *quant* the rows
     are stored quantized (:class:`QuantizedRows`; see the module).
     """
 
-    step = 256
+    step = STEP
 
     def __init__(
         self, window: int | None = None, headroom: int = 0, quant: KVQuantization | None = None
@@ -293,7 +334,7 @@ class LayerKV:
             self.values = _map(self.values, lambda a: a[:, :, drop:fill])
             self.base += drop
             self.fill -= drop
-        grow = ((length + self.step - 1) // self.step) * self.step
+        grow = capacity_for(self.fill + max(length, self.step)) - self.fill
         k_new, v_new = _zeros(keys, 1, grow), _zeros(values, 1, grow)
         if self.keys is None or self.values is None:
             self.keys, self.values = k_new, v_new
@@ -423,6 +464,23 @@ class KVComponent(LayeredComponent[LayerKV]):
         assert all(layer.keys is None for layer in self.layers), "quantize a fresh component"
         for layer in self.layers:
             layer.quant = quant
+
+    def at(self, position: int, capacity: int) -> None:
+        """Every written layer holding ``capacity - 1`` rows of lazy zeros
+        (never evaluated: no memory) in buffers of *capacity*, its last row
+        at *position*, so the next step claims the last row without growing:
+        a scratch state's stand-in cache for tracing a step at one capacity
+        of the ladder (``Runner.warm_up``)."""
+        for layer in self.layers:
+            if layer.keys is None or layer.values is None:
+                continue
+            layer.keys, layer.values = (
+                _map(rows, lambda a: mx.zeros((1, a.shape[1], capacity, a.shape[3]), a.dtype))
+                for rows in (layer.keys, layer.values)
+            )
+            layer.fill = capacity - 1
+            layer.base = position - layer.fill
+        self._position = position
 
     @classmethod
     def adopt(

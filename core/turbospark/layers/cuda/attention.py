@@ -345,7 +345,7 @@ def decode_ops(
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=visible)
 
 
-# Traced once per buffer size (a cache grows 256 rows at a time), then replayed:
+# Traced once per buffer size (a rung of the caches' growth ladder), then replayed:
 # MLX builds a custom kernel's whole source on every eager call, which cost a
 # gemma4 step 300 µs of host time over its 16 layers on the H200, more than
 # the launches it saved.
