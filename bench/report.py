@@ -349,7 +349,7 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
                          f"{ours['decode_tok_s']:.0f} vs {theirs['decode_tok_s']:.0f} tok/s; slowest step "
                          f"÷ median {ours['max_over_median_step']:.2f} vs {theirs['max_over_median_step']:.2f}"))  # fmt: skip
             rows.append((f"{n}-token prompt: peak memory ÷ mlx-lm's", f"{r['peak_memory_ratio_vs_mlx_lm']:.2f}",
-                         f"{ours['peak_bytes'] / 1e9:.2f} vs {theirs['peak_bytes'] / 1e9:.2f} GB; "
+                         f"{_mib(ours['peak_bytes'])} vs {_mib(theirs['peak_bytes'])} MiB; "
                          f"same tokens: {r['tokens_match']}"))  # fmt: skip
     elif section == "batch_decode":
         for key, level in result["levels"].items():
