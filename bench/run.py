@@ -497,6 +497,17 @@ def main(argv: list[str] | None = None) -> int:
         help="repeatable: the sizes the quantized section converts (default: the plan's)",
     )
     parser.add_argument(
+        "--concurrency-clients",
+        type=int,
+        action="append",
+        help="repeatable: the concurrency section's client counts (default: the plan's)",
+    )
+    parser.add_argument(
+        "--append-replies",
+        action="store_true",
+        help="concurrency: each turn appends the reply as the client received it",
+    )
+    parser.add_argument(
         "--quantized-clients",
         type=int,
         action="append",
@@ -518,6 +529,14 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, quantized_sizes=tuple(args.quantized_size))
     if args.quantized_bits:
         plan = replace(plan, quantized_bits=tuple(args.quantized_bits))
+    if args.concurrency_clients or args.append_replies:
+        clients = tuple(args.concurrency_clients or plan.concurrency.clients)
+        plan = replace(
+            plan,
+            concurrency=replace(
+                plan.concurrency, clients=clients, append_replies=args.append_replies
+            ),
+        )
     if args.quantized_clients:
         clients = tuple(n for n in args.quantized_clients if n > 0)
         plan = replace(
