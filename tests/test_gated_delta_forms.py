@@ -19,6 +19,7 @@ from turbospark.layers.gated_delta.gates import (
     decay_rate,
     input_bias,
     log_decay,
+    mixer_input_bias,
     normalize_qk,
 )
 from turbospark.layers.gated_delta.layer import mix, mix_unrolled, unrolled_layer
@@ -324,3 +325,15 @@ def test_decay_rate_is_kept_until_a_log_is_replaced() -> None:
     assert set(mixer.parameters()) == {"A_log"}
     mixer.A_log = mx.array([2.0, 3.0])
     np.testing.assert_allclose(np.array(decay_rate(mixer)), -np.exp([2.0, 3.0]), rtol=1e-6)
+
+
+def test_the_input_bias_follows_its_projections_dtype_and_width() -> None:
+    """Kept per ``dt_bias``, the bias still follows projections replaced
+    under it (another dtype, another width): each read is what a fresh
+    mixer would build for them."""
+    mixer = nn.Module()
+    mixer.dt_bias = mx.arange(HV, dtype=mx.float32)
+    for dtype, width in [(mx.float32, 40), (mx.float16, 40), (mx.float16, 48)]:
+        got = mixer_input_bias(mixer, mx.zeros((8, width), dtype))
+        assert got.dtype == dtype and got.shape == (width,)
+        assert mx.array_equal(got, input_bias(mixer.dt_bias.astype(dtype), width)).item()

@@ -1,6 +1,8 @@
 """Stacked projections: one matmul computes what the separate layers did, the
 weights stay the checkpoint's parameters (same names, shapes, one copy in
-memory), and replacing a weight after the first forward is seen.
+memory), and replacing a weight after the first forward is seen, as is
+replacing a bias, a norm's weight or a packed weight's scales or biases
+(everything the stacks and the one-trace steps' kept weights derive from).
 
 The families' own equality to mlx-lm (their parity tests) and sharded against
 unsharded (``test_distributed.py``) run through the stacked path; here is the
@@ -11,17 +13,20 @@ Float32 on CPU.
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.utils import dequantize_model
+from test_quantized_paths import _close, _kernels, _open, _quantized
 
 from turbospark import build_synthetic_install
 from turbospark.generation.runner import Runner
 from turbospark.layers import fused
-from turbospark.layers.stacked import gemm_add, project, stacked, transposed
+from turbospark.layers.stacked import gemm_add, matmul_t, project, stacked, transposed
 
 
 class Block(nn.Module):
@@ -177,3 +182,90 @@ def test_gemm_add_is_the_sum_in_every_form(
         assert "AddMM" in labels and "Add" not in labels
     assert got.shape == (*lead, 8)
     assert mx.allclose(got, c + x @ weight_t, atol=1e-5).item()
+
+
+class QuantizedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        for name, rows in zip(NAMES, (32, 16, 8), strict=True):
+            setattr(self, name, nn.QuantizedLinear(64, rows, group_size=32, bits=4))
+
+
+@pytest.mark.parametrize("part", ["scales", "biases"])
+def test_a_replaced_scale_or_bias_rebuilds_a_quantized_stack(part: str) -> None:
+    """The packed weight unchanged, its scales (or biases) replaced: the stack
+    and the packed triple a step reads follow, as for a replaced weight."""
+    block = QuantizedBlock()
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(2))
+    first, packed = stacked(block, NAMES), transposed(block.v_proj)
+    assert first is not None
+    for name in ("k_proj", "v_proj"):
+        block[name][part] = block[name][part] * 1.5 + 0.25
+    second = stacked(block, NAMES)
+    assert second is not None and second is not first
+    for got, name in zip(second(x), NAMES, strict=True):
+        assert mx.allclose(got, block[name](x), atol=1e-5).item()
+    assert transposed(block.v_proj) is not packed
+    assert mx.allclose(matmul_t(x, transposed(block.v_proj)), block.v_proj(x), atol=1e-5).item()
+
+
+def test_a_replaced_bias_rebuilds_the_stack() -> None:
+    block = Block(bias=True)
+    first = stacked(block, NAMES)
+    block.k_proj.bias = block.k_proj.bias + 1
+    second = stacked(block, NAMES)
+    assert second is not None and second is not first
+    x = mx.ones((1, 1, 24))
+    assert mx.allclose(second(x)[1], block.k_proj(x)).item()
+
+
+def _replaced(model: nn.Module, part: str) -> None:
+    """Every layer's quantized projections' *part* (``scales`` or
+    ``biases``), or its norms' weights (``norm``), replaced by new values
+    (the packed weights left as they are)."""
+    for path, module in model.named_modules():
+        if ".layers." not in f".{path}":
+            continue
+        quantized = isinstance(module, nn.QuantizedLinear)
+        if part == "norm" and not quantized and module.get("weight") is not None:
+            if module["weight"].ndim == 1:
+                module.update({"weight": module["weight"] * 1.25 + 0.1})
+        elif part != "norm" and quantized:
+            module.update({part: module[part] * 1.25 + 0.01})
+    mx.eval(model.parameters())
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["modules", "kernels"])
+@pytest.mark.parametrize("part", ["scales", "biases", "norm"])
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_replaced_quantized_parts_are_used_after_decoding(
+    family: str, part: str, kernels: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quantized model that already decoded (stacks, packed triples and the
+    one-trace steps' weights kept) and then gets other scales, biases or norm
+    weights under the same packed weights takes its next decode step as a
+    model built with them does: the same quantized values dequantized into
+    float layers, so none of its kept weights was ever derived from the old
+    ones, from the same session state."""
+    build_synthetic_install(family, tmp_path, vocab_size=128, num_layers=4, seed=1)
+    prompt = list(range(3, 20))
+    with ExitStack() as stack:
+        if kernels:
+            taken = _kernels(stack, monkeypatch)
+        reused = _quantized(_open(tmp_path), 4)
+        reused.prefill_chunk(prompt, 0)
+        reused.produce(5, len(prompt))
+        held = reused.snapshot()
+        _replaced(reused.model, part)
+        after = reused.produce(6, len(prompt) + 1)
+        fresh = _quantized(_open(tmp_path), 4)
+        _replaced(fresh.model, part)
+        dequantize_model(fresh.model)
+        fresh.restore(held)
+        _close(after, fresh.produce(6, len(prompt) + 1), "the next decode step")
+        unchanged = _quantized(_open(tmp_path), 4)
+        unchanged.restore(held)
+        assert not mx.allclose(after, unchanged.produce(6, len(prompt) + 1), atol=1e-3).item()
+        if kernels:
+            assert taken["attention"] > 0
+            assert taken["gated_delta"] > 0 or family == "gemma4"

@@ -335,7 +335,7 @@ class LayerEnd:
         mixer does not take the step) and :meth:`weights`; None where either
         is None. Derived once and kept with the paths to each
         (:func:`~turbospark.layers.layer_step.kept`), so a replaced module or
-        weight derives them again."""
+        array (a weight, a packed weight's scales or biases) derives them again."""
 
         def derive() -> tuple[mx.array, tuple[Any, ...], EndWeights] | None:
             end = self.weights(layer)

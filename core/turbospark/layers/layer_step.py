@@ -85,7 +85,10 @@ def links(owner: nn.Module, paths: Sequence[tuple[Any, ...]]) -> list[Link]:
     *paths* (keys into modules, lists and dicts), each link once. A path
     stops where a key is missing (a wrapped or sharded module with no
     ``weight`` of its own): the links before it still break when that
-    module is replaced."""
+    module is replaced. A path to a module's array links every array that
+    module holds beside it: a module's arrays are read together (a packed
+    weight with its ``scales`` and ``biases``, a weight with its ``bias``),
+    so replacing any of them breaks the link as replacing the weight does."""
     found: dict[tuple[int, Any], Link] = {}
     for path in paths:
         holder: Any = owner
@@ -94,6 +97,10 @@ def links(owner: nn.Module, paths: Sequence[tuple[Any, ...]]) -> list[Link]:
                 break
             value = holder[key]
             found[id(holder), key] = (holder, key, value)
+            if isinstance(value, mx.array) and isinstance(holder, nn.Module):
+                for name, array in holder.items():
+                    if isinstance(array, mx.array):
+                        found[id(holder), name] = (holder, name, array)
             holder = value
     return list(found.values())
 

@@ -11,11 +11,12 @@ and re-points each module's ``weight`` at its rows of the stacked array
 (views, no copy), so the weights are held once, every parameter keeps its
 checkpoint name and shape, and ``model.parameters()`` still lists them.
 
-A module whose weight was replaced afterwards (a reload, a test assigning
-weights) no longer matches the views held here, and the stack is rebuilt from
-the new weights on the next call. Sharded projections (``AllToShardedLinear``,
-anything but a plain ``nn.Linear`` or ``nn.QuantizedLinear``) are never
-stacked: the caller then applies the modules one by one.
+A module whose weight (or scales, biases or bias) was replaced afterwards (a
+reload, a test assigning weights) no longer matches the views held here, and
+the stack is rebuilt from the new arrays on the next call. Sharded
+projections (``AllToShardedLinear``, anything but a plain ``nn.Linear`` or
+``nn.QuantizedLinear``) are never stacked: the caller then applies the
+modules one by one.
 
 A quantized projection (``nn.QuantizedLinear``, as mlx-lm's checkpoints load)
 is read by a step as :class:`Packed`: its packed weight, scales and biases
@@ -132,13 +133,16 @@ class Stacked:
             for linear, part in zip(linears, mx.split(value, self.splits), strict=True):
                 linear[name] = part
         mx.eval([linear.parameters() for linear in linears])
-        self._parts = [linear["weight"] for linear in linears]
+        # Every array stacked (a packed weight's scales and biases, a bias),
+        # so a replaced scale rebuilds the stack as a replaced weight does.
+        self._names = tuple(held)
+        self._parts = [linear[name] for linear in linears for name in self._names]
 
     def matches(self, owner: nn.Module, names: Sequence[str]) -> bool:
-        """Whether every module still holds the rows this stack gave it (a
-        module is a dict: item lookups, and the identities compared in C, as
-        this runs for every layer and step)."""
-        held = [owner[name]["weight"] for name in names]
+        """Whether every module still holds the rows this stack gave it, of
+        each array stacked (a module is a dict: item lookups, and the
+        identities compared in C, as this runs for every layer and step)."""
+        held = [owner[name].get(part) for name in names for part in self._names]
         return len(held) == len(self._parts) and all(map(is_, held, self._parts))
 
     def __call__(self, x: mx.array) -> list[mx.array]:
@@ -189,12 +193,17 @@ def derived(
 def transposed(linear: nn.Module) -> WeightT:
     """What a step reads of *linear* (:func:`matmul_t`): its ``weight.T`` as an
     evaluated view (:func:`derived`), or a quantized linear's :class:`Packed`
-    (kept alike, rebuilt when its weight was replaced)."""
+    (kept alike, rebuilt when its weight, scales or biases were replaced)."""
     packing = _packing(linear)
     if packing is None:
         return derived(linear, "_transposed", linear["weight"], lambda weight: weight.T)
     held = linear.__dict__.get("_packed")
-    if held is None or held.weight is not linear["weight"] or held.scales is not linear["scales"]:
+    if (
+        held is None
+        or held.weight is not linear["weight"]
+        or held.scales is not linear["scales"]
+        or held.biases is not linear.get("biases")
+    ):
         held = linear.__dict__["_packed"] = _packed(linear, packing)
     return held
 

@@ -27,6 +27,11 @@ class MtpTrack:
         cache = 0 if self.cache is None else self.cache.nbytes
         return cache + sum(chunk.nbytes for chunk in self.hidden)
 
+    def arrays(self) -> list[mx.array]:
+        """Every array it holds (the session counts each of its arrays once)."""
+        cache = [] if self.cache is None else self.cache.arrays()
+        return [*cache, *self.hidden]
+
     @property
     def hidden_end(self) -> int:
         return self.hidden_start + sum(chunk.shape[0] for chunk in self.hidden)

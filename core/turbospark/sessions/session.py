@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 from turbospark.errors import InvalidInput, RewindError, TurbosparkError
 from turbospark.policies.steering import SteeringPolicy
 from turbospark.sessions.prefix import PrefixRecord
@@ -20,7 +22,7 @@ from turbospark.state.components import (
     LayeredComponent,
     Snapshot,
     State,
-    state_nbytes,
+    distinct_nbytes,
     state_position,
 )
 
@@ -40,9 +42,8 @@ class Checkpoint:
     position: int
     snapshots: dict[str, Snapshot]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for snap in self.snapshots.values() for a in snap.values())
+    def arrays(self) -> list[mx.array]:
+        return [a for snap in self.snapshots.values() for a in snap.values()]
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,20 @@ class Session:
     def has_content(self) -> bool:
         return self.position > 0 or len(self.record) > 0
 
+    def arrays(self) -> list[mx.array]:
+        """Every array the session holds: its state's, its checkpoints' and its
+        MTP track's. A checkpoint holds references, often to the very arrays
+        the state holds (taken where the state still is) or another
+        checkpoint's, so an array may appear more than once here."""
+        held = [a for component in self.state.values() for a in component.arrays()]
+        held += [a for checkpoint in self.checkpoints for a in checkpoint.arrays()]
+        return held + ([] if self.mtp is None else self.mtp.arrays())
+
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.mtp is None else self.mtp.nbytes
-        return state_nbytes(self.state) + sum(c.nbytes for c in self.checkpoints) + extra
+        """Bytes of the distinct arrays it holds (each buffer once): what the
+        parked-memory cap, the pool's eviction and the sessions view count."""
+        return distinct_nbytes(self.arrays())
 
     def clear(self) -> None:
         self.record.clear()

@@ -8,6 +8,7 @@ state (recurrent matrices, conv tails) implement the same protocol.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -78,6 +79,17 @@ def state_position(state: State) -> int:
 
 def state_nbytes(state: State) -> int:
     return sum(c.nbytes for c in state.values())
+
+
+def distinct_nbytes(arrays: Iterable[mx.array]) -> int:
+    """Bytes of *arrays*, each array object counted once.
+
+    A snapshot or checkpoint holds references to the state's own arrays (MLX
+    arrays are immutable, so taking one copies nothing): the same object held
+    twice is one buffer, and counting it twice would evict warm sessions
+    early. The objects are kept alive while counting, so no ``id`` is reused."""
+    held = {id(a): a for a in arrays}
+    return sum(a.nbytes for a in held.values())
 
 
 def refuse_rewind(name: str, n: int, limit: int) -> RewindError:

@@ -40,12 +40,13 @@ def input_bias(dt_bias: mx.array, columns: int) -> mx.array:
 def mixer_input_bias(mixer: nn.Module, in_proj_t: WeightT) -> mx.array:
     """*mixer*'s :func:`input_bias` for its stacked projections *in_proj_t*, in
     their dtype (a float32 bias would promote the GEMM; packed ones compute in
-    the model's, ``dt_bias``'s), built once per ``dt_bias`` (:func:`derived`)."""
+    the model's, ``dt_bias``'s), built once per ``dt_bias``, width and dtype
+    (:func:`derived`; projections replaced under the same ``dt_bias``, by
+    another dtype or quantized, read a bias of their own)."""
     width = columns(in_proj_t)
     dtype = in_proj_t.dtype if isinstance(in_proj_t, mx.array) else mixer["dt_bias"].dtype
-    return derived(
-        mixer, "_input_bias", mixer["dt_bias"], lambda dt: input_bias(dt.astype(dtype), width)
-    )
+    name = f"_input_bias/{width}/{dtype}"
+    return derived(mixer, name, mixer["dt_bias"], lambda dt: input_bias(dt.astype(dtype), width))
 
 
 def decay_rate(mixer: nn.Module) -> mx.array:
