@@ -124,6 +124,16 @@ def parts(
     return side_parts(h, ff, side_input, side, eps, gelu)
 
 
+def _rows(x: mx.array | None) -> mx.array | None:
+    """*x* ``(..., width)`` as two-dimensional rows ``(N, width)`` (a layer
+    step's are already). MLX wraps every matmul of a 3-D input in a flatten
+    and an unflatten, two graph nodes each (host time to build, replay and
+    schedule); an end reads its inputs in up to four matmuls, so its rows go
+    flat once on the way in and back once on the way out. The GEMMs' rows are
+    the same either way: the same results."""
+    return x if x is None or x.ndim == 2 else x.reshape(-1, x.shape[-1])
+
+
 def tail(
     h: mx.array,
     mixed: mx.array | None,
@@ -135,7 +145,22 @@ def tail(
     """:func:`parts` and the last join: ``(h + update) * scale``, or for a
     pre-norm end the down projection's GEMM adding the residual
     (:func:`~turbospark.layers.stacked.gemm_add`, in the form each device
-    runs fastest)."""
+    runs fastest); over the inputs' rows (:func:`_rows`)."""
+    if h.ndim == 2:
+        return _tail_rows(h, mixed, side_input, weights, eps, gelu)
+    out = _tail_rows(_rows(h), _rows(mixed), _rows(side_input), weights, eps, gelu)
+    return out.reshape(h.shape)
+
+
+def _tail_rows(
+    h: mx.array,
+    mixed: mx.array | None,
+    side_input: mx.array | None,
+    weights: EndWeights,
+    eps: float,
+    gelu: bool,
+) -> mx.array:
+    """:func:`tail` over rows ``(N, width)``."""
     if _pre_norm(weights):
         _, pre_mlp, gate_up_t, down_t, *_ = weights
         h = _mixed_in(h, mixed, None, eps)
@@ -155,7 +180,26 @@ def joins(
 ) -> tuple[mx.array, mx.array]:
     """:func:`parts` with every residual join made in one kernel with the
     norms beside it (:func:`~turbospark.layers.cuda.norm.join_norm`):
-    ``(h, update)``, the last join left to the next norm (:func:`unjoined`)."""
+    ``(h, update)``, the last join left to the next norm (:func:`unjoined`);
+    over the inputs' rows (:func:`_rows`) where a side input block's two
+    matmuls make that pay."""
+    side = weights[5]
+    if h.ndim == 2 or side is None:
+        return _joins_rows(h, mixed, side_input, weights, eps, gelu)
+    h_rows, update = _joins_rows(_rows(h), _rows(mixed), _rows(side_input), weights, eps, gelu)
+    return h_rows.reshape(h.shape), update.reshape(h.shape)
+
+
+def _joins_rows(
+    h: mx.array,
+    mixed: mx.array,
+    side_input: mx.array | None,
+    weights: EndWeights,
+    eps: float,
+    gelu: bool,
+) -> tuple[mx.array, mx.array]:
+    """:func:`joins` as given: rows ``(N, width)``, or the layer's own shape
+    (its gate and up rows in one matmul, the down projection's in another)."""
     post_mixer, pre_mlp, gate_up_t, down_t, post_mlp, side, _ = weights
     h, x = norm_cuda.join_norm(h, mixed, pre_mlp, eps, update_weight=post_mixer)
     ff = matmul_t(activation(x, gate_up_t, gelu), down_t)

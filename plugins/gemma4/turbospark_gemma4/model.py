@@ -745,9 +745,12 @@ class Gemma4TextModel(nn.Module):
             (slots.get(i), arch.kv_source(i)) for i in range(arch.num_hidden_layers)
         ]
 
-    def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
-        """``(B, L, layers, ple_dim)``: a per-layer token embedding mixed with a
-        projection of the (scaled) input embedding."""
+    def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> list[mx.array]:
+        """Each layer's ``(B, L, ple_dim)``: a per-layer token embedding mixed
+        with a projection of the (scaled) input embedding. Taken apart by one
+        split (one graph node for every layer), where indexing each layer's
+        out of the whole costs a slice and a squeeze a layer, and a Python
+        index's host time (about 3 µs each)."""
         arch, n, shape = self.arch, self.arch.num_hidden_layers, tokens.shape
         ids = tokens
         if arch.vocab_size > arch.vocab_size_per_layer_input:
@@ -762,7 +765,8 @@ class Gemma4TextModel(nn.Module):
         # (RMSNorm(c x, eps) = RMSNorm(x, eps / c**2)): one kernel fewer.
         norm = self["per_layer_projection_norm"]
         proj = mx.fast.rms_norm(proj, norm["weight"], norm.eps * arch.hidden_size)
-        return ple_mix(proj, table, self.ple_dim**0.5)
+        mixed = ple_mix(proj, table, self.ple_dim**0.5)  # (B, L, n, P)
+        return mx.split(mixed.reshape(*shape, n * self.ple_dim), n, axis=-1)  # n x (B, L, P)
 
     def __call__(
         self,
@@ -797,11 +801,12 @@ class Gemma4TextModel(nn.Module):
                 # the tail), so from here on only the last token is ever read.
                 skip = h.shape[1] - 1
                 h, start = h.last() if isinstance(h, Unjoined) else h[:, -1:], start + skip
-                per_layer = None if per_layer is None else per_layer[:, -1:]
+                if per_layer is not None:
+                    per_layer = [*per_layer[:i], *(x[:, -1:] for x in per_layer[i:])]
                 attended = [None if a is None else _last_query(a) for a in attended]
             kv = state[slot[0]][slot[1]] if slot else None
             shared = None if slot else attended[source]
-            layer_input = per_layer[:, :, i] if per_layer is not None else None
+            layer_input = per_layer[i] if per_layer is not None else None
             h, attended[i] = layer(h, start, kv, shared, layer_input, joiner(steer, i))
         # Once per call, whether or not this arch has layers of that kind.
         for spec in COMPONENTS:
