@@ -44,7 +44,7 @@ from turbospark.contract.protocols import Join
 from turbospark.layers.cuda import norm as norm_cuda
 from turbospark.layers.cuda.norm import Unjoined
 from turbospark.layers.fused import geglu, residual_scale, runs_compiled, swiglu
-from turbospark.layers.layer_step import flat, kept
+from turbospark.layers.layer_step import MISSING, flat, held, kept
 from turbospark.layers.stacked import WeightT, gemm_add, matmul_t, readable, stacked, transposed
 
 # The side input block's weights: its input gate and projection as a step
@@ -342,7 +342,18 @@ class LayerEnd:
         """:data:`EndWeights` from *layer*'s modules (the MLP's gate and up
         rows stacked: :func:`~turbospark.layers.stacked.stacked`), or None
         where the MLP is sharded or has biases (the modules then run it). A
-        quantized MLP is read packed, as its float form is read transposed."""
+        quantized MLP is read packed, as its float form is read transposed.
+
+        Derived once and kept with the paths to each array it read
+        (:func:`~turbospark.layers.layer_step.kept`), as a layer step's
+        weights are: looking them up again (the stack's check, the
+        accessors) cost each layer about 2 µs of host time a step on the
+        CPU, where checking the links costs about 1. A layer has one end, so
+        the layer holds one slot for it."""
+        return kept(layer, lambda: self._weights(layer), self.paths, "_end")
+
+    def _weights(self, layer: nn.Module) -> EndWeights | None:
+        """:meth:`weights`, looked up from the modules."""
         mlp = layer[self.mlp]
         gate_up, down = stacked(mlp, ("gate_proj", "up_proj")), mlp["down_proj"]
         if gate_up is None or not readable(down):
@@ -379,7 +390,13 @@ class LayerEnd:
         mixer does not take the step) and :meth:`weights`; None where either
         is None. Derived once and kept with the paths to each
         (:func:`~turbospark.layers.layer_step.kept`), so a replaced module or
-        array (a weight, a packed weight's scales or biases) derives them again."""
+        array (a weight, a packed weight's scales or biases) derives them
+        again; checked before the closures that would derive them are built
+        (:func:`~turbospark.layers.layer_step.held`), as this runs for every
+        layer and step."""
+        weights = held(layer)
+        if weights is not MISSING:
+            return weights
 
         def derive() -> tuple[mx.array, tuple[Any, ...], EndWeights] | None:
             end = self.weights(layer)
