@@ -45,8 +45,16 @@ def mixer_input_bias(mixer: nn.Module, in_proj_t: WeightT) -> mx.array:
     another dtype or quantized, read a bias of their own)."""
     width = columns(in_proj_t)
     dtype = in_proj_t.dtype if isinstance(in_proj_t, mx.array) else mixer["dt_bias"].dtype
-    name = f"_input_bias/{width}/{dtype}"
+    name = _input_bias_name(width, dtype)
     return derived(mixer, name, mixer["dt_bias"], lambda dt: input_bias(dt.astype(dtype), width))
+
+
+@lru_cache
+def _input_bias_name(width: int, dtype: mx.Dtype) -> str:
+    """Where :func:`mixer_input_bias` keeps a bias of *width* and *dtype*;
+    cached, as formatting it cost a gated-DeltaNet layer about 0.4 µs of
+    host time a step."""
+    return f"_input_bias/{width}/{dtype}"
 
 
 def decay_rate(mixer: nn.Module) -> mx.array:
