@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 
 from turbospark.layers.cuda import norm as norm_cuda
 from turbospark.layers.cuda.norm import Unjoined
@@ -28,7 +29,7 @@ SIDE_NAMES = ("side_gate", "side_proj", "side_norm")
 class Layer(nn.Module):
     """A layer's end under checkpoint-like names, its weights random."""
 
-    def __init__(self, kind: str, bias: bool = False):
+    def __init__(self, kind: str, bias: bool = False, seed: int = 0):
         super().__init__()
         gelu = kind != "pre_norm"
         self.mlp = GatedMLP(HIDDEN, INNER, combine=geglu if gelu else swiglu, bias=bias)
@@ -48,7 +49,7 @@ class Layer(nn.Module):
                 "pre", EPS, gelu=True, post_mixer="post_mixer", post_mlp="post_mlp",
                 side=SIDE_NAMES if side else None, scale="scalar" if side else None,
             )  # fmt: skip
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(seed)
         self.update(
             nn.utils.tree_map(
                 lambda a: mx.array(rng.standard_normal(a.shape).astype(np.float32) * 0.3),
@@ -136,3 +137,38 @@ def test_an_mlp_with_biases_runs_its_modules() -> None:
     assert layer.end.weights(layer) is None
     h, mixed, _ = _inputs(1)
     _close(layer.end(layer, h, mixed), layer.reference(h, mixed, None))
+
+
+def _parameter_names(kind: str) -> list[str]:
+    return [name for name, _ in tree_flatten(Layer(kind).parameters())]
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"), [(kind, name) for kind in KINDS for name in _parameter_names(kind)]
+)
+def test_kept_end_weights_follow_every_replaced_array(kind: str, name: str) -> None:
+    """:meth:`LayerEnd.weights` is kept between calls: an end that ran, then
+    had one array replaced by another layer's (through ``update``), equals a
+    layer that never ran holding the same arrays, and differs from before."""
+    layer, other = Layer(kind, seed=1), Layer(kind, seed=2)
+    h, mixed, side_input = _inputs(1)
+    side_input = side_input if "side_gate" in layer else None
+    before = layer.end(layer, h, mixed, side_input)
+    layer.end(layer, h, mixed, side_input)  # kept, its links recorded as holding
+    replacement = dict(tree_flatten(other.parameters()))[name]
+    layer.update(tree_unflatten([(name, replacement)]))
+    fresh = Layer(kind, seed=3)
+    fresh.update(layer.parameters())
+    after = layer.end(layer, h, mixed, side_input)
+    np.testing.assert_array_equal(np.array(after), np.array(fresh.end(fresh, h, mixed, side_input)))
+    assert not np.allclose(np.array(after), np.array(before))
+
+
+def test_a_replaced_mlp_module_is_read_by_the_kept_end() -> None:
+    """A module swapped in by attribute assignment (a reload, a shard) breaks
+    the kept weights' link as a replaced array does."""
+    layer, other = Layer("sandwich_side", seed=1), Layer("sandwich_side", seed=2)
+    h, mixed, side_input = _inputs(1)
+    layer.end(layer, h, mixed, side_input)
+    layer.mlp = other.mlp
+    _close(layer.end(layer, h, mixed, side_input), layer.reference(h, mixed, side_input))
