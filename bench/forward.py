@@ -18,6 +18,7 @@ its step's graph size and host time are measured (:mod:`bench.decode_cost`).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -129,6 +130,27 @@ def _timed(arrivals: list[float], end: float, ids: list[int]) -> Sample:
         "arrivals_s": arrivals,
         "tokens": ids,
     }
+
+
+def opened(
+    path: Path, engine: str, prompt_tokens: int, context_length: int
+) -> tuple[Any, int, list[int]]:
+    """One engine on *path* in this process, for a fresh-process measurement:
+    our :class:`Runner` or mlx-lm's model (its weights evaluated), MLX's
+    active memory once loaded, and a random prompt of *prompt_tokens* from
+    its vocabulary."""
+    if engine == "ours":
+        runner = Runner.open(path, context_length=context_length)
+        return (
+            runner,
+            mx.get_active_memory(),
+            random_tokens(prompt_tokens, runner.vocab_size, seed=1),
+        )
+    model, _ = load_model(path)
+    mx.eval(model.parameters())
+    config = json.loads((path / "config.json").read_text())
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    return model, mx.get_active_memory(), random_tokens(prompt_tokens, vocab, seed=1)
 
 
 def _uncompiled(run: Callable[[], Sample]) -> Callable[[], Sample]:

@@ -33,8 +33,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from bench.common import random_tokens
-from bench.forward import _ours_generate, _theirs_generate
+from bench.forward import _ours_generate, _theirs_generate, opened
 
 SETTLE = 4  # decode steps left out of the spike ratio: traces built, buffers grown
 FIRST = 16  # the decode tokens whose time is reported on their own
@@ -60,23 +59,11 @@ def _child(path: Path, engine: str, prompt_tokens: int, decode_tokens: int, chun
     import mlx.core as mx
 
     start = time.perf_counter()
+    handle, loaded, prompt = opened(path, engine, prompt_tokens, prompt_tokens + decode_tokens + 2)
     if engine == "ours":
-        from turbospark.generation.runner import Runner
-
-        runner = Runner.open(path, context_length=prompt_tokens + decode_tokens + 2)
-        loaded = mx.get_active_memory()
-        prompt = random_tokens(prompt_tokens, runner.vocab_size, seed=1)
-        run = _ours_generate(runner, path, prompt, decode_tokens, chunk)
+        run = _ours_generate(handle, path, prompt, decode_tokens, chunk)
     else:
-        from mlx_lm.utils import load_model
-
-        model, _ = load_model(path)
-        mx.eval(model.parameters())
-        loaded = mx.get_active_memory()
-        config = json.loads((path / "config.json").read_text())
-        vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-        prompt = random_tokens(prompt_tokens, vocab, seed=1)
-        run = _theirs_generate(model, prompt, decode_tokens, chunk)
+        run = _theirs_generate(handle, prompt, decode_tokens, chunk)
     load_s = time.perf_counter() - start
     load_peak = mx.get_peak_memory()
     sample = run()

@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import random_tokens
 from bench.concurrency import ConcurrencyPlan, bench_concurrency
-from bench.forward import _ours_loop, _theirs_loop, bench_forward
+from bench.forward import _ours_loop, _theirs_loop, bench_forward, opened
 
 BITS = (8, 4)
 GROUP_SIZE = 64  # mlx-lm's default, and mlx-community's usual
@@ -59,23 +58,11 @@ def _memory_child(path: Path, engine: str, prompt_tokens: int, decode_tokens: in
     import mlx.core as mx
 
     start = time.perf_counter()
+    handle, loaded, prompt = opened(path, engine, prompt_tokens, prompt_tokens + decode_tokens + 2)
     if engine == "ours":
-        from turbospark.generation.runner import Runner
-
-        runner = Runner.open(path, context_length=prompt_tokens + decode_tokens + 2)
-        loaded = mx.get_active_memory()
-        prompt = random_tokens(prompt_tokens, runner.vocab_size, seed=1)
-        run = _ours_loop(runner, prompt, decode_tokens, chunk=prompt_tokens)
+        run = _ours_loop(handle, prompt, decode_tokens, chunk=prompt_tokens)
     else:
-        from mlx_lm.utils import load_model
-
-        model, _ = load_model(path)
-        mx.eval(model.parameters())
-        loaded = mx.get_active_memory()
-        config = json.loads((path / "config.json").read_text())
-        vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-        prompt = random_tokens(prompt_tokens, vocab, seed=1)
-        run = _theirs_loop(model, prompt, decode_tokens, chunk=prompt_tokens)
+        run = _theirs_loop(handle, prompt, decode_tokens, chunk=prompt_tokens)
     run()  # the prompt in one chunk, then greedy decode: bench.forward's hand loops
     print(
         json.dumps(
