@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving import client, serving
+from serving import client, serving, serving_with_disk
 
 from turbospark.generation.engine import Engine, Job
 from turbospark.generation.generate import GenerationConfig
@@ -91,6 +91,47 @@ def test_a_resent_reply_is_reused_through_its_generated_ids(
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens == second.usage.prompt_tokens
     assert again.choices[0].message.content == second.choices[0].message.content
+
+
+def test_a_resent_reply_is_reused_through_its_ids_after_a_restart(
+    family: tuple[str, Path, TextCodec],
+    servers: tuple[ThreadedServer, ThreadedServer],
+    tmp_path: Path,
+) -> None:
+    """With a session directory the index of replies is kept beside the
+    sessions: after a restart, the session restored from disk continues
+    through the re-sent reply's generated ids, as a live one does."""
+    name, path, codec = family
+    _, cold = servers
+    with serving_with_disk(path, codec, tmp_path, slots=2) as before:
+        first = chat(before, ASK, **biased(name))
+    text = first.choices[0].message.content
+    assert len(codec.encode(text)) != first.usage.completion_tokens
+    turn = [*ASK, {"role": "assistant", "content": text}, THEN]
+    with serving_with_disk(path, codec, tmp_path, slots=2) as after:
+        second = chat(after, turn)
+    assert second.usage.prompt_tokens_details.cached_tokens == in_record(first)
+    assert second.usage.turbospark["reuse_reason"] == "restored_from_disk"
+    assert "generated ids of 1 re-sent" in second.usage.turbospark["reuse_detail"]
+    again = chat(cold, turn)  # every prompt prefilled whole
+    assert again.choices[0].message.content == second.choices[0].message.content
+
+
+def test_the_reply_index_file_is_read_back_and_skips_a_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "replies.jsonl"
+    replies = ReplyIndex(max_replies=2, path=path)
+    for text, ids in (("a", [1]), ("b", [2, 3]), ("c", [4])):
+        replies.add([9], text, ids)
+    with path.open("a") as torn:
+        torn.write('{"text": "d", "prompt"')  # a crash mid-line
+    back = ReplyIndex(max_replies=2, path=path)
+    assert not back.knows("a") and back.ids_of("b", lambda: [9]) == (2, 3)
+    assert back.ids_of("c", lambda: [9]) == (4,) and len(back) == 2
+    assert len(path.read_text().splitlines()) == 2  # rewritten from what is kept
+    for n in range(5):  # past twice the replies kept, the file is rewritten
+        back.add([9], f"e{n}", [n])
+    assert len(path.read_text().splitlines()) <= 4
+    assert ReplyIndex(max_replies=2, path=path).ids_of("e4", lambda: [9]) == (4,)
 
 
 def test_an_edited_reply_is_not_taken_for_ours(

@@ -383,8 +383,14 @@ class Engine:
         self.observer = observer  # called on the runner thread (metrics)
         self.write_through = write_through
         # Finished replies' text to their generated ids: the server feeds a re-sent
-        # reply as those ids, so its session continues through it (replies.py).
-        self.replies = ReplyIndex()
+        # reply as those ids, so its session continues through it (replies.py);
+        # kept in the session directory too, as the sessions it continues are.
+        disk = runner.session_disk
+        self.replies = ReplyIndex(
+            path=None
+            if disk is None
+            else disk.root / f"replies-{disk.model.manifest_sha256[:16]}.jsonl"
+        )
 
     # -- the outside: any thread ----------------------------------------------------
 

@@ -15,15 +15,26 @@ the shared prompt cache (it must send that conversation's whole prompt).
 Written on the runner thread (a row's finish), read on the server's text pool:
 one lock. Bounded by count and by ids, least recently used out; a reply that
 left the index is tokenised as text, as any other client's reply is.
+
+With a *path* (the session directory's ``replies-<model>.jsonl``, one file a
+model: ids mean tokens only under the tokenizer they came from) each reply is
+also appended there as one JSON line and read back at the next start, so a
+session restored from disk after a restart is continued through its re-sent
+replies as a live one is. The file is rewritten from memory once it holds
+twice the replies kept; a line cut short by a crash is skipped.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
 
 MAX_REPLIES = 512  # the replies of that many recent requests
 MAX_REPLY_IDS = 1 << 20  # ids held in all (a few MiB at most)
@@ -38,13 +49,20 @@ class ReplyIndex:
     """Generated replies: (their text as decoded for the client, the digest of
     the prompt they followed) to their ids."""
 
-    def __init__(self, max_replies: int = MAX_REPLIES, max_ids: int = MAX_REPLY_IDS) -> None:
+    def __init__(
+        self, max_replies: int = MAX_REPLIES, max_ids: int = MAX_REPLY_IDS, path: Path | None = None
+    ) -> None:
         self.max_replies = max_replies
         self.max_ids = max_ids
+        self.path = path
         self._replies: OrderedDict[tuple[str, bytes], tuple[int, ...]] = OrderedDict()
         self._texts: dict[str, int] = {}  # text -> how many entries hold it (a cheap miss)
         self._ids = 0
         self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        self._lines = 0  # lines in the file
+        if path is not None:
+            self._load(path)
 
     def __len__(self) -> int:
         return len(self._replies)
@@ -55,13 +73,53 @@ class ReplyIndex:
         if not text or not ids or len(ids) > self.max_ids:
             return
         key = (text, prompt_digest(prompt))
+        kept = tuple(int(t) for t in ids)
         with self._lock:
-            self._drop(key)
-            self._replies[key] = tuple(int(t) for t in ids)
-            self._texts[text] = self._texts.get(text, 0) + 1
-            self._ids += len(ids)
-            while len(self._replies) > self.max_replies or self._ids > self.max_ids:
-                self._drop(next(iter(self._replies)))
+            self._keep(key, kept)
+            if self._file is not None:
+                self._file.write(_line(key, kept))
+                self._file.flush()
+                self._lines += 1
+                if self._lines > 2 * self.max_replies:
+                    self._rewrite()
+
+    def _keep(self, key: tuple[str, bytes], ids: tuple[int, ...]) -> None:
+        self._drop(key)
+        self._replies[key] = ids
+        self._texts[key[0]] = self._texts.get(key[0], 0) + 1
+        self._ids += len(ids)
+        while len(self._replies) > self.max_replies or self._ids > self.max_ids:
+            self._drop(next(iter(self._replies)))
+
+    def _load(self, path: Path) -> None:
+        """The replies *path* holds, oldest first, then the file rewritten
+        from them (so it starts at the replies kept, and any line cut short is gone)."""
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                key = (entry["text"], bytes.fromhex(entry["prompt"]))
+                ids = tuple(int(t) for t in entry["ids"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line a crash cut short
+            if key[0] and ids and len(ids) <= self.max_ids:
+                self._keep(key, ids)
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        """The file anew from the replies kept, written aside and moved in place."""
+        assert self.path is not None
+        if self._file is not None:
+            self._file.close()
+        temp = self.path.with_name(f".tmp-{self.path.name}")
+        with temp.open("w", encoding="utf-8") as out:
+            out.writelines(_line(key, ids) for key, ids in self._replies.items())
+        os.replace(temp, self.path)
+        self._lines = len(self._replies)
+        self._file = self.path.open("a", encoding="utf-8")
 
     def _drop(self, key: tuple[str, bytes]) -> None:
         gone = self._replies.pop(key, None)
@@ -89,3 +147,8 @@ class ReplyIndex:
             if ids is not None:
                 self._replies.move_to_end(key)
             return ids
+
+
+def _line(key: tuple[str, bytes], ids: tuple[int, ...]) -> str:
+    text, prompt = key
+    return json.dumps({"text": text, "prompt": prompt.hex(), "ids": ids}) + "\n"
