@@ -215,10 +215,11 @@ def gated_delta_chunked(
 ) -> tuple[mx.array, mx.array]:
     """The recurrence over a prompt, chunk by chunk (WY form), carrying ``state``:
     :func:`gated_delta_wy` on *group_tokens* (None: :data:`GROUP_TOKENS`)
-    tokens at a time (rounded up to whole chunks), so what a long forward holds at once is bounded by the group, not
-    its length. The groups cut at chunk boundaries and each chunk's arithmetic
-    is the same whichever group it is in, so the output is the same, bit for bit,
-    as one group's (``tests/test_gated_delta_forms.py``)."""
+    tokens at a time (rounded up to whole chunks), so what a long forward
+    holds at once is bounded by the group, not its length. The groups cut at
+    chunk boundaries and each chunk's arithmetic is the same whichever group
+    it is in, so the output is the same, bit for bit, as one group's
+    (``tests/test_gated_delta_forms.py``)."""
     length = q.shape[1]
     tokens = GROUP_TOKENS if group_tokens is None else group_tokens
     group = max(1, tokens // chunk_size) * chunk_size
