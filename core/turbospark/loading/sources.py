@@ -249,13 +249,7 @@ def verify_checkpoint(
     stats = {name: (directory / name).stat() for name in names}
     record = load_record(directory)
     known = {} if record is None else record.files
-    stale = [
-        name
-        for name in names
-        if name not in known
-        or (known[name].size, known[name].mtime_ns)
-        != (stats[name].st_size, stats[name].st_mtime_ns)
-    ]
+    stale = unvouched(stats, known)
     removed = sorted(set(known) - set(names))
     if record is not None and (stale or removed):
         changes = [
@@ -291,13 +285,8 @@ def verify_install(directory: Path, manifest: Manifest, *, progress: bool = Fals
     stats = {name: (directory / name).stat() for name in manifest.files}
     record = load_record(directory)
     known = {} if record is None else record.files
-    stale = [
-        name
-        for name, entry in manifest.files.items()
-        if name not in known
-        or (known[name].size, known[name].mtime_ns, known[name].sha256)
-        != (stats[name].st_size, stats[name].st_mtime_ns, entry.sha256)
-    ]
+    digests = {name: entry.sha256 for name, entry in manifest.files.items()}
+    stale = unvouched(stats, known, digests)
     if not stale:
         return
     hashed = hash_files(directory, stale, stats, progress)
@@ -305,6 +294,23 @@ def verify_install(directory: Path, manifest: Manifest, *, progress: bool = Fals
         check_digest(directory, manifest, name, entry.sha256)
     files = {n: e for n, e in known.items() if n in manifest.files and n not in hashed}
     save_record(CheckpointRecord(directory=str(directory.resolve()), files={**files, **hashed}))
+
+
+def unvouched(
+    stats: dict[str, os.stat_result],
+    known: dict[str, RecordedFile],
+    digests: dict[str, str] | None = None,
+) -> list[str]:
+    """The files of *stats* the record (*known*) does not vouch for: never
+    recorded, or recorded at another size or ``mtime_ns`` (or, given the
+    *digests* they must have, with another sha256), so they must be hashed."""
+    return [
+        name
+        for name, stat in stats.items()
+        if name not in known
+        or (known[name].size, known[name].mtime_ns) != (stat.st_size, stat.st_mtime_ns)
+        or (digests is not None and known[name].sha256 != digests[name])
+    ]
 
 
 def hash_files(
