@@ -35,6 +35,7 @@ from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda import heads as heads_cuda
 from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.layers.cuda import qmv as qmv_cuda
 from turbospark.layers.cuda import steer as steer_cuda
 
 NVCC = shutil.which("nvcc")
@@ -57,6 +58,7 @@ BUILDERS = [
     steer_cuda._kernel,
     gdn_cuda._kernel,
     gdn_cuda._decode_kernel,
+    qmv_cuda._kernel,
 ]
 
 
@@ -144,6 +146,13 @@ def _call_every_kernel(dtype: mx.Dtype) -> None:
         )  # fmt: skip
         rate, state, norm_weight = _zeros((hv,), (2, hv, dv, dk), (dv,), dtype=mx.float32)
         gdn_cuda.decode_mixer(proj, tail, conv_weight, bias, rate, state, norm_weight, *dims, 1e-6)
+    for bits, group_size, rows in [(4, 64, 1), (8, 32, 3), (4, 128, qmv_cuda.R_MAX)]:
+        width = 4 * group_size
+        w = mx.zeros((5, width * bits // 32), dtype=mx.uint32)
+        scales, biases = _zeros(*[(5, width // group_size)] * 2, dtype=dtype)
+        x = mx.zeros((rows, 1, width), dtype=dtype)
+        assert qmv_cuda.takes(x, w, scales, biases, group_size, bits, "affine")
+        qmv_cuda.qmv(x, w, scales, biases, group_size, bits)
 
 
 @pytest.fixture
@@ -152,7 +161,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[tuple, dict[str, 
     for builder in BUILDERS:
         builder.cache_clear()
     monkeypatch.setattr(mx.fast, "cuda_kernel", _recorder(kernels))
-    for module in (norm_cuda, heads_cuda, steer_cuda):
+    for module in (norm_cuda, heads_cuda, steer_cuda, qmv_cuda):
         monkeypatch.setattr(module, "available", lambda: True)
     yield kernels
     for builder in BUILDERS:
@@ -206,7 +215,7 @@ def test_every_kernel_compiles_for_sm90(
     # and each join_norm form, attention scale and steering join is there.
     assert all(builder.cache_info().currsize for builder in BUILDERS)
     names = {name for name, _ in recorded}
-    assert len(names) == 8 + 2 + 3 + 1 + 3 + 2 + 1, sorted(names)
+    assert len(names) == 8 + 2 + 3 + 1 + 3 + 2 + 1 + 1, sorted(names)
     source = tmp_path / "kernels.cu"
     source.write_text(_translation_unit(list(recorded.values())))
     done = subprocess.run(

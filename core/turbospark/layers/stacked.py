@@ -38,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark.layers import fused
+from turbospark.layers.cuda import qmv as qmv_cuda
 
 
 class Packed(NamedTuple):
@@ -75,9 +76,14 @@ def readable(module: nn.Module) -> bool:
 
 def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     """``x @ weight_t``: a float weight's matmul, or the packed weight's
-    ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs)."""
+    ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
+    product of a few rows (a decode step's) of an affine packing it fits is
+    :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
+    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``)."""
     if isinstance(weight_t, Packed):
         w, scales, biases, group_size, bits, mode = weight_t
+        if qmv_cuda.takes(x, w, scales, biases, group_size, bits, mode):
+            return qmv_cuda.qmv(x, w, scales, biases, group_size, bits)
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
         )
