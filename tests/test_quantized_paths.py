@@ -40,6 +40,7 @@ from turbospark.generation.runner import Runner
 from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.layers.cuda import qmv as qmv_cuda
 from turbospark.layers.gated_delta import step as gdn_step
 from turbospark.layers.layer_end import LayerEnd
 from turbospark.layers.stacked import Packed
@@ -153,7 +154,7 @@ def _ends_read_packed(model: nn.Module) -> int:
 def _kernels(stack: ExitStack, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Every CUDA kernel's path in its ops (the kernel-path tests' forms);
     counts of the one-trace steps taken."""
-    taken = {"attention": 0, "gated_delta": 0}
+    taken = {"attention": 0, "gated_delta": 0, "qmv": 0}
 
     class Rows(attention_cuda.Rows):
         def __init__(self, start: int, stop: int):
@@ -166,6 +167,10 @@ def _kernels(stack: ExitStack, monkeypatch: pytest.MonkeyPatch) -> dict[str, int
         taken["gated_delta"] += 1
         return trace(*args)
 
+    def qmv(*args: Any) -> mx.array:
+        taken["qmv"] += 1
+        return qmv_cuda.qmv_ops(*args)
+
     for module, name, value in [
         (attention_cuda, "available", lambda: True),
         (attention_cuda, "Rows", Rows),
@@ -177,6 +182,8 @@ def _kernels(stack: ExitStack, monkeypatch: pytest.MonkeyPatch) -> dict[str, int
         (gdn_cuda, "gated_delta", gdn_cuda.gated_delta_ops),
         (gdn_cuda, "decode_mixer", gdn_cuda.decode_mixer_ops),
         (gdn_step, "step_trace", gdn_trace),
+        (qmv_cuda, "available", lambda: True),
+        (qmv_cuda, "qmv", qmv),
     ]:
         monkeypatch.setattr(module, name, value)
     stack.callback(monkeypatch.undo)
@@ -218,7 +225,8 @@ def test_the_kernels_path_matches_mlx_lm(
     converted: Converted, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the CUDA kernels' forms, the one-trace attention and gated-DeltaNet
-    steps take the packed weights (each step counted) and still give mlx-lm's logits."""
+    steps take the packed weights (each step counted), their affine products
+    the qmv kernel's path, and still give mlx-lm's logits."""
     with ExitStack() as stack:
         taken = _kernels(stack, monkeypatch)
         logits, _ = chunks_and_steps(_open(converted.install), PROMPT)
@@ -226,6 +234,7 @@ def test_the_kernels_path_matches_mlx_lm(
         _close(got, converted.expected[row], f"position {row}", converted.atol)
     assert taken["attention"] > 0
     assert taken["gated_delta"] > 0 or "gemma4" in converted.install.parent.name
+    assert taken["qmv"] > 0 or "affine" not in converted.install.parent.name
 
 
 def test_batched_rows_equal_each_row_alone(converted: Converted) -> None:
