@@ -134,12 +134,12 @@ def test_several_rows_equal_float64_and_each_row_alone(rows: int, bits: int, dty
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 def test_views_equal_their_copies(dtype: mx.Dtype) -> None:
-    """x a row starting one element into a wider array (its 16-byte loads fall
+    """x a row (one-dimensional) starting one element into a longer array (a
+    row-contiguous view, which MLX hands over as it is: its 16-byte loads fall
     back to single values), and a module's rows of a stacked packing (the
     packed rows, scales and biases at an offset): the copies' product, bit for bit."""
     width, bits, group_size = 4096, 4, 64
-    wide = mx.random.normal((1, 1, width + 9), key=mx.random.key(3)).astype(dtype)
-    x = wide[..., 1 : width + 1]
+    x = mx.random.normal((width + 9,), key=mx.random.key(3)).astype(dtype)[1 : width + 1]
     stack = _packed(3 * 512, width, bits, group_size, dtype, seed=4)
     part = tuple(a[512 + 7 : 1024] for a in stack)
     mx.eval(x, part)
