@@ -22,7 +22,8 @@ A quantized projection (``nn.QuantizedLinear``, as mlx-lm's checkpoints load)
 is read by a step as :class:`Packed`: its packed weight, scales and biases
 with the packing as static values, so a compiled step takes the three arrays
 as inputs and traces ``mx.quantized_matmul`` where a float one traces a
-matmul (:func:`matmul_t`; a float weight's graph is unchanged). Quantized
+matmul (:func:`matmul_t`; a float weight's graph is unchanged), or on CUDA,
+for a decode step's few rows, the qmv kernel (:mod:`turbospark.layers.cuda.qmv`). Quantized
 projections of one packing stack as float ones do: the groups run along the
 input axis, so concatenating the packed rows, scales and biases along the
 output axis is exact.
