@@ -15,7 +15,8 @@
 # Settings (environment): MLX_VERSION, MLX_LM_VERSION (default: the versions uv.lock pins);
 # GPU_EXTRA_WHEELS: more pure-Python wheels the image lacks (default: llguidance for constrained
 # decoding, prometheus-client for /metrics, gguf for GGUF imports, the openai SDK and the two
-# wheels it needs beyond httpx for the startup section's client).
+# wheels it needs beyond httpx for the startup section's client, at uv.lock's version: newer ones
+# need a client library the image lacks).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -36,7 +37,8 @@ mv .gpu/part1/cuda.part.ab .gpu/part2/
 mv .gpu/dl/mlx-*.whl .gpu/dl/mlx_lm-*.whl .gpu/part2/
 # The image has numpy, safetensors, tokenizers, jinja2, pluggy, transformers and httpx, not these:
 # shellcheck disable=SC2086
-wheels -d .gpu/part2 pydantic pydantic-core annotated-types typing-inspection starlette uvicorn $EXTRA
+wheels -d .gpu/part2 pydantic pydantic-core annotated-types typing-inspection starlette uvicorn \
+  $(for name in $EXTRA; do [ "$name" = openai ] && echo "openai==$(locked openai)" || echo "$name"; done)
 basename "$cuda" > .gpu/part2/cuda-wheel-name
 cat > .gpu/part1/stash.sh <<'S'
 mkdir -p /root/gpu-stash && cp .gpu/part1/cuda.part.aa /root/gpu-stash/ && echo "stashed part 1"
