@@ -20,10 +20,11 @@ servers see byte-identical prompts (checked: ``usage.prompt_tokens`` per
 request, ``same_prompt_tokens``; no ratio is reported otherwise). With
 ``append_replies`` (``--append-replies``) each turn appends instead the reply
 text as the client received it, as a real client does: the servers' prompts
-then differ where their replies did (and no ratio is reported), and what
-counts is ``cached_by_turn``, the prompt tokens each server says it had
-cached (``usage.prompt_tokens_details.cached_tokens``) per turn, reported in
-every mode.
+then differ where their replies did, so the ratios come with
+``prompt_tokens_ratio`` (all prompt tokens ours ÷ theirs: the work each was
+given), and what counts beside them is ``cached_by_turn``, the prompt tokens
+each server says it had cached (``usage.prompt_tokens_details.cached_tokens``)
+per turn, reported in every mode.
 
 Both must also generate the same number of tokens. Ours takes the
 ``ignore_eos`` extension (vLLM's name). mlx-lm's server has no such field
@@ -212,8 +213,12 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def compare(level: dict[str, Any], reply_tokens: int) -> dict[str, Any]:
-    """Ratios ours ÷ theirs, only when both saw the same prompts and made the same tokens."""
+def compare(
+    level: dict[str, Any], reply_tokens: int, append_replies: bool = False
+) -> dict[str, Any]:
+    """Ratios ours ÷ theirs, only when both made the same tokens and saw the
+    same prompts; with *append_replies* the prompts carry each server's own
+    replies, so they may differ, and ``prompt_tokens_ratio`` says by how much."""
     ours, theirs = level["turbospark"]["requests"], level["mlx_lm"]["requests"]
     key = lambda row: (row.get("rep", 0), row["client"], row["turn"])  # noqa: E731
     ours, theirs = sorted(ours, key=key), sorted(theirs, key=key)
@@ -232,7 +237,10 @@ def compare(level: dict[str, Any], reply_tokens: int) -> dict[str, Any]:
         "same_prompt_tokens": not mismatched,
         "same_completion_tokens": not short,
     }
-    if mismatched:
+    if append_replies:
+        totals = [sum(row["prompt_tokens"] for row in rows) for rows in (ours, theirs)]
+        out["prompt_tokens_ratio"] = totals[0] / totals[1]
+    if mismatched and not append_replies:
         client, turn, a, b = mismatched[0]
         out["ratio_refused"] = (
             f"prompt tokens differ on {len(mismatched)} request(s), first client {client} "
@@ -331,7 +339,7 @@ def bench_concurrency(
             level: dict[str, Any] = {kind: medians(runs[kind]) for kind in KINDS}
             for kind in KINDS:
                 level[kind]["cached_by_turn"] = cached_by_turn(level[kind]["requests"])
-            level.update(compare(level, plan.reply_tokens))
+            level.update(compare(level, plan.reply_tokens, plan.append_replies))
             if "tok_s_ratio" in level:
                 level["tok_s_ratio_per_rep"] = [
                     a["completion_tok_s"] / b["completion_tok_s"]
@@ -373,6 +381,11 @@ def summary(result: dict[str, Any]) -> list[str]:
         a, b = level["turbospark"], level["mlx_lm"]
         ratio = (
             f"tok/s x{level['tok_s_ratio']:.2f}, TTFT p50 ours/theirs {level['ttft_p50_ratio']:.2f}"
+            + (
+                f", prompt tokens ours/theirs {level['prompt_tokens_ratio']:.2f}"
+                if "prompt_tokens_ratio" in level
+                else ""
+            )
             if "tok_s_ratio" in level
             else f"no ratio: {level['ratio_refused']}"
         )

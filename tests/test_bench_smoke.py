@@ -191,6 +191,9 @@ def test_concurrency_workload_and_ratios(bench: dict) -> None:
     assert c.compare(level, 4)["tok_s_ratio"] == pytest.approx(1.5)
     level["mlx_lm"] = c.medians([run(20.0, 10, 4)])
     assert "ratio_refused" in c.compare(level, 4) and "tok_s_ratio" not in c.compare(level, 4)
+    appended = c.compare(level, 4, append_replies=True)  # each server's own replies re-sent
+    assert appended["tok_s_ratio"] == pytest.approx(1.5)
+    assert appended["prompt_tokens_ratio"] == pytest.approx(0.9)
     level["mlx_lm"] = c.medians([run(20.0, 9, 3)])
     assert not c.compare(level, 4)["same_completion_tokens"]
 
