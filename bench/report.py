@@ -300,14 +300,19 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
                      f"{ours['cpu_us']} vs {theirs['cpu_us']} µs (least of rounds {ours['cpu_us_rounds']}, "
                      f"{theirs['cpu_us_rounds']})"))  # fmt: skip
     elif section == "concurrency":
+        # --append-replies: each turn re-sends the reply as received, so the
+        # servers' prompts differ by what they replied; say by how much.
+        mode = ", replies re-sent" if result["settings"].get("append_replies") else ""
         for n, level in result["levels"].items():
             if "tok_s_ratio" not in level:
-                rows.append((f"N={n} clients", "no ratio", level["ratio_refused"]))
+                rows.append((f"N={n} clients{mode}", "no ratio", level["ratio_refused"]))
                 continue
             a, b = level["turbospark"], level["mlx_lm"]
-            rows.append((f"N={n} clients: completion tok/s ÷ mlx_lm.server", f"{level['tok_s_ratio']:.2f}",
-                         f"{a['completion_tok_s']:.0f} vs {b['completion_tok_s']:.0f} tok/s"))  # fmt: skip
-            rows.append((f"N={n} clients: TTFT p50, mlx_lm.server ÷ ours", f"{1 / level['ttft_p50_ratio']:.2f}",
+            given = (f"; prompt tokens ours ÷ theirs {level['prompt_tokens_ratio']:.2f}"
+                     if "prompt_tokens_ratio" in level else "")  # fmt: skip
+            rows.append((f"N={n} clients{mode}: completion tok/s ÷ mlx_lm.server", f"{level['tok_s_ratio']:.2f}",
+                         f"{a['completion_tok_s']:.0f} vs {b['completion_tok_s']:.0f} tok/s{given}"))  # fmt: skip
+            rows.append((f"N={n} clients{mode}: TTFT p50, mlx_lm.server ÷ ours", f"{1 / level['ttft_p50_ratio']:.2f}",
                          f"{a['ttft_p50_s'] * 1e3:.0f} vs {b['ttft_p50_s'] * 1e3:.0f} ms"))  # fmt: skip
     elif section == "startup":
         a, b = result["turbospark"], result["mlx_lm"]
@@ -376,8 +381,14 @@ def print_tables(rows: dict[str, dict[str, Any]]) -> None:
         for row in family_rows:
             device = "gpu" if row["plan"] == "gpu" else "cpu"
             command = f"`--device {device} --only {row['section']}" + (
-                f" --family {family}`" if family != "-" else "`"
+                f" --family {family}" if family != "-" else ""
             )
+            settings = row["result"].get("settings", {}) if row["section"] == "concurrency" else {}
+            if settings.get("append_replies") or (settings and device == "gpu"):
+                # the flags that chose its clients and mode (a GPU lease runs one level a command)
+                command += "".join(f" --concurrency-clients {n}" for n in settings["clients"])
+                command += " --append-replies" * bool(settings.get("append_replies"))
+            command += "`"
             others = [figures(row["section"], p) for p in row.get("processes", [])]
             for i, (figure, value, detail) in enumerate(figures(row["section"], row["result"])):
                 if others:
