@@ -8,17 +8,20 @@ kernels run, the runner's warm-up builds every stack inside
 :meth:`Runner.open <turbospark.generation.runner.Runner.open>`; the loaded
 tensors' dict, had it lived there too, would have kept each original beside
 its stack: the load's peak grew by every stacked weight's bytes (on an H100,
-a 8B-class bf16 gemma4's gate and up rows, 7.5 GB).
+bench's tp8b gemma4 in bf16: 33.33 GB, its 20.80 GB of weights and 12.48 GB
+of q/k/v, gate and up rows).
 
 The kernels' path is taken on the CPU with their contract in ops (as
 ``tests/test_attention_kernel_path.py`` does), on a gemma4 whose MLP
-dominates its weights, float32 and 4-bit. Each bound is the same work run
+dominates its weights (float32 and 4-bit) and on a qwen_gdn (its gated
+DeltaNet layers stack four input projections). Each bound is the same work run
 again once the stacks exist, plus the one transient a stack's build is
 allowed: its own bytes (the concatenation beside the parts it is made of).
 """
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +31,6 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from helpers import kind_install
 from turbospark.generation.runner import Runner
 from turbospark.layers import stacked as stacked_mod
 from turbospark.layers.cuda import attention as attention_cuda
@@ -38,20 +40,30 @@ from turbospark.loading.quantization import QuantSpec
 
 # Wide MLPs: the gate and up rows are most of the weights, so a second copy
 # of them stands far above the forwards' own transients.
-DIMS = {"num_layers": 4, "sliding_window": 8, "hidden_size": 128, "intermediate_size": 2048}
+WIDE = {"num_layers": 4, "hidden_size": 128, "intermediate_size": 2048}
+INSTALLS = {
+    "gemma4": ("gemma4", {**WIDE, "sliding_window": 8}, None),
+    "gemma4-q4": ("gemma4", {**WIDE, "sliding_window": 8}, QuantSpec(bits=4, group_size=32)),
+    "qwen_gdn": ("qwen_gdn", WIDE, None),
+}
 PROMPT = [3 + (7 * i) % 90 for i in range(40)]
 CONTEXT = 256
 
 
-@pytest.fixture(scope="module", params=["float32", "q4"])
+@pytest.fixture(scope="module", params=list(INSTALLS))
 def install(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, dims, quantize = INSTALLS[request.param]
     path = tmp_path_factory.mktemp(f"load-memory-{request.param}")
-    if request.param == "float32":
-        return kind_install(path, "gemma4", DIMS)
     build_synthetic_install(
-        "gemma4", path, vocab_size=128, model_id=path.name, quantize=QuantSpec(bits=4, group_size=32), **DIMS
-    )  # fmt: skip
+        family, path, vocab_size=128, model_id=path.name, quantize=quantize, **dims
+    )
     return path
+
+
+@pytest.fixture(autouse=True)
+def _collected() -> None:
+    """No earlier test's runner left to be freed inside a measurement."""
+    gc.collect()
 
 
 def _kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -893,11 +893,11 @@ def _loaded_model(
     when given. The dict of loaded tensors lives in this frame alone, so it is
     gone when the model comes back: held any longer (through the warm-up at
     load), every array the model replaces would stay resident beside its
-    replacement. The stacks (:func:`~turbospark.layers.stacked.stacked`)
-    re-point each projection at its rows of one concatenated array, so the
-    originals held by the dict were a second copy of every stacked weight
-    (q/k/v, gate and up) for the whole warm-up, the load's peak; a shard
-    kept its unsharded tensor the same way."""
+    replacement. The warm-up builds the stacks
+    (:func:`~turbospark.layers.stacked.stacked`), which re-point each
+    projection at its rows of one concatenated array: the dict's originals
+    would be a second copy of every stacked weight (q/k/v, gate and up) at
+    the load's peak, as a shard's unsharded tensor would be beside it."""
     weights = load_weights(path, manifest)
     for name in set() if streams is None else streams.tensor_names:
         weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read
