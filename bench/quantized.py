@@ -9,9 +9,11 @@ For each of the float install and its 8- and 4-bit conversions:
 - ``forward``: :func:`bench.forward.bench_forward` (prefill and decode tok/s,
   hand loop and both libraries' generation loops, ratios ours ÷ mlx-lm);
 - ``memory``: each engine in a fresh process loads the directory, prefills
-  the prompt and decodes, and reports MLX's active memory after the load and
-  its peak over the run (``mx.get_peak_memory``): resident weights plus what
-  the forward needed;
+  the prompt and decodes, and reports MLX's active memory after the load
+  (``loaded_bytes``), its peak by then (``load_peak_bytes``: the load and, where
+  the attention kernels run, its warm-up) and its peak over the load and the
+  run (``peak_bytes``, ``mx.get_peak_memory``): resident weights plus what the
+  forward needed;
 - ``concurrency`` (when a plan is given): :func:`bench.concurrency.bench_concurrency`
   at the plan's client counts, both servers on the converted directory.
 
@@ -63,11 +65,13 @@ def _memory_child(path: Path, engine: str, prompt_tokens: int, decode_tokens: in
         run = _ours_loop(handle, prompt, decode_tokens, chunk=prompt_tokens)
     else:
         run = _theirs_loop(handle, prompt, decode_tokens, chunk=prompt_tokens)
+    load_peak = mx.get_peak_memory()
     run()  # the prompt in one chunk, then greedy decode: bench.forward's hand loops
     print(
         json.dumps(
             {
                 "loaded_bytes": loaded,
+                "load_peak_bytes": load_peak,
                 "peak_bytes": mx.get_peak_memory(),
                 "wall_s": time.perf_counter() - start,
             }

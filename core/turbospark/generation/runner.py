@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pluggy
 
 from turbospark.contract.hookspecs import (
@@ -250,15 +251,9 @@ class Runner:
         streams = plan_streams(path, manifest.weight_files, moe, expert_cache, compute_dtype)
         if source.kind == "install":  # a checkpoint's files were verified by resolve_source
             verify_install(path, manifest)
-        weights = load_weights(path, manifest)
-        for name in set() if streams is None else streams.tensor_names:
-            weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read
-        model = pm.hook.turbospark_load_model(
-            arch=installed, weights=weights, dtype=compute_dtype, experts=streams
+        model = _loaded_model(
+            pm, installed, path, manifest, compute_dtype, streams, group if distributed else None
         )
-        if distributed:
-            pm.hook.turbospark_shard_model(model=model, group=group)
-            mx.eval(model.parameters())  # drop the unsharded weights now
         runner = cls(
             path=path,
             source=source,
@@ -883,6 +878,35 @@ class Runner:
         """Whether a vision map is installed: every forward of the one-row path
         takes it (batched forwards take none, so the engine does not batch then)."""
         return self._vision is not None
+
+
+def _loaded_model(
+    pm: pluggy.PluginManager,
+    arch: ArchConfig,
+    path: Path,
+    manifest: Manifest,
+    dtype: mx.Dtype,
+    streams: StreamedExperts | None,
+    group: mx.distributed.Group | None,
+) -> nn.Module:
+    """The family's model over the install's weights, sharded across *group*
+    when given. The dict of loaded tensors lives in this frame alone, so it is
+    gone when the model comes back: held any longer (through the warm-up at
+    load), every array the model replaces would stay resident beside its
+    replacement. The warm-up builds the stacks
+    (:func:`~turbospark.layers.stacked.stacked`), which re-point each
+    projection at its rows of one concatenated array: the dict's originals
+    would be a second copy of every stacked weight (q/k/v, gate and up) at
+    the load's peak, as a shard's unsharded tensor would be beside it."""
+    weights = load_weights(path, manifest)
+    for name in set() if streams is None else streams.tensor_names:
+        weights.pop(name, None)  # MLX loads lazily: a tensor dropped here is never read
+    model = pm.hook.turbospark_load_model(arch=arch, weights=weights, dtype=dtype, experts=streams)
+    if group is not None:
+        pm.hook.turbospark_shard_model(model=model, group=group)
+        del weights  # before the shards are evaluated: the unsharded tensors go as they are read
+        mx.eval(model.parameters())
+    return model
 
 
 @partial(mx.compile, shapeless=True)

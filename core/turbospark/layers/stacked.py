@@ -9,7 +9,9 @@ same for any single ``nn.Linear`` a compiled step reads.
 :func:`stacked` concatenates the ``nn.Linear`` weights once, on first use,
 and re-points each module's ``weight`` at its rows of the stacked array
 (views, no copy), so the weights are held once, every parameter keeps its
-checkpoint name and shape, and ``model.parameters()`` still lists them.
+checkpoint name and shape, and ``model.parameters()`` still lists them. Held
+once as long as nothing else holds the arrays a stack was built from: the
+runner drops the tensors it loaded before its warm-up builds the stacks.
 
 A module whose weight (or scales, biases or bias) was replaced afterwards (a
 reload, a test assigning weights) no longer matches the views held here, and
