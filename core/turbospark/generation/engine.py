@@ -1212,7 +1212,8 @@ class Engine:
         self._evicted(row.job, evicted_at_checkin)
         if row.stops.stopped is None and not row.job.warm_up:
             # A stop string cut the text short of the ids: nothing to vouch for then.
-            self.replies.add(row.job.ids, self.codec.decode(row.generated), row.generated)
+            # Keyed by the text as streamed: what the client has to send back.
+            self.replies.add(row.job.ids, row.decoder.text, row.generated)
         now = time.perf_counter()
         prefilled = row.prefilled or now
         stats = GenerationStats(
