@@ -161,10 +161,11 @@ def test_thinking_turns_resume_where_the_generation_prompt_began(
     qwen_gdn_install: Path,
 ) -> None:
     """The history drops the reply's thinking block, so the second prompt leaves
-    the first's record inside its generation prompt: the checkpoint taken where
-    that began serves it, and the reply is a fresh server's."""
+    the first's record inside its generation prompt, after the assistant header
+    both render: the checkpoint taken there serves it, and the reply is a fresh
+    server's."""
     codec = load_text(qwen_gdn_install)
-    opening = len(codec.encode("<|im_start|>assistant\n<think>\n"))
+    opening = len(codec.encode("<think>\n"))
     with serving(qwen_gdn_install, codec, slots=2) as warm:
         first = chat(warm, ASK, extra_body=THINK)
         reply = first.choices[0].message.content or "ok"
@@ -179,6 +180,30 @@ def test_thinking_turns_resume_where_the_generation_prompt_began(
     assert alone.choices[0].message.reasoning_content == (  # type: ignore[attr-defined]
         second.choices[0].message.reasoning_content  # type: ignore[attr-defined]
     )
+
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def test_turns_without_thinking_resume_after_the_assistant_header(qwen_gdn_install: Path) -> None:
+    """With thinking off the generation prompt holds an empty think block the
+    history does not render: the next turn leaves the record after the
+    assistant header both share, where the checkpoint was taken, not where the
+    generation prompt began. The reply is a fresh server's."""
+    codec = load_text(qwen_gdn_install)
+    bare = codec.apply_chat_template(ASK, add_generation_prompt=False)
+    header = len(codec.encode(bare + "<|im_start|>assistant\n"))
+    with serving(qwen_gdn_install, codec, slots=2) as warm:
+        first = chat(warm, ASK, extra_body=NO_THINKING)
+        turn = [*ASK, {"role": "assistant", "content": first.choices[0].message.content}, THEN]
+        second = chat(warm, turn, extra_body=NO_THINKING)
+    assert header > len(codec.encode(bare))
+    assert second.usage.turbospark["reuse_reason"] == "checkpoint"
+    assert second.usage.prompt_tokens_details.cached_tokens == header
+    with serving(qwen_gdn_install, codec, slots=2) as fresh:
+        alone = chat(fresh, turn, extra_body=NO_THINKING)
+    assert alone.usage.prompt_tokens_details.cached_tokens == 0
+    assert alone.choices[0].message.content == second.choices[0].message.content
 
 
 def _render(codec: TextCodec) -> Any:

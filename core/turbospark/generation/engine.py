@@ -113,9 +113,10 @@ class Job:
     # rows when this job's prefill ends, each starting from its state by reference.
     forks: list[Job] = field(default_factory=list)
     drafter: Drafter | None = None  # replaces the runner's draft policy (benchmarks' oracles)
-    # Where the chat template's generation prompt starts (the server's rendering
-    # says): non-rewindable state is checkpointed there too, since a template that
-    # re-renders the reply otherwise (thinking dropped) leaves the session there.
+    # Where the next turn's prompt leaves the generation prompt (the server's
+    # rendering says): non-rewindable state is checkpointed there too, since a
+    # template that re-renders the reply otherwise (thinking dropped) leaves the
+    # session there.
     checkpoint_at: int | None = None
     # How the prompt was built, appended to the reuse detail (a re-sent reply's
     # generated ids spliced in, or why they were not).

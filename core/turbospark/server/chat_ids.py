@@ -1,4 +1,4 @@
-"""A chat prompt's ids: re-sent replies fed as the ids generated, and where the generation prompt starts.
+"""A chat prompt's ids: re-sent replies fed as the ids generated, and where the next turn leaves the generation prompt.
 
 Sessions are reused by token content (docs/SEMANTICS.md), so two things about
 how a prompt is tokenised decide how much of the conversation is reused:
@@ -14,10 +14,11 @@ how a prompt is tokenised decide how much of the conversation is reused:
   the session holds the reply as generated and the trimmed text would leave it
   at the reply's first token. A message rendered otherwise is tokenised as
   text, and the others are still spliced.
-- Where the generation prompt starts: a template that re-renders the reply
-  otherwise on the next turn (Qwen3.5's thinking block, dropped from history)
-  leaves the session there, so the engine checkpoints non-rewindable state at
-  that position too (``Job.checkpoint_at``).
+- Where the next turn leaves the generation prompt: a template that
+  re-renders the reply otherwise on the next turn (Qwen3.5's thinking block,
+  or the empty one without thinking, dropped from history) leaves the session
+  after the assistant header both render, so the engine checkpoints
+  non-rewindable state at that position too (``Job.checkpoint_at``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ _RENDERINGS: tuple[Callable[[str], str], ...] = (
 class ChatIds:
     ids: list[int]
     text: str  # the rendered prompt (the ids encode it, re-sent replies as generated)
-    checkpoint_at: int | None  # where the generation prompt starts in ids (None: not known)
+    checkpoint_at: int | None  # where the next turn leaves the generation prompt (None: not known)
     note: str  # how re-sent replies were fed, for the reuse detail ("" when none was sent)
 
 
@@ -214,18 +215,51 @@ def _generation_start(
     last: str,
     ids: list[int],
 ) -> int | None:
-    """Where the generation prompt's ids start: the prompt rendered without it
-    must be a prefix of the prompt, and the ids must split there (the last
-    piece's ids are those of its text before the generation prompt, then the
-    generation prompt's own)."""
+    """Where the next turn's prompt leaves this one's ids: the prompt rendered
+    without its generation prompt must be a prefix of the prompt, and the next
+    turn's rendering of the reply may share the generation prompt's opening
+    too (Qwen's ``<|im_start|>assistant\\n`` before a think block the history
+    drops), so the position is the end of what the prompt shares with the
+    conversation rendered with a reply and a question after it; the ids must
+    split there (the last piece's ids are those of its text before that point,
+    then the rest's own)."""
     try:
         bare = render(messages, False)
     except TurbosparkError:
         return None
     if not bare or len(bare) >= len(text) or not text.startswith(bare):
         return None
-    suffix = text[len(bare) :]
-    if len(suffix) > len(last) or not last.endswith(suffix):
+    shared = _next_turn_shares(messages, render, text, len(bare))
+    for end in dict.fromkeys((shared, len(bare))):  # the later first
+        at = _split(codec, text[end:], last, ids)
+        if at is not None:
+            return at
+    return None
+
+
+def _next_turn_shares(messages: list[dict[str, Any]], render: Render, text: str, bare: int) -> int:
+    """How much of *text* (at least *bare* characters) the next turn's prompt
+    renders alike before the reply's content: the conversation with a reply
+    and a question appended, up to the reply's placeholder."""
+    reply, question = f"{_OPEN}reply{_CLOSE}", f"{_OPEN}question{_CLOSE}"
+    after = [*messages, {"role": "assistant", "content": reply}]
+    try:
+        following = render([*after, {"role": "user", "content": question}], False)
+    except TurbosparkError:
+        return bare
+    if following.count(reply) != 1 or not following.startswith(text[:bare]):
+        return bare
+    head = following.split(reply)[0]
+    end = bare
+    while end < min(len(head), len(text)) and head[end] == text[end]:
+        end += 1
+    return end
+
+
+def _split(codec: TextCodec, suffix: str, last: str, ids: list[int]) -> int | None:
+    """The index in *ids* where the prompt's final *suffix* starts, when the ids
+    split there, else None."""
+    if not suffix or len(suffix) > len(last) or not last.endswith(suffix):
         return None
     tail = codec.encode(suffix)
     if not tail or ids[len(ids) - len(tail) :] != tail:
