@@ -8,7 +8,9 @@ on a server that reuses nothing."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -159,10 +161,11 @@ def test_thinking_turns_resume_where_the_generation_prompt_began(
     qwen_gdn_install: Path,
 ) -> None:
     """The history drops the reply's thinking block, so the second prompt leaves
-    the first's record inside its generation prompt: the checkpoint taken where
-    that began serves it, and the reply is a fresh server's."""
+    the first's record inside its generation prompt, after the assistant header
+    both render: the checkpoint taken there serves it, and the reply is a fresh
+    server's."""
     codec = load_text(qwen_gdn_install)
-    opening = len(codec.encode("<|im_start|>assistant\n<think>\n"))
+    opening = len(codec.encode("<think>\n"))
     with serving(qwen_gdn_install, codec, slots=2) as warm:
         first = chat(warm, ASK, extra_body=THINK)
         reply = first.choices[0].message.content or "ok"
@@ -179,18 +182,42 @@ def test_thinking_turns_resume_where_the_generation_prompt_began(
     )
 
 
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def test_turns_without_thinking_resume_after_the_assistant_header(qwen_gdn_install: Path) -> None:
+    """With thinking off the generation prompt holds an empty think block the
+    history does not render: the next turn leaves the record after the
+    assistant header both share, where the checkpoint was taken, not where the
+    generation prompt began. The reply is a fresh server's."""
+    codec = load_text(qwen_gdn_install)
+    bare = codec.apply_chat_template(ASK, add_generation_prompt=False)
+    header = len(codec.encode(bare + "<|im_start|>assistant\n"))
+    with serving(qwen_gdn_install, codec, slots=2) as warm:
+        first = chat(warm, ASK, extra_body=NO_THINKING)
+        turn = [*ASK, {"role": "assistant", "content": first.choices[0].message.content}, THEN]
+        second = chat(warm, turn, extra_body=NO_THINKING)
+    assert header > len(codec.encode(bare))
+    assert second.usage.turbospark["reuse_reason"] == "checkpoint"
+    assert second.usage.prompt_tokens_details.cached_tokens == header
+    with serving(qwen_gdn_install, codec, slots=2) as fresh:
+        alone = chat(fresh, turn, extra_body=NO_THINKING)
+    assert alone.usage.prompt_tokens_details.cached_tokens == 0
+    assert alone.choices[0].message.content == second.choices[0].message.content
+
+
 def _render(codec: TextCodec) -> Any:
     return lambda messages, generation_prompt: codec.apply_chat_template(
         messages, add_generation_prompt=generation_prompt
     )
 
 
-def test_a_reply_the_template_does_not_render_verbatim_is_tokenised_as_text(
+def test_a_reply_the_template_trims_is_spliced_with_its_whitespace(
     gemma4_install: Path,
 ) -> None:
-    """Gemma's template trims a reply: the spliced ids would not be the text the
-    template renders, so the prompt is plain tokenisation, and the note says why.
-    A reply is spliced only after the prompt it followed."""
+    """Gemma's template trims a reply: its generated ids are spliced whole, the
+    whitespace as generated (the session holds it), and the note says so. A
+    reply is spliced only after the prompt it followed."""
     codec = load_text(gemma4_install)
     render = _render(codec)
     asked = codec.encode(render(ASK, True))
@@ -198,22 +225,45 @@ def test_a_reply_the_template_does_not_render_verbatim_is_tokenised_as_text(
     replies.add(asked, " hh ", [7, 15, 102, 15, 7])
     messages = [*ASK, {"role": "assistant", "content": " hh "}, THEN]
     built = chat_ids(messages, render, codec, replies, boundary=False)
-    assert built.ids == codec.encode(built.text)
-    assert "not render the assistant messages verbatim" in built.note
+    start = len(render(ASK, True))
+    assert built.text[start : start + 3] == "hh<"  # the template's rendering: trimmed
+    after = codec.encode(built.text[start + 2 :])
+    assert built.ids == [*asked, 7, 15, 102, 15, 7, *after]
+    assert "1 of them with the whitespace the template trims" in built.note
     replies.add(asked, "hh", [15, 102, 15])
     messages[1] = {"role": "assistant", "content": "hh"}
     built = chat_ids(messages, render, codec, replies, boundary=False)
-    start = built.text.index("hh")
-    assert built.ids[: len(asked)] == asked and start == len(render(ASK, True))
-    assert built.ids == [*asked, 15, 102, 15, *codec.encode(built.text[start + 2 :])]
+    assert built.ids == [*asked, 15, 102, 15, *after] and "trims" not in built.note
     # A client's text holding the placeholder cannot misplace the reply's ids.
     forged = [*messages[:2], {"role": "user", "content": "\ue000turbospark-reply-0\ue001"}]
     built = chat_ids(forged, render, codec, replies, boundary=False)
-    assert built.ids == codec.encode(built.text) and "verbatim" in built.note
+    assert built.ids == codec.encode(built.text) and "verbatim or trimmed" in built.note
     other = [{"role": "user", "content": "Say it thrice."}, messages[1], THEN]
     built = chat_ids(other, render, codec, replies, boundary=False)
     assert built.ids == codec.encode(built.text)
     assert "1 re-sent assistant message(s) are not replies" in built.note
+
+
+def test_a_reply_the_template_rewrites_costs_the_other_replies_nothing(
+    qwen_gdn_install: Path,
+) -> None:
+    """Qwen's template drops what a reply holds before a literal ``</think>``:
+    that reply is tokenised as text, and the reply before it keeps its
+    generated ids (the session holds them: the whole earlier prompt is reused)."""
+    codec = load_text(qwen_gdn_install)
+    render = _render(codec)
+    asked = codec.encode(render(ASK, True))
+    replies = ReplyIndex()
+    replies.add(asked, "hh", [14, 14])
+    turn = [*ASK, {"role": "assistant", "content": "hh"}, THEN]
+    second = chat_ids(turn, render, codec, replies, boundary=False).ids
+    replies.add(second, "a</think>b", [11, 4, 12])
+    third = [*turn, {"role": "assistant", "content": "a</think>b"}, ASK[0]]
+    built = chat_ids(third, render, codec, replies, boundary=False)
+    assert built.ids[: len(second)] == second and "b<|im_end|>" in built.text
+    assert built.ids[len(second) :] == codec.encode(built.text[len(render(turn, True)) :])
+    assert "generated ids of 1 re-sent" in built.note
+    assert "does not render 1 re-sent repl(y/ies) verbatim or trimmed" in built.note
 
 
 @pytest.mark.parametrize("separators", [True, False])
@@ -247,9 +297,10 @@ def test_the_reply_index_is_bounded_least_recently_used_first() -> None:
     assert not replies.knows("b") and len(replies) == 2
     replies.add([9], "d", [5, 6, 7, 8])  # 5 ids would be 7 held: "a" goes too
     assert replies.ids_of("a", lambda: [9]) is None and replies.ids_of("d", lambda: [9])
-    replies.add([9], "", [1])
-    replies.add([9], "e", [])
-    assert len(replies) == 2
+    replies.add([9], "e", [])  # no ids: nothing to feed
+    assert len(replies) == 2 and not replies.knows("e")
+    replies.add([9], "", [1])  # ids that all decode to nothing: re-sent empty
+    assert replies.ids_of("", lambda: [9]) == (1,)
 
 
 def test_prompts_prefilled_together_checkpoint_where_each_generation_prompt_begins(
@@ -283,3 +334,84 @@ def test_prompts_prefilled_together_checkpoint_where_each_generation_prompt_begi
         stats = job.emit.chunks[-1].stats
         assert (stats.reuse_reason, stats.reused_tokens) == ("checkpoint", at)
         assert job.emit.tokens == alone(qwen_gdn_install, codec, ids, config).tokens
+
+
+# The concurrency benchmark's clients, few and short: streamed replies of random
+# weights with ``ignore_eos``, each re-sent exactly as streamed. One client is
+# pushed toward newlines (a reply the template trims: Gemma's ``trim``, Qwen's
+# ``lstrip('\n')``), one toward a special token (a reply that streams as
+# nothing and is re-sent empty). Qwen's template reads a literal ``</think>``
+# in a reply as the end of reasoning and drops what came before it, so the
+# reply would not be in the next prompt: its clients never sample it.
+NEWLINE = {"gemma4": 6, "qwen_gdn": 5}
+SILENT = {"gemma4": 102, "qwen_gdn": 125}
+NO_THINK_END = {"gemma4": {}, "qwen_gdn": {"4": -100}}
+REPLY = 12
+
+
+def stream_turns(server: ThreadedServer, name: str, index: int, turns: int) -> list[dict[str, Any]]:
+    """One client's chat: each turn the previous messages, the reply as it
+    streamed, and a new question; per turn its usage, finish and text."""
+    bias = dict(NO_THINK_END[name])
+    if index == 1:
+        bias[str(NEWLINE[name])] = 6
+    if index == 2:
+        bias[str(SILENT[name])] = 30
+    messages: list[dict[str, Any]] = []
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Client {index}, question {turn}?"})
+        events = client(server).chat.completions.create(
+            model=model_of(server), messages=messages, max_tokens=REPLY, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, logit_bias=bias,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text, finish, usage = "", None, None
+        for event in events:
+            for choice in event.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+            usage = event.usage or usage
+        assert usage is not None
+        out.append({"usage": usage, "finish": finish, "text": text})
+        messages.append({"role": "assistant", "content": text})
+    return out
+
+
+def concurrent_chats(server: ThreadedServer, name: str, clients: int, turns: int) -> list[Any]:
+    with ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(lambda i: stream_turns(server, name, i, turns), range(clients)))
+
+
+@pytest.mark.slow
+def test_concurrent_streamed_chats_reuse_each_whole_prompt_and_reply(
+    family: tuple[str, Path, TextCodec],
+) -> None:
+    """Four clients at once, three turns each: every turn after the first has
+    the previous prompt and every fed token of the previous reply cached (a
+    reply cut by ``max_tokens`` never feeds its last token), through the
+    replies' generated ids, trimmed and empty ones included. A server that
+    reuses nothing builds the same prompts and gives the same replies."""
+    name, path, codec = family
+    # As many slots as conversations, as the benchmark serves them: with turns
+    # in flight the pool holds empty slots, and those go first.
+    with serving(path, codec, slots=4) as warm:
+        chats = concurrent_chats(warm, name, 4, 3)
+    assert chats[1][0]["text"] != chats[1][0]["text"].strip()
+    assert chats[2][0]["text"] == "" and chats[2][0]["usage"].completion_tokens == REPLY
+    for turns in chats:
+        for turn, (before, now) in enumerate(itertools.pairwise(turns), start=1):
+            assert before["finish"] == "length"
+            usage = now["usage"]
+            held = before["usage"].prompt_tokens + before["usage"].completion_tokens - 1
+            assert usage.prompt_tokens_details.cached_tokens == held, usage.turbospark
+            assert usage.turbospark["reuse_reason"] == "extends"
+            assert f"generated ids of {turn} re-sent" in usage.turbospark["reuse_detail"]
+    assert "whitespace the template trims" in chats[1][1]["usage"].turbospark["reuse_detail"]
+    with serving(path, codec, slots=4, reuse=False) as cold:
+        alone = concurrent_chats(cold, name, 4, 3)
+    for turns, others in zip(chats, alone, strict=True):
+        assert [t["text"] for t in turns] == [t["text"] for t in others]
+        assert [t["usage"].prompt_tokens for t in turns] == [
+            t["usage"].prompt_tokens for t in others
+        ]

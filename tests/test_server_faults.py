@@ -52,6 +52,16 @@ def reply(server: ThreadedServer, messages: list[dict[str, str]]) -> Reply:
     return greedy_reply(client(server), MODEL, messages)
 
 
+def replayed(server: ThreadedServer, messages: list[dict[str, str]]) -> Reply:
+    """The reference's reply to *messages* after it answered each earlier turn
+    itself: a re-sent reply is fed as its generated ids only by the server that
+    generated it (SEMANTICS.md), so the reference builds the prompt ours did."""
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            reply(server, messages[:i])
+    return reply(server, messages)
+
+
 def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
     """Poll *condition* until it holds or *seconds* pass (a bound, not a measurement)."""
     end = time.monotonic() + seconds
@@ -215,7 +225,7 @@ def test_a_replaced_session_file_is_matched_by_what_it_holds(
     if replacement == "an older copy":  # still A's: its tokens are a prefix of the prompt
         assert ours[2]["reuse_reason"] == "restored_from_disk", ours[2]
     with reference(install, codec) as ref:
-        assert_same_reply(ours, reply(ref, a))
+        assert_same_reply(ours, replayed(ref, a))
 
 
 # -- the disk bound ---------------------------------------------------------------------
@@ -333,4 +343,4 @@ def test_a_vanished_file_and_a_deleted_directory(
         turn(running, [{"role": "user", "content": CONVERSATIONS[3]}])
         assert list(directory.glob(f"*{SUFFIX}")), "the next write recreated the directory"
     with reference(install, codec) as ref:
-        assert_same_reply(ours, reply(ref, a))
+        assert_same_reply(ours, replayed(ref, a))

@@ -62,7 +62,10 @@ def reason(response: Any) -> str:
 
 
 def whole(api: openai.OpenAI, first: Any) -> Any:
-    """The reply to the conversation sent at once, stored nowhere."""
+    """The reply to the conversation sent at once, stored nowhere, by a server
+    that answered the first turn itself: only the server that generated a
+    re-sent reply feeds it as its generated ids (SEMANTICS.md)."""
+    api.responses.create(**KNOBS, input=FIRST, store=False)
     items = [{"role": "user", "content": FIRST}, *[o.model_dump() for o in first.output]]
     items.append({"role": "user", "content": SECOND})
     return api.responses.create(**KNOBS, input=items, store=False)

@@ -184,3 +184,32 @@ def test_a_kept_session_outlives_the_lru_rule_and_a_dropped_one_is_gone():
     s.keep(forever, seconds=None)
     s.keep(lapsed, seconds=-1)  # already over: the LRU rule alone again
     assert forever.kept(float("1e300")) and not lapsed.kept(0.0 + lapsed.keep_until)
+
+
+def admit(s: SessionStore, prompt: list[int]) -> Session:
+    """What the engine does for a request: the best session made live (a new
+    conversation parks the live one), then handed to the request."""
+    if s.try_reuse(prompt, vision_active=False) == 0:
+        s.reset()
+    return s.checkout()
+
+
+def test_conversations_as_many_as_slots_survive_their_turns_interleaved():
+    """Three conversations, three slots, two next turns in flight together: the
+    second swap parks the empty live session in its promoted one's slot,
+    newest, and a check-in then rotates out a slot. The empty one goes first
+    however recent, so the third conversation, parked and idle, is not lost."""
+    s = store(slots=3)
+    for opening in ([1, 2], [3, 4], [5, 6]):
+        session = admit(s, opening)
+        feed(session, opening)
+        assert s.checkin(session) is False
+    a = admit(s, [1, 2, 7])  # promoted; the third conversation parked in its slot
+    b = admit(s, [3, 4, 8])  # promoted; the empty live session parked, newest
+    assert (a.record.tokens, b.record.tokens) == ([1, 2], [3, 4])
+    feed(a, [7])
+    feed(b, [8])
+    assert s.checkin(a) is False
+    assert s.checkin(b) is False  # the empty slot rotated out, not [5, 6]
+    held = sorted(x.record.tokens for x in s.sessions() if x.has_content)
+    assert held == [[1, 2, 7], [3, 4, 8], [5, 6]]

@@ -189,6 +189,7 @@ def test_stream_deltas_concatenate_to_the_full_decode(kind: str, ids: list[int])
     decoder = codec.stream_decoder()
     text = "".join(decoder.add(i) for i in ids) + decoder.flush()
     assert text == codec.decode(ids)
+    assert decoder.text == text  # what the reply index keys a reply by
 
 
 @functools.cache

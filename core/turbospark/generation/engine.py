@@ -113,9 +113,10 @@ class Job:
     # rows when this job's prefill ends, each starting from its state by reference.
     forks: list[Job] = field(default_factory=list)
     drafter: Drafter | None = None  # replaces the runner's draft policy (benchmarks' oracles)
-    # Where the chat template's generation prompt starts (the server's rendering
-    # says): non-rewindable state is checkpointed there too, since a template that
-    # re-renders the reply otherwise (thinking dropped) leaves the session there.
+    # Where the next turn's prompt leaves the generation prompt (the server's
+    # rendering says): non-rewindable state is checkpointed there too, since a
+    # template that re-renders the reply otherwise (thinking dropped) leaves the
+    # session there.
     checkpoint_at: int | None = None
     # How the prompt was built, appended to the reuse detail (a re-sent reply's
     # generated ids spliced in, or why they were not).
@@ -1212,7 +1213,8 @@ class Engine:
         self._evicted(row.job, evicted_at_checkin)
         if row.stops.stopped is None and not row.job.warm_up:
             # A stop string cut the text short of the ids: nothing to vouch for then.
-            self.replies.add(row.job.ids, self.codec.decode(row.generated), row.generated)
+            # Keyed by the text as streamed: what the client has to send back.
+            self.replies.add(row.job.ids, row.decoder.text, row.generated)
         now = time.perf_counter()
         prefilled = row.prefilled or now
         stats = GenerationStats(

@@ -47,7 +47,7 @@ class Draw:
     penalties: tuple[float, float] = (0.0, 0.0)
     repetition: float = 1.0  # HF/vLLM's repetition_penalty (1: off)
     bias: dict[int, float] = field(default_factory=dict)
-    checkpoint_at: int | None = None  # where the generation prompt starts (Job.checkpoint_at)
+    checkpoint_at: int | None = None  # where the next turn leaves the generation prompt
     prompt_note: str = ""  # how the prompt was built, for the reuse detail (Job.prompt_note)
 
     def job(self, emit: Emit) -> Job:

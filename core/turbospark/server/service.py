@@ -106,7 +106,7 @@ class ChatPrompt:
     ids: list[int]
     text: str  # the rendered prompt the ids encode
     dropped: Dropped
-    checkpoint_at: int | None = None  # where the generation prompt starts (chat_ids.py)
+    checkpoint_at: int | None = None  # where the next turn leaves the generation prompt
     note: str = ""  # how re-sent replies were fed, for the reuse detail
 
 
@@ -453,7 +453,7 @@ class Service:
     @functools.cached_property
     def _checkpoints(self) -> bool:
         """Whether the model holds state that cannot rewind, so a checkpoint where
-        the generation prompt starts is worth finding (chat_ids.py)."""
+        the next turn leaves the generation prompt is worth finding (chat_ids.py)."""
         return any(c.rewindable is False for c in self.runner.family.components)
 
     def _completion_ids(self, prompt: str | list[int]) -> list[int]:

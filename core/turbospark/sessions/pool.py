@@ -1,7 +1,7 @@
 """The pool of parked sessions: bounded by slots and bytes, least recently used first out.
 
-Recency is a monotonic tick, not wall time, so behaviour is reproducible. A
-session a client asked to keep (``Session.keep_until``, Ollama's
+Recency is a monotonic tick, not wall time, so behaviour is reproducible. An
+empty slot is always the first to go. A session a client asked to keep (``Session.keep_until``, Ollama's
 ``keep_alive``) goes only when every other slot is kept too. A session
 leaving memory goes to the disk tier when there is one.
 """
@@ -34,9 +34,11 @@ class SessionPool:
         return sum(session.nbytes for session in self.parked)
 
     def _eviction_order(self) -> list[Session]:
-        """Parked sessions, first to go first: unkept ones, least recently used first."""
+        """Parked sessions, first to go first: empty ones (a swap parks the empty
+        live session as the newest, and rotating out a conversation instead
+        would lose one that had a slot), then unkept ones, least recently used first."""
         now = time.monotonic()
-        return sorted(self.parked, key=lambda s: (s.kept(now), s.tick))
+        return sorted(self.parked, key=lambda s: (s.has_content, s.kept(now), s.tick))
 
     def trim(self) -> bool:
         """Clear least-recently-used parked sessions until the parked total fits

@@ -69,8 +69,10 @@ class ReplyIndex:
 
     def add(self, prompt: Sequence[int], text: str, ids: Sequence[int]) -> None:
         """Remember that *ids* were generated after *prompt* and reached the
-        client as *text* (empty text or ids prove nothing and are not kept)."""
-        if not text or not ids or len(ids) > self.max_ids:
+        client as *text*. Empty *text* is kept too (ids that all decode to
+        nothing, as special tokens do, reach the client as an empty message);
+        no ids prove nothing and are not kept."""
+        if not ids or len(ids) > self.max_ids:
             return
         key = (text, prompt_digest(prompt))
         kept = tuple(int(t) for t in ids)
@@ -105,7 +107,7 @@ class ReplyIndex:
                 ids = tuple(int(t) for t in entry["ids"])
             except (ValueError, KeyError, TypeError):
                 continue  # a line a crash cut short
-            if key[0] and ids and len(ids) <= self.max_ids:
+            if ids and len(ids) <= self.max_ids:
                 self._keep(key, ids)
         self._rewrite()
 

@@ -131,6 +131,13 @@ class StreamDecoder:
         self.ids: list[int] = []
         self._prefix = 0  # window start
         self._read = 0  # ids up to here have been emitted
+        self._emitted: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far: the text a client received, which a
+        whole decode of the ids need not equal (a window's boundaries)."""
+        return "".join(self._emitted)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -151,7 +158,8 @@ class StreamDecoder:
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
-        return after[len(before) :]
+        self._emitted.append(after[len(before) :])
+        return self._emitted[-1]
 
 
 def load_text(path: str | Path) -> TextCodec:
