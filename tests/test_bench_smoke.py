@@ -453,17 +453,23 @@ def test_concurrency_appending_replies_as_received(
     if family == "qwen_gdn":
         # The bench turns thinking off for both servers: Qwen3.5's template pre-fills
         # an empty think block the history then drops, so turn 2 leaves turn 1's
-        # session where its generation prompt began, and resumes from the
-        # checkpoint kept there.
+        # session after the assistant header both renderings share, and resumes
+        # from the checkpoint kept there.
         from turbospark.text import load_text
 
         codec = load_text(bench[family])
         ask = [{"role": "user", "content": "hi"}]
         kwargs = bench["serving"].TEMPLATE_KWARGS
-        generation_prompt = len(codec.encode(codec.apply_chat_template(ask, **kwargs))) - len(
-            codec.encode(codec.apply_chat_template(ask, add_generation_prompt=False, **kwargs))
+        prompt = codec.encode(codec.apply_chat_template(ask, **kwargs))
+        history = codec.encode(
+            codec.apply_chat_template(
+                [*ask, {"role": "assistant", "content": "ok"}, *ask],
+                add_generation_prompt=False,
+                **kwargs,
+            )
         )
-        assert second["cached_tokens"] == first["prompt_tokens"] - generation_prompt
+        shared = next(i for i, (a, b) in enumerate(zip(prompt, history, strict=False)) if a != b)
+        assert second["cached_tokens"] == first["prompt_tokens"] - (len(prompt) - shared)
     else:  # Gemma's template trims a reply: this one (blank) is not rendered as sent
         assert second["cached_tokens"] >= first["prompt_tokens"]
     assert any("cached/prompt tokens per turn" in line for line in c.summary(out))
