@@ -217,8 +217,8 @@ def test_families_describes_a_checkpoint_mlx_lm_wrote_as_it_lies(
     assert main(["families", str(theirs)]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line == (
-        f"checkpoint {theirs}: theirs (gemma4, float32, 4-bit affine, group 32 "
-        "(2 modules 8-bit affine, group 64))"
+        f"checkpoint {theirs}: theirs (gemma4, float32, mixed 4/8-bit: "
+        "27 modules 4-bit affine, group 32; 2 modules 8-bit affine, group 64)"
     )
 
 

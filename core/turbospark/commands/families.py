@@ -34,7 +34,7 @@ def describe_install(path: Path) -> dict[str, Any]:
     from turbospark.loading.checkpoint_config import read_config
     from turbospark.loading.convert import describe_block
     from turbospark.loading.importer import resolve_arch
-    from turbospark.loading.install import MANIFEST, read_manifest
+    from turbospark.loading.install import MANIFEST, read_manifest, stored_quantized
     from turbospark.loading.plugins import default_registry
     from turbospark.loading.quantization import Quantization
 
@@ -55,7 +55,7 @@ def describe_install(path: Path) -> dict[str, Any]:
         "family": family,
         "dtype": dtype,
         "quantization": None if block is None else block.to_config(),
-        "quantization_summary": describe_block(block),
+        "quantization_summary": describe_block(block, stored_quantized(path)),
     }
 
 

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from turbospark.loading.checkpoint_config import read_config
     from turbospark.loading.convert import describe_block
     from turbospark.loading.importer import import_checkpoint
+    from turbospark.loading.install import stored_quantized
     from turbospark.loading.quantization import Quantization
 
     spec = quantize_spec(args)
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"imported {manifest.model_id} ({manifest.family}, {manifest.dtype}, "
-        f"{describe_block(block)}, {len(manifest.files)} files, {size / 1e6:.1f} MB) "
+        f"{describe_block(block, stored_quantized(args.out))}, {len(manifest.files)} files, {size / 1e6:.1f} MB) "
         f"into {args.out}"
     )
     return 0

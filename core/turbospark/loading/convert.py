@@ -21,6 +21,8 @@ its ``scales`` and ``biases``, the one layout of packed experts mlx-lm reads.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 import mlx.core as mx
@@ -32,7 +34,13 @@ from tqdm import tqdm
 from turbospark.errors import InstallError
 from turbospark.layers.experts import ExpertLayer
 from turbospark.loading.checkpoint_config import describe
-from turbospark.loading.quantization import AFFINE_BITS, FIXED, Quantization, QuantSpec
+from turbospark.loading.quantization import (
+    AFFINE_BITS,
+    FIXED,
+    Quantization,
+    QuantSpec,
+    describe_counts,
+)
 
 # Group sizes MLX's affine kernels take (mx.quantize refuses others).
 AFFINE_GROUPS = (32, 64, 128)
@@ -214,16 +222,27 @@ def quantized_weights(
     return weights | experts, {**config, "quantization": block, "quantization_config": block}
 
 
-def describe_block(block: Quantization | None) -> str:
-    """One phrase for a checkpoint's config block, read without its weights:
-    ``4-bit affine, group 64 (1 module 8-bit affine, group 64; 2 in floating point)``."""
+def describe_block(block: Quantization | None, stored: Collection[str] | None) -> str:
+    """One phrase for a checkpoint's packing, from its config block and the
+    module paths its tensors store quantized (*stored*: those with ``scales``,
+    read from the safetensors headers), no weight read: each stored module at
+    its override, else the block's default, as mlx-lm loads it
+    (:func:`~turbospark.loading.quantization.describe_counts`). The default
+    alone would be wrong for a mixed recipe, whose every module has an
+    override and whose default (``--q-bits``) may be a width no module has;
+    so where there are no tensors to count (*stored* None) it is named as the
+    default, beside the overrides the block lists."""
     if block is None:
         return "not quantized"
     kept = sum(1 for v in block.overrides.values() if v is False)
-    others: dict[QuantSpec, int] = {}
-    for value in block.overrides.values():
-        if value is not False and value != block.default:
-            others[value] = others.get(value, 0) + 1
-    parts = [f"{n} module{'s' * (n > 1)} {s.label()}" for s, n in others.items()]
-    parts += [f"{kept} in floating point"] if kept else []
-    return block.default.label() + (f" ({'; '.join(parts)})" if parts else "")
+    if stored is None:
+        listed = Counter(v for v in block.overrides.values() if v not in (False, block.default))
+        parts = [f"{n} module{'s' * (n > 1)} {spec.label()}" for spec, n in listed.most_common()]
+        parts += [f"{kept} in floating point"] if kept else []
+        return f"{block.default.label()} by default" + (f" ({'; '.join(parts)})" if parts else "")
+    counts: Counter[QuantSpec] = Counter()
+    for path in stored:
+        spec = block.overrides.get(path, block.default)
+        if spec is not False:
+            counts[spec] += 1
+    return describe_counts(counts, kept)

@@ -169,6 +169,21 @@ def safetensors_header(file: Path) -> dict[str, Any]:
     return header
 
 
+def stored_quantized(directory: Path) -> set[str] | None:
+    """The module paths whose tensors the directory's safetensors files store
+    quantized (a ``scales`` beside the packed weight), from their headers
+    alone; None when it holds no safetensors file to read."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    return {
+        name.removesuffix(".scales")
+        for file in files
+        for name in safetensors_header(file)
+        if name.endswith(".scales")
+    }
+
+
 def tensor_names(path: str | Path, manifest: Manifest) -> set[str]:
     """Every tensor name the install's safetensors files hold, from their
     headers alone: cheap checks before a load."""

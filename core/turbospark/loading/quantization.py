@@ -115,11 +115,23 @@ def quantization_of(model: nn.Module) -> dict[str, QuantSpec]:
 
 
 def summary(specs: dict[str, QuantSpec]) -> str | None:
-    """One phrase for a model's quantization: the most common setting, then the
-    others with how many modules use them; None when nothing is quantized."""
-    if not specs:
-        return None
-    counts = Counter(specs.values()).most_common()
-    head, *rest = counts
-    others = "; ".join(f"{n} module{'s' * (n > 1)} {spec.label()}" for spec, n in rest)
-    return head[0].label() + (f" ({others})" if others else "")
+    """One phrase for a loaded model's quantization (:func:`describe_counts`);
+    None when nothing is quantized."""
+    return describe_counts(Counter(specs.values())) if specs else None
+
+
+def describe_counts(counts: Counter[QuantSpec], floating: int = 0) -> str:
+    """One phrase for how many modules use each setting, *floating* more kept in
+    floating point: ``4-bit affine, group 64`` when all share one; a mixed
+    checkpoint (``mlx_lm.convert --quant-predicate mixed_2_6``, or experts'
+    routers at 8 bits) names that it is mixed, its widths, and every setting
+    with its count, most common first, so no width is claimed that no module
+    has (the config's default may be one)."""
+    kept = [f"{floating} in floating point"] if floating else []
+    ranked = counts.most_common()
+    if len(ranked) <= 1:
+        head = ranked[0][0].label() if ranked else "no module quantized"
+        return head + (f" ({kept[0]})" if kept else "")
+    widths = "/".join(str(bits) for bits in sorted({spec.bits for spec, _ in ranked}))
+    parts = [f"{n} module{'s' * (n > 1)} {spec.label()}" for spec, n in ranked]
+    return f"mixed {widths}-bit: " + "; ".join(parts + kept)
