@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.convert import convert
 from mlx_lm.utils import load_model
@@ -32,6 +34,8 @@ MLX_LM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen_gdn_tied": ("qwen_gdn", {"num_layers": 4, "tie_word_embeddings": True}),
 }
 VOCAB = 128
+# mlx-lm's quant_predicate: a module's settings, or False to keep it in floating point.
+Predicate = Callable[[str, nn.Module], bool | dict[str, Any]]
 
 
 def source(name: str, path: Path) -> Path:
@@ -41,8 +45,14 @@ def source(name: str, path: Path) -> Path:
     return path
 
 
-def mlx_lm_convert(src: Path, dst: Path, spec: QuantSpec) -> Path:
-    """``mlx_lm.convert -q`` in float32, its chatter kept off the test output."""
+def mlx_lm_convert(
+    src: Path, dst: Path, spec: QuantSpec, predicate: str | Predicate | None = None
+) -> Path:
+    """``mlx_lm.convert -q`` in float32, its chatter kept off the test output;
+    with *predicate* as its ``quant_predicate``: a recipe (``mixed_4_6``, one
+    of ``mlx_lm.convert.QUANT_RECIPES``, as ``--quant-predicate`` takes it) or
+    a function of the module path and module, which pick each module's
+    settings themselves (*spec*'s bits then only fill the config's default)."""
     with contextlib.redirect_stdout(io.StringIO()):
         convert(
             hf_path=str(src),
@@ -52,6 +62,7 @@ def mlx_lm_convert(src: Path, dst: Path, spec: QuantSpec) -> Path:
             q_group_size=spec.group_size,
             q_mode=spec.mode,
             dtype="float32",
+            quant_predicate=predicate,
         )
     return dst
 

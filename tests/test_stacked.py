@@ -26,7 +26,7 @@ from test_quantized_paths import _close, _kernels, _open, _quantized
 from turbospark import build_synthetic_install
 from turbospark.generation.runner import Runner
 from turbospark.layers import fused
-from turbospark.layers.stacked import gemm_add, matmul_t, project, stacked, transposed
+from turbospark.layers.stacked import Parts, gemm_add, matmul_t, project, stacked, transposed
 
 
 class Block(nn.Module):
@@ -207,6 +207,31 @@ def test_a_replaced_scale_or_bias_rebuilds_a_quantized_stack(part: str) -> None:
         assert mx.allclose(got, block[name](x), atol=1e-5).item()
     assert transposed(block.v_proj) is not packed
     assert mx.allclose(matmul_t(x, transposed(block.v_proj)), block.v_proj(x), atol=1e-5).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_projections_of_different_packings_stack_as_parts(bias: bool) -> None:
+    """q at 4 bits, k at 6, v in floating point (a mixed-precision checkpoint):
+    one product per module, concatenated, each module's arrays its own; a
+    replaced weight rebuilds it. With biases they are left to the modules."""
+    block = nn.Module()
+    block.q_proj = nn.QuantizedLinear(64, 32, bias=bias, group_size=32, bits=4)
+    block.k_proj = nn.QuantizedLinear(64, 16, bias=bias, group_size=32, bits=6)
+    block.v_proj = nn.Linear(64, 8, bias=bias)
+    stack = stacked(block, NAMES)
+    if bias:
+        assert stack is None
+        return
+    assert stack is not None and isinstance(stack.weight_t, Parts)
+    assert stack.weight_t.columns == 56
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(3))
+    for got, name in zip(stack(x), NAMES, strict=True):
+        assert mx.allclose(got, block[name](x), atol=1e-5).item()
+    assert mx.allclose(gemm_add(mx.ones(56), x, stack.weight_t), 1 + mx.concatenate(stack(x), -1)).item()  # fmt: skip
+    block.k_proj.scales = block.k_proj.scales * 2
+    again = stacked(block, NAMES)
+    assert again is not None and again is not stack
+    assert mx.allclose(again(x)[1], block.k_proj(x), atol=1e-5).item()
 
 
 def test_a_replaced_bias_rebuilds_the_stack() -> None:

@@ -28,7 +28,11 @@ matmul (:func:`matmul_t`; a float weight's graph is unchanged), or on CUDA,
 for a decode step's few rows, the qmv kernel (:mod:`turbospark.layers.cuda.qmv`). Quantized
 projections of one packing stack as float ones do: the groups run along the
 input axis, so concatenating the packed rows, scales and biases along the
-output axis is exact.
+output axis is exact. Projections of different packings (a mixed-precision
+checkpoint: ``mlx_lm.convert --quant-predicate mixed_4_6`` packs some layers'
+``v_proj`` at 6 bits beside 4-bit q/k) cannot share one array; their stack
+reads them as :class:`Parts`, one product per module concatenated, so the
+layer keeps its one-trace step rather than falling back to the modules.
 """
 
 from __future__ import annotations
@@ -63,8 +67,22 @@ class Packed(NamedTuple):
         return self.weight.shape[0]
 
 
-# A projection's weight as a step reads it: ``weight.T`` (float), or packed.
-WeightT = mx.array | Packed
+class Parts(NamedTuple):
+    """Projections of different packings read as one: each module's own
+    ``weight.T`` or :class:`Packed`, their products concatenated along the
+    outputs (:func:`matmul_t`). A NamedTuple of them, so ``mx.compile`` takes
+    every array as an input and every packing as a constant, as for one."""
+
+    parts: tuple[mx.array | Packed, ...]
+
+    @property
+    def columns(self) -> int:
+        return sum(columns(part) for part in self.parts)
+
+
+# A projection's weight as a step reads it: ``weight.T`` (float), packed, or
+# the parts of a stack whose packings differ.
+WeightT = mx.array | Packed | Parts
 # The module types whose weights a step reads itself (anything else, sharded
 # or wrapped, is called).
 READABLE = (nn.Linear, nn.QuantizedLinear)
@@ -82,7 +100,10 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
     product of a few rows (a decode step's) of an affine packing it fits is
     :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
-    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``)."""
+    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``). :class:`Parts`
+    are each part's product, concatenated."""
+    if isinstance(weight_t, Parts):
+        return mx.concatenate([matmul_t(x, part) for part in weight_t.parts], axis=-1)
     if isinstance(weight_t, Packed):
         w, scales, biases, group_size, bits, mode = weight_t
         if qmv_cuda.takes(x, w, scales, biases, group_size, bits, mode):
@@ -95,7 +116,7 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
 
 def columns(weight_t: WeightT) -> int:
     """The width of :func:`matmul_t`'s product."""
-    return weight_t.columns if isinstance(weight_t, Packed) else weight_t.shape[1]
+    return weight_t.columns if isinstance(weight_t, Packed | Parts) else weight_t.shape[1]
 
 
 def _packing(linear: nn.Module) -> tuple[int, int, str] | None:
@@ -112,25 +133,30 @@ def _packed(linear: nn.Module, packing: tuple[int, int, str]) -> Packed:
 class Stacked:
     """The rows of some ``nn.Linear`` layers' weights (and biases) in one array,
     or of some ``nn.QuantizedLinear`` layers' of one packing (their packed
-    weights, scales and biases, each in one array).
+    weights, scales and biases, each in one array); layers of different
+    packings (float beside quantized, or two bit widths) are held as
+    :class:`Parts`, each module's arrays its own.
 
     ``splits`` are the row offsets between the parts: ``mx.split(y, splits,
     axis=-1)`` of ``x @ weight.T`` gives each layer's output; ``weight_t`` is
     what :func:`matmul_t` reads: ``weight.T`` evaluated (a view of the same
-    memory, no node per call), or the stacked :class:`Packed`."""
+    memory, no node per call), the stacked :class:`Packed`, or :class:`Parts`."""
 
     def __init__(self, linears: Sequence[nn.Module]) -> None:
+        ends = [0]
+        for linear in linears:
+            ends.append(ends[-1] + linear["weight"].shape[0])
+        self.splits = ends[1:-1]
+        if len({_packing(linear) for linear in linears}) > 1:
+            self._parts_of(linears)
+            return
         packing = _packing(linears[0])
         names = ("weight",) if packing is None else _PACKED[: 2 + ("biases" in linears[0])]
         has_bias = "bias" in linears[0]
         names += ("bias",) * has_bias
         held = {name: mx.concatenate([linear[name] for linear in linears]) for name in names}
         mx.eval(held)
-        ends = [0]
-        for linear in linears:
-            ends.append(ends[-1] + linear["weight"].shape[0])
-        self.splits = ends[1:-1]
-        self.weight = held["weight"]
+        self.weight: mx.array | None = held["weight"]
         self.bias = held.get("bias")
         if packing is None:
             self.weight_t: WeightT = self.weight.T
@@ -146,6 +172,14 @@ class Stacked:
         # so a replaced scale rebuilds the stack as a replaced weight does.
         self._names = tuple(held)
         self._parts = [linear[name] for linear in linears for name in self._names]
+
+    def _parts_of(self, linears: Sequence[nn.Module]) -> None:
+        """Each module read as it is (:func:`transposed`), nothing copied: the
+        stack of layers whose packings differ (none has a bias: :func:`stacked`)."""
+        self.weight = self.bias = None
+        self.weight_t = Parts(tuple(transposed(linear) for linear in linears))
+        self._names = _PACKED
+        self._parts = [linear.get(name) for linear in linears for name in self._names]
 
     def matches(self, owner: nn.Module, names: Sequence[str]) -> bool:
         """Whether every module still holds the rows this stack gave it, of
@@ -166,8 +200,10 @@ class Stacked:
 def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
     """The stack of *owner*'s linear layers *names* (built on first use, rebuilt
     when a weight was replaced), or None when any is neither a plain
-    ``nn.Linear`` nor an ``nn.QuantizedLinear`` (sharded), when they mix float
-    and quantized or differ in packing, or when only some have a bias."""
+    ``nn.Linear`` nor an ``nn.QuantizedLinear`` (sharded), when only some have
+    a bias, or when they differ in packing (float and quantized, or two
+    packings) and have biases; differing packings without biases stack as
+    :class:`Parts`."""
     # In the instance's __dict__, not set through Module.__setattr__: no parameter.
     stacks: dict[tuple[str, ...], Stacked] | None = owner.__dict__.get("_stacks")
     if stacks is None:
@@ -178,7 +214,9 @@ def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
     linears = [owner[name] for name in names]
     if not all(map(readable, linears)):
         return None
-    if len({("bias" in linear, _packing(linear)) for linear in linears}) != 1:
+    if len({"bias" in linear for linear in linears}) != 1:
+        return None
+    if "bias" in linears[0] and len({_packing(linear) for linear in linears}) != 1:
         return None
     stack = stacks[names] = Stacked(linears)
     return stack
@@ -236,8 +274,9 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     """``addend + x @ weight_t``, *addend* a bias ``(out,)`` or a residual
     shaped as the product, in the form each device runs fastest.
 
-    - A packed weight (:class:`Packed`): ``mx.quantized_matmul``, then the add
-      (there is no quantized GEMM with a C operand).
+    - A packed weight (:class:`Packed`), or :class:`Parts`: the product
+      (:func:`matmul_t`), then the add (there is no quantized GEMM with a C
+      operand).
 
     - Mostly one GEMM, ``addmm`` with *addend* as its C operand: one kernel
       where a matmul and an add were two.
@@ -256,7 +295,7 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
       an 8192 -> 2048 projection: 114 ms against 13 ms folded). CUDA's does not (the H200: the same
       time either way).
     """
-    if isinstance(weight_t, Packed):
+    if isinstance(weight_t, Packed | Parts):
         return addend + matmul_t(x, weight_t)
     gpu = fused.builds_for_gpu()
     if gpu and x.size == x.shape[-1]:

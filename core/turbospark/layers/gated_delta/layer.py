@@ -114,13 +114,14 @@ class GatedDeltaNet(nn.Module):
     def in_projections(self) -> Stacked:
         """``in_proj_qkv/z/a/b`` as one weight, in that order (one matmul). A
         sharded mixer's projections are sliced in place, still ``nn.Linear``; a
-        quantized one's are ``nn.QuantizedLinear`` of one packing (as mlx-lm
-        quantizes every linear layer alike)."""
+        quantized one's are ``nn.QuantizedLinear``, of one packing (as mlx-lm
+        quantizes every linear layer alike) or several (read as
+        :class:`~turbospark.layers.stacked.Parts`)."""
         stack = stacked(self, IN_PROJECTIONS)
         if stack is None:
             raise TypeError(
-                "a gated-DeltaNet's input projections must be plain nn.Linear layers, or "
-                "nn.QuantizedLinear layers of one packing; re-quantize them alike"
+                "a gated-DeltaNet's input projections must be plain nn.Linear or "
+                "nn.QuantizedLinear layers, all with a bias or none; load them as such"
             )
         return stack
 
