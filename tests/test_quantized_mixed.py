@@ -19,8 +19,8 @@ mlx-lm loads it with, and give mlx-lm's logits on the same directory (within
 1e-4): token by token (the compiled decode step), in uneven prefill chunks,
 on the CUDA kernels' path (their ops, as ``tests/test_quantized_paths.py``
 runs them: the qmv kernel takes only the 4- and 8-bit products, part by
-part), and as rows
-of batched decode steps. ``turbospark families`` and the serve banner name the
+part), and as rows of batched decode steps; greedy replies, drafted or not,
+are mlx-lm's tokens. ``turbospark families`` and the serve banner name the
 checkpoint as mixed, with the modules at each width; ``turbospark serve`` on
 the directory as it lies answers the openai client.
 """
@@ -37,12 +37,13 @@ import numpy as np
 import openai
 import pytest
 from mlx_lm.convert import QUANT_RECIPES
+from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 from quantized_checkpoints import Predicate, mlx_lm_convert
 from serving import serve_process
 from test_quantized_paths import _kernels
 
-from helpers import batched_greedy, chunks_and_steps
+from helpers import batched_greedy, chunks_and_steps, greedy_both_paths
 from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.generation.runner import Runner
@@ -65,7 +66,7 @@ KINDS: dict[str, dict[str, Any]] = {
         "hidden_size": 128,
         "hidden_size_per_layer_input": 32,
         "num_kv_shared_layers": 1,
-    },  # fmt: skip
+    },
     # Gated-DeltaNet layers 0-2, full attention at 3; an untied (high-width) head.
     "qwen_gdn": {"num_layers": 4},
 }
@@ -206,6 +207,25 @@ def test_batched_decode_matches_mlx_lm(mixed: Mixed) -> None:
         expected = _reference(mixed.model, fed)
         for step, got in enumerate(steps):
             _close(got[row], expected[len(prompt) + step], f"row {row}, step {step}")
+
+
+def test_greedy_plain_kernels_and_drafted_are_mlx_lm_s(
+    mixed: Mixed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 greedy tokens on the plain path, the kernels' path, and drafted there
+    (verify passes of several tokens, rejected drafts rewound): mlx-lm's."""
+    stack = ExitStack()
+
+    def take(kernel: bool) -> None:
+        stack.close()
+        if kernel:
+            _kernels(stack, monkeypatch)
+
+    with stack:
+        plain, kernels, drafted = greedy_both_paths(mixed.install, take, _open, PROMPT)
+    steps = generate_step(mx.array(PROMPT), mixed.model, max_tokens=len(plain))
+    expected = [int(token) for token, _ in steps]
+    assert plain == kernels == drafted == expected
 
 
 def test_families_names_the_widths_the_model_loads(
