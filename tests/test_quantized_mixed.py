@@ -7,7 +7,7 @@ and every third between, ``v_proj`` and ``down_proj`` at the high one, and
 ``lm_head`` always; each module's setting is an override in ``config.json``.
 So one layer's q/k/v projections differ in packing (qwen_gdn's full-attention
 layer 3, gemma4's K/V-owning layer 2): :func:`stacked` reads them as
-:class:`Parts`, one product per module, and the layer keeps its one-trace
+:class:`PerModule`, one product per module, and the layer keeps its one-trace
 step. A predicate of our own (``uneven``, through the Python API's
 ``quant_predicate=``) also splits the packings of gate/up (one of them left in
 floating point) and of a gated DeltaNet's input projections, which the recipes
@@ -48,7 +48,7 @@ from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.generation.runner import Runner
 from turbospark.layers.gated_delta.layer import IN_PROJECTIONS
-from turbospark.layers.stacked import Parts, stacked
+from turbospark.layers.stacked import PerModule, stacked
 from turbospark.loading.importer import import_checkpoint
 from turbospark.loading.quantization import QuantSpec, quantization_of, summary
 
@@ -70,7 +70,7 @@ KINDS: dict[str, dict[str, Any]] = {
     # Gated-DeltaNet layers 0-2, full attention at 3; an untied (high-width) head.
     "qwen_gdn": {"num_layers": 4},
 }
-# The groups the projections stack in, each read as one product or as Parts.
+# The groups the projections stack in, each read as one product or as PerModule.
 GROUPS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), IN_PROJECTIONS]
 
 
@@ -149,7 +149,7 @@ def _theirs(model: Any) -> dict[str, QuantSpec]:
 def test_every_module_loads_as_written(mixed: Mixed) -> None:
     """Each module at mlx-lm's packing (or in floating point where mlx-lm's
     is), two widths among them; every group of projections stacks, as one
-    product where they share a packing and as :class:`Parts` where not (some
+    product where they share a packing and as :class:`PerModule` where not (some
     layer's, at least), never refused."""
     runner = _open(mixed.install)
     ours = quantization_of(runner.model)
@@ -163,7 +163,7 @@ def test_every_module_loads_as_written(mixed: Mixed) -> None:
             packings = {ours.get(f"{path}.{name}") for name in names}
             stack = stacked(module, names)
             assert stack is not None, f"{path}: {names} not stacked"
-            assert isinstance(stack.weight_t, Parts) == (len(packings) > 1), path
+            assert isinstance(stack.weight_t, PerModule) == (len(packings) > 1), path
             split += len(packings) > 1
     assert split > 0
 
@@ -182,7 +182,7 @@ def test_steps_and_chunks_match_mlx_lm(mixed: Mixed) -> None:
 
 def test_the_kernels_path_matches_mlx_lm(mixed: Mixed, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA kernels' forms: the one-trace attention and gated-DeltaNet
-    steps run (the layers of :class:`Parts` too), the qmv kernel takes the 4-
+    steps run (the layers of :class:`PerModule` too), the qmv kernel takes the 4-
     and 8-bit products only, and the logits are mlx-lm's."""
     expected = _reference(mixed.model, [*PROMPT, *DECODE])
     with ExitStack() as stack:

@@ -26,7 +26,7 @@ from test_quantized_paths import _close, _kernels, _open, _quantized
 from turbospark import build_synthetic_install
 from turbospark.generation.runner import Runner
 from turbospark.layers import fused
-from turbospark.layers.stacked import Parts, gemm_add, matmul_t, project, stacked, transposed
+from turbospark.layers.stacked import PerModule, gemm_add, matmul_t, project, stacked, transposed
 
 
 class Block(nn.Module):
@@ -222,7 +222,7 @@ def test_projections_of_different_packings_stack_as_parts(bias: bool) -> None:
     if bias:
         assert stack is None
         return
-    assert stack is not None and isinstance(stack.weight_t, Parts)
+    assert stack is not None and isinstance(stack.weight_t, PerModule)
     assert stack.weight_t.columns == 56
     x = mx.random.normal((2, 3, 64), key=mx.random.key(3))
     for got, name in zip(stack(x), NAMES, strict=True):

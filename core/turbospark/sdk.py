@@ -122,6 +122,7 @@ from turbospark.layers.sharding import (
 )
 from turbospark.layers.stacked import (
     Packed,
+    PerModule,
     WeightT,
     derived,
     matmul_t,
@@ -240,6 +241,7 @@ __all__ = [  # noqa: RUF022 -- grouped as the docstring lists them
     "matmul_t",
     "readable",
     "Packed",
+    "PerModule",
     "WeightT",
     "derived",
     "fused",

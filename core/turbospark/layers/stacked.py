@@ -31,7 +31,7 @@ input axis, so concatenating the packed rows, scales and biases along the
 output axis is exact. Projections of different packings (a mixed-precision
 checkpoint: ``mlx_lm.convert --quant-predicate mixed_4_6`` packs some layers'
 ``v_proj`` at 6 bits beside 4-bit q/k) cannot share one array; their stack
-reads them as :class:`Parts`, one product per module concatenated, so the
+reads them as :class:`PerModule`, one product per module concatenated, so the
 layer keeps its one-trace step rather than falling back to the modules.
 """
 
@@ -67,7 +67,7 @@ class Packed(NamedTuple):
         return self.weight.shape[0]
 
 
-class Parts(NamedTuple):
+class PerModule(NamedTuple):
     """Projections of different packings read as one: each module's own
     ``weight.T`` or :class:`Packed`, their products concatenated along the
     outputs (:func:`matmul_t`). A NamedTuple of them, so ``mx.compile`` takes
@@ -82,7 +82,7 @@ class Parts(NamedTuple):
 
 # A projection's weight as a step reads it: ``weight.T`` (float), packed, or
 # the parts of a stack whose packings differ.
-WeightT = mx.array | Packed | Parts
+WeightT = mx.array | Packed | PerModule
 # The module types whose weights a step reads itself (anything else, sharded
 # or wrapped, is called).
 READABLE = (nn.Linear, nn.QuantizedLinear)
@@ -100,9 +100,9 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
     product of a few rows (a decode step's) of an affine packing it fits is
     :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
-    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``). :class:`Parts`
+    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``). :class:`PerModule`
     are each part's product, concatenated."""
-    if isinstance(weight_t, Parts):
+    if isinstance(weight_t, PerModule):
         return mx.concatenate([matmul_t(x, part) for part in weight_t.parts], axis=-1)
     if isinstance(weight_t, Packed):
         w, scales, biases, group_size, bits, mode = weight_t
@@ -116,7 +116,7 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
 
 def columns(weight_t: WeightT) -> int:
     """The width of :func:`matmul_t`'s product."""
-    return weight_t.columns if isinstance(weight_t, Packed | Parts) else weight_t.shape[1]
+    return weight_t.columns if isinstance(weight_t, Packed | PerModule) else weight_t.shape[1]
 
 
 def _packing(linear: nn.Module) -> tuple[int, int, str] | None:
@@ -135,12 +135,12 @@ class Stacked:
     or of some ``nn.QuantizedLinear`` layers' of one packing (their packed
     weights, scales and biases, each in one array); layers of different
     packings (float beside quantized, or two bit widths) are held as
-    :class:`Parts`, each module's arrays its own.
+    :class:`PerModule`, each module's arrays its own.
 
     ``splits`` are the row offsets between the parts: ``mx.split(y, splits,
     axis=-1)`` of ``x @ weight.T`` gives each layer's output; ``weight_t`` is
     what :func:`matmul_t` reads: ``weight.T`` evaluated (a view of the same
-    memory, no node per call), the stacked :class:`Packed`, or :class:`Parts`."""
+    memory, no node per call), the stacked :class:`Packed`, or :class:`PerModule`."""
 
     def __init__(self, linears: Sequence[nn.Module]) -> None:
         ends = [0]
@@ -177,7 +177,7 @@ class Stacked:
         """Each module read as it is (:func:`transposed`), nothing copied: the
         stack of layers whose packings differ (none has a bias: :func:`stacked`)."""
         self.weight = self.bias = None
-        self.weight_t = Parts(tuple(transposed(linear) for linear in linears))
+        self.weight_t = PerModule(tuple(transposed(linear) for linear in linears))
         self._names = _PACKED
         self._parts = [linear.get(name) for linear in linears for name in self._names]
 
@@ -203,7 +203,7 @@ def stacked(owner: nn.Module, names: tuple[str, ...]) -> Stacked | None:
     ``nn.Linear`` nor an ``nn.QuantizedLinear`` (sharded), when only some have
     a bias, or when they differ in packing (float and quantized, or two
     packings) and have biases; differing packings without biases stack as
-    :class:`Parts`."""
+    :class:`PerModule`."""
     # In the instance's __dict__, not set through Module.__setattr__: no parameter.
     stacks: dict[tuple[str, ...], Stacked] | None = owner.__dict__.get("_stacks")
     if stacks is None:
@@ -274,7 +274,7 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     """``addend + x @ weight_t``, *addend* a bias ``(out,)`` or a residual
     shaped as the product, in the form each device runs fastest.
 
-    - A packed weight (:class:`Packed`), or :class:`Parts`: the product
+    - A packed weight (:class:`Packed`), or :class:`PerModule`: the product
       (:func:`matmul_t`), then the add (there is no quantized GEMM with a C
       operand).
 
@@ -295,7 +295,7 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
       an 8192 -> 2048 projection: 114 ms against 13 ms folded). CUDA's does not (the H200: the same
       time either way).
     """
-    if isinstance(weight_t, Packed | Parts):
+    if isinstance(weight_t, Packed | PerModule):
         return addend + matmul_t(x, weight_t)
     gpu = fused.builds_for_gpu()
     if gpu and x.size == x.shape[-1]:

@@ -116,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         sharded mixer's projections are sliced in place, still ``nn.Linear``; a
         quantized one's are ``nn.QuantizedLinear``, of one packing (as mlx-lm
         quantizes every linear layer alike) or several (read as
-        :class:`~turbospark.layers.stacked.Parts`)."""
+        :class:`~turbospark.layers.stacked.PerModule`)."""
         stack = stacked(self, IN_PROJECTIONS)
         if stack is None:
             raise TypeError(
