@@ -41,9 +41,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 from quantized_checkpoints import Predicate, mlx_lm_convert
 from serving import serve_process
-from test_quantized_paths import _kernels
+from test_quantized_paths import _kernels, greedy_three_ways
 
-from helpers import batched_greedy, chunks_and_steps, greedy_both_paths
+from helpers import batched_greedy, chunks_and_steps
 from turbospark import build_synthetic_install
 from turbospark.cli import main
 from turbospark.generation.runner import Runner
@@ -214,15 +214,7 @@ def test_greedy_plain_kernels_and_drafted_are_mlx_lm_s(
 ) -> None:
     """20 greedy tokens on the plain path, the kernels' path, and drafted there
     (verify passes of several tokens, rejected drafts rewound): mlx-lm's."""
-    stack = ExitStack()
-
-    def take(kernel: bool) -> None:
-        stack.close()
-        if kernel:
-            _kernels(stack, monkeypatch)
-
-    with stack:
-        plain, kernels, drafted = greedy_both_paths(mixed.install, take, _open, PROMPT)
+    plain, kernels, drafted = greedy_three_ways(mixed.install, monkeypatch)
     steps = generate_step(mx.array(PROMPT), mixed.model, max_tokens=len(plain))
     expected = [int(token) for token, _ in steps]
     assert plain == kernels == drafted == expected

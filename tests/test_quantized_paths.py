@@ -246,9 +246,11 @@ def test_batched_rows_equal_each_row_alone(converted: Converted) -> None:
             _close(a[row], b[0], f"row {row}, step {step}")
 
 
-def test_drafted_greedy_equals_plain(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy on the plain path, on the kernels' path, and drafted there
-    (rejected drafts rewind): the same tokens."""
+def greedy_three_ways(
+    install: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[int], list[int], list[int]]:
+    """:func:`greedy_both_paths` over :data:`PROMPT`, the kernels' path stood
+    in by :func:`_kernels`: plain, kernels' and drafted greedy tokens."""
     stack = ExitStack()
 
     def take(kernel: bool) -> None:
@@ -257,7 +259,13 @@ def test_drafted_greedy_equals_plain(converted: Converted, monkeypatch: pytest.M
             _kernels(stack, monkeypatch)
 
     with stack:
-        plain, kernels, drafted = greedy_both_paths(converted.install, take, _open, PROMPT)
+        return greedy_both_paths(install, take, _open, PROMPT)
+
+
+def test_drafted_greedy_equals_plain(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy on the plain path, on the kernels' path, and drafted there
+    (rejected drafts rewind): the same tokens."""
+    plain, kernels, drafted = greedy_three_ways(converted.install, monkeypatch)
     assert plain == kernels == drafted
 
 
