@@ -3,9 +3,8 @@
 A decode step's products are a row (or a few) times every weight of the
 model, so they are bound by the bytes of weight they read. MLX 0.32's CUDA
 ``mx.quantized_matmul`` reads a 4-bit checkpoint at about a fifth of an
-H100's bandwidth for one row (an ~8B gemma4 shape decoded 126.8 tok/s at 4
-bits against 110.9 in bfloat16, which reads 3.6x the bytes), so quantizing
-bought almost nothing. Here one warp owns one output of the product and
+H100's bandwidth for one row, so a 4-bit decode step that reads 3.6x fewer
+bytes than a bfloat16 one was barely faster (docs/CUDA.md has the figures). Here one warp owns one output of the product and
 walks its packed row in 16-byte loads (four uint32 a lane, :data:`UNROLL`
 of them in flight), with:
 
