@@ -4,9 +4,9 @@ A decode step's products are a row (or a few) times every weight of the
 model, so they are bound by the bytes of weight they read. MLX 0.32's CUDA
 ``mx.quantized_matmul`` reads a 4-bit checkpoint at about a fifth of an
 H100's bandwidth for one row, so a 4-bit decode step that reads 3.6x fewer
-bytes than a bfloat16 one was barely faster (docs/CUDA.md has the figures). Here one warp owns one output of the product and
-walks its packed row in 16-byte loads (four uint32 a lane, :data:`UNROLL`
-of them in flight), with:
+bytes than a bfloat16 one was barely faster (docs/CUDA.md has the figures).
+Here one warp owns one output of the product and walks its packed row in
+16-byte loads (four uint32 a lane, :data:`UNROLL` of them in flight), with:
 
     y[r, n] = sum over groups g of
               scale[n, g] * sum(q * x[r])  +  bias[n, g] * sum(x[r])
