@@ -4,7 +4,8 @@
     python3 -m bench.run --device gpu [--only S ...] [--save]       # on a GPU machine
 
 Every section writes its result as soon as it ends, one JSON file a section
-and family (``forward_gemma4.json``; a section run once, ``constrain.json``),
+and family (``forward_gemma4.json``; a section run once, ``constrain.json``;
+``concurrency`` with ``--append-replies``, ``concurrency_replies_resent_gemma4.json``),
 with the machine record, the dtype and the plan beside it, and prints its
 summary. A lease that ends mid-run keeps every section finished before.
 Results go to ``bench/out/<device>/`` (git-ignored); ``--save`` writes the
@@ -465,7 +466,11 @@ def results_dir(device: str) -> Path:
     return REFERENCE / "cpu" if device == "cpu" else REFERENCE / "gpu" / card()
 
 
-def result_name(section: str, family: str) -> str:
+def result_name(section: str, family: str, append_replies: bool = False) -> str:
+    """The section's file; the concurrency section re-sending replies as
+    received (``--append-replies``) has its own, beside the fixed-text one."""
+    if section == "concurrency" and append_replies:
+        section = "concurrency_replies_resent"
     return f"{section}.json" if section in ONCE else f"{section}_{family}.json"
 
 
@@ -567,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"section": section, "family": family, **record, "seconds": seconds}
             row["plan_settings"] = asdict(plan)
             row["result"] = result
-            path = out / result_name(section, family)
+            path = out / result_name(section, family, plan.concurrency.append_replies)
             path.write_text(json.dumps(row, indent=1) + "\n")
             print_section(section, family, result)
             print(f"  ({seconds:.0f} s) -> {path}", flush=True)

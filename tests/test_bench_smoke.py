@@ -412,6 +412,9 @@ def test_the_entry_point_writes_one_file_a_section(bench: dict, tmp_path: Path) 
         == f"{row['result']['hook_overhead_us']:.0f}, {row['result']['runner_overhead_us']:.0f}"
     )
     assert run.result_name("constrain", "-") == "constrain.json"
+    assert (
+        run.result_name("concurrency", "gemma4", True) == "concurrency_replies_resent_gemma4.json"
+    )
     assert run.results_dir("cpu") == ROOT / "bench" / "results" / "cpu"
 
 
@@ -420,7 +423,7 @@ def test_committed_results_have_plain_names_and_a_machine() -> None:
     each a section the entry point has, run on the machine it names."""
     sys.path.insert(0, str(ROOT))
     try:
-        from bench.run import ONCE, SECTIONS
+        from bench.run import SECTIONS, result_name
     finally:
         sys.path.remove(str(ROOT))
     results = ROOT / "bench" / "results"
@@ -429,8 +432,8 @@ def test_committed_results_have_plain_names_and_a_machine() -> None:
     for file in (f for f in files if f.is_file()):
         row = json.loads(file.read_text())
         assert row["section"] in SECTIONS and row["machine"]["mlx"], file
-        expected = row["section"] if row["section"] in ONCE else f"{row['section']}_{row['family']}"
-        assert file.stem == expected, file
+        resent = row["plan_settings"].get("concurrency", {}).get("append_replies", False)
+        assert file.name == result_name(row["section"], row["family"], resent), file
         device = file.relative_to(results).parts[0]
         assert device in ("cpu", "gpu") and (device == "cpu") == ("cpu" in row["machine"]["device"])
 
