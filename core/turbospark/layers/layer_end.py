@@ -146,28 +146,17 @@ def tail(
     pre-norm end the down projection's GEMM adding the residual
     (:func:`~turbospark.layers.stacked.gemm_add`, in the form each device
     runs fastest); over the inputs' rows (:func:`_rows`)."""
-    if h.ndim == 2:
-        return _tail_rows(h, mixed, side_input, weights, eps, gelu)
-    out = _tail_rows(_rows(h), _rows(mixed), _rows(side_input), weights, eps, gelu)
-    return out.reshape(h.shape)
-
-
-def _tail_rows(
-    h: mx.array,
-    mixed: mx.array | None,
-    side_input: mx.array | None,
-    weights: EndWeights,
-    eps: float,
-    gelu: bool,
-) -> mx.array:
-    """:func:`tail` over rows ``(N, width)``."""
+    shape = h.shape
+    h, mixed, side_input = _rows(h), _rows(mixed), _rows(side_input)
     if _pre_norm(weights):
         _, pre_mlp, gate_up_t, down_t, *_ = weights
         h = _mixed_in(h, mixed, None, eps)
-        return gemm_add(h, activation(mx.fast.rms_norm(h, pre_mlp, eps), gate_up_t, gelu), down_t)
-    h, update = parts(h, mixed, side_input, weights, eps, gelu)
-    scale = weights[6]
-    return h + update if scale is None else residual_scale(h, update, scale)
+        out = gemm_add(h, activation(mx.fast.rms_norm(h, pre_mlp, eps), gate_up_t, gelu), down_t)
+    else:
+        h, update = parts(h, mixed, side_input, weights, eps, gelu)
+        scale = weights[6]
+        out = h + update if scale is None else residual_scale(h, update, scale)
+    return out if out.shape == shape else out.reshape(shape)
 
 
 def joins(
@@ -182,32 +171,21 @@ def joins(
     norms beside it (:func:`~turbospark.layers.cuda.norm.join_norm`):
     ``(h, update)``, the last join left to the next norm (:func:`unjoined`);
     over the inputs' rows (:func:`_rows`) where a side input block's two
-    matmuls make that pay."""
-    side = weights[5]
-    if h.ndim == 2 or side is None:
-        return _joins_rows(h, mixed, side_input, weights, eps, gelu)
-    h_rows, update = _joins_rows(_rows(h), _rows(mixed), _rows(side_input), weights, eps, gelu)
-    return h_rows.reshape(h.shape), update.reshape(h.shape)
-
-
-def _joins_rows(
-    h: mx.array,
-    mixed: mx.array,
-    side_input: mx.array | None,
-    weights: EndWeights,
-    eps: float,
-    gelu: bool,
-) -> tuple[mx.array, mx.array]:
-    """:func:`joins` as given: rows ``(N, width)``, or the layer's own shape
-    (its gate and up rows in one matmul, the down projection's in another)."""
+    matmuls make that pay, else in the layer's own shape (its gate and up rows
+    in one matmul, the down projection's in another)."""
     post_mixer, pre_mlp, gate_up_t, down_t, post_mlp, side, _ = weights
+    shape = h.shape
+    if side is not None:
+        h, mixed, side_input = _rows(h), _rows(mixed), _rows(side_input)
     h, x = norm_cuda.join_norm(h, mixed, pre_mlp, eps, update_weight=post_mixer)
-    ff = matmul_t(activation(x, gate_up_t, gelu), down_t)
-    if side is None:
-        return h, ff
-    gate_t, proj_t, _ = side
-    h, _ = norm_cuda.join_norm(h, ff, None, eps, update_weight=post_mlp)
-    return h, side_update(h, side_input, gate_t, proj_t, gelu)
+    update = matmul_t(activation(x, gate_up_t, gelu), down_t)
+    if side is not None:
+        gate_t, proj_t, _ = side
+        h, _ = norm_cuda.join_norm(h, update, None, eps, update_weight=post_mlp)
+        update = side_update(h, side_input, gate_t, proj_t, gelu)
+    if h.shape == shape:
+        return h, update
+    return h.reshape(shape), update.reshape(shape)
 
 
 # Traced once per batch size (decode rows) and per short lone-row length (a
