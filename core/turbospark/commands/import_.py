@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    packing = describe_block(block, stored_quantized(args.out))
     print(
-        f"imported {manifest.model_id} ({manifest.family}, {manifest.dtype}, "
-        f"{describe_block(block, stored_quantized(args.out))}, {len(manifest.files)} files, {size / 1e6:.1f} MB) "
-        f"into {args.out}"
+        f"imported {manifest.model_id} ({manifest.family}, {manifest.dtype}, {packing}, "
+        f"{len(manifest.files)} files, {size / 1e6:.1f} MB) into {args.out}"
     )
     return 0

@@ -1,9 +1,10 @@
 """The pool of parked sessions: bounded by slots and bytes, least recently used first out.
 
 Recency is a monotonic tick, not wall time, so behaviour is reproducible. An
-empty slot is always the first to go. A session a client asked to keep (``Session.keep_until``, Ollama's
-``keep_alive``) goes only when every other slot is kept too. A session
-leaving memory goes to the disk tier when there is one.
+empty slot is always the first to go. A session a client asked to keep
+(``Session.keep_until``, Ollama's ``keep_alive``) goes only when every other
+slot is kept too. A session leaving memory goes to the disk tier when there
+is one.
 """
 
 from __future__ import annotations
