@@ -555,6 +555,42 @@ def test_a_batched_step_reads_the_ids_queued_by_the_step_before(gemma4_install, 
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_rows_leaving_a_batch_one_by_one_hold_only_their_sessions(family, request):
+    """A row's state is copied out of the batch when it leaves; the copy must
+    not keep the batch's buffer alive while its session sits parked. Twelve
+    rows leave one step apart: afterwards the memory in use beyond what it was
+    before is the parked sessions' bytes (each row once pinned the buffer of
+    every row still in the batch: about 50 times as much here)."""
+    import gc
+
+    import mlx.core as mx
+
+    install = request.getfixturevalue(f"{family}_install")
+    rows = 12
+    runner = open_runner(install, slots=rows)
+    engine = Engine(runner, load_text(install), max_batch=rows, prefill_budget=512)
+    jobs = [
+        Job(
+            ids=[2, 3 + k, *range(10, 10 + 2 * k)],
+            config=GenerationConfig(max_tokens=16 + k, temperature=0.0, stop_token_ids=[]),
+            emit=Collector(),
+        )
+        for k in range(rows)
+    ]
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    run_all(engine, [(0, job) for job in jobs])
+    assert all(job.emit.error is None for job in jobs)
+    assert max(c.stats.batch_size for job in jobs for c in job.emit.chunks if c.stats) == rows
+    gc.collect()
+    mx.synchronize()
+    held = sum(runner.session_nbytes())
+    assert held > 0
+    assert mx.get_active_memory() - before <= 2 * held + (1 << 20)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
 def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, request):
     """Compiled pieces that are not shapeless trace once per batch size: the
     warm-up runs the batched decode at each size up to ``max_batch`` before the

@@ -311,6 +311,7 @@ class _Batch:
         """Copy each row in *going* back into its session, *back* tokens earlier."""
         if not going:
             return
+        copies: list[mx.array] = []
         for i, row in enumerate(self.rows):
             if row in going:
                 back = going[row]
@@ -318,8 +319,15 @@ class _Batch:
                     name: component.extract(i, row.leaves_at, back, self.held.get(name))
                     for name, component in self.state.items()
                 }
+                copies += [
+                    a for component in row.session.state.values() for a in component.arrays()
+                ]
                 if self.tokens is not None and row.pending is None:
                     row.pending = self.tokens[i]
+        # A row's copy, left lazy, would keep the whole batch buffer it is cut
+        # from alive for as long as its session sits parked: every row that
+        # left a shrinking batch held a buffer of all the rows still in it.
+        mx.async_eval(copies)
         stay = [i for i, row in enumerate(self.rows) if row not in going]
         self.rows = [self.rows[i] for i in stay]
         if not self.rows:
