@@ -25,7 +25,6 @@ import ctypes
 import itertools
 import shutil
 import subprocess
-from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
