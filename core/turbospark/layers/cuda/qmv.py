@@ -241,25 +241,52 @@ _SOURCE = """
                     bias[o] = static_cast<float>(biases[static_cast<size_t>(rows_of[o]) * GROUPS + g]);
                 }
                 if constexpr (SHARED_X) {
-                    // Each output's values unpacked once, then every row's staged x.
+                    // A word of each output's values at a time, unpacked once
+                    // for every row's staged x (a word's floats of x a row in
+                    // registers, not the chunk's: the rows times the outputs'
+                    // sums are what fills them).
+                    float qx[OUTS][ROWS];
 #pragma unroll
                     for (int o = 0; o < OUTS; ++o) {
-                        float q[PER_CHUNK];
-                        unpack_chunk<BITS>(packed[u][o], q);
+#pragma unroll
+                        for (int r = 0; r < ROWS; ++r) qx[o][r] = 0.0f;
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        float q[OUTS][PER_WORD];
+#pragma unroll
+                        for (int o = 0; o < OUTS; ++o) {
+                            const uint32_t word = i == 0 ? packed[u][o].x : i == 1 ? packed[u][o].y
+                                                : i == 2 ? packed[u][o].z : packed[u][o].w;
+#pragma unroll
+                            for (int j = 0; j < PER_WORD; ++j)
+                                q[o][j] = small_uint_to_float((word >> (BITS * j)) & ((1u << BITS) - 1u));
+                        }
 #pragma unroll
                         for (int r = 0; r < ROWS; ++r) {
-                            const float* staged = x_tile + ((r * TILE + first + u) * 32 + lane) * STRIDE;
-                            float qx = 0.0f;
+                            const float4* staged = reinterpret_cast<const float4*>(
+                                x_tile + ((r * TILE + first + u) * 32 + lane) * STRIDE + i * PER_WORD);
+                            float xv[PER_WORD];
 #pragma unroll
-                            for (int i = 0; i < PER_CHUNK / 4; ++i) {
-                                const float4 xv = reinterpret_cast<const float4*>(staged)[i];
-                                qx = fmaf(q[4 * i], xv.x, qx);
-                                qx = fmaf(q[4 * i + 1], xv.y, qx);
-                                qx = fmaf(q[4 * i + 2], xv.z, qx);
-                                qx = fmaf(q[4 * i + 3], xv.w, qx);
+                            for (int v = 0; v < PER_WORD / 4; ++v) {
+                                const float4 f = staged[v];
+                                xv[4 * v] = f.x;
+                                xv[4 * v + 1] = f.y;
+                                xv[4 * v + 2] = f.z;
+                                xv[4 * v + 3] = f.w;
                             }
-                            acc[o][r] += fmaf(scale[o], qx, bias[o] * staged[PER_CHUNK]);
+#pragma unroll
+                            for (int o = 0; o < OUTS; ++o) {
+#pragma unroll
+                                for (int j = 0; j < PER_WORD; ++j) qx[o][r] = fmaf(q[o][j], xv[j], qx[o][r]);
+                            }
                         }
+                    }
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) {
+                        const float sx = x_tile[((r * TILE + first + u) * 32 + lane) * STRIDE + PER_CHUNK];
+#pragma unroll
+                        for (int o = 0; o < OUTS; ++o) acc[o][r] += fmaf(scale[o], qx[o][r], bias[o] * sx);
                     }
                 } else {
                     // Each row's x read once and converted, then every output's values.
