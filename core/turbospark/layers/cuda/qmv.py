@@ -206,14 +206,14 @@ _SOURCE = """
                 if (c >= CHUNKS) continue;
                 float v[PER_CHUNK];
                 load_floats<T, PER_CHUNK>(x + static_cast<size_t>(r) * K + c * PER_CHUNK, v);
-                float* staged = x_tile + i * STRIDE;
+                float4* staged = reinterpret_cast<float4*>(x_tile + i * STRIDE);
                 float sum = 0.0f;
 #pragma unroll
-                for (int k = 0; k < PER_CHUNK; ++k) {
-                    staged[k] = v[k];
-                    sum += v[k];
-                }
-                staged[PER_CHUNK] = sum;
+                for (int k = 0; k < PER_CHUNK; ++k) sum += v[k];
+#pragma unroll
+                for (int k = 0; k < PER_CHUNK / 4; ++k)
+                    staged[k] = float4{v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]};
+                staged[PER_CHUNK / 4] = float4{sum, 0.0f, 0.0f, 0.0f};
             }
             __syncthreads();
         }
