@@ -70,7 +70,7 @@ struct bf16 {
 };
 
 // The launcher: a block's threads as fibers, resumed in rounds.
-constexpr int MAX_THREADS = 1024;
+constexpr int MAX_THREADS = 256;  // a block's threads at most (qmv launches 128)
 static ucontext_t scheduler, fibers[MAX_THREADS];
 static bool finished[MAX_THREADS];
 static int current, block_threads;
@@ -166,6 +166,7 @@ def _translation_unit() -> str:
     """The shims, the kernel's headers, its body as a template function over
     globals (the launcher's fibers take no arguments), and one entry a (case,
     variant)."""
+    assert qmv_cuda.WARPS * 32 <= 256, "raise the launcher's MAX_THREADS"
     parts = [SHIMS, reduce_cuda.HEADER, qmv_cuda._HEADER]
     parts.append(
         "template <typename T> struct Args { static const T *x, *scales, *biases; static T* y; };\n"
