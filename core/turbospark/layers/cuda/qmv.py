@@ -198,8 +198,22 @@ _SOURCE = """
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[o][r] = 0.0f;
     }
+    uint4 packed[UNROLL][OUTS];  // a group of UNROLL passes' weight chunks, each output's
+    // Loads the group of passes from `first` on in tile `tile` (zeros past the row's end).
+    auto load_group = [&](int tile, int first) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int c = (tile + first + u) * 32 + lane;
+#pragma unroll
+            for (int o = 0; o < OUTS; ++o)
+                packed[u][o] = first + u < TILE && c < CHUNKS
+                    ? reinterpret_cast<const uint4*>(w)[static_cast<size_t>(rows_of[o]) * CHUNKS + c]
+                    : uint4{0u, 0u, 0u, 0u};
+        }
+    };
     for (int tile = 0; tile < STEPS; tile += TILE) {
         if constexpr (SHARED_X) {
+            load_group(tile, 0);  // the tile's first weights in flight while x is staged
             __syncthreads();  // every warp is done with the last tile
             for (int i = threadIdx.x; i < ROWS * TILE * 32; i += WARPS * 32) {
                 const int r = i / (TILE * 32), j = i % (TILE * 32), c = tile * 32 + j;
@@ -219,16 +233,7 @@ _SOURCE = """
         }
 #pragma unroll
         for (int first = 0; first < TILE; first += UNROLL) {
-            uint4 packed[UNROLL][OUTS];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int c = (tile + first + u) * 32 + lane;
-#pragma unroll
-                for (int o = 0; o < OUTS; ++o)
-                    packed[u][o] = first + u < TILE && c < CHUNKS
-                        ? reinterpret_cast<const uint4*>(w)[static_cast<size_t>(rows_of[o]) * CHUNKS + c]
-                        : uint4{0u, 0u, 0u, 0u};
-            }
+            if (!SHARED_X || first > 0) load_group(tile, first);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = (tile + first + u) * 32 + lane;
