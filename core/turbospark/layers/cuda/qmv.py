@@ -173,7 +173,7 @@ __device__ inline void load_floats(const T* p, float* out) {
 # output y (ROWS, N) of T. SHARED_X stages x in shared memory as float, TILE
 # passes of the warp at a time: each chunk's values then their sum, padded to
 # PER_CHUNK + 4 floats so a quarter-warp's 16-byte reads fall on distinct
-# banks. No thread returns early: every one reaches each barrier and shuffle
+# banks; a tile's first weight loads are issued before the staging. No thread returns early: every one reaches each barrier and shuffle
 # (a past-the-end output reads the last row again and is not written).
 _SOURCE = """
     constexpr int PER_WORD = 32 / BITS;             // values a uint32 holds
