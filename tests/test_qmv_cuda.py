@@ -157,24 +157,22 @@ def test_views_equal_their_copies(dtype: mx.Dtype) -> None:
         _check(got, copies[0], tuple(copies[1:]), group_size, bits)
 
 
-# Every variant the benchmark sweeps by default (outputs a warp, shared x) at
-# the unrolls' ends, each case's products held to float64, to the op and, bit
-# for bit, to one output a warp (the same sums in the same order): outputs not
-# a multiple of any block's, a row shorter than a warp's pass, one group, a
-# row ending mid-pass (shared tiles ending mid-row at 3 rows), the ~8B
-# shape's down projection, and 8 rows (a shared tile a pass).
+# Every variant, each case's products held to float64, to the op and, bit for
+# bit, to one output a warp (the same sums in the same order): outputs not a
+# multiple of any block's, a row shorter than a warp's pass, one group, a row
+# ending mid-pass (shared tiles ending mid-row at 3 rows), a row of two
+# shared tiles at one row, and 8 rows (a shared tile a pass).
 VARIANTS = [
     qmv_cuda.Variant(outs, unroll, shared)
-    for outs, shared in itertools.product(qmv_cuda.OUTS, (False, True))
-    for unroll in (1, 4)
+    for outs, unroll, shared in itertools.product(qmv_cuda.OUTS, qmv_cuda.UNROLLS, (False, True))
 ]
 ONE_OUTPUT = qmv_cuda.Variant(1, 1, False)
 VARIANT_CASES = [  # (outputs, inputs, bits, group size, rows, dtype)
     (37, 384, 4, 64, 1, mx.bfloat16),
     (5, 128, 8, 128, 2, mx.float32),
     (1001, 1408, 4, 32, 3, mx.bfloat16),
-    (4096, 14336, 4, 64, 1, mx.bfloat16),
-    (4096, 4096, 8, 64, qmv_cuda.R_MAX, mx.bfloat16),
+    (300, 8192, 4, 64, 1, mx.bfloat16),
+    (260, 4096, 8, 64, qmv_cuda.R_MAX, mx.bfloat16),
     (1001, 1408, 4, 128, qmv_cuda.R_MAX, mx.float32),
 ]
 
