@@ -185,6 +185,7 @@ _SOURCE = """
     constexpr int FIT = SHARED_FLOATS / (ROWS * 32 * STRIDE);
     constexpr int TILE = !SHARED_X ? STEPS : FIT < 1 ? 1 : FIT < STEPS ? FIT : STEPS;
     static_assert(K % GS == 0 && GS % PER_CHUNK == 0, "a chunk lies in one group");
+    static_assert(!SHARED_X || ROWS * TILE * 32 * STRIDE * 4 <= 48 * 1024, "a tile fits static shared memory");
     const int n_out = w_shape[0];
     const int lane = threadIdx.x % 32;
     const int n0 = (blockIdx.x * WARPS + threadIdx.x / 32) * OUTS;
