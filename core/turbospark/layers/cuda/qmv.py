@@ -83,9 +83,15 @@ UNROLLS = (1, 2, 4, 8)
 # The variant a product of these bits and at most these rows takes (the entry
 # with the fewest rows at or above the product's); products no entry covers
 # take DEFAULT, the one-output design measured first (``docs/CUDA.md``).
-# Set from ``python -m bench.qmv``'s sweep on the GPU, which prints this table.
+# From ``python -m bench.qmv``'s sweep on an H100 (``docs/CUDA.md``), which
+# prints this table.
 DEFAULT = Variant()
-TABLE: dict[tuple[int, int], Variant] = {}
+TABLE: dict[tuple[int, int], Variant] = {
+    (4, 1): Variant(outs=4, unroll=4, shared_x=True),
+    (4, 8): Variant(outs=4, unroll=4, shared_x=True),
+    (8, 1): Variant(outs=4, unroll=4, shared_x=True),
+    (8, 8): Variant(outs=4, unroll=4, shared_x=True),
+}
 
 
 def parse_variant(text: str) -> Variant:
