@@ -17,7 +17,17 @@ products must agree (the relative difference is reported) before either is
 timed. Whole decode steps, where this shows as tok/s, are the ``quantized``
 section (``python -m bench.run --device gpu --only quantized``).
 
-Run: ``uv run python -m bench.qmv [--bits 4 8] [--rows 1 8] [--group-size 64] [--json]``.
+Each product runs the kernel's variant for it
+(:func:`~turbospark.layers.cuda.qmv.variant_for`), or, in a sweep, every
+combination of the variant knobs given (outputs a warp, passes of loads in
+flight, x staged in shared memory; ``--sweep`` alone: :data:`SWEEP`'s), each
+against the same op timing. After the table it sums each variant's products
+as a decode step spends them and ranks the variants per (bits, rows); a
+sweep ends with the :data:`~turbospark.layers.cuda.qmv.TABLE` of the
+fastest.
+
+Run: ``uv run python -m bench.qmv [--bits 4 8] [--rows 1 8] [--group-size 64]
+[--sweep] [--outs 1 2 4 8] [--unroll 1 2 4 8] [--shared-x 0 1] [--json]``.
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ SHAPES = {
     "down": (4096, 14336),
     "head": (32768, 4096),
 }
+LAYERS = 32  # the ~8B shape's decoder layers: each runs qkv, o, gate_up and down once a step
+# A sweep's knobs where a run names none (--sweep) or only some of them.
+SWEEP = {"outs": list(qmv_cuda.OUTS), "unroll": [2, 4], "shared_x": [0, 1]}
 STREAM_BYTES = 512 * 2**20  # the weight copies a stream cycles through: ten times the L2
 TRIALS = 5
 
@@ -73,53 +86,89 @@ def _stream_us(product: Callable[..., mx.array], x: mx.array, copies: list[tuple
     return best / length * 1e6
 
 
+def variants(
+    outs: list[int] | None, unrolls: list[int] | None, shared: list[int] | None
+) -> list[qmv_cuda.Variant | None]:
+    """The variants a run times: ``[None]`` (each product's own, from the
+    table) unless a sweep's knob is given; a sweep is every combination, a
+    knob not given taking :data:`SWEEP`'s values."""
+    if outs is None and unrolls is None and shared is None:
+        return [None]
+    return [
+        qmv_cuda.Variant(o, u, bool(x))
+        for o in outs or SWEEP["outs"]
+        for u in unrolls or SWEEP["unroll"]
+        for x in (SWEEP["shared_x"] if shared is None else shared)
+    ]
+
+
 def bench_qmv(
     bits_list: tuple[int, ...] = qmv_cuda.BITS,
     rows_list: tuple[int, ...] = (1,),
     group_size: int = 64,
+    variant_list: list[qmv_cuda.Variant | None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row a (product, bits, rows): each side's µs and GB/s, the kernel's
-    speed-up, and the two products' largest difference relative to the largest output."""
+    """One row a (product, bits, rows, variant): each side's µs and GB/s, the
+    kernel's speed-up, and the two products' largest difference relative to
+    the largest output. The op is timed once a (product, bits, rows)."""
     mx.set_default_device(mx.gpu)
     results = []
     for bits in bits_list:
         for name, (outputs, width) in SHAPES.items():
             one = outputs * width * bits // 8 + 2 * outputs * width // group_size * 2
             copies = _copies(outputs, width, bits, group_size, max(2, -(-STREAM_BYTES // one)))
+            length = 4 * len(copies)
             for rows in rows_list:
                 x = mx.random.normal((rows, 1, width), key=mx.random.key(rows)).astype(mx.bfloat16)
                 mx.eval(x)
                 if not qmv_cuda.takes(x, *copies[0], group_size, bits, "affine"):
                     raise SystemExit(f"the kernel does not take {name} at {bits} bits, {rows} rows")
-                kernel = qmv_cuda.qmv(x, *copies[0], group_size, bits).astype(mx.float32)
                 op = qmv_cuda.qmv_ops(x, *copies[0], group_size, bits).astype(mx.float32)
                 scale = mx.abs(op).max().item()
-                difference = mx.abs(kernel - op).max().item() / scale
-                length = 4 * len(copies)
-                timed = {}
-                for side, product in (("kernel", qmv_cuda.qmv), ("op", qmv_cuda.qmv_ops)):
-                    timed[side] = _stream_us(
-                        lambda a, w, s, b, p=product, n=bits: p(a, w, s, b, group_size, n),
+                op_us = _stream_us(
+                    lambda a, w, s, b, n=bits: qmv_cuda.qmv_ops(a, w, s, b, group_size, n),
+                    x, copies, length,
+                )  # fmt: skip
+                moved = one + x.nbytes + rows * outputs * 2
+                for variant in variant_list or [None]:
+                    chosen = variant or qmv_cuda.variant_for(bits, rows)
+                    kernel = qmv_cuda.qmv(x, *copies[0], group_size, bits, chosen)
+                    difference = mx.abs(kernel.astype(mx.float32) - op).max().item() / scale
+                    kernel_us = _stream_us(
+                        lambda a, w, s, b, n=bits, v=chosen: qmv_cuda.qmv(a, w, s, b, group_size, n, v),
                         x, copies, length,
                     )  # fmt: skip
-                moved = one + x.nbytes + rows * outputs * 2
-                results.append(
-                    {
-                        "product": name,
-                        "outputs": outputs,
-                        "inputs": width,
-                        "bits": bits,
-                        "group_size": group_size,
-                        "rows": rows,
-                        "kernel_us": timed["kernel"],
-                        "op_us": timed["op"],
-                        "kernel_gb_s": moved / timed["kernel"] / 1e3,
-                        "op_gb_s": moved / timed["op"] / 1e3,
-                        "speedup": timed["op"] / timed["kernel"],
-                        "relative_difference": difference,
-                    }
-                )
+                    results.append(
+                        {
+                            "product": name,
+                            "outputs": outputs,
+                            "inputs": width,
+                            "bits": bits,
+                            "group_size": group_size,
+                            "rows": rows,
+                            "variant": str(chosen),
+                            "kernel_us": kernel_us,
+                            "op_us": op_us,
+                            "kernel_gb_s": moved / kernel_us / 1e3,
+                            "op_gb_s": moved / op_us / 1e3,
+                            "speedup": op_us / kernel_us,
+                            "relative_difference": difference,
+                        }
+                    )
     return results
+
+
+def step_us(results: list[dict[str, Any]]) -> dict[tuple[int, int, str], tuple[float, float]]:
+    """Each (bits, rows, variant)'s products as a decode step of the ~8B
+    shape spends them (:data:`LAYERS` times q/k/v, o, gate/up and down, then
+    the head once): the kernel's µs and the op's."""
+    steps: dict[tuple[int, int, str], tuple[float, float]] = {}
+    for r in results:
+        key = (r["bits"], r["rows"], r["variant"])
+        count = 1 if r["product"] == "head" else LAYERS
+        kernel, op = steps.get(key, (0.0, 0.0))
+        steps[key] = (kernel + count * r["kernel_us"], op + count * r["op_us"])
+    return steps
 
 
 def main() -> None:
@@ -127,21 +176,52 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=list(qmv_cuda.BITS))
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument(
+        "--outs", type=int, nargs="+", choices=qmv_cuda.OUTS, help="sweep: outputs a warp"
+    )
+    parser.add_argument(
+        "--unroll", type=int, nargs="+", choices=qmv_cuda.UNROLLS, help="sweep: passes in flight"
+    )
+    parser.add_argument(
+        "--shared-x", type=int, nargs="+", choices=(0, 1), help="sweep: x staged in shared memory"
+    )
+    parser.add_argument("--sweep", action="store_true", help=f"sweep every combination of {SWEEP}")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not mx.cuda.is_available():
         raise SystemExit("bench.qmv needs MLX's CUDA backend: run it on a CUDA GPU")
-    results = bench_qmv(tuple(args.bits), tuple(args.rows), args.group_size)
+    swept = variants(args.outs, args.unroll, args.shared_x)
+    if args.sweep and swept == [None]:
+        swept = variants(SWEEP["outs"], None, None)
+    results = bench_qmv(tuple(args.bits), tuple(args.rows), args.group_size, swept)
     if args.json:
         print(json.dumps(results))
         return
-    print("product     N x K          bits rows  kernel µs  GB/s   op µs  GB/s   x     rel diff")
+    print("variant: outputs a warp, passes in flight, x in shared memory")
+    print(
+        "product     N x K          bits rows variant  kernel µs  GB/s   op µs  GB/s   x     rel diff"
+    )
     for r in results:
         print(
             f"{r['product']:<10} {r['outputs']:>6} x {r['inputs']:<6} {r['bits']:>4} {r['rows']:>4}"
-            f" {r['kernel_us']:>9.1f} {r['kernel_gb_s']:>6.0f} {r['op_us']:>7.1f}"
+            f" {r['variant']:>7} {r['kernel_us']:>9.1f} {r['kernel_gb_s']:>6.0f} {r['op_us']:>7.1f}"
             f" {r['op_gb_s']:>5.0f} {r['speedup']:>5.2f}x {r['relative_difference']:.1e}"
         )
+    steps = step_us(results)
+    print(
+        f"\na decode step's products ({LAYERS} x (qkv + o + gate_up + down) + head), µs, fastest first"
+    )
+    best: dict[tuple[int, int], str] = {}
+    for bits, rows in sorted({(b, r) for b, r, _ in steps}):
+        ranked = sorted((k, v, o) for (b, r, v), (k, o) in steps.items() if (b, r) == (bits, rows))
+        best[(bits, rows)] = ranked[0][1]
+        line = "  ".join(f"{v} {k:.0f} ({o / k:.2f}x)" for k, v, o in ranked)
+        print(f"bits {bits} rows {rows}: op {ranked[0][2]:.0f}  {line}")
+    if len(swept) > 1:
+        table = ", ".join(
+            f"({b}, {r}): {qmv_cuda.parse_variant(v)!r}" for (b, r), v in best.items()
+        )
+        print(f"\nqmv.TABLE = {{{table}}}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ C_TYPES = {
     mx.int32: "int32_t",
     mx.uint32: "uint32_t",
 }
+# qmv's variants (outputs a warp, unroll, shared x) compiled beside its default:
+# the extremes of each knob.
+QMV_VARIANTS = [(8, 4, False), (2, 1, True), (8, 2, True)]
 # The kernel builders, each cached by its arguments: cleared before and after
 # so the recorder's stand-ins never outlive this test.
 BUILDERS = [
@@ -146,13 +149,16 @@ def _call_every_kernel(dtype: mx.Dtype) -> None:
         )  # fmt: skip
         rate, state, norm_weight = _zeros((hv,), (2, hv, dv, dk), (dv,), dtype=mx.float32)
         gdn_cuda.decode_mixer(proj, tail, conv_weight, bias, rate, state, norm_weight, *dims, 1e-6)
-    for bits, group_size, rows in [(4, 64, 1), (8, 32, 3), (4, 128, qmv_cuda.R_MAX)]:
+    qmv_variants = [None, *(qmv_cuda.Variant(o, u, s) for o, u, s in QMV_VARIANTS)]
+    for (bits, group_size, rows), variant in itertools.product(
+        [(4, 64, 1), (8, 32, 3), (4, 128, qmv_cuda.R_MAX)], qmv_variants
+    ):
         width = 4 * group_size
         w = mx.zeros((5, width * bits // 32), dtype=mx.uint32)
         scales, biases = _zeros(*[(5, width // group_size)] * 2, dtype=dtype)
         x = mx.zeros((rows, 1, width), dtype=dtype)
         assert qmv_cuda.takes(x, w, scales, biases, group_size, bits, "affine")
-        qmv_cuda.qmv(x, w, scales, biases, group_size, bits)
+        qmv_cuda.qmv(x, w, scales, biases, group_size, bits, variant)
 
 
 @pytest.fixture

@@ -7,12 +7,16 @@ products :func:`~turbospark.layers.stacked.matmul_t` hands the kernel. Here
 the kernel's product is held to the exact product of the dequantized values
 (float64, from the packed bits) and to MLX's op on the same packing: 4 and 8
 bits, groups of 32, 64 and 128, the ~8B shapes' widths and odd ones, 1 to
-:data:`~turbospark.layers.cuda.qmv.R_MAX` rows, float32 and bfloat16; views
-that start anywhere; the kernel inside a compiled function; and a quantized
-model's logits with the kernel against the same model without it.
+:data:`~turbospark.layers.cuda.qmv.R_MAX` rows, float32 and bfloat16; every
+variant (:class:`~turbospark.layers.cuda.qmv.Variant`) equal to one output a
+warp, bit for bit; views that start anywhere; the kernel inside a compiled
+function; and a quantized model's logits with the kernel against the same
+model without it.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -137,7 +141,8 @@ def test_views_equal_their_copies(dtype: mx.Dtype) -> None:
     """x a row (one-dimensional) starting one element into a longer array (a
     row-contiguous view, which MLX hands over as it is: its 16-byte loads fall
     back to single values), and a module's rows of a stacked packing (the
-    packed rows, scales and biases at an offset): the copies' product, bit for bit."""
+    packed rows, scales and biases at an offset): the copies' product, bit for
+    bit, in every variant (shared x stages a view's values one at a time)."""
     width, bits, group_size = 4096, 4, 64
     x = mx.random.normal((width + 9,), key=mx.random.key(3)).astype(dtype)[1 : width + 1]
     stack = _packed(3 * 512, width, bits, group_size, dtype, seed=4)
@@ -145,10 +150,43 @@ def test_views_equal_their_copies(dtype: mx.Dtype) -> None:
     mx.eval(x, part)
     copies = [a + 0 for a in (x, *part)]  # fresh, aligned arrays
     mx.eval(copies)
-    got = qmv_cuda.qmv(x, *part, group_size, bits)
-    want = qmv_cuda.qmv(copies[0], *copies[1:], group_size, bits)
-    assert mx.array_equal(got, want).item()
-    _check(got, copies[0], tuple(copies[1:]), group_size, bits)
+    for variant in VARIANTS:
+        got = qmv_cuda.qmv(x, *part, group_size, bits, variant)
+        want = qmv_cuda.qmv(copies[0], *copies[1:], group_size, bits, variant)
+        assert mx.array_equal(got, want).item(), f"variant {variant}"
+        _check(got, copies[0], tuple(copies[1:]), group_size, bits)
+
+
+# Every variant, each case's products held to float64, to the op and, bit for
+# bit, to one output a warp (the same sums in the same order): outputs not a
+# multiple of any block's, a row shorter than a warp's pass, one group, a row
+# ending mid-pass (shared tiles ending mid-row at 3 rows), a row of two
+# shared tiles at one row, and 8 rows (a shared tile a pass).
+VARIANTS = [
+    qmv_cuda.Variant(outs, unroll, shared)
+    for outs, unroll, shared in itertools.product(qmv_cuda.OUTS, qmv_cuda.UNROLLS, (False, True))
+]
+ONE_OUTPUT = qmv_cuda.Variant(1, 1, False)
+VARIANT_CASES = [  # (outputs, inputs, bits, group size, rows, dtype)
+    (37, 384, 4, 64, 1, mx.bfloat16),
+    (5, 128, 8, 128, 2, mx.float32),
+    (1001, 1408, 4, 32, 3, mx.bfloat16),
+    (300, 8192, 4, 64, 1, mx.bfloat16),
+    (260, 4096, 8, 64, qmv_cuda.R_MAX, mx.bfloat16),
+    (1001, 1408, 4, 128, qmv_cuda.R_MAX, mx.float32),
+]
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_every_variant_equals_float64_the_op_and_one_output_a_warp(case: tuple) -> None:
+    outputs, width, bits, group_size, rows, dtype = case
+    packed = _packed(outputs, width, bits, group_size, dtype, seed=outputs + rows)
+    x = _x(rows, width, dtype, seed=rows)
+    baseline = qmv_cuda.qmv(x, *packed, group_size, bits, ONE_OUTPUT)
+    for variant in VARIANTS:
+        got = qmv_cuda.qmv(x, *packed, group_size, bits, variant)
+        _check(got, x, packed, group_size, bits)
+        assert mx.array_equal(got, baseline).item(), f"variant {variant}"
 
 
 def test_matmul_t_takes_it_compiled_and_not(monkeypatch: pytest.MonkeyPatch) -> None:

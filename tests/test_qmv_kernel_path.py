@@ -9,12 +9,16 @@ bits in groups of 32, 64 or 128 is the kernel
 contract in ops (:func:`~turbospark.layers.cuda.qmv.qmv_ops`), so the routing
 is checked wherever the suite runs: each packing and shape taken or not, the
 result the op's either way, the choice made when a compiled function is
-traced, and a quantized model's decode steps (every product of a step the
-kernel's; a prefill chunk's none). Float32 on CPU.
+traced, the variant each product is launched with (the table, the knob and
+its errors), and a quantized model's decode steps (every product of a step
+the kernel's; a prefill chunk's none). Float32 on CPU.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -126,6 +130,65 @@ def test_the_choice_is_made_when_a_compiled_function_traces(
     assert taken == [(1, 1, WIDTH)]
     step(_x(3, 1), *arrays)
     assert taken == [(1, 1, WIDTH), (3, 1, WIDTH)]
+
+
+def test_the_table_picks_each_products_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:data:`~turbospark.layers.cuda.qmv.TABLE`'s entry with the fewest rows
+    at or above a product's (of its bits) is the variant the kernel is built
+    and launched with; none covering it, the default; a forced one (the
+    ``TURBOSPARK_QMV_VARIANT`` knob) over all of them."""
+    V = qmv_cuda.Variant
+    monkeypatch.setattr(qmv_cuda, "FORCED", None)
+    monkeypatch.setattr(qmv_cuda, "TABLE", {(4, 1): V(4, 2, True), (4, 8): V(8, 1, False), (8, 2): V(2, 4, True)})  # fmt: skip
+    assert qmv_cuda.variant_for(4, 1) == V(4, 2, True)
+    assert qmv_cuda.variant_for(4, 2) == qmv_cuda.variant_for(4, 8) == V(8, 1, False)
+    assert qmv_cuda.variant_for(8, 1) == V(2, 4, True)
+    assert qmv_cuda.variant_for(8, 3) == qmv_cuda.DEFAULT
+    launched: list[dict] = []
+
+    def kernel(**call: object) -> list[mx.array]:
+        launched.append(call)
+        return [mx.zeros(call["output_shapes"][0])]
+
+    monkeypatch.setattr(qmv_cuda, "_kernel", lambda: kernel)
+    weight_t = _packed(4, 64, outputs=40)
+    for rows, (outs, unroll, shared) in [(1, V(4, 2, True)), (5, V(8, 1, False))]:
+        qmv_cuda.qmv(_x(rows, 1), *weight_t[:5])
+        template = dict(launched[-1]["template"])
+        assert (template["OUTS"], template["UNROLL"], template["SHARED_X"]) == (
+            outs,
+            unroll,
+            shared,
+        )
+        blocks = -(-40 // (qmv_cuda.WARPS * outs))
+        assert launched[-1]["grid"] == (blocks * qmv_cuda.WARPS * 32, 1, 1)
+    monkeypatch.setattr(qmv_cuda, "FORCED", V(2, 1, False))
+    assert qmv_cuda.variant_for(4, 1) == qmv_cuda.variant_for(8, 3) == V(2, 1, False)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("4,2", "three integers"), ("a,b,c", "three integers"), ("3,2,1", "OUTS must be one of"),
+     ("4,3,1", "UNROLL one of"), ("4,2,2", "SHARED_X 0 or 1"), ("", "three integers")],
+)  # fmt: skip
+def test_a_bad_variant_is_a_one_line_error(text: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem) as raised:
+        qmv_cuda.parse_variant(text)
+    assert "\n" not in str(raised.value)
+    assert qmv_cuda.parse_variant(" 8, 1,0") == qmv_cuda.Variant(8, 1, False)
+
+
+def test_the_variant_knob_is_read_at_import() -> None:
+    """``TURBOSPARK_QMV_VARIANT`` forces a variant in a fresh process, and a
+    bad one stops the import with the one-line error."""
+    code = "from turbospark.layers.cuda import qmv; print(qmv.FORCED)"
+    env = {**os.environ, "TURBOSPARK_QMV_VARIANT": "4,2,1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "4,2,1", done.stderr[-2000:]
+    env["TURBOSPARK_QMV_VARIANT"] = "5,2,1"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("ValueError: qmv variant '5,2,1'")
 
 
 def _quantized(path: Path) -> Runner:
