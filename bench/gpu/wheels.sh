@@ -16,14 +16,15 @@
 # GPU_EXTRA_WHEELS: more pure-Python wheels the image lacks (default: llguidance for constrained
 # decoding, prometheus-client for /metrics, gguf for GGUF imports, the openai SDK and the two
 # wheels it needs beyond httpx for the startup section's client, at uv.lock's version: newer ones
-# need a client library the image lacks).
+# need a client library the image lacks), and pytest-xdist with execnet, so the GPU tests compile
+# their kernels on the machine's cores at once: `python3 -m pytest -n 12 tests/test_*_cuda.py`).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 locked() { grep -A1 "^name = \"$1\"$" uv.lock | sed -n 's/^version = "\(.*\)"$/\1/p' | head -1; }
 MLX=${MLX_VERSION:-$(locked mlx)}
 MLXLM=${MLX_LM_VERSION:-$(locked mlx-lm)}
-EXTRA=${GPU_EXTRA_WHEELS-llguidance prometheus-client gguf openai distro jiter}
+EXTRA=${GPU_EXTRA_WHEELS-llguidance prometheus-client gguf openai distro jiter pytest-xdist execnet}
 rm -rf .gpu && mkdir -p .gpu/dl .gpu/part1 .gpu/part2
 plat=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
