@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -153,3 +154,19 @@ def test_serve_refuses_a_token_bound_below_one_in_one_line(capsys, flag):
     """Checked before anything loads (the path does not even exist)."""
     assert main(["serve", "/nowhere", flag, "0"]) == 2
     assert f"{flag} must be positive, got 0" in capsys.readouterr().err
+
+
+def test_commands_keep_compiled_kernels_in_the_cache_directory(tmp_path, monkeypatch, capsys):
+    """MLX's compiled GPU kernels go under turbospark's cache unless the user
+    named a place: a restarted server finds them there instead of compiling
+    every kernel again."""
+    from importlib.metadata import version
+
+    monkeypatch.setenv("TURBOSPARK_CACHE", str(tmp_path))
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    assert main(["families", "--json"]) == 0
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path / "kernels" / f"mlx-{version('mlx')}")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mine"))
+    assert main(["families", "--json"]) == 0
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path / "mine")
+    capsys.readouterr()

@@ -42,8 +42,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def keep_compiled_kernels() -> None:
+    """Point MLX's cache of compiled GPU kernels under turbospark's cache
+    directory (``kernels/mlx-<version>``) unless ``MLX_PTX_CACHE_DIR`` names
+    one. MLX compiles each CUDA kernel on first use (seconds each) and keeps
+    the result in the system's temporary directory by default, which a
+    reboot or a fresh container empties: a restarted server would compile
+    every kernel again before its first token. Read once, at MLX's first
+    compile, so it is set before any command runs."""
+    if os.environ.get("MLX_PTX_CACHE_DIR"):
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    from turbospark.loading.sources import cache_root
+
+    try:
+        mlx = version("mlx")
+    except PackageNotFoundError:
+        return
+    os.environ["MLX_PTX_CACHE_DIR"] = str(cache_root() / "kernels" / f"mlx-{mlx}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_compiled_kernels()
     try:
         return int(args.func(args) or 0)
     except TurbosparkError as exc:
