@@ -42,7 +42,10 @@ def test_the_allowlist_filters_and_disables_plugins():
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
-def test_demo_runs_both_modes_and_the_pool_prefills_less(family, tmp_path, capsys):
+def test_demo_runs_both_modes_and_the_pool_prefills_less(family, tmp_path, capsys, monkeypatch):
+    """gemma4 names its cache directory, qwen_gdn takes turbospark's."""
+    monkeypatch.setenv("TURBOSPARK_CACHE", str(tmp_path / "cache"))
+    where = ["--cache-dir", str(tmp_path)] if family == "gemma4" else []
     args = [
         "demo",
         "--family",
@@ -54,8 +57,10 @@ def test_demo_runs_both_modes_and_the_pool_prefills_less(family, tmp_path, capsy
         "--turn-tokens",
         "24",
     ]
-    assert main([*args, "--reply-tokens", "2", "--cache-dir", str(tmp_path), "--json"]) == 0
+    assert main([*args, "--reply-tokens", "2", *where, "--json"]) == 0
     turns = json.loads(capsys.readouterr().out)
+    built = tmp_path / ("demo" if where else "cache/demo")
+    assert [p.name.split("-")[0] for p in built.iterdir()] == [family]
     prefilled = {
         mode: sum(t["prefilled"] for t in turns if t["mode"] == mode)
         for mode in ("pool", "no-pool")

@@ -59,7 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--turns", type=int, default=4, help="T turns per conversation")
     parser.add_argument("--turn-tokens", type=int, default=96, help="new user tokens per turn")
     parser.add_argument("--reply-tokens", type=int, default=8, help="greedy tokens per reply")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "turbospark")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the demo's synthetic install is kept (default: turbospark's cache "
+        "directory: $TURBOSPARK_CACHE, else $XDG_CACHE_HOME/turbospark, else ~/.cache/turbospark)",
+    )
     parser.add_argument("--json", action="store_true", help="print per-turn records as JSON")
     parser.set_defaults(func=run)
 
@@ -126,9 +132,10 @@ def run_workload(
 
 def run(args: argparse.Namespace) -> int:
     from turbospark.generation.runner import Runner
+    from turbospark.loading.sources import cache_root
     from turbospark.text import load_text
 
-    path = demo_install(args.family, args.cache_dir)
+    path = demo_install(args.family, args.cache_dir or cache_root())
     codec = load_text(path)
     results: list[Turn] = []
     for mode, slots in (("pool", args.conversations), ("no-pool", 1)):
