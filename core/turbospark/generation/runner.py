@@ -578,9 +578,16 @@ class Runner:
         (:meth:`hold`, taken after that verify): a later verify was queued since,
         and it leaves too."""
         live = session or self.store.live
+        kept: list[mx.array] = []
         for name in self.traced_components:
             trace = None if held is None else held[name]
             live.state[name].keep_traced(keep, trace)  # type: ignore[attr-defined]
+            kept += live.state[name].arrays()
+        # A state rebuilt from the trace, left lazy, keeps the whole trace alive
+        # (every token's state, or the pass's deltas and decays): a reply that
+        # ends on this round would park with it. Queued, it is the few arrays
+        # the next step reads anyway, and no host sync.
+        mx.async_eval(kept)
         live.cut_to(start + keep)  # the others rewind; the record and checkpoints follow
 
     def hold(self, session: Session | None) -> dict[str, object]:
