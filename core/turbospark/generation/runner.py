@@ -485,6 +485,7 @@ class Runner:
         # The components that cannot rewind, by reference: a failed forward puts them back.
         before = Checkpoint(start, live.parts(self.rigid_components))
         live.undo = before if lazy is not None and not known else None
+        kept: list[mx.array] = []  # the hidden states the MTP track keeps
         try:
             forward = dict(
                 model=self.model,
@@ -505,9 +506,12 @@ class Runner:
                     **forward, tokens=fed, start=start, logits=want
                 )
                 self.mtp_track(live).write(start, hidden)
+                # Queued with the step: left lazy (a chunk with no logits read),
+                # it would keep the last layer's whole graph alive until drafted.
+                kept.append(hidden)
             if then is not None and out is not None:
                 out = then(out)
-            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
+            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state), *kept)
             if lazy is not None:
                 # The id itself, queued by the step before: a node made from it
                 # (a reshape) would queue behind this step and wait for its end.
