@@ -151,3 +151,34 @@ def test_a_parked_session_keeps_no_undo_of_its_last_step(wide_gdn_install: Path)
     held = sum(runner.session_nbytes())
     assert memory_in_use() - before <= held + held // 5
     assert all(s.undo is None for s in sessions)
+
+
+def test_a_session_cut_far_back_counts_the_buffer_it_keeps(gemma4_install: Path) -> None:
+    """A rewind keeps the K/V buffer (the next write fills it again), so a
+    session cut from a thousand tokens to a dozen still holds its thousand
+    rows: its bytes count the buffer, not the rows in use, and the parked
+    cap sees what memory it takes."""
+    runner = open_runner(gemma4_install, 2)
+    prompt = [2, *((7 * i) % 100 + 10 for i in range(1000))]
+
+    def park_cut(k: int) -> None:
+        runner.prefill_chunk([*prompt[:-1], 3 + k], 0)
+        runner.prefill_chunk([5, 6], 10)  # rewinds to 10 first
+        assert runner.position == 12
+        runner.reset()
+
+    park_cut(0)  # the first builds what the process keeps (compiled steps, caches)
+    runner.forget_sessions()
+    before = memory_in_use()
+    park_cut(1)
+    parked = runner.sessions()[1]
+    layers = [
+        layer
+        for c in parked.state.values()
+        for layer in getattr(c, "layers", [])
+        if layer.keys is not None
+    ]
+    assert layers and all(layer.fill == 12 and layer.keys.shape[2] > 1000 for layer in layers)
+    held = sum(runner.session_nbytes())
+    assert held == parked.nbytes
+    assert held <= memory_in_use() - before <= held + held // 8
