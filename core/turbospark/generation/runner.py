@@ -485,7 +485,7 @@ class Runner:
         # The components that cannot rewind, by reference: a failed forward puts them back.
         before = Checkpoint(start, live.parts(self.rigid_components))
         live.undo = before if lazy is not None and not known else None
-        kept: list[mx.array] = []  # the hidden states the MTP track keeps
+        tracked: list[mx.array] = []  # the hidden states the MTP track keeps
         try:
             forward = dict(
                 model=self.model,
@@ -508,10 +508,10 @@ class Runner:
                 self.mtp_track(live).write(start, hidden)
                 # Queued with the step: left lazy (a chunk with no logits read),
                 # it would keep the last layer's whole graph alive until drafted.
-                kept.append(hidden)
+                tracked.append(hidden)
             if then is not None and out is not None:
                 out = then(out)
-            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state), *kept)
+            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state), *tracked)
             if lazy is not None:
                 # The id itself, queued by the step before: a node made from it
                 # (a reshape) would queue behind this step and wait for its end.
