@@ -66,7 +66,8 @@ class Session:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     tick: int = 0
     # The non-rewindable components as they were before the last token fed
-    # speculatively (see take_back): held references, one step deep.
+    # speculatively (see take_back): held references, one step deep, let go
+    # when the request ends or the session is parked (the store and the pool).
     undo: Checkpoint | None = None
     # Its file in the disk tier, if it has one (written by disk_store); a cleared
     # or reloaded session is a new conversation and must never overwrite it.
