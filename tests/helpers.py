@@ -1,11 +1,13 @@
 """Small drivers shared by the runner-level tests: the `feed` shapes of the seed
 scenarios (`tests/test_seed_scenarios.py`), a batched greedy decode, the
 gated-DeltaNet kernel's reference (`tests/test_gdn_cuda.py`, `tests/test_gdn_kernel_path.py`),
-and the kernel-path tests' installs and runs both ways (`tests/test_norm_kernel_path.py`,
-`tests/test_attention_kernel_path.py`)."""
+the kernel-path tests' installs and runs both ways (`tests/test_norm_kernel_path.py`,
+`tests/test_attention_kernel_path.py`), and the memory in use that sessions
+are held to (`memory_in_use`)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -49,6 +51,15 @@ def serve_turn(runner: Runner, prompt: Sequence[int]) -> tuple[int, mx.array]:
     logits = runner.prefill_chunk(prompt[kept:], kept)
     runner.checkpoint()
     return kept, logits
+
+
+def memory_in_use() -> int:
+    """MLX's active memory once Python has let go of what nothing references
+    and the queued work is done: what the tests that hold sessions to their
+    own bytes compare with ``sum(runner.session_nbytes())``."""
+    gc.collect()
+    mx.synchronize()
+    return mx.get_active_memory()
 
 
 def text_positions(length: int) -> MropePositions:

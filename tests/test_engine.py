@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import memory_in_use
 from turbospark.errors import TurbosparkError
 from turbospark.generation.engine import Engine, Job
 from turbospark.generation.generate import Chunk, GenerationConfig, generate
@@ -588,6 +589,42 @@ def test_rows_leaving_a_batch_one_by_one_hold_only_their_sessions(family, reques
     held = sum(runner.session_nbytes())
     assert held > 0
     assert mx.get_active_memory() - before <= 2 * held + (1 << 20)
+
+
+def test_rows_decoding_in_a_batch_leave_no_second_copy_in_their_sessions(gemma4_install):
+    """A row's state is copied into the batch when it joins; its session kept
+    its own arrays too, a second copy of every row's K/V for as long as the
+    row decoded there (a third more memory than the batch here). While they
+    decode together, the memory in use beyond what it was before is the
+    batch's, and their sessions hold nothing of the step."""
+    rows = 8
+    runner = open_runner(gemma4_install, slots=rows + 1)
+    engine = Engine(runner, load_text(gemma4_install), max_batch=rows, prefill_budget=4096)
+
+    def jobs() -> list[Job]:
+        return [
+            Job(
+                ids=[2, 3 + k, *((7 * i + k) % 100 + 10 for i in range(150))],
+                config=GenerationConfig(max_tokens=40, temperature=0.0, stop_token_ids=[]),
+                emit=Collector(),
+            )
+            for k in range(rows)
+        ]
+
+    run_all(engine, [(0, job) for job in jobs()])  # builds what the process keeps
+    runner.forget_sessions()
+    before = memory_in_use()
+    for job in jobs():
+        engine.submit(job)
+    while engine.batch_size < rows:
+        assert engine.step()
+    engine.step()
+    in_use = memory_in_use() - before
+    assert in_use <= engine.batch_nbytes + engine.batch_nbytes // 4
+    assert sum(row.session.nbytes for row in engine.in_flight()) == 0
+    while engine.step():
+        pass
+    assert_sessions_sound(runner)
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])

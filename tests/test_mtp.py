@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from helpers import memory_in_use
 from turbospark.errors import InvalidInput
 from turbospark.generation.drafters import Draft
 from turbospark.generation.engine import Engine, Job
@@ -152,6 +153,39 @@ def test_greedy_output_with_mtp_equals_off(mtp_install, depth):
     state_bytes = session.nbytes
     session.mtp = track
     assert track.nbytes > 0 and session.nbytes == state_bytes + track.nbytes
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_parked_mtp_session_holds_only_the_hidden_states_it_counts(mtp_install, max_tokens):
+    """The track keeps the prompt's hidden states for the head to read. Left
+    lazy, each prefill chunk's kept its forward's last layer alive (a reply
+    of one token parks before any draft reads them: about four times the
+    session); once read, the row kept after the draft was a slice of the
+    joined prompt, keeping every row of it. Parked, the session's bytes are
+    what it holds."""
+    runner = Runner.open(
+        mtp_install,
+        context_length=2048,
+        dtype="float32",
+        session_slots=2,
+        draft=DraftPolicies.mtp(4),
+    )
+    codec = load_text(mtp_install)
+    config = GenerationConfig(
+        max_tokens=max_tokens, temperature=0.0, stop_token_ids=[], chunk_size=128
+    )
+
+    def park(k: int) -> None:
+        generate(runner, codec, [2, *((7 * i + k) % 100 + 10 for i in range(1200))], config)
+        runner.reset()
+
+    park(0)  # the first builds what the process keeps (compiled steps, caches)
+    runner.forget_sessions()
+    before = memory_in_use()
+    park(1)
+    held = sum(runner.session_nbytes())
+    assert any(s.mtp is not None and s.mtp.hidden for s in runner.sessions())
+    assert memory_in_use() - before <= held + held // 5
 
 
 def test_after_a_miss_mtp_probes_in_the_shadow_and_rarely_and_output_equals_off(

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import memory_in_use
 from turbospark.contract.hookspecs import FamilySpec, hookimpl
 from turbospark.errors import InvalidInput
 from turbospark.generation.drafters import Draft, NgramDrafter, ReplayDrafter
@@ -331,6 +332,30 @@ def test_after_a_rollback_the_next_logits_equal_a_fresh_run(install, keep):
     expected = fresh.produce(40, fresh.position)
     np.testing.assert_allclose(np.array(after), np.array(expected), atol=1e-5, rtol=1e-5)
     assert spec.sessions()[0].record.tokens == fresh.sessions()[0].record.tokens
+
+
+def test_a_round_cut_short_parks_its_session_without_the_pass_trace(qwen_gdn_install):
+    """A cut inside a verify pass rebuilds the recurrent state from the pass's
+    trace; left lazy, that state kept the whole trace alive (every token's
+    deltas and decays: about ten times the session at 200 drafts), and a
+    reply ending on the round parked it so. Parked, the session holds only
+    its own bytes."""
+    drafts = [5 + i % 90 for i in range(200)]
+    runner = open_runner(qwen_gdn_install, session_slots=2)
+
+    def cut_round() -> None:
+        runner.prefill_chunk(PROMPT, 0)
+        runner.verify(None, [7, *drafts], len(PROMPT))
+        runner.accept(None, len(PROMPT), 3)
+        runner.reset()  # parks it
+
+    cut_round()  # the first builds what the process keeps (compiled steps, caches)
+    runner.forget_sessions()
+    before = memory_in_use()
+    cut_round()
+    held = sum(runner.session_nbytes())
+    assert held > 0
+    assert memory_in_use() - before <= 2 * held + (1 << 20)
 
 
 def test_a_verify_pass_with_an_unread_draft_is_refused_before_any_state_changes(

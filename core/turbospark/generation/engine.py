@@ -209,6 +209,14 @@ class _Batch:
             self.tokens = ids if self.tokens is None else mx.concatenate([self.tokens, ids])
         self.rows.extend(rows)
         self.steer = self.runner.batch_steer([row.session for row in self.rows])
+        # Each row's state now lives in the batch, and comes back to its session
+        # copied when the row leaves: the session's own arrays would be a second
+        # copy of every row's K/V for as long as it decodes here (and its undo
+        # is stale). Its checkpoints stay: they are the session's, not the step's.
+        for row in rows:
+            row.session.undo = None
+            for component in row.session.state.values():
+                component.reset()
 
     def feed(self, chunks: list[list[int]], starts: list[int]) -> mx.array:
         """Prompt tokens, as many for every row (row ``i`` at ``starts[i]``):

@@ -485,6 +485,7 @@ class Runner:
         # The components that cannot rewind, by reference: a failed forward puts them back.
         before = Checkpoint(start, live.parts(self.rigid_components))
         live.undo = before if lazy is not None and not known else None
+        tracked: list[mx.array] = []  # the hidden states the MTP track keeps
         try:
             forward = dict(
                 model=self.model,
@@ -505,9 +506,12 @@ class Runner:
                     **forward, tokens=fed, start=start, logits=want
                 )
                 self.mtp_track(live).write(start, hidden)
+                # Queued with the step: left lazy (a chunk with no logits read),
+                # it would keep the last layer's whole graph alive until drafted.
+                tracked.append(hidden)
             if then is not None and out is not None:
                 out = then(out)
-            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state))
+            mx.async_eval(*([] if out is None else [out]), *_state_arrays(live.state), *tracked)
             if lazy is not None:
                 # The id itself, queued by the step before: a node made from it
                 # (a reshape) would queue behind this step and wait for its end.
@@ -578,9 +582,16 @@ class Runner:
         (:meth:`hold`, taken after that verify): a later verify was queued since,
         and it leaves too."""
         live = session or self.store.live
+        kept: list[mx.array] = []
         for name in self.traced_components:
             trace = None if held is None else held[name]
             live.state[name].keep_traced(keep, trace)  # type: ignore[attr-defined]
+            kept += live.state[name].arrays()
+        # A state rebuilt from the trace, left lazy, keeps the whole trace alive
+        # (every token's state, or the pass's deltas and decays): a reply that
+        # ends on this round would park with it. Queued, it is the few arrays
+        # the next step reads anyway, and no host sync.
+        mx.async_eval(kept)
         live.cut_to(start + keep)  # the others rewind; the record and checkpoints follow
 
     def hold(self, session: Session | None) -> dict[str, object]:

@@ -65,14 +65,14 @@ class MtpTrack:
         if before <= self.hidden_start or not self.hidden:
             return
         joined = self.rows(self.hidden_start, self.hidden_end)
-        self.hidden = [joined[before - self.hidden_start :]]
+        self.hidden = [_own(joined[before - self.hidden_start :])]
         self.hidden_start = before
 
     def _truncate_hidden(self, position: int) -> None:
         if position <= self.hidden_start:
             self.hidden, self.hidden_start = [], position
         elif position < self.hidden_end:
-            self.hidden = [self.rows(self.hidden_start, position)]
+            self.hidden = [_own(self.rows(self.hidden_start, position))]
 
     def _rewind_cache(self, position: int) -> None:
         assert self.cache is not None
@@ -81,3 +81,13 @@ class MtpTrack:
             self.cache = None  # nothing left: the next draft starts it again
         else:
             self.cache.rewind(self.cache.position - position)
+
+
+def _own(rows: mx.array) -> mx.array:
+    """*rows* (a slice of a joined chunk) copied and queued: a slice kept as
+    is would keep the whole chunk alive (a prompt's every hidden state, after
+    the first draft read them) while its session sits parked, counted as the
+    few rows it shows."""
+    copy = mx.contiguous(rows)
+    mx.async_eval(copy)
+    return copy

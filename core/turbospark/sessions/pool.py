@@ -79,8 +79,7 @@ class SessionPool:
     def swap(self, index: int, live: Session) -> Session:
         """Promote parked session *index*; park *live* in its place as the newest."""
         promoted = self.parked[index]
-        live.tick = self._tick()
-        self.parked[index] = live
+        self._park(live, index)
         return promoted
 
     def rotate_lru(self, live: Session) -> tuple[Session, bool]:
@@ -89,6 +88,14 @@ class SessionPool:
         real content was lost (it held some, and no disk tier took it)."""
         promoted = self._eviction_order()[0]
         index = self.parked.index(promoted)
-        live.tick = self._tick()
-        self.parked[index] = live
+        self._park(live, index)
         return promoted, self.lost_if_dropped(promoted)
+
+    def _park(self, session: Session, index: int) -> None:
+        """*session* into slot *index*, as the newest. Its undo goes: a parked
+        session has no last step to take back, and the references it held
+        (the state before that step) would be a second copy of every
+        non-rewindable component, pinned and counted nowhere."""
+        session.undo = None
+        session.tick = self._tick()
+        self.parked[index] = session

@@ -66,7 +66,8 @@ class Session:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     tick: int = 0
     # The non-rewindable components as they were before the last token fed
-    # speculatively (see take_back): held references, one step deep.
+    # speculatively (see take_back): held references, one step deep, let go
+    # when the request ends or the session is parked (the store and the pool).
     undo: Checkpoint | None = None
     # Its file in the disk tier, if it has one (written by disk_store); a cleared
     # or reloaded session is a new conversation and must never overwrite it.
@@ -98,12 +99,13 @@ class Session:
         return self.position > 0 or len(self.record) > 0
 
     def arrays(self) -> list[mx.array]:
-        """Every array the session holds: its state's, its checkpoints' and its
-        MTP track's. A checkpoint holds references, often to the very arrays
-        the state holds (taken where the state still is) or another
-        checkpoint's, so an array may appear more than once here."""
+        """Every array the session holds: its state's, its checkpoints', its
+        undo's and its MTP track's. A checkpoint holds references, often to
+        the very arrays the state holds (taken where the state still is) or
+        another checkpoint's, so an array may appear more than once here."""
         held = [a for component in self.state.values() for a in component.arrays()]
         held += [a for checkpoint in self.checkpoints for a in checkpoint.arrays()]
+        held += [] if self.undo is None else self.undo.arrays()
         return held + ([] if self.mtp is None else self.mtp.arrays())
 
     @property

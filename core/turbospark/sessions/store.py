@@ -223,6 +223,9 @@ class SessionStore:
         then the memory cap, decide what goes). True if content was discarded."""
         if session in self.checked_out:
             self.checked_out.remove(session)
+        # The request is over: nothing takes its last step back, so the state
+        # from before that step (held by reference for that) is let go.
+        session.undo = None
         evicted = False
         if self.live.has_content:
             if self.pool is None:
