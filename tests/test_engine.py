@@ -562,10 +562,6 @@ def test_rows_leaving_a_batch_one_by_one_hold_only_their_sessions(family, reques
     rows leave one step apart: afterwards the memory in use beyond what it was
     before is the parked sessions' bytes (each row once pinned the buffer of
     every row still in the batch: about 50 times as much here)."""
-    import gc
-
-    import mlx.core as mx
-
     install = request.getfixturevalue(f"{family}_install")
     rows = 12
     runner = open_runner(install, slots=rows)
@@ -578,17 +574,13 @@ def test_rows_leaving_a_batch_one_by_one_hold_only_their_sessions(family, reques
         )
         for k in range(rows)
     ]
-    gc.collect()
-    mx.clear_cache()
-    before = mx.get_active_memory()
+    before = memory_in_use()
     run_all(engine, [(0, job) for job in jobs])
     assert all(job.emit.error is None for job in jobs)
     assert max(c.stats.batch_size for job in jobs for c in job.emit.chunks if c.stats) == rows
-    gc.collect()
-    mx.synchronize()
     held = sum(runner.session_nbytes())
     assert held > 0
-    assert mx.get_active_memory() - before <= 2 * held + (1 << 20)
+    assert memory_in_use() - before <= 2 * held + (1 << 20)
 
 
 def test_rows_decoding_in_a_batch_leave_no_second_copy_in_their_sessions(gemma4_install):
