@@ -136,6 +136,7 @@ def test_a_parked_session_keeps_no_undo_of_its_last_step(wide_gdn_install: Path)
 
     def park_two(k: int) -> None:
         generate(runner, codec, [2, 3 + k, *range(10, 40)], config)
+        assert runner.store.live.undo is None  # let go when the request ended, still live
         runner.reset()
         prompt = [2, 4 + k, *range(50, 70)]
         logits = runner.prefill_chunk(prompt, 0)
