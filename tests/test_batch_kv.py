@@ -5,7 +5,9 @@ sessions merge, join (``extend``) and leave (``filter``), and right-aligns
 rows at different lengths. Whatever the schedule, each row extracted must hold
 exactly the columns it was given, in order (a windowed row at least its
 retained tail), and a decode step must see exactly its own columns within
-the window: never padding, never another row's.
+the window: never padding, never another row's. A ragged feed (rows of
+different lengths in one write, the shorter padded past their end, then
+``shift``) must leave the same.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ operations = st.lists(
         st.tuples(st.just("step"), st.integers(0, 0)),
         st.tuples(st.just("join"), st.integers(0, 6)),
         st.tuples(st.just("leave"), st.integers(0, 2**16)),
+        st.tuples(st.just("ragged"), st.integers(0, 2**16)),
     ),
     max_size=12,
 )
@@ -77,6 +80,19 @@ def test_rows_hold_what_they_were_given_whatever_the_schedule(first, schedule, w
             joining = [float(next(counter)) for _ in range(arg)]
             batch.extend(BatchLayerKV.merge([session(joining, window)]))
             rows.append(joining)
+        elif op == "ragged":  # 1-4 new columns a row, padded to the longest, then shifted
+            counts = [1 + (arg >> (2 * i) & 3) for i in range(len(rows))]
+            width = max(counts)
+            new = [[float(next(counter)) for _ in range(n)] for n in counts]
+            step = mx.concatenate(
+                [mx.concatenate([column(v) for v in [*got, *[-1.0] * (width - len(got))]], axis=2) for got in new],
+                axis=0,
+            )  # fmt: skip
+            batch.prepare(width)
+            batch.update_and_fetch(step, -step)
+            batch.shift([width - n for n in counts])
+            for row, got in zip(rows, new, strict=True):
+                row.extend(got)
         elif len(rows) > 1:  # leave: a random non-empty subset stays, in order
             stay = [i for i in range(len(rows)) if arg >> i & 1] or [len(rows) - 1]
             batch.filter(stay)
@@ -112,3 +128,16 @@ def test_a_steps_layers_share_one_padding_mask_and_one_bias():
         [True, True, True, True],
         [False, True, True, True],
     ]
+
+
+def test_a_shift_left_undoes_a_shift_right():
+    """A ragged forward that fails after the shift shifts back: every row's
+    columns up to its old end come back (the padding past it is lost)."""
+    batch = BatchLayerKV.merge([session([1.0, 2.0, 3.0], None), session([4.0], None)])
+    step = mx.concatenate([column(5.0), column(6.0)], axis=0)
+    batch.update_and_fetch(step, -step)
+    before = [written(batch.extract(i, n, 0)) for i, n in enumerate([4, 2])]
+    batch.shift([0, 1])
+    assert [written(batch.extract(i, n, 0)) for i, n in enumerate([4, 1])] == [before[0], [4.0]]
+    batch.shift([0, -1])
+    assert [written(batch.extract(i, n, 0)) for i, n in enumerate([4, 2])] == before

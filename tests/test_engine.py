@@ -255,28 +255,29 @@ def test_a_row_reaching_the_context_length_ends_alone(gemma4_install):
 def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request, monkeypatch):
     """Three fresh prompts of one length: one batched prefill forward takes all
     of them (last token included), and each row still equals its request alone;
-    then three of different lengths, extending those sessions, end together
+    then three of different lengths, extending those sessions: where the batched
+    state shifts its rows (K/V only: gemma4), one forward takes them all, the
+    shorter padded; a recurrent state, which padding would advance, takes them
     over a few forwards of the shortest remainder (not qwen4_exp: with its one
     session slot the second turns cannot all find their sessions)."""
     install = request.getfixturevalue(f"{family}_install")
     codec = load_text(install)
     runner = open_runner(install, slots=1 if family == "qwen4_exp" else 4)
     engine = Engine(runner, codec, max_batch=3)
-    real = runner.forward_batch
-    prefills: list[tuple[int, int]] = []
+    real = runner.forward_ragged
+    prefills: list[tuple[int, ...]] = []
 
-    def spy(tokens, positions, state, steer=None):
-        if tokens.shape[1] > 1:  # decode steps feed one token a row
-            prefills.append(tuple(tokens.shape))
-        return real(tokens, positions, state, steer)
+    def spy(chunks, positions, state, steer=None):
+        prefills.append(tuple(len(chunk) for chunk in chunks))
+        return real(chunks, positions, state, steer)
 
-    monkeypatch.setattr(runner, "forward_batch", spy)
+    monkeypatch.setattr(runner, "forward_ragged", spy)
     config = GenerationConfig(max_tokens=5, temperature=0.0, stop_token_ids=[])
     firsts = [
         Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=config, emit=Collector()) for i in range(3)
     ]
     run_all(engine, [(0, job) for job in firsts])
-    assert prefills == [(3, 6)]
+    assert prefills == [(6, 6, 6)]
     if family == "qwen4_exp":
         for job in firsts:
             assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
@@ -290,9 +291,11 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request,
         for i, job in enumerate(firsts)
     ]
     run_all(engine, [(0, job) for job in seconds])
-    # The last reply token was never fed: 2, 4 and 6 tokens remain. Two for all
-    # three, then two for the two left, then two for the last.
-    assert prefills[1:] == [(3, 2), (2, 2), (1, 2)], prefills
+    # The last reply token was never fed: 2, 4 and 6 tokens remain.
+    if family == "gemma4":
+        assert prefills[1:] == [(2, 4, 6)], prefills
+    else:  # two for all three, then two for the two left, then two for the last
+        assert prefills[1:] == [(2, 2, 2), (2, 2), (2,)], prefills
     for job in [*firsts, *seconds]:
         assert job.emit.error is None, job.emit.error
         assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
@@ -325,26 +328,31 @@ def test_seeded_rows_sampled_together_equal_each_alone(family, request):
         assert job.emit.tokens == alone(install, codec, job.ids, config).tokens, config
 
 
+@pytest.mark.parametrize("failing", ["none", "last"])
 def test_a_failed_batched_prefill_changes_no_session_and_the_rows_go_on_alone(
-    gemma4_install, monkeypatch
+    gemma4_install, monkeypatch, failing
 ):
+    """Prompts of different lengths go in two forwards (all tokens but each
+    row's last, padded; then the last): a failure in either, the second one
+    after the rows were shifted past their padding, undoes the group."""
     codec = load_text(gemma4_install)
     runner = open_runner(gemma4_install)
     engine = Engine(runner, codec, max_batch=3)
-    real = runner.forward_batch
+    real = runner._hook.turbospark_forward_batch
     raised = []
 
-    def flaky(tokens, positions, state, steer=None):
-        if tokens.shape[1] > 1 and not raised:
-            raised.append(tuple(tokens.shape))
+    def flaky(**kwargs):  # the hook's caller, as the runner calls it
+        if kwargs["logits"] == failing and kwargs["tokens"].shape[0] == 3 and not raised:
+            raised.append(tuple(kwargs["tokens"].shape))
             raise RuntimeError("a plugin failed mid-prefill")
-        return real(tokens, positions, state, steer)
+        return real(**kwargs)
 
-    monkeypatch.setattr(runner, "forward_batch", flaky)
+    flaky.get_hookimpls = real.get_hookimpls  # type: ignore[attr-defined]
+    monkeypatch.setattr(runner._hook, "turbospark_forward_batch", flaky)
     config = GenerationConfig(max_tokens=6, temperature=0.0, stop_token_ids=[])
     jobs = [Job(ids=list(p), config=config, emit=Collector()) for p in PROMPTS[:3]]
     run_all(engine, [(0, job) for job in jobs])
-    assert raised, "the batched prefill never ran"
+    assert raised == [(3, 18 if failing == "none" else 1)], "the batched prefill never ran"
     for job in jobs:
         assert job.emit.error is None, job.emit.error
         assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
@@ -725,14 +733,13 @@ def test_warm_up_prefills_groups_fresh_and_with_history(family, request):
     runner = open_runner(install)
     engine = Engine(runner, load_text(install), max_batch=4)
     groups: list[tuple[int, int, bool]] = []  # rows, new tokens, every row held some
-    real = runner.forward_batch
+    real = runner.forward_ragged
 
-    def forward(tokens, positions, state, steer=None):
-        if tokens.shape[1] > 1:
-            groups.append((tokens.shape[0], tokens.shape[1], min(positions) > 0))
-        return real(tokens, positions, state, steer)
+    def forward(chunks, positions, state, steer=None):
+        groups.append((len(chunks), max(len(c) for c in chunks), min(positions) > 0))
+        return real(chunks, positions, state, steer)
 
-    runner.forward_batch = forward
+    runner.forward_ragged = forward
     engine.warm_up([2, *range(5, 25)])
     assert any(rows > 1 and not held for rows, _, held in groups)
     assert any(rows > 1 and held for rows, _, held in groups)
@@ -758,7 +765,15 @@ def _record_forward_kinds(runner: Runner, kinds: set[tuple[str, bool, bool, bool
         kinds.add(("row", runs_compiled(1, len(tokens)), True, len(tokens) == 1, start > 0))
         return real_feed(tokens, start, want, session, then)
 
+    real_ragged = runner.forward_ragged
+
+    def forward_ragged(chunks, positions, state, steer=None):
+        if len({len(chunk) for chunk in chunks}) > 1:  # else forward_batch records it
+            kinds.add(("ragged", False, len(chunks) == 1, False, min(positions) > 0))
+        return real_ragged(chunks, positions, state, steer)
+
     runner.forward_batch, runner._feed = forward_batch, feed
+    runner.forward_ragged = forward_ragged
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
@@ -776,7 +791,7 @@ def test_warm_up_runs_every_kind_of_forward_that_chat_traffic_runs(family, reque
     warm: set[tuple[str, bool, bool, bool, bool]] = set()
     _record_forward_kinds(runner, warm)
     engine.warm_up([0] * (CONTEXT - 4))  # what serve passes when the context bounds it
-    del runner.forward_batch, runner._feed
+    del runner.forward_batch, runner._feed, runner.forward_ragged
     traffic: set[tuple[str, bool, bool, bool, bool]] = set()
     _record_forward_kinds(runner, traffic)
     config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])

@@ -6,4 +6,4 @@ implements what the contract names (``protocols.py``), never the other way.
 surface families import.
 """
 
-API_VERSION = "1.3.0"
+API_VERSION = "1.4.0"

@@ -218,16 +218,20 @@ class _Batch:
             for component in row.session.state.values():
                 component.reset()
 
+    @property
+    def ragged(self) -> bool:
+        """Whether rows may feed different numbers of tokens in one :meth:`feed`."""
+        return self.runner.takes_ragged(self.state)
+
     def feed(self, chunks: list[list[int]], starts: list[int]) -> mx.array:
-        """Prompt tokens, as many for every row (row ``i`` at ``starts[i]``):
-        last-token logits ``(B, vocab)``. A forward that raises is undone."""
+        """Prompt tokens for every row (row ``i`` at ``starts[i]``; as many for
+        each unless :attr:`ragged`): logits ``(B, vocab)`` at each row's last
+        token. A forward that raises is undone."""
         for component in self.state.values():
-            component.prepare(len(chunks[0]))
+            component.prepare(max(len(chunk) for chunk in chunks))
         self.held = {name: component.hold() for name, component in self.state.items()}
         try:
-            logits = self.runner.forward_batch(
-                mx.array(chunks, dtype=mx.int32), starts, self.state, self.steer
-            )
+            logits = self.runner.forward_ragged(chunks, starts, self.state, self.steer)
         except Exception:
             self.rollback()
             raise
@@ -835,29 +839,28 @@ class Engine:
         return min(len(row.job.ids) - row.next_prefill, row.job.config.chunk_size)
 
     def _feed_group(self, group: _Batch, budget: int | None) -> int | None:
-        """One batched forward of the same number of prompt tokens for every row
-        of *group* (the shortest remainder, within the chunk size and the
-        budget, at least one token a row); returns the budget left.
+        """One batched forward of *group*'s prompt tokens, each row up to its
+        prompt's end or checkpoint (:meth:`_reach`) within the budget, at least
+        one token a row; returns the budget left (padding counted).
 
-        A row whose prompt ends samples its first id from the forward's
-        last-token logits, is copied out, and decodes from the next step.
-        Equal lengths mean no padding between a row's state and its new tokens,
-        so every batchable component (a recurrent one included) takes them as
-        is; prompts of different lengths end over a few steps. If the forward
-        fails, the group is undone from the references held before it and its
-        rows go on alone."""
+        A row whose prompt ends samples its first id from the forward's logits
+        at its last token, is copied out, and decodes from the next step. Where
+        the batched state shifts its rows (:meth:`Runner.forward_ragged`: K/V),
+        rows of different lengths go together, the shorter padded, so a burst
+        of prompts ends in one forward; otherwise (a recurrent state, which
+        padding would advance) every row takes the shortest reach, and prompts
+        of different lengths end over a few steps. If the forward fails, the
+        group is undone from the references held before it and its rows go on
+        alone."""
         rows = list(group.rows)
-        length = min(len(row.job.ids) - row.next_prefill for row in rows)
-        length = min(length, *(row.job.config.chunk_size for row in rows))
+        wants = [self._reach(row) for row in rows]
+        length = max(wants) if group.ragged else min(wants)
         if budget is not None:
             length = max(1, min(length, budget // len(rows)))
-        for row in rows:  # no row's chunk runs past its generation-prompt checkpoint
-            at = row.job.checkpoint_at
-            if at is not None and at > row.next_prefill:
-                length = min(length, at - row.next_prefill)
         starts = [row.next_prefill for row in rows]
         chunks = [
-            row.job.ids[start : start + length] for row, start in zip(rows, starts, strict=True)
+            row.job.ids[start : start + min(want, length)]
+            for row, start, want in zip(rows, starts, wants, strict=True)
         ]
         try:
             logits = group.feed(chunks, starts)
@@ -873,7 +876,7 @@ class Engine:
         marked: list[_Row] = []  # at their generation-prompt checkpoint, prompt not done
         for i, row in enumerate(rows):
             self.runner.fed(row.session, starts[i], chunks[i])
-            row.next_prefill += length
+            row.next_prefill += len(chunks[i])
             if row.next_prefill == len(row.job.ids):
                 row.leaves_at = row.next_prefill
                 done[row] = i
@@ -891,6 +894,16 @@ class Engine:
             self.runner.checkpoint(row.session)
             self._prefilled(row, logits[i])
         return None if budget is None else budget - length * len(rows)
+
+    @staticmethod
+    def _reach(row: _Row) -> int:
+        """Prompt tokens the row's next batched forward may take: up to its
+        prompt's end or its generation-prompt checkpoint, within its chunk."""
+        reach = min(len(row.job.ids) - row.next_prefill, row.job.config.chunk_size)
+        at = row.job.checkpoint_at
+        if at is not None and at > row.next_prefill:
+            reach = min(reach, at - row.next_prefill)
+        return reach
 
     @staticmethod
     def _group_within(ready: list[_Row], budget: int | None) -> list[_Row]:

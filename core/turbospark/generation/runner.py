@@ -73,7 +73,7 @@ from turbospark.sessions.reuse import ReuseReport
 from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
-from turbospark.state.components import State
+from turbospark.state.components import ShiftsRows, State
 from turbospark.state.kv import STEP, KVComponent, KVQuantization, ladder, quantize_kv
 
 
@@ -774,6 +774,58 @@ class Runner:
                 logits=wanted,
                 steer=steer,
             )
+        assert logits is not None
+        return logits
+
+    @staticmethod
+    def takes_ragged(state: State) -> bool:
+        """Whether *state* (batched) can take rows of different lengths in one
+        forward (:meth:`forward_ragged`): every component shifts its rows."""
+        return all(isinstance(component, ShiftsRows) for component in state.values())
+
+    def forward_ragged(
+        self,
+        chunks: Sequence[Sequence[int]],
+        positions: list[int],
+        state: State,
+        steer: Steer | None = None,
+    ) -> mx.array:
+        """Logits ``(B, vocab)`` at each row's last token for *chunks* of
+        different lengths (row ``i`` at ``positions[i]..``), in two forwards
+        whatever the lengths: every row's tokens but its last, the shorter rows
+        padded at the end, then the rows shifted right past their padding
+        (:class:`~turbospark.state.components.ShiftsRows`) and each row's last
+        token. Fed in equal lengths, the shortest row ends in each forward and
+        a group of n lengths takes n forwards; on a device bound by the host
+        each costs about what a decode step does.
+
+        The state must :meth:`takes_ragged`. If the second forward fails, the
+        shift is undone before the error propagates, so the caller's rollback
+        (indices held before the first) restores the rows."""
+        width = max(len(chunk) for chunk in chunks)
+        if all(len(chunk) == width for chunk in chunks):
+            return self.forward_batch(mx.array(chunks, dtype=mx.int32), positions, state, steer)
+        pads = [width - len(chunk) for chunk in chunks]
+        heads = [[*chunk[:-1], *[chunk[-1]] * pad] for chunk, pad in zip(chunks, pads, strict=True)]
+        self._hook.turbospark_forward_batch(
+            model=self.model, tokens=mx.array(heads, dtype=mx.int32), positions=positions,
+            state=state, logits="none", steer=steer,
+        )  # fmt: skip
+        for component in state.values():
+            component.shift(pads)  # type: ignore[attr-defined]
+        try:
+            logits = self._hook.turbospark_forward_batch(
+                model=self.model,
+                tokens=mx.array([[chunk[-1]] for chunk in chunks], dtype=mx.int32),
+                positions=[p + len(chunk) - 1 for p, chunk in zip(positions, chunks, strict=True)],
+                state=state,
+                logits="last",
+                steer=steer,
+            )
+        except Exception:
+            for component in state.values():
+                component.shift([-pad for pad in pads])  # type: ignore[attr-defined]
+            raise
         assert logits is not None
         return logits
 

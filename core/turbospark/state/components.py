@@ -229,3 +229,18 @@ class BatchedComponent(Protocol):
         can be dropped). A component that cannot rewind reads a row going
         back from *held* (:meth:`hold`, taken before the step; None when
         nothing went back)."""
+
+
+@runtime_checkable
+class ShiftsRows(Protocol):
+    """A batched component that can move a row along its columns: what lets
+    prompts of different lengths go through one batched forward. Optional: a
+    component without it (a recurrent state, which padding would advance) has
+    its rows fed in equal lengths only."""
+
+    def shift(self, offsets: list[int]) -> None:
+        """Move row ``i``'s columns ``offsets[i]`` to the right (left when
+        negative), its leading padding growing (shrinking) as much, so that
+        padding a row fed past its last token is dropped and the row ends
+        where every other row does. The columns past the end that a shift right
+        pushes out are that padding; a shift left by as much restores the rest."""

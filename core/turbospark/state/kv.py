@@ -669,6 +669,18 @@ class BatchLayerKV:
         ]
         self.keys, self.values, self.fill = keys, values, width
 
+    def shift(self, offsets: list[int]) -> None:
+        """Row ``i``'s columns ``offsets[i]`` to the right (one gather a buffer;
+        see :class:`~turbospark.state.components.ShiftsRows`)."""
+        self.left = [pad + offset for pad, offset in zip(self.left, offsets, strict=True)]
+        if self.keys is None or self.values is None or not any(offsets):
+            return
+        capacity = _parts(self.keys)[0].shape[2]
+        cols = mx.arange(capacity)[None] - mx.array(offsets)[:, None]  # (B, capacity)
+        index = mx.clip(cols, 0, capacity - 1)[:, None, :, None]
+        self.keys = _map(self.keys, lambda a: mx.take_along_axis(a, index, axis=2))
+        self.values = _map(self.values, lambda a: mx.take_along_axis(a, index, axis=2))
+
     def filter(self, rows: list[int]) -> None:
         """Keep *rows*: one gather of their columns, the headroom past ``fill``
         kept, so the next step writes in place; padding every kept row has is
@@ -740,6 +752,10 @@ class BatchKV:
     def prepare(self, length: int) -> None:
         for layer in self.layers:
             layer.prepare(length)
+
+    def shift(self, offsets: list[int]) -> None:
+        for layer in self.layers:
+            layer.shift(offsets)
 
     def hold(self) -> object:
         # After prepare() a step only writes columns past `fill`: the indices
