@@ -154,6 +154,54 @@ def test_a_bad_memory_size_is_refused_by_argparse(capsys):
     assert "'lots' is not a size" in capsys.readouterr().err
 
 
+@pytest.fixture
+def mlx_cache_limit():
+    """MLX's buffer cache limit, read (MLX has no getter: setting returns the
+    previous bound) through a sentinel, and put back after the test."""
+    import mlx.core as mx
+
+    sentinel = 777 << 20
+    previous = mx.set_cache_limit(sentinel)
+    yield lambda: mx.set_cache_limit(sentinel)
+    mx.set_cache_limit(previous)
+
+
+def test_serve_sets_mlx_cache_limit_before_loading(mlx_cache_limit, capsys):
+    """The bound reaches MLX before the model is looked for (the path does not
+    exist, so serve stops there); without the flag MLX's own bound stays."""
+    assert main(["serve", "/nowhere"]) == 2
+    assert mlx_cache_limit() == 777 << 20
+    assert main(["serve", "/nowhere", "--mlx-cache-limit", "123MiB"]) == 2
+    assert mlx_cache_limit() == 123 << 20
+    assert main(["serve", "/nowhere", "--mlx-cache-limit", "0"]) == 2
+    assert mlx_cache_limit() == 0
+    assert "/nowhere: no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("-1", "'-1': a size cannot be negative; use 0 or more"),
+        ("lots", "'lots' is not a size: use bytes or a unit like 512MiB"),
+        ("1e400", "'1e400' is not a size: use bytes or a unit like 512MiB"),
+    ],
+)
+def test_serve_refuses_a_bad_mlx_cache_limit_by_name(mlx_cache_limit, capsys, value, message):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", "/nowhere", f"--mlx-cache-limit={value}"])
+    assert excinfo.value.code == 2
+    assert f"argument --mlx-cache-limit: {message}" in capsys.readouterr().err
+    assert mlx_cache_limit() == 777 << 20  # nothing was set
+
+
+def test_serve_refuses_an_mlx_cache_limit_past_what_mlx_holds(mlx_cache_limit, capsys):
+    assert main(["serve", "/nowhere", "--mlx-cache-limit", "1e20"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--mlx-cache-limit 100000000000000000000 bytes" in err
+    assert "use a size the device has, e.g. 8GiB" in err
+    assert mlx_cache_limit() == 777 << 20
+
+
 @pytest.mark.parametrize("flag", ["--chunk-size", "--prefill-budget"])
 def test_serve_refuses_a_token_bound_below_one_in_one_line(capsys, flag):
     """Checked before anything loads (the path does not even exist)."""

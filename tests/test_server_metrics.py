@@ -7,9 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
+import openai
 import pytest
+from mlx.utils import tree_flatten
 from prometheus_client.parser import text_string_to_metric_families
-from serving import client, serving
+from serving import client, serve_process, service, serving
 
 from turbospark import build_synthetic_install
 from turbospark.server import ThreadedServer
@@ -34,8 +37,9 @@ def server(codec: tuple[Path, TextCodec]) -> Iterator[ThreadedServer]:
         yield running
 
 
-def scrape(server: ThreadedServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    reply = httpx.get(f"{server.base_url}/metrics", timeout=30)  # no key: open like /health
+def scrape(server: ThreadedServer | str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    base = server if isinstance(server, str) else server.base_url
+    reply = httpx.get(f"{base}/metrics", timeout=30)  # no key: open like /health
     assert reply.status_code == 200, reply.text
     assert reply.headers["content-type"].startswith("text/plain")
     return {
@@ -99,3 +103,50 @@ def test_each_app_has_its_own_registry(
         key = (("endpoint", "chat.completions"), ("outcome", "ok"))
         assert ("turbospark_requests_total", key) not in fresh
         assert fresh[("turbospark_prompt_tokens_total", ())] == 0
+
+
+MLX_MEMORY = (
+    "turbospark_mlx_active_bytes",
+    "turbospark_mlx_cache_bytes",
+    "turbospark_mlx_peak_bytes",
+)
+
+
+def test_metrics_show_mlx_memory_as_mlx_reads_it(server: ThreadedServer) -> None:
+    """The gauges are MLX's allocator read at scrape time: on an idle server (in
+    this process) the same numbers as reading MLX directly, the weights among
+    the active bytes."""
+    sdk = client(server)
+    sdk.api_key = KEY
+    messages = [{"role": "user", "content": "Use some memory."}]
+    sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    scraped = scrape(server)
+    active, cache, peak = (scraped[(name, ())] for name in MLX_MEMORY)
+    assert (active, cache, peak) == (
+        mx.get_active_memory(),
+        mx.get_cache_memory(),
+        mx.get_peak_memory(),
+    )
+    model = service(server).runner.model
+    weights = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    assert active >= weights > 0
+    assert peak >= active
+
+
+@pytest.mark.slow
+def test_serve_mlx_cache_limit_bounds_the_cache_it_shows(codec: tuple[Path, TextCodec]) -> None:
+    """``turbospark serve --mlx-cache-limit 0`` keeps no freed buffers, where the same
+    requests on MLX's own bound leave some cached: the flag reaches the server's MLX,
+    and /metrics shows it."""
+    messages = [{"role": "user", "content": "Fill the buffer cache, then show it."}]
+    cached = {}
+    for flags in [(), ("--mlx-cache-limit", "0")]:
+        with serve_process(codec[0], "--no-warm-up", *flags) as (_, base):
+            sdk = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            for _ in range(2):
+                sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+            scraped = scrape(base)
+            assert scraped[("turbospark_mlx_active_bytes", ())] > 0
+            cached[flags] = scraped[("turbospark_mlx_cache_bytes", ())]
+    assert cached[()] > 0
+    assert cached[("--mlx-cache-limit", "0")] == 0

@@ -9,6 +9,7 @@ MLX, the server and the conformance kit load inside ``run``, so ``turbospark
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,11 +100,15 @@ def byte_size(text: str) -> int:
     try:
         value = float(number) * _UNITS[unit]
     except (ValueError, KeyError):
+        value = math.nan
+    if not math.isfinite(value):  # 1e400 reads as infinity
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size: use bytes or a unit like 512MiB, 2GiB, 1.5GB"
-        ) from None
+        )
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a size cannot be negative; use 0 or more, e.g. 512MiB"
+        )
     return int(value)
 
 

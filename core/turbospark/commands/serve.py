@@ -53,6 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--session-slots", type=int, default=1, help="conversations kept warm")
     add_pool_memory_flag(parser)
+    parser.add_argument(
+        "--mlx-cache-limit",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="bound on MLX's cache of freed buffers kept for reuse (e.g. 8GiB; 0 keeps none). "
+        "MLX's own bound is its memory limit, about the whole device, and batch shapes that "
+        "change every step can fill it; bound it to share the device with another process "
+        "(default: MLX's own)",
+    )
     add_expert_cache_flag(parser)
     add_kv_cache_flags(parser)
     parser.add_argument(
@@ -247,6 +257,11 @@ def check_args(args: argparse.Namespace) -> None:
             "the disk tier's files hold whole ones; drop --session-dir, or run replicas instead "
             "(docs/SCALING.md)"
         )
+    if args.mlx_cache_limit is not None and args.mlx_cache_limit >= 1 << 63:
+        raise InvalidInput(
+            f"--mlx-cache-limit {args.mlx_cache_limit} bytes is past what MLX can hold (2^63); "
+            "use a size the device has, e.g. 8GiB"
+        )
     for flag, value in [
         ("--max-request-bytes", args.max_request_bytes),
         ("--max-queue", args.max_queue),
@@ -279,6 +294,10 @@ def run(args: argparse.Namespace) -> int:
     from turbospark.server.worker import RunnerWorker
 
     check_args(args)
+    if args.mlx_cache_limit is not None:  # before any weight is read, so loading obeys it too
+        import mlx.core as mx
+
+        mx.set_cache_limit(args.mlx_cache_limit)
     steering = steering_policy(args)
     lockstep = join_group(args) if args.distributed else None
     source, codec = model_text(args.model)
@@ -334,6 +353,9 @@ def run(args: argparse.Namespace) -> int:
         + (f" ({len(disk.rejected)} refused, moved to rejected/)" if disk.rejected else "")
     )  # fmt: skip
     ranks = "" if lockstep is None else f" sharded across {lockstep.group.size()} processes,"
+    cache = "" if args.mlx_cache_limit is None else (
+        f", MLX's buffer cache bounded to {args.mlx_cache_limit / (1 << 30):.3g} GiB"
+    )  # fmt: skip
     # The packing actually loaded (not the config's claim): what the tensors were read as.
     quantized = summary(quantization_of(runner.model))
     packing = runner.manifest.dtype + ("" if quantized is None else f", {quantized}")
@@ -341,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}, "
         f"{packing}, {source.describe()}) on "
         f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
-        f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch; "
+        f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch{cache}; "
         f"the page is at http://{args.host}:{args.port}/",
         flush=True,
     )

@@ -6,7 +6,8 @@ Counters move where things happen: the HTTP handlers count requests by
 endpoint and outcome, and the engine's observer (called on the runner thread
 as each request ends) counts tokens and reuse reasons and times the first
 token. Gauges (queue depth, active rows, batch size) and the eviction counts
-are read from the engine at scrape time by a collector.
+are read from the engine at scrape time by a collector, and MLX's memory
+(active, its buffer cache, the peak) from MLX's allocator by another.
 
 The route stays open under ``--api-key`` as ``/health`` does (``access.py``
 guards ``/v1/`` and ``/turbospark/`` only): it shows counts, never text.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable, Iterator
 
+import mlx.core as mx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -99,6 +101,30 @@ class ResponseStoreCollector(Collector):
         )
 
 
+class MlxMemoryCollector(Collector):
+    """MLX's memory in this process, read from its allocator at scrape time: the
+    device's use is active plus cache, and the cache, bounded by ``serve
+    --mlx-cache-limit``, is where freed buffers of changing batch shapes pile up."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "turbospark_mlx_active_bytes",
+            "Bytes of MLX arrays alive now (weights, sessions, a step's buffers).",
+            mx.get_active_memory(),
+        )
+        yield GaugeMetricFamily(
+            "turbospark_mlx_cache_bytes",
+            "Bytes of freed buffers MLX keeps for reuse (bounded by --mlx-cache-limit, "
+            "else by MLX's memory limit).",
+            mx.get_cache_memory(),
+        )
+        yield GaugeMetricFamily(
+            "turbospark_mlx_peak_bytes",
+            "The most bytes of MLX arrays alive at once since the process started.",
+            mx.get_peak_memory(),
+        )
+
+
 def _expert_cache_metrics(engine: Engine) -> Iterator[Metric]:
     """The routed-expert cache (``Runner.expert_cache_stats``); nothing for a model
     without MoE experts. Plain counters, read without the runner thread."""
@@ -166,6 +192,7 @@ class Metrics:
             registry=r,
         )
         r.register(_EngineCollector(engine))
+        r.register(MlxMemoryCollector())
 
     def observe(self, job: Job, stats: GenerationStats | None) -> None:
         """The engine's observer: one call per real request that ended."""
