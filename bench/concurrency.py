@@ -268,9 +268,12 @@ def bench_concurrency(
     log_dir: Path,
     max_batch: int | None = None,
     serve_args: Sequence[str] = (),
+    cache_limit: str | None = None,
 ) -> dict[str, Any]:
     """Every level of ``plan.clients`` against both servers, started once for
-    all levels; *serve_args* go to ``turbospark serve`` after the bench's own."""
+    all levels; *serve_args* go to ``turbospark serve`` after the bench's own;
+    *cache_limit* (a size) bounds both servers' MLX buffer cache
+    (:mod:`bench.capped`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     most = max(plan.clients)
     max_batch = max_batch or most
@@ -294,6 +297,7 @@ def bench_concurrency(
             "turbospark_args": extra_args["turbospark"] + ["--session-slots", str(most)],
             "mlx_lm_args": extra_args["mlx_lm"],
             "mlx_lm_eos_ids_biased": eos,
+            "mlx_cache_limit": cache_limit,
         },
         "levels": {},
     }
@@ -305,7 +309,7 @@ def bench_concurrency(
             bases[kind] = stack.enter_context(
                 running_server(
                     kind, path, most, log_dir / f"{path.name}-{kind}-concurrency.log",
-                    extra_args[kind],
+                    extra_args[kind], cache_limit,
                 )
             )  # fmt: skip
             ready[kind] = time.perf_counter() - started
@@ -434,6 +438,12 @@ def main() -> None:
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="passed to turbospark serve; repeatable"
     )
+    parser.add_argument(
+        "--cache-limit",
+        metavar="SIZE",
+        help="bound both servers' MLX buffer cache (e.g. 8GiB, through bench.capped; "
+        "default: MLX's own)",
+    )
     args = parser.parse_args()
     plan = ConcurrencyPlan(
         clients=tuple(args.clients or (1, 8, 16)),
@@ -447,7 +457,9 @@ def main() -> None:
     started = time.perf_counter()
     for family in args.family or FAMILIES:
         path = install(family, args.size, dtype, args.cache_dir)
-        report[family] = bench_concurrency(path, plan, args.out / "logs", serve_args=args.serve_arg)
+        report[family] = bench_concurrency(
+            path, plan, args.out / "logs", serve_args=args.serve_arg, cache_limit=args.cache_limit
+        )
         if not args.json:
             print(f"== {family} ({args.size}, {dtype})", *summary(report[family]), sep="\n")
     report["wall_s"] = time.perf_counter() - started

@@ -89,8 +89,10 @@ def bench_quantized(
     log_dir: Path,
     concurrency: ConcurrencyPlan | None = None,
     bits: tuple[int, ...] = BITS,
+    cache_limit: str | None = None,
 ) -> dict[str, Any]:
-    """Every row above for *base* (a float install) and its conversions."""
+    """Every row above for *base* (a float install) and its conversions; the
+    servers of ``concurrency`` with MLX's buffer cache bounded to *cache_limit*."""
     rows: dict[str, Any] = {}
     paths = {"float": base, **{f"q{b}": converted(base, b) for b in bits}}
     for name, path in paths.items():
@@ -115,7 +117,9 @@ def bench_quantized(
             mem["ours"]["loaded_bytes"] / mem["mlx_lm"]["loaded_bytes"]
         )
         if concurrency is not None and name != "float":
-            row["concurrency"] = bench_concurrency(path, concurrency, log_dir / name)
+            row["concurrency"] = bench_concurrency(
+                path, concurrency, log_dir / name, cache_limit=cache_limit
+            )
         rows[name] = row
     float_decode = rows["float"]["forward"]["engines"]["ours_generate"]["decode_tok_s"]
     for row in rows.values():

@@ -138,6 +138,11 @@ class Plan:
     quantized_concurrency: ConcurrencyPlan | None = QUANTIZED_CONCURRENCY
     quantized_bits: tuple[int, ...] = (8, 4)
     startup_reps: int = 5  # bench/startup.py: cold launches of each server
+    # MLX's buffer cache limit for both servers of the HTTP sections (serving,
+    # concurrency, startup, quantized's concurrency), through bench/capped.py.
+    # None: MLX's own, its memory limit; two servers on one GPU would each take
+    # the whole device for freed buffers and the second would run out.
+    server_cache_limit: str | None = None
     # bench/long_context.py: the install size, prompt lengths, decode tokens
     long_context_size: str = "small"
     long_context_lengths: tuple[int, ...] = (1024, 4096)
@@ -219,6 +224,7 @@ GPU = Plan(
     quantized_sizes=("large", "tp8b"),
     quantized_concurrency=None,  # a lease's command is too short for both servers a width
     startup_reps=3,
+    server_cache_limit="8GiB",  # each server: weights and sessions, plus 8 GiB of freed buffers
     long_context_size="large",
     long_context_lengths=(4096, 16384, 32768),
     long_context_decode=128,
@@ -269,21 +275,24 @@ def _interleaved(ctx: Context, family: str) -> dict[str, Any]:
 def _serving(ctx: Context, family: str) -> dict[str, Any]:
     from bench.serving import bench_servers
 
-    return bench_servers(ctx.install(family, ctx.plan.chat_size), ctx.plan.chat, ctx.logs)
+    p = ctx.plan
+    return bench_servers(ctx.install(family, p.chat_size), p.chat, ctx.logs, p.server_cache_limit)
 
 
 def _concurrency(ctx: Context, family: str) -> dict[str, Any]:
     from bench.concurrency import bench_concurrency
 
     path = ctx.install(family, ctx.plan.chat_size)
-    return bench_concurrency(path, ctx.plan.concurrency, ctx.logs)
+    return bench_concurrency(
+        path, ctx.plan.concurrency, ctx.logs, cache_limit=ctx.plan.server_cache_limit
+    )
 
 
 def _startup(ctx: Context, family: str) -> dict[str, Any]:
     from bench.startup import bench_startup
 
     path = ctx.install(family, ctx.plan.chat_size)
-    return bench_startup(path, ctx.plan.startup_reps, ctx.logs)
+    return bench_startup(path, ctx.plan.startup_reps, ctx.logs, ctx.plan.server_cache_limit)
 
 
 def _server_step(ctx: Context, family: str) -> dict[str, Any]:
@@ -400,6 +409,7 @@ def _quantized(ctx: Context, family: str) -> dict[str, Any] | None:
             log_dir=ctx.logs / "quantized",
             concurrency=p.quantized_concurrency if i == 0 else None,
             bits=p.quantized_bits,
+            cache_limit=p.server_cache_limit,
         )
         for i, size in enumerate(p.quantized_sizes)
     }

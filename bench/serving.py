@@ -32,6 +32,7 @@ import httpx
 
 from bench.workload import ChatWorkload
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "default_model"  # mlx-lm's name for its --model; ours is told to use it too
 READY_TIMEOUT_S = 180.0
 
@@ -43,19 +44,40 @@ def _free_port() -> int:
 
 
 def server_command(
-    kind: str, path: Path, port: int, slots: int, extra: Sequence[str] = ()
+    kind: str,
+    path: Path,
+    port: int,
+    slots: int,
+    extra: Sequence[str] = (),
+    cache_limit: str | None = None,
 ) -> list[str]:
-    """The command line of *kind*'s server on loopback, plus *extra* flags of its own."""
+    """The command line of *kind*'s server on loopback, plus *extra* flags of its own;
+    with *cache_limit* (a size, ``8GiB``) started through :mod:`bench.capped`, which
+    bounds MLX's buffer cache first, the same way for both servers."""
     if kind == "turbospark":
-        return [
-            sys.executable, "-m", "turbospark", "serve", str(path),
+        module, args = "turbospark", [
+            "serve", str(path),
             "--session-slots", str(slots), "--port", str(port), "--model-id", MODEL,
             "--context-length", "8192", "--host", "127.0.0.1", *extra,
         ]  # fmt: skip
-    return [
-        sys.executable, "-m", "mlx_lm.server", "--model", str(path),
-        "--port", str(port), "--host", "127.0.0.1", "--log-level", "WARNING", *extra,
-    ]  # fmt: skip
+    else:
+        module, args = "mlx_lm.server", [
+            "--model", str(path),
+            "--port", str(port), "--host", "127.0.0.1", "--log-level", "WARNING", *extra,
+        ]  # fmt: skip
+    if cache_limit is None:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "bench.capped", "--cache-limit", cache_limit, "-m", module, *args]
+
+
+def server_env(cache_limit: str | None) -> dict[str, str]:
+    """This process's environment (the same BLAS for both servers); through the
+    launcher, the repository root first on the path so ``bench.capped`` is found
+    from any working directory."""
+    env = os.environ.copy()
+    if cache_limit is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
 
 
 def accepts(kind: str, base: str) -> bool:
@@ -76,17 +98,22 @@ def _ready(kind: str, base: str) -> bool:
 
 @contextmanager
 def launched(
-    kind: str, path: Path, slots: int, log: Path, extra: Sequence[str] = ()
+    kind: str,
+    path: Path,
+    slots: int,
+    log: Path,
+    extra: Sequence[str] = (),
+    cache_limit: str | None = None,
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """Start a server on a free port, yield the process and its base URL at once
     (nothing waited for); always kill it."""
     port = _free_port()
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            server_command(kind, path, port, slots, extra),
+            server_command(kind, path, port, slots, extra, cache_limit),
             stdout=sink,
             stderr=subprocess.STDOUT,
-            env=os.environ.copy(),
+            env=server_env(cache_limit),
         )
         try:
             yield proc, f"http://127.0.0.1:{port}"
@@ -120,10 +147,15 @@ def wait_until(
 
 @contextmanager
 def running_server(
-    kind: str, path: Path, slots: int, log: Path, extra: Sequence[str] = ()
+    kind: str,
+    path: Path,
+    slots: int,
+    log: Path,
+    extra: Sequence[str] = (),
+    cache_limit: str | None = None,
 ) -> Iterator[str]:
     """Start a server, wait until it is ready (:func:`_ready`), yield its base URL; always kill it."""
-    with launched(kind, path, slots, log, extra) as (proc, base):
+    with launched(kind, path, slots, log, extra, cache_limit) as (proc, base):
         wait_until(kind, proc, base, log, _ready)
         yield base
 
@@ -192,10 +224,13 @@ def chat_request(
     }
 
 
-def bench_servers(path: Path, workload: ChatWorkload, log_dir: Path) -> dict[str, Any]:
+def bench_servers(
+    path: Path, workload: ChatWorkload, log_dir: Path, cache_limit: str | None = None
+) -> dict[str, Any]:
     """Ours and mlx-lm's server on the same requests. Both run side by side and
     take each request in alternating order (one request in flight at a time),
-    so load from elsewhere hits both alike. ``ttft_ratio`` is theirs ÷ ours,
+    so load from elsewhere hits both alike; *cache_limit* bounds both MLX buffer
+    caches (``mlx_cache_limit`` in the result). ``ttft_ratio`` is theirs ÷ ours,
     the median over turns (> 1: we answer sooner), reported only when both
     servers saw the same prompt tokens on every request (``same_prompt_tokens``);
     otherwise ``ratio_refused`` says where they differed."""
@@ -206,7 +241,11 @@ def bench_servers(path: Path, workload: ChatWorkload, log_dir: Path) -> dict[str
         bases = {
             kind: stack.enter_context(
                 running_server(
-                    kind, path, workload.conversations, log_dir / f"{path.name}-{kind}.log"
+                    kind,
+                    path,
+                    workload.conversations,
+                    log_dir / f"{path.name}-{kind}.log",
+                    cache_limit=cache_limit,
                 )
             )
             for kind in kinds
@@ -228,6 +267,7 @@ def bench_servers(path: Path, workload: ChatWorkload, log_dir: Path) -> dict[str
         }
         for kind, rows in turns.items()
     }
+    result["mlx_cache_limit"] = cache_limit
     ours, theirs = turns["turbospark"], turns["mlx_lm"]
     # Both must have tokenised the same chats alike, or the comparison is not like
     # for like: then no ratio is reported, only the turns and why.

@@ -63,10 +63,12 @@ def first_token(base: str) -> tuple[float, float]:
     return sent, first
 
 
-def launch_once(kind: str, path: Path, log: Path) -> dict[str, float]:
+def launch_once(
+    kind: str, path: Path, log: Path, cache_limit: str | None = None
+) -> dict[str, float]:
     """One cold launch of *kind*'s server: ready, first token, the request's TTFT."""
     started = time.perf_counter()
-    with launched(kind, path, 1, log) as (proc, base):
+    with launched(kind, path, 1, log, cache_limit=cache_limit) as (proc, base):
         wait_until(kind, proc, base, log, accepts)
         ready = time.perf_counter()
         sent, first = first_token(base)
@@ -94,21 +96,25 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
-def bench_startup(path: Path, reps: int, log_dir: Path) -> dict[str, Any]:
-    """Both servers launched *reps* times each on *path* (see the module docstring)."""
+def bench_startup(
+    path: Path, reps: int, log_dir: Path, cache_limit: str | None = None
+) -> dict[str, Any]:
+    """Both servers launched *reps* times each on *path* (see the module docstring),
+    each through :mod:`bench.capped` with *cache_limit* when given."""
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = {kind: log_dir / f"{path.name}-{kind}-startup.log" for kind in KINDS}
     for kind in KINDS:  # untimed: the file cache and the client's first use
-        launch_once(kind, path, logs[kind])
+        launch_once(kind, path, logs[kind], cache_limit)
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for rep in range(reps):
         for kind in KINDS if rep % 2 == 0 else KINDS[::-1]:
-            runs[kind].append(launch_once(kind, path, logs[kind]))
+            runs[kind].append(launch_once(kind, path, logs[kind], cache_limit))
     result: dict[str, Any] = {
         kind: {**_summary(rows), "per_rep": rows} for kind, rows in runs.items()
     }
     ours, theirs = result["turbospark"], result["mlx_lm"]
     result["reps"] = reps
+    result["mlx_cache_limit"] = cache_limit
     result["first_token_ratio"] = theirs["first_token_s"] / ours["first_token_s"]
     result["first_token_ratio_per_rep"] = [
         t["first_token_s"] / o["first_token_s"]

@@ -479,9 +479,11 @@ def test_concurrency_appending_replies_as_received(
 
 
 def test_startup(bench: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """One cold launch of each server: every time in order (ready, then the
-    first token) and the ratio from the two, printed as the entry point prints it."""
-    out = bench["startup"].bench_startup(bench["gemma4"], 1, tmp_path)
+    """One cold launch of each server, each through the cache-bounding launcher:
+    every time in order (ready, then the first token) and the ratio from the
+    two, printed as the entry point prints it."""
+    out = bench["startup"].bench_startup(bench["gemma4"], 1, tmp_path, cache_limit="256MiB")
+    assert out["mlx_cache_limit"] == "256MiB"  # both launched through bench.capped
     for kind in bench["startup"].KINDS:
         (row,) = out[kind]["per_rep"]
         assert 0 < row["ready_s"] < row["first_token_s"], kind
@@ -492,3 +494,46 @@ def test_startup(bench: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     bench["report"].print_section("startup", "gemma4", out)
     assert "launch to first token" in capsys.readouterr().out
     assert bench["report"].figures("startup", out)
+
+
+PROBE = """
+import sys
+import mlx.core as mx
+print(__name__, mx.set_cache_limit(0), *sys.argv[1:])
+"""
+
+
+def test_capped_launcher_bounds_mlx_then_runs_the_module(bench: dict, tmp_path: Path) -> None:
+    """``bench.capped`` sets MLX's buffer cache limit, then runs the module as
+    ``python -m`` would, its arguments untouched (``-m`` and ``--cache-limit``
+    among them), from any working directory; the servers' command lines go
+    through it only when a limit is given."""
+    import os
+    import subprocess
+
+    serving = bench["serving"]
+    (tmp_path / "probe_limit.py").write_text(PROBE)
+    env = serving.server_env("123MiB")
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    args = ["-m", "x", "--cache-limit", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.capped", "--cache-limit", "123MiB", "-m", "probe_limit",
+         *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["__main__", str(123 << 20), *args]
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.capped", "--cache-limit=-1", "-m", "probe_limit"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "argument --cache-limit: '-1': a size cannot be negative" in refused.stderr
+
+    path = bench["gemma4"]
+    for kind, module in [("turbospark", "turbospark"), ("mlx_lm", "mlx_lm.server")]:
+        plain = serving.server_command(kind, path, 8000, 2)
+        capped = serving.server_command(kind, path, 8000, 2, cache_limit="8GiB")
+        assert plain[1:3] == ["-m", module]
+        assert capped[1:7] == ["-m", "bench.capped", "--cache-limit", "8GiB", "-m", module]
+        assert capped[7:] == plain[3:]
+    assert serving.server_env(None) == dict(os.environ)
