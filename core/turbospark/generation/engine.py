@@ -19,8 +19,10 @@ flight. Each :meth:`Engine.step`:
    the prompt is prefilled once; a fork's session is dropped when it ends;
 2. **prefills** waiting prompts, at most ``prefill_budget`` tokens per step
    in all, so a long prompt never stalls the streams already decoding.
-   Several prompts go together in one batched forward (the same number of
-   tokens each, the shortest remainder: :meth:`Engine._prefill_together`); a
+   Several prompts go together in one batched forward (each to its end,
+   the shorter padded, where the batched state shifts its rows; else the
+   same number of tokens each, the shortest remainder:
+   :meth:`Engine._prefill_together`); a
    prompt left alone goes on in :func:`~turbospark.generation.request.prompt_chunks`;
 3. **decodes** one token for every decoding row. With two rows or more (and a
    family whose components are all ``batchable``) the sessions are merged

@@ -30,7 +30,11 @@ absolute position ``position_i - (fill - c)``, the columns before ``left[i]``
 are padding, and every row writes its next token into the same column. A
 sliding window is then the same column distance for every row, so the ring's
 retention (``window - 1 + headroom``) trims leading columns for all rows at
-once. RoPE takes the per-row positions as an offset array.
+once. RoPE takes the per-row positions as an offset array. Rows that fed
+fewer tokens than the others in one write (a prefill group's shorter
+prompts, padded at the end) are shifted right past their padding
+(:meth:`BatchLayerKV.shift`: one gather a buffer), so they end in the same
+column again and the padding is gone.
 
 Recurrent state (gated DeltaNet) needs no padding: its arrays are simply
 concatenated (see :class:`turbospark.layers.gated_delta.state.GDNComponent`).
