@@ -310,8 +310,10 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
             a, b = level["turbospark"], level["mlx_lm"]
             given = (f"; prompt tokens ours ÷ theirs {level['prompt_tokens_ratio']:.2f}"
                      if "prompt_tokens_ratio" in level else "")  # fmt: skip
+            per_rep = level.get("tok_s_ratio_per_rep", [])
+            spread = f"; {_spread(per_rep)} over {len(per_rep)} reps" if len(per_rep) > 1 else ""
             rows.append((f"N={n} clients{mode}: completion tok/s ÷ mlx_lm.server", f"{level['tok_s_ratio']:.2f}",
-                         f"{a['completion_tok_s']:.0f} vs {b['completion_tok_s']:.0f} tok/s{given}"))  # fmt: skip
+                         f"{a['completion_tok_s']:.0f} vs {b['completion_tok_s']:.0f} tok/s{spread}{given}"))  # fmt: skip
             rows.append((f"N={n} clients{mode}: TTFT p50, mlx_lm.server ÷ ours", f"{1 / level['ttft_p50_ratio']:.2f}",
                          f"{a['ttft_p50_s'] * 1e3:.0f} vs {b['ttft_p50_s'] * 1e3:.0f} ms"))  # fmt: skip
     elif section == "startup":
@@ -388,6 +390,8 @@ def print_tables(rows: dict[str, dict[str, Any]]) -> None:
                 # the flags that chose its clients and mode (a GPU lease runs one level a command)
                 command += "".join(f" --concurrency-clients {n}" for n in settings["clients"])
                 command += " --append-replies" * bool(settings.get("append_replies"))
+                reps = settings.get("reps", 1)
+                command += f" --concurrency-reps {reps}" * (reps > 1)
             command += "`"
             others = [figures(row["section"], p) for p in row.get("processes", [])]
             for i, (figure, value, detail) in enumerate(figures(row["section"], row["result"])):

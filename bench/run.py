@@ -523,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         help="concurrency: each turn appends the reply as the client received it",
     )
     parser.add_argument(
+        "--concurrency-reps",
+        type=int,
+        help="concurrency: repetitions of each level, for the ratio's spread (default: the plan's)",
+    )
+    parser.add_argument(
         "--quantized-clients",
         type=int,
         action="append",
@@ -544,12 +549,15 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, quantized_sizes=tuple(args.quantized_size))
     if args.quantized_bits:
         plan = replace(plan, quantized_bits=tuple(args.quantized_bits))
-    if args.concurrency_clients or args.append_replies:
+    if args.concurrency_clients or args.append_replies or args.concurrency_reps:
         clients = tuple(args.concurrency_clients or plan.concurrency.clients)
         plan = replace(
             plan,
             concurrency=replace(
-                plan.concurrency, clients=clients, append_replies=args.append_replies
+                plan.concurrency,
+                clients=clients,
+                append_replies=args.append_replies,
+                reps=args.concurrency_reps or plan.concurrency.reps,
             ),
         )
     if args.quantized_clients:
