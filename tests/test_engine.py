@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from helpers import memory_in_use
@@ -251,18 +252,26 @@ def test_a_row_reaching_the_context_length_ends_alone(gemma4_install):
     assert len(jobs[1].emit.tokens) == 4 and jobs[1].emit.chunks[-1].finish_reason == "length"
 
 
-@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn", "qwen4_exp"])
-def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "ragged"),
+    [("gemma4", True), ("qwen_gdn", True), ("qwen_gdn", False), ("qwen4_exp", False)],
+)
+def test_prompts_admitted_together_are_prefilled_in_one_forward(
+    family, ragged, request, monkeypatch
+):
     """Three fresh prompts of one length: one batched prefill forward takes all
     of them (last token included), and each row still equals its request alone;
     then three of different lengths, extending those sessions: where the batched
-    state shifts its rows (K/V only: gemma4), one forward takes them all, the
-    shorter padded; a recurrent state, which padding would advance, takes them
-    over a few forwards of the shortest remainder (not qwen4_exp: with its one
-    session slot the second turns cannot all find their sessions)."""
+    state takes ragged rows (K/V shifts its rows, gated DeltaNet lets padding
+    pass), one forward takes them all, the shorter padded; a state that cannot
+    (forced here for qwen_gdn) takes them over a few forwards of the shortest
+    remainder (not qwen4_exp: with its one session slot the second turns cannot
+    all find their sessions)."""
     install = request.getfixturevalue(f"{family}_install")
     codec = load_text(install)
     runner = open_runner(install, slots=1 if family == "qwen4_exp" else 4)
+    if not ragged:
+        monkeypatch.setattr(runner, "takes_ragged", lambda state: False)
     engine = Engine(runner, codec, max_batch=3)
     real = runner.forward_ragged
     prefills: list[tuple[int, ...]] = []
@@ -292,7 +301,7 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward(family, request,
     ]
     run_all(engine, [(0, job) for job in seconds])
     # The last reply token was never fed: 2, 4 and 6 tokens remain.
-    if family == "gemma4":
+    if ragged:
         assert prefills[1:] == [(2, 4, 6)], prefills
     else:  # two for all three, then two for the two left, then two for the last
         assert prefills[1:] == [(2, 2, 2), (2, 2), (2,)], prefills
@@ -328,15 +337,57 @@ def test_seeded_rows_sampled_together_equal_each_alone(family, request):
         assert job.emit.tokens == alone(install, codec, job.ids, config).tokens, config
 
 
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_a_ragged_group_forward_equals_each_row_fed_alone(family, request):
+    """Rows holding 0, 9 and 20 tokens (past gemma4's window of 8) take 1, 12
+    and 5 more in one ragged forward: each row's logits at its own last token,
+    and its state copied back out, equal the row fed alone (float32)."""
+    install = request.getfixturevalue(f"{family}_install")
+    runner = open_runner(install)
+    held, more = [0, 9, 20], [1, 12, 5]
+    histories = [[3 + (5 * i + r) % 80 for i in range(n)] for r, n in enumerate(held)]
+    chunks = [[4 + (3 * i + r) % 70 for i in range(n)] for r, n in enumerate(more)]
+    sessions = []
+    for history in histories:
+        session = runner.checkout()
+        if history:
+            runner.feed(session, history, 0)
+        sessions.append(session)
+    state = runner.merge_states(sessions)
+    assert runner.takes_ragged(state)
+    for component in state.values():
+        component.prepare(max(more))
+    logits = runner.forward_ragged(chunks, held, state)
+    for row, (history, chunk) in enumerate(zip(histories, chunks, strict=True)):
+        extracted = {
+            name: component.extract(row, len(history) + len(chunk), 0, None)
+            for name, component in state.items()
+        }
+        solo = runner.checkout()  # a fresh session: the others are still out
+        sessions.append(solo)
+        expected = runner.feed(solo, [*history, *chunk], 0, logits=True)
+        assert mx.allclose(logits[row], expected, atol=1e-4, rtol=1e-4).item(), row
+        for name, component in solo.state.items():
+            got, want = extracted[name].snapshot(), component.snapshot()
+            assert got.keys() == want.keys(), (name, row)
+            for key in want:
+                assert got[key].shape == want[key].shape, (name, row, key)
+                assert mx.allclose(got[key], want[key], atol=1e-4, rtol=1e-4).item(), (name, row, key)
+    for session in sessions:
+        runner.checkin(session)
+
+
 @pytest.mark.parametrize("failing", ["none", "last"])
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
 def test_a_failed_batched_prefill_changes_no_session_and_the_rows_go_on_alone(
-    gemma4_install, monkeypatch, failing
+    family, request, monkeypatch, failing
 ):
     """Prompts of different lengths go in two forwards (all tokens but each
     row's last, padded; then the last): a failure in either, the second one
     after the rows were shifted past their padding, undoes the group."""
-    codec = load_text(gemma4_install)
-    runner = open_runner(gemma4_install)
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install)
     engine = Engine(runner, codec, max_batch=3)
     real = runner._hook.turbospark_forward_batch
     raised = []
@@ -355,7 +406,7 @@ def test_a_failed_batched_prefill_changes_no_session_and_the_rows_go_on_alone(
     assert raised == [(3, 18 if failing == "none" else 1)], "the batched prefill never ran"
     for job in jobs:
         assert job.emit.error is None, job.emit.error
-        assert job.emit.tokens == alone(gemma4_install, codec, job.ids, config).tokens
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
     assert_sessions_sound(runner)
 
 

@@ -73,7 +73,7 @@ from turbospark.sessions.reuse import ReuseReport
 from turbospark.sessions.session import Checkpoint, Session, SessionSnapshot
 from turbospark.sessions.session_file import ModelIdentity
 from turbospark.sessions.store import DiskOptions, SessionStore, StateHooks
-from turbospark.state.components import ShiftsRows, State
+from turbospark.state.components import PadsRows, ShiftsRows, State
 from turbospark.state.kv import STEP, KVComponent, KVQuantization, ladder, quantize_kv
 
 
@@ -780,8 +780,9 @@ class Runner:
     @staticmethod
     def takes_ragged(state: State) -> bool:
         """Whether *state* (batched) can take rows of different lengths in one
-        forward (:meth:`forward_ragged`): every component shifts its rows."""
-        return all(isinstance(component, ShiftsRows) for component in state.values())
+        forward (:meth:`forward_ragged`): every component shifts its rows or
+        lets padding pass."""
+        return all(isinstance(c, ShiftsRows | PadsRows) for c in state.values())
 
     def forward_ragged(
         self,
@@ -793,9 +794,10 @@ class Runner:
         """Logits ``(B, vocab)`` at each row's last token for *chunks* of
         different lengths (row ``i`` at ``positions[i]..``), in two forwards
         whatever the lengths: every row's tokens but its last, the shorter rows
-        padded at the end, then the rows shifted right past their padding
-        (:class:`~turbospark.state.components.ShiftsRows`) and each row's last
-        token. Fed in equal lengths, the shortest row ends in each forward and
+        padded at the end (a recurrent component lets the padding pass:
+        :class:`~turbospark.state.components.PadsRows`), then the rows shifted
+        right past their padding (K/V: :class:`~turbospark.state.components.ShiftsRows`)
+        and each row's last token. Fed in equal lengths, the shortest row ends in each forward and
         a group of n lengths takes n forwards; on a device bound by the host
         each costs about what a decode step does.
 
@@ -807,12 +809,20 @@ class Runner:
             return self.forward_batch(mx.array(chunks, dtype=mx.int32), positions, state, steer)
         pads = [width - len(chunk) for chunk in chunks]
         heads = [[*chunk[:-1], *[chunk[-1]] * pad] for chunk, pad in zip(chunks, pads, strict=True)]
-        self._hook.turbospark_forward_batch(
-            model=self.model, tokens=mx.array(heads, dtype=mx.int32), positions=positions,
-            state=state, logits="none", steer=steer,
-        )  # fmt: skip
-        for component in state.values():
-            component.shift(pads)  # type: ignore[attr-defined]
+        padded = [c for c in state.values() if isinstance(c, PadsRows)]
+        for component in padded:
+            component.pad([len(chunk) - 1 for chunk in chunks])
+        try:
+            self._hook.turbospark_forward_batch(
+                model=self.model, tokens=mx.array(heads, dtype=mx.int32), positions=positions,
+                state=state, logits="none", steer=steer,
+            )  # fmt: skip
+        finally:
+            for component in padded:
+                component.pad(None)
+        shifted = [c for c in state.values() if isinstance(c, ShiftsRows)]
+        for component in shifted:
+            component.shift(pads)
         try:
             logits = self._hook.turbospark_forward_batch(
                 model=self.model,
@@ -823,8 +833,8 @@ class Runner:
                 steer=steer,
             )
         except Exception:
-            for component in state.values():
-                component.shift([-pad for pad in pads])  # type: ignore[attr-defined]
+            for component in shifted:
+                component.shift([-pad for pad in pads])
             raise
         assert logits is not None
         return logits

@@ -244,3 +244,16 @@ class ShiftsRows(Protocol):
         padding a row fed past its last token is dropped and the row ends
         where every other row does. The columns past the end that a shift right
         pushes out are that padding; a shift left by as much restores the rest."""
+
+
+@runtime_checkable
+class PadsRows(Protocol):
+    """A batched component whose layers can let padding pass without moving
+    a row's state (a recurrent one: padding would advance it): the other way,
+    beside :class:`ShiftsRows`, for prompts of different lengths to go through
+    one batched forward."""
+
+    def pad(self, lengths: list[int] | None) -> None:
+        """The next forward feeds row ``i`` only ``lengths[i]`` real tokens, the
+        rest padding past them, and must leave each row's state as after its
+        own tokens; None: every token fed is real again."""

@@ -133,7 +133,10 @@ class GatedDeltaNet(nn.Module):
         ``out_proj``'s GEMM (:func:`~turbospark.layers.stacked.project`).
 
         Everything is :func:`mix` (on CUDA :func:`mix_kernel`), compiled for
-        decode (``L = 1``) and a lone row's short forward."""
+        decode (``L = 1``) and a lone row's short forward. A prefill group's
+        forward whose shorter rows are padded (``state.valid``:
+        :meth:`GDNComponent.pad`) takes :func:`mix` with their gates masked,
+        on CUDA too: the kernel has no mask."""
         d = self.dims
         batch, length, _ = x.shape
         tail, recurrent = state.layer(index)
@@ -161,7 +164,10 @@ class GatedDeltaNet(nn.Module):
             d.value_head_dim,
             d.eps,
         )
-        if gdn_cuda.available():  # one kernel for the recurrence, at every length
+        if state.valid is not None:  # a group's shorter rows padded: gated out
+            out, tail, recurrent = mix(*args, valid=state.valid)
+            state.set_layer(index, tail, recurrent)
+        elif gdn_cuda.available():  # one kernel for the recurrence, at every length
             compiled = runs_compiled(batch, length)
             if state.tracing:  # a verify pass: the kernel keeps every token's state
                 out, *kept = (mix_kernel_traced if compiled else mix_kernel_keeping)(*args)
@@ -204,6 +210,7 @@ def mix(
     value_head_dim: int,
     eps: float,
     traced: bool = False,
+    valid: mx.array | None = None,
 ) -> tuple[mx.array, ...]:
     """The layer on ``x`` ``(B, L, hidden)`` up to its output projection: the
     input projections (*in_proj_t*: the transpose of ``in_proj_qkv/z/a/b``'s
@@ -214,6 +221,9 @@ def mix(
     one can sum the ranks' parts), the new tail and the new state; *traced*
     (a draft's verify pass), also the :data:`Trace` that
     :func:`traced_layer` rebuilds the state after any of its tokens from.
+    With *valid* ``(B,)``, row ``i``'s tokens past its first ``valid[i]`` are
+    padding: their gates are those of no token at all (no decay, no write), so
+    the state passes them unchanged, and the tail is the row's own last inputs.
 
     A pure function of arrays and sizes, so :data:`mix_step` can compile it."""
     batch, length, _ = x.shape
@@ -226,10 +236,15 @@ def mix(
         [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads],
         axis=-1,
     )
-    mixed, tail = causal_conv_with_tail(projected, tail, conv_weight)
+    mixed, new_tail = causal_conv_with_tail(projected, tail, conv_weight)
+    if valid is not None:  # each row's last K - 1 inputs before its padding
+        joined = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
+        index = valid[:, None] + mx.arange(tail.shape[1])[None]  # (B, K - 1)
+        new_tail = mx.take_along_axis(joined, index[..., None], axis=1)
+    tail = new_tail
     # One token on a GPU (fused.builds_for_gpu): the forms with fewer kernels
     # (gated_delta_decode's docstring); the CPU keeps the reference's, cheaper there.
-    gpu_step = length == 1 and not traced and fused.builds_for_gpu()
+    gpu_step = length == 1 and not traced and valid is None and fused.builds_for_gpu()
     # float32 out of the conv's own kernel, as the one-token norm and update read it
     mixed = nn.silu(mixed.astype(mx.float32) if gpu_step else mixed)
     qk, v = mx.split(mixed, [2 * key_dim], axis=-1)
@@ -248,6 +263,9 @@ def mix(
         out, recurrent = gated_delta_decode(q, k, v, log_g, mx.sigmoid(b), recurrent)
     else:
         log_g, beta = log_decay(rate, a), mx.sigmoid(b)  # (B, L, Hv)
+        if valid is not None:
+            real = (mx.arange(length)[None] < valid[:, None])[..., None]  # (B, L, 1)
+            log_g, beta = mx.where(real, log_g, 0.0), mx.where(real, beta, 0.0)
         out, recurrent = gated_delta(q, k, v, log_g, beta, recurrent)
     z = z.reshape(batch, length, value_heads, value_head_dim)
     if gpu_step:  # q was scaled as keys are: the readout is Dk**0.5 too large

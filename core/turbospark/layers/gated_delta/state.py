@@ -52,6 +52,9 @@ class GDNComponent:
         self._position = 0
         self.tracing = False  # the next forward keeps every token's state (trace())
         self._traced: TracedPass | None = None  # the last traced forward's
+        # (B,) int32: each row's real tokens in the next forward, the rest padding
+        # past them (pad()); None: every token is real.
+        self.valid: mx.array | None = None
 
     def layer(self, index: int) -> tuple[mx.array | None, mx.array | None]:
         return self._tails[index], self._states[index]
@@ -168,6 +171,13 @@ class GDNComponent:
 
     def prepare(self, length: int) -> None:
         del length  # every step replaces the arrays: nothing to make room for
+
+    def pad(self, lengths: list[int] | None) -> None:
+        """Padding past row ``i``'s first ``lengths[i]`` tokens leaves its state
+        alone in the next forward (:class:`~turbospark.state.components.PadsRows`):
+        the layers gate it out of the recurrence and take the conv tail at each
+        row's own end."""
+        self.valid = None if lengths is None else mx.array(lengths, dtype=mx.int32)
 
     def hold(self) -> object:
         return list(self._tails), list(self._states)
