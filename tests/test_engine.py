@@ -15,7 +15,7 @@ import pytest
 
 from helpers import memory_in_use
 from turbospark.errors import TurbosparkError
-from turbospark.generation.engine import Engine, Job
+from turbospark.generation.engine import Engine, Job, _ragged_width
 from turbospark.generation.generate import Chunk, GenerationConfig, generate
 from turbospark.generation.runner import Runner
 from turbospark.layers.fused import runs_compiled
@@ -335,6 +335,19 @@ def test_seeded_rows_sampled_together_equal_each_alone(family, request):
     for job, config in zip(jobs, configs, strict=True):
         assert job.emit.error is None, job.emit.error
         assert job.emit.tokens == alone(install, codec, job.ids, config).tokens, config
+
+
+@pytest.mark.parametrize(
+    ("wants", "cap", "width"),
+    [
+        ([2, 4, 6], None, 6),  # 6 padded tokens beside 12 real ones
+        ([80] * 15 + [500], None, 80),  # the long prompt waits; the short ones end
+        ([70, 100, 90, 75], 64, 64),  # the budget's share a row binds first
+        ([1, 1, 1, 40], None, 1),  # 40 would pad 117 beside 43 real
+    ],
+)
+def test_a_ragged_width_pads_at_most_as_many_tokens_as_it_feeds(wants, cap, width):
+    assert _ragged_width(wants, cap) == width
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])

@@ -356,6 +356,21 @@ class _Batch:
         self.steer = self.runner.batch_steer([row.session for row in self.rows])
 
 
+def _ragged_width(wants: list[int], cap: int | None) -> int:
+    """The tokens a ragged group's forward takes a row (the shorter rows
+    padded to it): the longest reach whose padding is at most the real tokens
+    fed beside it, within *cap*. Padding is nearly free where a forward is
+    bound by the host (a GPU's short prompts), not where it is bound by its
+    arithmetic (the CPU); so one long prompt among short ones is fed to their
+    length first, and the short ones end without waiting for it."""
+    best = min(wants)
+    for width in sorted({min(w, cap) if cap else w for w in wants}):
+        real = sum(min(w, width) for w in wants)
+        if len(wants) * width - real <= real:
+            best = width
+    return best
+
+
 def _split_at(chunks: Iterator[tuple[int, int]], at: int | None) -> Iterator[tuple[int, int]]:
     """*chunks*, the one spanning *at* cut there (a checkpoint is taken at *at*)."""
     for begin, end in chunks:
@@ -856,9 +871,10 @@ class Engine:
         alone."""
         rows = list(group.rows)
         wants = [self._reach(row) for row in rows]
-        length = max(wants) if group.ragged else min(wants)
-        if budget is not None:
-            length = max(1, min(length, budget // len(rows)))
+        cap = None if budget is None else max(1, budget // len(rows))
+        length = _ragged_width(wants, cap) if group.ragged else min(wants)
+        if cap is not None:
+            length = min(length, cap)
         starts = [row.next_prefill for row in rows]
         chunks = [
             row.job.ids[start : start + min(want, length)]
