@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 
 from helpers import memory_in_use
+from turbospark import build_synthetic_install
 from turbospark.errors import TurbosparkError
 from turbospark.generation.engine import Engine, Job, _ragged_width
 from turbospark.generation.generate import Chunk, GenerationConfig, generate
@@ -350,13 +351,26 @@ def test_a_ragged_width_pads_at_most_as_many_tokens_as_it_feeds(wants, cap, widt
     assert _ragged_width(wants, cap) == width
 
 
-@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
-def test_a_ragged_group_forward_equals_each_row_fed_alone(family, request):
+@pytest.mark.parametrize(
+    ("family", "kv_bits"), [("gemma4", None), ("qwen_gdn", None), ("gemma4", 8)]
+)
+def test_a_ragged_group_forward_equals_each_row_fed_alone(family, kv_bits, request, tmp_path):
     """Rows holding 0, 9 and 20 tokens (past gemma4's window of 8) take 1, 12
     and 5 more in one ragged forward: each row's logits at its own last token,
-    and its state copied back out, equal the row fed alone (float32)."""
-    install = request.getfixturevalue(f"{family}_install")
-    runner = open_runner(install)
+    and its state copied back out, equal the row fed alone (float32; a
+    quantized K/V cache, on heads wide enough for its groups, shifts its
+    three arrays alike)."""
+    if kv_bits is None:
+        install = request.getfixturevalue(f"{family}_install")
+    else:
+        install = tmp_path / "kvq"
+        build_synthetic_install(
+            family, install, vocab_size=128, num_layers=2, sliding_window=8, head_dim=32,
+            global_head_dim=64, model_id="ragged-kvq", seed=3,
+        )  # fmt: skip
+    runner = Runner.open(
+        install, context_length=CONTEXT, session_slots=4, kv_bits=kv_bits, kv_group_size=32
+    )
     held, more = [0, 9, 20], [1, 12, 5]
     histories = [[3 + (5 * i + r) % 80 for i in range(n)] for r, n in enumerate(held)]
     chunks = [[4 + (3 * i + r) % 70 for i in range(n)] for r, n in enumerate(more)]
