@@ -176,7 +176,9 @@ def measure(
             user, system = ticks[0] - ticks0[0], ticks[1] - ticks0[1]
             kernel.append(system / max(1, user + system))
         if profile:
-            profiled = _profiled(app.state.service, lambda: subprocess.run(drive, check=True, cwd=ROOT))
+            profiled = _profiled(
+                app.state.service, lambda: subprocess.run(drive, check=True, cwd=ROOT)
+            )
     fake.stop.set()
     if profiled:
         print(profiled, file=sys.stderr)

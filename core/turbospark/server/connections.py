@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import h11
 from starlette.types import Scope
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -113,6 +114,14 @@ async def drained(scope: Scope) -> None:
     connection = _connection(scope)
     if connection is not None and connection.flow is not None:
         await connection.flow.drain()
+
+
+def flow_control(scope: Scope) -> FlowControl | None:
+    """The write side of *scope*'s connection: while ``write_paused`` is False
+    a send writes at once and waits for nothing (uvicorn's send waits only on
+    a paused transport), so a bound around it has nothing to bound."""
+    connection = _connection(scope)
+    return None if connection is None else connection.flow
 
 
 def _connection(scope: Scope) -> GuardedH11 | None:
