@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,26 +120,25 @@ def _ticks(native_id: int) -> tuple[int, int]:
     return int(fields[11]), int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
 
 
-def _profiled(service: Any, work: Any) -> str:
-    """``cProfile`` of the loop's thread over *work* (Python 3.11 profiles one
-    thread; on 3.12 one profiler covers the process and the fake engine's
-    thread joins in), the 30 functions with the most own time."""
-    import cProfile
-    import io
-    import pstats
+def _profiled(ident: int, work: Callable[[], object]) -> str:
+    """Stack samples of the loop's thread over *work*, each charged with the
+    thread's CPU time since the last (:class:`bench.thread_profile.ThreadSampler`):
+    the functions with the most CPU time, own and cumulative."""
+    from bench.thread_profile import ThreadSampler
 
-    profiler = cProfile.Profile()
-    loop = service._loop_bridge.loop  # the server's loop, known once a request streamed
-    done = threading.Event()
-    loop.call_soon_threadsafe(lambda: (profiler.enable(), done.set()))
-    done.wait(10)
-    work()
-    done.clear()
-    loop.call_soon_threadsafe(lambda: (profiler.disable(), done.set()))
-    done.wait(10)
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
-    return out.getvalue()
+    sampler = ThreadSampler(interval=0.0005)
+    sampler.watch(ident, lambda: "loop")
+    sampler.start()
+    try:
+        work()
+    finally:
+        sampler.stop()
+    profile = sampler.profiles["loop"]
+    lines = []
+    for kind in ("own", "cumulative"):
+        lines.append(f"{kind} CPU ms (samples):")
+        lines += [f"  {ms:8.1f} ({n:5d})  {name}" for name, ms, n in profile.top(kind, 30)]
+    return "\n".join(lines)
 
 
 def measure(
@@ -176,9 +176,7 @@ def measure(
             user, system = ticks[0] - ticks0[0], ticks[1] - ticks0[1]
             kernel.append(system / max(1, user + system))
         if profile:
-            profiled = _profiled(
-                app.state.service, lambda: subprocess.run(drive, check=True, cwd=ROOT)
-            )
+            profiled = _profiled(ident, lambda: subprocess.run(drive, check=True, cwd=ROOT))
     fake.stop.set()
     if profiled:
         print(profiled, file=sys.stderr)
