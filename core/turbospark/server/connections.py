@@ -28,8 +28,8 @@ import time
 from typing import Any, ClassVar
 
 import h11
+from h11._writers import ChunkedWriter
 from starlette.types import Scope
-from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -85,6 +85,33 @@ class GuardedH11(H11Protocol):
             else:
                 connection.timeout_keep_alive_handler()  # uvicorn's own close of an idle one
 
+    def write_chunk(self, scope: Scope, body: bytes) -> bool:
+        """Write *body* as the next chunk of *scope*'s chunked response if it can go
+        at once, the bytes uvicorn's send would write (h11's chunked framing);
+        False, writing nothing, where uvicorn's send must decide: a send that
+        would wait (the transport paused), a response not started, complete or
+        not chunked (HTTP/1.0, HEAD), a client gone, an empty body.
+
+        A streamed reply sends one body message per engine step, and uvicorn's
+        send runs each through h11's state machine (which a body chunk never
+        moves) at about twenty Python calls, on the event loop's thread, whose
+        time a host-bound decode step waits for (``bench/stream_cost.py``)."""
+        cycle = self.cycle
+        if (
+            not body
+            or cycle is None
+            or cycle.scope is not scope
+            or not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+            or self.flow.write_paused
+            or self.conn.our_state is not h11.SEND_BODY
+            or type(self.conn._writer) is not ChunkedWriter
+        ):
+            return False
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self.idle_since = time.monotonic()
@@ -116,12 +143,10 @@ async def drained(scope: Scope) -> None:
         await connection.flow.drain()
 
 
-def flow_control(scope: Scope) -> FlowControl | None:
-    """The write side of *scope*'s connection: while ``write_paused`` is False
-    a send writes at once and waits for nothing (uvicorn's send waits only on
-    a paused transport), so a bound around it has nothing to bound."""
-    connection = _connection(scope)
-    return None if connection is None else connection.flow
+def connection_of(scope: Scope) -> GuardedH11 | None:
+    """The connection *scope*'s request came on (None once it is gone, or when
+    :class:`GuardedH11` did not serve it)."""
+    return _connection(scope)
 
 
 def _connection(scope: Scope) -> GuardedH11 | None:

@@ -28,7 +28,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from turbospark.server.connections import abandon, drained, flow_control
+from turbospark.server.connections import abandon, connection_of, drained
 from turbospark.server.errors import APIError
 
 MiB = 1 << 20
@@ -186,7 +186,8 @@ class SendDeadline:
             await self.app(scope, receive, send)
             return
         deadline = scope[DEADLINE_KEY] = Deadline(self.request_timeout)
-        flow = flow_control(scope)
+        connection = connection_of(scope)
+        flow = None if connection is None else connection.flow
 
         async def within(wait: Awaitable[None]) -> None:
             bounds = [b for b in (self.send_timeout, deadline.remaining()) if b is not None]
@@ -198,6 +199,13 @@ class SendDeadline:
                 raise ClientStalled(why) from None
 
         async def bounded(message: Message) -> None:
+            if (
+                connection is not None
+                and message["type"] == "http.response.body"
+                and message.get("more_body")
+                and connection.write_chunk(scope, message.get("body", b""))
+            ):
+                return  # a streamed chunk, written at once
             if flow is None or flow.write_paused:
                 await within(send(message))  # it waits until the client takes some bytes
             else:  # the transport takes it at once: nothing to bound, no timer to arm
