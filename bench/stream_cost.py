@@ -12,18 +12,31 @@ streams, so their parsing never holds the server's GIL). The model is loaded
 but never runs.
 
 Reported: ``loop_us_per_chunk`` (the loop thread's own CPU-time clock over the
-streaming, divided by the chunks sent) and ``loop_cpu_ms_per_step`` (times the
-N chunks of a step). With ``--burst K`` the fake engine emits K steps at once
-every ``K * step_ms``: the loop then finds K chunks queued for each request,
-as it does whenever it falls behind the engine.
+streaming, divided by the chunks sent), ``loop_cpu_ms_per_step`` (times the
+N chunks of a step) and ``calls_per_chunk``, the Python calls the loop's
+thread made a chunk, counted by ``cProfile`` over one more run: exact, where
+the CPU time of a run swings by a fifth on a shared 2-core machine. With
+``--burst K`` the fake engine emits K steps at once every ``K * step_ms``:
+the loop then finds K chunks queued for each request, as it does whenever it
+falls behind the engine; ``--top N`` lists the N functions called most.
 
-Run: ``uv run python bench/stream_cost.py --clients 16``.
+The loop's CPU a step is about a fixed 0.2 ms (waking the thread) plus the
+chunks' own; on a 2-core CPU at 16 clients the path cost 102 Python calls
+and 65-72 us a chunk with an ``asyncio.timeout`` armed around every send,
+an ``asyncio.Queue`` get per chunk and every body chunk through uvicorn's
+send and h11's state machine, and 64.5 calls and 45-55 us a chunk without
+them (``SendDeadline``, ``bridge.Inbox``, ``GuardedH11.write_chunk``).
+
+Run: ``uv run python bench/stream_cost.py --clients 16 [--burst 4] [--top 40]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import cProfile
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -87,8 +100,9 @@ class FakeEngine:
                 self.jobs = [(j, s) for j, s in self.jobs if s[0] <= self.tokens]
 
 
-def _stream(base: str, clients: int) -> dict[str, Any]:
-    """*clients* concurrent streamed chats; the bytes each received."""
+def _stream(base: str, clients: int, tokens: int) -> dict[str, Any]:
+    """*clients* concurrent streamed chats; the bytes each received (each
+    stream's chunks must all arrive: a run that lost some would look cheap)."""
     got = [0] * clients
     barrier = threading.Barrier(clients)
     body = {
@@ -111,75 +125,83 @@ def _stream(base: str, clients: int) -> dict[str, Any]:
         thread.start()
     for thread in threads:
         thread.join()
+    if min(got) < tokens * len(" word"):
+        raise RuntimeError(f"a stream ended short: {got} bytes")
     return {"bytes": got}
 
 
-def _ticks(native_id: int) -> tuple[int, int]:
-    """The thread's user and system CPU time so far, in clock ticks (``/proc``)."""
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]), int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
-
-
-def _profiled(ident: int, work: Callable[[], object]) -> str:
-    """Stack samples of the loop's thread over *work*, each charged with the
-    thread's CPU time since the last (:class:`bench.thread_profile.ThreadSampler`):
-    the functions with the most CPU time, own and cumulative."""
-    from bench.thread_profile import ThreadSampler
-
-    sampler = ThreadSampler(interval=0.0005)
-    sampler.watch(ident, lambda: "loop")
-    sampler.start()
+def _counted(loop: asyncio.AbstractEventLoop, work: Callable[[], object]) -> cProfile.Profile:
+    """``cProfile`` of the loop's thread over *work*: Python 3.11 profiles the
+    thread that enables it (from 3.12 one profiler covers the process, and
+    the fake engine's few calls join in). Its call counts are exact, so they
+    compare two versions of the path where the CPU time of one run on a
+    shared 2-core machine swings by a fifth; its times are inflated by the
+    profiler and only rank. A stack sampler (``bench/thread_profile.py``)
+    misleads here: it can only sample the loop's thread when that thread
+    lets go of the GIL, in the socket's ``send`` or in ``epoll``, so the
+    Python work before each write is charged to the write."""
+    profiler = cProfile.Profile()
+    switched = threading.Event()
+    loop.call_soon_threadsafe(lambda: (profiler.enable(), switched.set()))
+    switched.wait(10)
     try:
         work()
     finally:
-        sampler.stop()
-    profile = sampler.profiles["loop"]
-    lines = []
-    for kind in ("own", "cumulative"):
-        lines.append(f"{kind} CPU ms (samples):")
-        lines += [f"  {ms:8.1f} ({n:5d})  {name}" for name, ms, n in profile.top(kind, 30)]
-    return "\n".join(lines)
+        switched.clear()
+        loop.call_soon_threadsafe(lambda: (profiler.disable(), switched.set()))
+        switched.wait(10)
+    return profiler
 
 
 def measure(
-    clients: int, tokens: int, step_ms: float, burst: int, reps: int, profile: bool = False
+    path: Path,
+    clients: int,
+    tokens: int,
+    step_ms: float = 10.0,
+    burst: int = 1,
+    reps: int = 5,
+    top: int = 0,
 ) -> dict[str, Any]:
-    from bench.common import DEFAULT_CACHE, install
+    """Serve *path* with the fake engine; *reps* timed runs of *clients*
+    streams of *tokens* chunks (and one before them, untimed), then one run
+    under ``cProfile`` for the calls a chunk (and the *top* functions by calls)."""
     from turbospark.generation.runner import Runner
     from turbospark.server.app import create_app
     from turbospark.server.background import ThreadedServer
     from turbospark.server.worker import RunnerWorker
     from turbospark.text import load_text
 
-    path = install("gemma4", "chat_host", "float32", DEFAULT_CACHE)
     worker = RunnerWorker()
     runner = worker.run(lambda: Runner.open(path, context_length=512))
     app = create_app(runner, load_text(path), model_id=MODEL, worker=worker, max_batch=clients)
     fake = FakeEngine(tokens, step_ms / 1e3, burst)
     app.state.service.engine.submit = fake.submit
+    chunks = clients * (tokens + 1)  # each stream's tokens and its finished chunk
     per_chunk: list[float] = []
-    kernel: list[float] = []
-    profiled = ""
-    with ThreadedServer(app) as server:
-        ident = server._thread.ident
-        assert ident is not None
-        clock = time.pthread_getcpuclockid(ident)
-        spec = json.dumps({"base": server.base_url, "clients": clients})
-        drive = [sys.executable, "-m", "bench.stream_cost", "--drive", spec]
-        subprocess.run(drive, check=True, capture_output=True, cwd=ROOT)  # warm-up
-        native = server._thread.native_id
-        for _ in range(reps):
-            cpu0, ticks0 = time.clock_gettime(clock), _ticks(native)
-            subprocess.run(drive, check=True, capture_output=True, cwd=ROOT)
-            cpu, ticks = time.clock_gettime(clock) - cpu0, _ticks(native)
-            per_chunk.append(1e6 * cpu / (clients * (tokens + 1)))
-            user, system = ticks[0] - ticks0[0], ticks[1] - ticks0[1]
-            kernel.append(system / max(1, user + system))
-        if profile:
-            profiled = _profiled(ident, lambda: subprocess.run(drive, check=True, cwd=ROOT))
-    fake.stop.set()
-    if profiled:
-        print(profiled, file=sys.stderr)
+    try:
+        with ThreadedServer(app) as server:
+            ident = server._thread.ident
+            assert ident is not None
+            clock = time.pthread_getcpuclockid(ident)
+            spec = json.dumps({"base": server.base_url, "clients": clients, "tokens": tokens})
+            drive = [sys.executable, "-m", "bench.stream_cost", "--drive", spec]
+
+            def run() -> None:
+                subprocess.run(drive, check=True, capture_output=True, cwd=ROOT, timeout=300)
+
+            run()  # warm-up
+            for _ in range(reps):
+                cpu0 = time.clock_gettime(clock)
+                run()
+                per_chunk.append(1e6 * (time.clock_gettime(clock) - cpu0) / chunks)
+            loop = app.state.service._loop_bridge.loop  # the server's, once a request streamed
+            stats = pstats.Stats(_counted(loop, run))
+    finally:
+        fake.stop.set()
+    calls = {
+        f"{Path(file).name}:{line}:{name}": count
+        for (file, line, name), (_, count, *_rest) in stats.stats.items()  # type: ignore[attr-defined]
+    }
     median = statistics.median(per_chunk)
     return {
         "clients": clients,
@@ -188,7 +210,11 @@ def measure(
         "loop_us_per_chunk": median,
         "loop_us_per_chunk_runs": [round(x, 1) for x in per_chunk],
         "loop_cpu_ms_per_step": median * clients / 1e3,
-        "loop_kernel_share": round(statistics.median(kernel), 2),
+        "calls_per_chunk": sum(calls.values()) / chunks,
+        "top_calls_per_chunk": [
+            (name, round(count / chunks, 2))
+            for name, count in sorted(calls.items(), key=lambda kv: -kv[1])[:top]
+        ],
     }
 
 
@@ -199,15 +225,18 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--burst", type=int, default=1)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--profile", action="store_true", help="cProfile the loop's thread")
+    parser.add_argument("--top", type=int, default=0, help="functions with the most calls")
     parser.add_argument("--drive", help=argparse.SUPPRESS)  # the clients' subprocess
     args = parser.parse_args()
     if args.drive:
         spec = json.loads(args.drive)
-        json.dump(_stream(spec["base"], spec["clients"]), sys.stdout)
+        json.dump(_stream(spec["base"], spec["clients"], spec["tokens"]), sys.stdout)
         return
-    row = measure(args.clients, args.tokens, args.step_ms, args.burst, args.reps, args.profile)
-    print(json.dumps(row))
+    from bench.common import DEFAULT_CACHE, install
+
+    path = install("gemma4", "chat_host", "float32", DEFAULT_CACHE)
+    row = measure(path, args.clients, args.tokens, args.step_ms, args.burst, args.reps, args.top)
+    print(json.dumps(row, indent=1 if args.top else None))
 
 
 if __name__ == "__main__":
