@@ -20,12 +20,14 @@ the CPU time of a run swings by a fifth on a shared 2-core machine. With
 the loop then finds K chunks queued for each request, as it does whenever it
 falls behind the engine; ``--top N`` lists the N functions called most.
 
-The loop's CPU a step is about a fixed 0.2 ms (waking the thread) plus the
-chunks' own; on a 2-core CPU at 16 clients the path cost 102 Python calls
-and 65-72 us a chunk with an ``asyncio.timeout`` armed around every send,
-an ``asyncio.Queue`` get per chunk and every body chunk through uvicorn's
-send and h11's state machine, and 64.5 calls and 45-55 us a chunk without
-them (``SendDeadline``, ``bridge.Inbox``, ``GuardedH11.write_chunk``).
+The loop's CPU a step is a fixed part (waking the thread: about 0.2 ms on a
+2-core CPU) and the chunks' own. There, at 16 clients, the path cost 137
+Python calls and 52-57 us of CPU a chunk (64 clients: 136 calls, 42-49 us)
+with an ``asyncio.timeout`` armed around every send, an ``asyncio.Queue`` get
+per chunk and every body chunk through uvicorn's send and h11's state
+machine; without them (``limits.SendDeadline``, ``bridge.Inbox``,
+``GuardedH11.write_chunk``) 65 calls and 35-37 us (64 clients: 62 calls,
+29-33 us), runs of each interleaved.
 
 Run: ``uv run python bench/stream_cost.py --clients 16 [--burst 4] [--top 40]``.
 """

@@ -19,6 +19,11 @@ server's connections while it sends nothing, and a response nobody reads.
   last send wait until its bytes are taken). ``transport.close()`` would wait
   for those bytes to drain, which a stalled client never lets happen; so an
   idle connection closed under pressure with a reply still unread is aborted.
+
+It also writes a streamed reply's body chunks itself when the socket can take
+them at once (:meth:`GuardedH11.write_chunk`, which ``limits.SendDeadline``
+tries first), the bytes uvicorn would write, at a third of the event loop's
+Python calls a chunk.
 """
 
 from __future__ import annotations
