@@ -41,6 +41,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             session_disk,
             startup,
             steering,
+            stream_cost,
             swap,
             thread_profile,
             workload,
@@ -70,6 +71,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "session_disk": session_disk,
         "startup": startup,
         "steering": steering,
+        "stream_cost": stream_cost,
         "thread_profile": thread_profile,
         "workload": workload,
     }
@@ -211,6 +213,15 @@ def test_server_step(bench: dict) -> None:
     assert out["completion_tok_s"] > 0 and set(out["time"]) >= {"prefill_s", "decode_full_s"}
     assert out["top_own_cpu_ms_loop"] and out["top_cumulative_cpu_ms_decode"]
     assert bench["server_step"].summary("gemma4", out)
+
+
+@pytest.mark.slow  # a server and a client subprocess: ~5 s
+def test_stream_cost(bench: dict) -> None:
+    """Every fake chunk reaches every client (a short stream raises); the loop's
+    CPU and Python calls a chunk are read."""
+    out = bench["stream_cost"].measure(bench["gemma4"], 2, 5, step_ms=2.0, reps=1, top=5)
+    assert out["loop_us_per_chunk"] > 0 and out["calls_per_chunk"] > 0
+    assert len(out["top_calls_per_chunk"]) == 5
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])

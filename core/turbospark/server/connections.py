@@ -19,6 +19,11 @@ server's connections while it sends nothing, and a response nobody reads.
   last send wait until its bytes are taken). ``transport.close()`` would wait
   for those bytes to drain, which a stalled client never lets happen; so an
   idle connection closed under pressure with a reply still unread is aborted.
+
+It also writes a streamed reply's body chunks itself when the socket can take
+them at once (:meth:`GuardedH11.write_chunk`, which ``limits.SendDeadline``
+tries first): the bytes uvicorn would write, without the twenty-odd Python
+calls a chunk that uvicorn's send and h11's state machine cost the event loop.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from typing import Any, ClassVar
 
 import h11
+from h11._writers import ChunkedWriter
 from starlette.types import Scope
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -84,6 +90,33 @@ class GuardedH11(H11Protocol):
             else:
                 connection.timeout_keep_alive_handler()  # uvicorn's own close of an idle one
 
+    def write_chunk(self, scope: Scope, body: bytes) -> bool:
+        """Write *body* as the next chunk of *scope*'s chunked response if it can go
+        at once, the bytes uvicorn's send would write (h11's chunked framing);
+        False, writing nothing, where uvicorn's send must decide: a send that
+        would wait (the transport paused), a response not started, complete or
+        not chunked (HTTP/1.0, HEAD), a client gone, an empty body.
+
+        A streamed reply sends one body message per engine step, and uvicorn's
+        send runs each through h11's state machine (which a body chunk never
+        moves) at about twenty Python calls, on the event loop's thread, whose
+        time a host-bound decode step waits for (``bench/stream_cost.py``)."""
+        cycle = self.cycle
+        if (
+            not body
+            or cycle is None
+            or cycle.scope is not scope
+            or not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+            or self.flow.write_paused
+            or self.conn.our_state is not h11.SEND_BODY
+            or type(self.conn._writer) is not ChunkedWriter
+        ):
+            return False
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self.idle_since = time.monotonic()
@@ -113,6 +146,12 @@ async def drained(scope: Scope) -> None:
     connection = _connection(scope)
     if connection is not None and connection.flow is not None:
         await connection.flow.drain()
+
+
+def connection_of(scope: Scope) -> GuardedH11 | None:
+    """The connection *scope*'s request came on (None once it is gone, or when
+    :class:`GuardedH11` did not serve it)."""
+    return _connection(scope)
 
 
 def _connection(scope: Scope) -> GuardedH11 | None:

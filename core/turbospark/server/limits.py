@@ -22,12 +22,13 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from turbospark.server.connections import abandon, drained
+from turbospark.server.connections import abandon, connection_of, drained
 from turbospark.server.errors import APIError
 
 MiB = 1 << 20
@@ -185,17 +186,33 @@ class SendDeadline:
             await self.app(scope, receive, send)
             return
         deadline = scope[DEADLINE_KEY] = Deadline(self.request_timeout)
+        connection = connection_of(scope)
+        flow = None if connection is None else connection.flow
 
-        async def bounded(message: Message) -> None:
+        async def within(wait: Awaitable[None]) -> None:
             bounds = [b for b in (self.send_timeout, deadline.remaining()) if b is not None]
             try:
                 async with asyncio.timeout(min(bounds, default=None)):
-                    await send(message)
-                    if message["type"] == "http.response.body" and not message.get("more_body"):
-                        await drained(scope)  # a reply ends when its client has taken it
+                    await wait
             except TimeoutError:
                 why = "past its --request-timeout" if deadline.expired else "past --send-timeout"
                 raise ClientStalled(why) from None
+
+        async def bounded(message: Message) -> None:
+            if (
+                connection is not None
+                and message["type"] == "http.response.body"
+                and message.get("more_body")
+                and connection.write_chunk(scope, message.get("body", b""))
+            ):
+                return  # a streamed chunk, written at once
+            if flow is None or flow.write_paused:
+                await within(send(message))  # it waits until the client takes some bytes
+            else:  # the transport takes it at once: nothing to bound, no timer to arm
+                await send(message)
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if last and (flow is None or flow.write_paused):
+                await within(drained(scope))  # a reply ends when its client has taken it
 
         try:
             await self.app(scope, receive, bounded)

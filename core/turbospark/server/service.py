@@ -36,7 +36,7 @@ from turbospark.generation.generate import (
 from turbospark.generation.logits_processors import Grammar, GrammarCompiler
 from turbospark.generation.runner import Runner
 from turbospark.policies.steering import SteeringPolicy
-from turbospark.server.bridge import LoopBridge
+from turbospark.server.bridge import Inbox, LoopBridge
 from turbospark.server.chat_ids import ChatIds, chat_ids
 from turbospark.server.draws import Draw, draws, leads
 from turbospark.server.errors import (
@@ -508,23 +508,23 @@ class Service:
         is cancelled: its row is freed at the engine's next step, and one given
         up while still queued never starts."""
         bridge = self._bridge(asyncio.get_running_loop())
-        queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
+        inbox: Inbox[tuple[int, Chunk | Exception]] = Inbox()
 
         def emitter(index: int) -> Callable[[Chunk | Exception], None]:
-            return lambda item: bridge.put(queue, (index, item))
+            return lambda item: bridge.put(inbox, (index, item))
 
         jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
         for job in leads(jobs):  # one prefill per prompt, its other choices forked
             self.engine.submit(job)
         running = len(jobs)
         # One timer for the whole generation puts the deadline's error in the
-        # queue, instead of a timeout armed around every chunk's wait.
+        # inbox, instead of a timeout armed around every chunk's wait.
         remaining = deadline.remaining()
         timer = None
         if remaining is not None:
             overdue = deadline.error("while generating")
             timer = asyncio.get_running_loop().call_later(
-                remaining, queue.put_nowait, (-1, overdue)
+                remaining, inbox.put_nowait, (-1, overdue)
             )
         try:
             while running:
@@ -532,18 +532,15 @@ class Service:
                     raise deadline.error("while generating")
                 batch: list[tuple[int, Chunk]] = []
                 failed: Exception | None = None
-                pair = await queue.get()
-                while True:
-                    index, item = pair
+                for index, item in await inbox.take():
                     if isinstance(item, Exception):
                         failed = item
                         break
                     batch.append((index, item))
                     if item.finish_reason is not None:
                         running -= 1
-                    if not running or queue.empty():
-                        break
-                    pair = queue.get_nowait()
+                        if not running:
+                            break
                 if batch:
                     yield batch
                 if failed is not None:

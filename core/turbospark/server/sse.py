@@ -19,6 +19,8 @@ from typing import Any
 from pydantic import BaseModel
 
 _MARK = "\u2063turbospark-text\u2063"  # INVISIBLE SEPARATOR: no real text carries this marker
+# json.dumps(text, ensure_ascii=False) builds this encoder anew on every call.
+_TEXT_JSON = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def sse(payload: BaseModel | dict[str, Any] | str) -> str:
@@ -47,4 +49,4 @@ class TextEvent:
         self._head, self._tail = f"data: {head}", f"{tail}\n\n"
 
     def __call__(self, text: str) -> str:
-        return f"{self._head}{json.dumps(text, ensure_ascii=False)}{self._tail}"
+        return f"{self._head}{_TEXT_JSON(text)}{self._tail}"
