@@ -20,7 +20,7 @@ flight. Each :meth:`Engine.step`:
 2. **prefills** waiting prompts, at most ``prefill_budget`` tokens per step
    in all, so a long prompt never stalls the streams already decoding.
    Several prompts go together in one batched forward (each to its end,
-   the shorter padded, where the batched state shifts its rows; else the
+   the shorter padded, where the batched state takes ragged rows; else the
    same number of tokens each, the shortest remainder:
    :meth:`Engine._prefill_together`); a
    prompt left alone goes on in :func:`~turbospark.generation.request.prompt_chunks`;
@@ -862,11 +862,12 @@ class Engine:
 
         A row whose prompt ends samples its first id from the forward's logits
         at its last token, is copied out, and decodes from the next step. Where
-        the batched state shifts its rows (:meth:`Runner.forward_ragged`: K/V),
-        rows of different lengths go together, the shorter padded, so a burst
-        of prompts ends in one forward; otherwise (a recurrent state, which
-        padding would advance) every row takes the shortest reach, and prompts
-        of different lengths end over a few steps. If the forward fails, the
+        the batched state takes ragged rows (:meth:`Runner.forward_ragged`: K/V
+        shifts them, gated DeltaNet lets padding pass), rows of different
+        lengths go together, the shorter padded (:func:`_ragged_width`), so a
+        burst of prompts ends in one forward; otherwise (a component that does
+        neither) every row takes the shortest reach, and prompts of different
+        lengths end over a few steps. If the forward fails, the
         group is undone from the references held before it and its rows go on
         alone."""
         rows = list(group.rows)

@@ -796,8 +796,9 @@ class Runner:
         whatever the lengths: every row's tokens but its last, the shorter rows
         padded at the end (a recurrent component lets the padding pass:
         :class:`~turbospark.state.components.PadsRows`), then the rows shifted
-        right past their padding (K/V: :class:`~turbospark.state.components.ShiftsRows`)
-        and each row's last token. Fed in equal lengths, the shortest row ends in each forward and
+        right past their padding (K/V:
+        :class:`~turbospark.state.components.ShiftsRows`) and each row's last
+        token. Fed in equal lengths, the shortest row ends in each forward and
         a group of n lengths takes n forwards; on a device bound by the host
         each costs about what a decode step does.
 
