@@ -127,7 +127,7 @@ def padded_conv(padded: mx.array, weight: mx.array) -> mx.array:
 
 
 def causal_conv_with_tail(
-    x: mx.array, tail: mx.array | None, weight: mx.array
+    x: mx.array, tail: mx.array | None, weight: mx.array, ends: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
     """Depthwise causal conv1d over ``x`` (``(1, L, C)``) continuing from ``tail``.
 
@@ -145,12 +145,19 @@ def causal_conv_with_tail(
     call planned for its exact shape, and a server's prefill forwards see a
     new length almost every time, where the taps are one fused kernel for
     any length. In a compiled step the taps fuse with what follows (the SiLU).
+
+    With *ends* ``(B,)``, row ``i``'s inputs past its first ``ends[i]`` are
+    padding, and its new tail is the ``K - 1`` inputs before them.
     """
     channels, kernel, _ = weight.shape
     if tail is None:
         tail = mx.zeros((x.shape[0], kernel - 1, channels), dtype=x.dtype)
     padded = mx.concatenate([tail, x], axis=1)  # (1, K - 1 + L, C)
-    new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
+    if ends is not None:
+        index = ends[:, None] + mx.arange(kernel - 1)[None]  # (B, K - 1)
+        new_tail = mx.take_along_axis(padded, index[..., None], axis=1)
+    else:
+        new_tail = padded[:, padded.shape[1] - (kernel - 1) :]
     if x.shape[1] > 1:
         new_tail = mx.contiguous(new_tail)
     return padded_conv(padded, weight), new_tail

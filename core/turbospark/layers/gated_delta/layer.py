@@ -236,12 +236,7 @@ def mix(
         [conv_dim, conv_dim + value_dim, conv_dim + value_dim + value_heads],
         axis=-1,
     )
-    mixed, new_tail = causal_conv_with_tail(projected, tail, conv_weight)
-    if valid is not None:  # each row's last K - 1 inputs before its padding
-        joined = mx.concatenate([tail, projected], axis=1)  # (B, K - 1 + L, C)
-        index = valid[:, None] + mx.arange(tail.shape[1])[None]  # (B, K - 1)
-        new_tail = mx.take_along_axis(joined, index[..., None], axis=1)
-    tail = new_tail
+    mixed, tail = causal_conv_with_tail(projected, tail, conv_weight, valid)
     # One token on a GPU (fused.builds_for_gpu): the forms with fewer kernels
     # (gated_delta_decode's docstring); the CPU keeps the reference's, cheaper there.
     gpu_step = length == 1 and not traced and valid is None and fused.builds_for_gpu()
