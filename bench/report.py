@@ -302,7 +302,10 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
     elif section == "concurrency":
         # --append-replies: each turn re-sends the reply as received, so the
         # servers' prompts differ by what they replied; say by how much.
-        mode = ", replies re-sent" if result["settings"].get("append_replies") else ""
+        settings = result["settings"]
+        shape = (settings.get("turns", 3), settings.get("reply_tokens", 64))
+        mode = f", {shape[0]} turns × {shape[1]} tokens" * (shape != (3, 64))
+        mode += ", replies re-sent" * bool(settings.get("append_replies"))
         for n, level in result["levels"].items():
             if "tok_s_ratio" not in level:
                 rows.append((f"N={n} clients{mode}", "no ratio", level["ratio_refused"]))
@@ -386,10 +389,14 @@ def print_tables(rows: dict[str, dict[str, Any]]) -> None:
                 f" --family {family}" if family != "-" else ""
             )
             settings = row["result"].get("settings", {}) if row["section"] == "concurrency" else {}
-            if settings.get("append_replies") or (settings and device == "gpu"):
+            shaped = (settings.get("turns", 3), settings.get("reply_tokens", 64)) != (3, 64)
+            if settings.get("append_replies") or shaped or (settings and device == "gpu"):
                 # the flags that chose its clients and mode (a GPU lease runs one level a command)
                 command += "".join(f" --concurrency-clients {n}" for n in settings["clients"])
                 command += " --append-replies" * bool(settings.get("append_replies"))
+                for flag, key, default in (("turns", "turns", 3), ("reply-tokens", "reply_tokens", 64)):  # fmt: skip
+                    value = settings.get(key, default)
+                    command += f" --concurrency-{flag} {value}" * (value != default)
                 reps = settings.get("reps", 1)
                 command += f" --concurrency-reps {reps}" * (reps > 1)
             command += "`"

@@ -5,7 +5,8 @@
 
 Every section writes its result as soon as it ends, one JSON file a section
 and family (``forward_gemma4.json``; a section run once, ``constrain.json``;
-``concurrency`` with ``--append-replies``, ``concurrency_replies_resent_gemma4.json``),
+``concurrency`` with ``--append-replies``, ``concurrency_replies_resent_gemma4.json``;
+other chat shapes add theirs: :func:`result_name`),
 with the machine record, the dtype and the plan beside it, and prints its
 summary. A lease that ends mid-run keeps every section finished before.
 Results go to ``bench/out/<device>/`` (git-ignored); ``--save`` writes the
@@ -476,11 +477,18 @@ def results_dir(device: str) -> Path:
     return REFERENCE / "cpu" if device == "cpu" else REFERENCE / "gpu" / card()
 
 
-def result_name(section: str, family: str, append_replies: bool = False) -> str:
-    """The section's file; the concurrency section re-sending replies as
-    received (``--append-replies``) has its own, beside the fixed-text one."""
-    if section == "concurrency" and append_replies:
-        section = "concurrency_replies_resent"
+def result_name(section: str, family: str, concurrency: ConcurrencyPlan | None = None) -> str:
+    """The section's file. The concurrency section re-sending replies as
+    received (``--append-replies``) has its own, beside the fixed-text one,
+    and chats of other turns or reply lengths than the default 3 x 64
+    (``--concurrency-turns``, ``--concurrency-reply-tokens``) theirs:
+    ``concurrency_replies_resent_2x256_gemma4.json``."""
+    if section == "concurrency" and concurrency is not None:
+        if concurrency.append_replies:
+            section += "_replies_resent"
+        shape = (concurrency.turns, concurrency.reply_tokens)
+        if shape != (ConcurrencyPlan.turns, ConcurrencyPlan.reply_tokens):
+            section += f"_{shape[0]}x{shape[1]}"
     return f"{section}.json" if section in ONCE else f"{section}_{family}.json"
 
 
@@ -523,6 +531,16 @@ def main(argv: list[str] | None = None) -> int:
         help="concurrency: each turn appends the reply as the client received it",
     )
     parser.add_argument(
+        "--concurrency-turns",
+        type=int,
+        help="concurrency: turns a chat (default: the plan's, 3)",
+    )
+    parser.add_argument(
+        "--concurrency-reply-tokens",
+        type=int,
+        help="concurrency: tokens a reply (default: the plan's, 64)",
+    )
+    parser.add_argument(
         "--concurrency-reps",
         type=int,
         help="concurrency: repetitions of each level, for the ratio's spread (default: the plan's)",
@@ -549,7 +567,16 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, quantized_sizes=tuple(args.quantized_size))
     if args.quantized_bits:
         plan = replace(plan, quantized_bits=tuple(args.quantized_bits))
-    if args.concurrency_clients or args.append_replies or args.concurrency_reps:
+    for name in ("concurrency_turns", "concurrency_reply_tokens", "concurrency_reps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if (
+        args.concurrency_clients
+        or args.append_replies
+        or args.concurrency_reps
+        or args.concurrency_turns
+        or args.concurrency_reply_tokens
+    ):
         clients = tuple(args.concurrency_clients or plan.concurrency.clients)
         plan = replace(
             plan,
@@ -558,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                 clients=clients,
                 append_replies=args.append_replies,
                 reps=args.concurrency_reps or plan.concurrency.reps,
+                turns=args.concurrency_turns or plan.concurrency.turns,
+                reply_tokens=args.concurrency_reply_tokens or plan.concurrency.reply_tokens,
             ),
         )
     if args.quantized_clients:
@@ -590,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"section": section, "family": family, **record, "seconds": seconds}
             row["plan_settings"] = asdict(plan)
             row["result"] = result
-            path = out / result_name(section, family, plan.concurrency.append_replies)
+            path = out / result_name(section, family, plan.concurrency)
             path.write_text(json.dumps(row, indent=1) + "\n")
             print_section(section, family, result)
             print(f"  ({seconds:.0f} s) -> {path}", flush=True)

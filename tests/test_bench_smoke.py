@@ -423,8 +423,17 @@ def test_the_entry_point_writes_one_file_a_section(bench: dict, tmp_path: Path) 
         == f"{row['result']['hook_overhead_us']:.0f}, {row['result']['runner_overhead_us']:.0f}"
     )
     assert run.result_name("constrain", "-") == "constrain.json"
+    resent = run.ConcurrencyPlan(append_replies=True)
     assert (
-        run.result_name("concurrency", "gemma4", True) == "concurrency_replies_resent_gemma4.json"
+        run.result_name("concurrency", "gemma4", resent) == "concurrency_replies_resent_gemma4.json"
+    )
+    longer = run.ConcurrencyPlan(append_replies=True, turns=2, reply_tokens=256)
+    assert (
+        run.result_name("concurrency", "gemma4", longer)
+        == "concurrency_replies_resent_2x256_gemma4.json"
+    )
+    assert (
+        run.result_name("concurrency", "gemma4", run.ConcurrencyPlan()) == "concurrency_gemma4.json"
     )
     assert run.results_dir("cpu") == ROOT / "bench" / "results" / "cpu"
 
@@ -434,6 +443,7 @@ def test_committed_results_have_plain_names_and_a_machine() -> None:
     each a section the entry point has, run on the machine it names."""
     sys.path.insert(0, str(ROOT))
     try:
+        from bench.concurrency import ConcurrencyPlan
         from bench.run import SECTIONS, result_name
     finally:
         sys.path.remove(str(ROOT))
@@ -443,8 +453,8 @@ def test_committed_results_have_plain_names_and_a_machine() -> None:
     for file in (f for f in files if f.is_file()):
         row = json.loads(file.read_text())
         assert row["section"] in SECTIONS and row["machine"]["mlx"], file
-        resent = row["plan_settings"].get("concurrency", {}).get("append_replies", False)
-        assert file.name == result_name(row["section"], row["family"], resent), file
+        chats = ConcurrencyPlan(**row["plan_settings"].get("concurrency", {}))
+        assert file.name == result_name(row["section"], row["family"], chats), file
         device = file.relative_to(results).parts[0]
         assert device in ("cpu", "gpu") and (device == "cpu") == ("cpu" in row["machine"]["device"])
 
