@@ -9,6 +9,7 @@ time on a fresh runner. Float32 on the CPU; temperature 0 unless said.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -883,3 +884,51 @@ def test_warm_up_runs_every_kind_of_forward_that_chat_traffic_runs(family, reque
             for k, (p, (_, job)) in enumerate(zip(turns, jobs, strict=True))
         ]
     assert traffic - warm == set()
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_a_group_takes_the_rows_whose_forward_fits_the_budget(family, request, monkeypatch):
+    """Prompts of 6, 6, 7 and 8 tokens, 24 prompt tokens a step. Their
+    shortest reach (6) times four fits, but a ragged forward of the four is 8
+    wide: the group is the first three (7 wide, 21 tokens), each ending in
+    its one forward, where the four cut to 6 each took a second forward for
+    the longer rows' last tokens. Each still equals its request alone."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install)
+    engine = Engine(runner, codec, max_batch=4, prefill_budget=24)
+    fed: list[list[int]] = []
+    real = runner.forward_ragged
+
+    def spy(chunks, positions, state, steer=None):
+        fed.append([len(chunk) for chunk in chunks])
+        return real(chunks, positions, state, steer)
+
+    monkeypatch.setattr(runner, "forward_ragged", spy)
+    config = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
+    jobs = [
+        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40, *range(50, 50 + extra)], config=config, emit=Collector())
+        for i, extra in enumerate([0, 0, 1, 2])
+    ]  # fmt: skip
+    run_all(engine, [(0, job) for job in jobs])
+    assert fed == [[6, 6, 7]], fed  # the fourth went alone, in the budget left and the next
+    for job in jobs:
+        assert job.emit.tokens == alone(install, codec, job.ids, config).tokens
+    assert_sessions_sound(runner)
+
+
+@pytest.mark.parametrize(("ragged", "size"), [(None, 3), (True, 3), (False, 4)])
+def test_groups_that_are_not_ragged_count_by_the_shortest_reach(ragged, size):
+    """Before any group has formed, and where groups take ragged rows, the
+    group is counted by its ragged width; where they do not (a family whose
+    components neither shift nor pad rows), every row is fed the shortest
+    reach, so that is what counts."""
+    engine = Engine.__new__(Engine)
+    engine._ragged = ragged
+    config = GenerationConfig(max_tokens=4)
+    rows = [
+        SimpleNamespace(job=SimpleNamespace(ids=[1] * n, config=config, checkpoint_at=None), next_prefill=0)
+        for n in (6, 6, 7, 8)
+    ]  # fmt: skip
+    assert engine._group_within(rows, 24) == rows[:size]
+    assert engine._group_within(rows, None) == rows

@@ -410,6 +410,7 @@ class Engine:
         self._batch = _Batch(runner)
         self._groups: list[_Batch] = []  # prompts prefilled together (Engine._prefill_together)
         self._regrouped: list[_Row] = []  # this step's rows of a failed group: they go alone
+        self._ragged: bool | None = None  # whether groups take ragged rows, once one has formed
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self.warming = False
         # Whether the warm-up stops for a request that arrives during it (a
@@ -846,6 +847,7 @@ class Engine:
                 break
             group = _Batch(self.runner)
             group.join(rows)
+            self._ragged = group.ragged
             self._groups.append(group)
             budget = self._feed_group(group, budget)
         return budget
@@ -924,25 +926,26 @@ class Engine:
             reach = min(reach, at - row.next_prefill)
         return reach
 
-    @staticmethod
-    def _group_within(ready: list[_Row], budget: int | None) -> list[_Row]:
-        """The first prompts (in arrival order, two at least) whose shortest
-        remainder, fed to each, fits in the budget. A group spread over every
-        waiting prompt would give each a sliver of the budget per step, and
-        none would see its first token before all of them; a group that fits
-        ends in one forward, and the next group follows, so first tokens come
-        in arrival order as they did one prompt at a time."""
+    def _group_within(self, ready: list[_Row], budget: int | None) -> list[_Row]:
+        """The first prompts (in arrival order, two at least) whose forward,
+        fed to each, fits in the budget: as wide as :func:`_ragged_width` makes
+        their reaches where a group takes ragged rows (unknown until a group
+        has formed: assumed), else their shortest reach. A group spread over
+        every waiting prompt would give each a sliver of the budget per step,
+        and none would see its first token before all of them; a group that
+        fits ends in one forward, and the next group follows, so first tokens
+        come in arrival order as they did one prompt at a time. (Counted by the
+        shortest reach alone, a ragged group's longer rows were cut to the
+        budget's share and took a second forward for their last few tokens.)"""
         if budget is None:
             return ready
         group: list[_Row] = []
-        shortest = None
         for row in ready:
-            need = Engine._need(row)
-            widest = need if shortest is None else min(shortest, need)
-            if len(group) >= 2 and (len(group) + 1) * widest > budget:
+            reaches = [self._reach(r) for r in (*group, row)]
+            width = _ragged_width(reaches, None) if self._ragged is not False else min(reaches)
+            if len(group) >= 2 and len(reaches) * width > budget:
                 break
             group.append(row)
-            shortest = widest
         return group
 
     def _prefill_alone(self, row: _Row, budget: int | None) -> int | None:
