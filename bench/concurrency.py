@@ -71,6 +71,7 @@ if __package__ in (None, ""):
 
 from bench.serving import chat_request, running_server
 from bench.workload import ChatWorkload
+from turbospark.commands import byte_size
 
 KINDS = ("turbospark", "mlx_lm")
 WARM_UP_TOKENS = 8
@@ -413,6 +414,13 @@ def summary(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _size_text(text: str) -> str:
+    """*text* as given (the servers read it), once it reads as a size: a
+    bad one is refused here, not by each server as it starts."""
+    byte_size(text)
+    return text
+
+
 def main() -> None:
     import argparse
     import json
@@ -440,6 +448,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--cache-limit",
+        type=_size_text,
         metavar="SIZE",
         help="bound both servers' MLX buffer cache (e.g. 8GiB, through bench.capped; "
         "default: MLX's own)",

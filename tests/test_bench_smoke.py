@@ -558,3 +558,23 @@ def test_capped_launcher_bounds_mlx_then_runs_the_module(bench: dict, tmp_path: 
         assert capped[1:7] == ["-m", "bench.capped", "--cache-limit", "8GiB", "-m", module]
         assert capped[7:] == plain[3:]
     assert serving.server_env(None) == dict(os.environ)
+
+
+def test_a_bad_cache_limit_is_refused_before_any_server_starts() -> None:
+    """``bench/concurrency.py --cache-limit`` reads as a size when parsed:
+    a bad one is a one-line usage error, before an install is built or a
+    server launched."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "concurrency.py"), "--cache-limit", "8QB"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "argument --cache-limit: '8QB' is not a size: use bytes or a unit like 512MiB, 2GiB, 1.5GB"
+        )
+    )
