@@ -934,9 +934,9 @@ class Engine:
         every waiting prompt would give each a sliver of the budget per step,
         and none would see its first token before all of them; a group that
         fits ends in one forward, and the next group follows, so first tokens
-        come in arrival order as they did one prompt at a time. (Counted by the
-        shortest reach alone, a ragged group's longer rows were cut to the
-        budget's share and took a second forward for their last few tokens.)"""
+        come in arrival order as they did one prompt at a time. Counted by the
+        shortest reach alone, a ragged group's longer rows would be cut to the
+        budget's share and take a second forward for their last few tokens."""
         if budget is None:
             return ready
         group: list[_Row] = []
