@@ -13,6 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# bench.concurrency.ConcurrencyPlan's default chat: turns, and tokens a reply.
+DEFAULT_CHAT = (3, 64)
+
+
+def chat_shape(settings: dict[str, Any]) -> tuple[int, int]:
+    """A concurrency result's chat shape: its turns and tokens a reply."""
+    return settings.get("turns", DEFAULT_CHAT[0]), settings.get("reply_tokens", DEFAULT_CHAT[1])
+
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     """Per-family summary keys. Forward ratios come from the largest size run
@@ -303,8 +311,8 @@ def figures(section: str, result: dict[str, Any]) -> list[tuple[str, str, str]]:
         # --append-replies: each turn re-sends the reply as received, so the
         # servers' prompts differ by what they replied; say by how much.
         settings = result["settings"]
-        shape = (settings.get("turns", 3), settings.get("reply_tokens", 64))
-        mode = f", {shape[0]} turns × {shape[1]} tokens" * (shape != (3, 64))
+        shape = chat_shape(settings)
+        mode = f", {shape[0]} turns × {shape[1]} tokens" * (shape != DEFAULT_CHAT)
         mode += ", replies re-sent" * bool(settings.get("append_replies"))
         for n, level in result["levels"].items():
             if "tok_s_ratio" not in level:
@@ -389,13 +397,14 @@ def print_tables(rows: dict[str, dict[str, Any]]) -> None:
                 f" --family {family}" if family != "-" else ""
             )
             settings = row["result"].get("settings", {}) if row["section"] == "concurrency" else {}
-            shaped = (settings.get("turns", 3), settings.get("reply_tokens", 64)) != (3, 64)
-            if settings.get("append_replies") or shaped or (settings and device == "gpu"):
+            shape = chat_shape(settings)
+            if settings.get("append_replies") or shape != DEFAULT_CHAT or (settings and device == "gpu"):  # fmt: skip
                 # the flags that chose its clients and mode (a GPU lease runs one level a command)
                 command += "".join(f" --concurrency-clients {n}" for n in settings["clients"])
                 command += " --append-replies" * bool(settings.get("append_replies"))
-                for flag, key, default in (("turns", "turns", 3), ("reply-tokens", "reply_tokens", 64)):  # fmt: skip
-                    value = settings.get(key, default)
+                for flag, value, default in zip(
+                    ("turns", "reply-tokens"), shape, DEFAULT_CHAT, strict=True
+                ):
                     command += f" --concurrency-{flag} {value}" * (value != default)
                 reps = settings.get("reps", 1)
                 command += f" --concurrency-reps {reps}" * (reps > 1)

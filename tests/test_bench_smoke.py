@@ -435,6 +435,8 @@ def test_the_entry_point_writes_one_file_a_section(bench: dict, tmp_path: Path) 
     assert (
         run.result_name("concurrency", "gemma4", run.ConcurrencyPlan()) == "concurrency_gemma4.json"
     )
+    plan = run.ConcurrencyPlan()
+    assert (plan.turns, plan.reply_tokens) == bench["report"].DEFAULT_CHAT
     assert run.results_dir("cpu") == ROOT / "bench" / "results" / "cpu"
 
 
