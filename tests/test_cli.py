@@ -209,6 +209,14 @@ def test_serve_refuses_a_token_bound_below_one_in_one_line(capsys, flag):
     assert f"{flag} must be positive, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_serve_refuses_a_negative_gather_in_one_line(capsys, value):
+    """Checked before anything loads (the path does not even exist)."""
+    assert main(["serve", "/nowhere", "--prefill-gather-ms", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--prefill-gather-ms must be 0 or more, got {value}" in err
+
+
 def test_commands_keep_compiled_kernels_in_the_cache_directory(tmp_path, monkeypatch, capsys):
     """MLX's compiled GPU kernels go under turbospark's cache unless the user
     named a place: a restarted server finds them there instead of compiling

@@ -8,6 +8,8 @@ time on a fresh runner. Float32 on the CPU; temperature 0 unless said.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -932,3 +934,141 @@ def test_groups_that_are_not_ragged_count_by_the_shortest_reach(ragged, size):
     ]  # fmt: skip
     assert engine._group_within(rows, 24) == rows[:size]
     assert engine._group_within(rows, None) == rows
+
+
+# -- admission waits for requests on their way in (Engine.expect) ---------------------
+# A server tells the engine of each request whose prompt it is still preparing; a
+# prompt queued meanwhile waits for it, at most ``gather_s``, so that a burst
+# prefills in one group.
+
+GATHER_CONFIG = GenerationConfig(max_tokens=4, temperature=0.0, stop_token_ids=[])
+
+
+def _gather_jobs(count: int) -> list[Job]:
+    return [
+        Job(ids=[2, 10 + i, 30, 31, 32 + i, 40], config=GATHER_CONFIG, emit=Collector())
+        for i in range(count)
+    ]
+
+
+def _finish_jobs(engine: Engine, jobs: list[Job], limit: int = 500) -> None:
+    for _ in range(limit):
+        engine.step()
+        if all(job.emit.done for job in jobs):
+            return
+    raise AssertionError("the engine did not finish every job")
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_a_prompt_waits_for_a_request_on_its_way_and_both_prefill_in_one_forward(
+    family, request, monkeypatch
+):
+    """A job queued while another request is announced is not admitted (no
+    forward runs, however many steps); once the other is submitted and done,
+    both prefill in one forward of two rows, and each equals its request alone."""
+    install = request.getfixturevalue(f"{family}_install")
+    codec = load_text(install)
+    runner = open_runner(install)
+    engine = Engine(runner, codec, max_batch=4, gather_s=30.0)
+    prefills = spy_prefills(runner, monkeypatch)
+    first, second = _gather_jobs(2)
+    coming = engine.expect()
+    engine.submit(first)
+    for _ in range(3):
+        assert not engine.step()
+    assert engine.active_rows == 0 and prefills == []
+    engine.submit(second)
+    coming.done()
+    _finish_jobs(engine, [first, second])
+    assert prefills == [(2, 6)]
+    for job in (first, second):
+        assert job.emit.tokens == alone(install, codec, job.ids, GATHER_CONFIG).tokens
+    assert_sessions_sound(runner)
+
+
+def test_a_request_never_submitted_holds_the_queue_at_most_gather_s(gemma4_install, monkeypatch):
+    """An announced request that never arrives (refused, or its client left)
+    delays the queued prompt by at most ``gather_s``, then it goes alone."""
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=4, gather_s=0.2)
+    prefills = spy_prefills(runner, monkeypatch)
+    (job,) = _gather_jobs(1)
+    engine.expect()
+    engine.submit(job)
+    assert not engine.step()
+    time.sleep(0.25)
+    _finish_jobs(engine, [job])
+    assert prefills == [(1, 6)]
+    assert job.emit.tokens == alone(gemma4_install, codec, job.ids, GATHER_CONFIG).tokens
+
+
+@pytest.mark.parametrize("gather_s", [0.0, 30.0])
+def test_a_prompt_with_nothing_on_its_way_is_admitted_at_once(gemma4_install, gather_s):
+    """Nothing announced (a library caller, a lone client), or gathering off
+    (``gather_s=0``, whatever is announced): the first step admits the prompt."""
+    engine = Engine(open_runner(gemma4_install), load_text(gemma4_install), gather_s=gather_s)
+    if not gather_s:
+        engine.expect()
+    (job,) = _gather_jobs(1)
+    engine.submit(job)
+    assert engine.step()
+    assert engine.active_rows == 1
+
+
+def test_a_full_batch_does_not_wait(gemma4_install):
+    """Queued rows that already fill the batch have no room for more: they are
+    admitted at once, whatever is announced."""
+    engine = Engine(
+        open_runner(gemma4_install), load_text(gemma4_install), max_batch=2, gather_s=30.0
+    )
+    engine.expect()
+    for job in _gather_jobs(2):
+        engine.submit(job)
+    assert engine.step()
+    assert engine.active_rows == 2
+
+
+def test_the_loop_sleeps_while_it_waits_and_wakes_when_the_request_arrives(
+    gemma4_install, monkeypatch
+):
+    """:meth:`Engine.run` with a held prompt and nothing active: it steps a
+    bounded number of times while waiting (it sleeps on the announcement, it
+    does not spin), and the request's submission wakes it for one group."""
+    codec = load_text(gemma4_install)
+    runner = open_runner(gemma4_install)
+    engine = Engine(runner, codec, max_batch=4, gather_s=30.0)
+    prefills = spy_prefills(runner, monkeypatch)
+    steps = 0
+    real_step = engine.step
+
+    def counted() -> bool:
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", counted)
+    first, second = _gather_jobs(2)
+    coming = engine.expect()
+    engine.submit(first)
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.run, args=(stop,))
+    loop.start()
+    try:
+        time.sleep(0.3)
+        assert steps <= 3, steps
+        engine.submit(second)
+        coming.done()
+        deadline = time.monotonic() + 60
+        while not (first.emit.done and second.emit.done):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        loop.join()
+    assert prefills == [(2, 6)]
+
+
+def test_gather_s_is_checked():
+    with pytest.raises(ValueError, match="gather_s must be at least 0"):
+        Engine(None, None, gather_s=-1.0)  # type: ignore[arg-type]

@@ -178,3 +178,35 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, 
     seen = lambda pairs: [(i, c.token, c.text, c.finish_reason) for i, c in pairs]  # noqa: E731
     assert seen(pair for batch in batches for pair in batch) == seen(alone)
     assert len(alone) == 13 and max(len(batch) for batch in batches) > 1
+
+
+def test_every_request_takes_back_its_announcement(install, codec):
+    """A request tells the engine it is coming while its prompt is prepared
+    (``Engine.expect``, so that a burst prefills together) and takes that back
+    when its jobs are submitted, streamed or not, through the chat and the
+    completions routes, or when it is refused: none is left to hold later
+    prompts. With gathering at 30 s, one left behind would hold the next
+    request past the client's 10 s timeout."""
+    worker = RunnerWorker()
+
+    def open_runner() -> Runner:
+        runner = Runner.open(install, context_length=CONTEXT, session_slots=_slots(install, 2))
+        runner.set_prefix_reuse(True)
+        return runner
+
+    app = create_app(worker.run(open_runner), codec, worker=worker, max_batch=2, gather_s=30.0)
+    engine = app.state.service.engine
+    with ThreadedServer(app) as running:
+        api = openai.OpenAI(
+            base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=10
+        )
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "comets"}]}
+        api.chat.completions.create(**chat, max_tokens=3)
+        for _ in api.chat.completions.create(**chat, max_tokens=3, stream=True):
+            pass
+        api.completions.create(model=MODEL, prompt="Once", max_tokens=3)
+        too_long = [{"role": "user", "content": "comet " * CONTEXT}]
+        with pytest.raises(openai.BadRequestError):
+            api.chat.completions.create(model=MODEL, messages=too_long, max_tokens=3)
+        wait_idle(running)
+        assert engine._coming == set()

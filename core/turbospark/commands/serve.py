@@ -23,7 +23,7 @@ from turbospark.commands import (
 from turbospark.commands.steer import add_steering_args, steering_policy
 from turbospark.errors import InvalidInput
 from turbospark.server.response_store import ResponseStoreLimits
-from turbospark.server.settings import ServerLimits
+from turbospark.server.settings import PREFILL_GATHER_S, ServerLimits
 
 if TYPE_CHECKING:  # the heavy modules load in run(), so `turbospark --help` stays light
     from turbospark.generation.distributed import Lockstep
@@ -86,6 +86,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--context-length", type=int, default=4096)
     parser.add_argument(
         "--chunk-size", type=int, default=512, help="prefill tokens per forward, per request"
+    )
+    parser.add_argument(
+        "--prefill-gather-ms",
+        type=float,
+        default=PREFILL_GATHER_S * 1000,
+        metavar="MS",
+        help="the longest a queued prompt waits for requests the server is still preparing "
+        "(rendering, tokenizing), so that a burst of requests prefills in one forward; 0 "
+        f"admits each at once (default {PREFILL_GATHER_S * 1000:g}; not under --distributed)",
     )
     parser.add_argument(
         "--prefill-budget",
@@ -242,6 +251,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--chunk-size must be positive, got {args.chunk_size}")
     if args.prefill_budget <= 0:
         raise InvalidInput(f"--prefill-budget must be positive, got {args.prefill_budget}")
+    if not args.prefill_gather_ms >= 0:  # NaN too
+        raise InvalidInput(f"--prefill-gather-ms must be 0 or more, got {args.prefill_gather_ms:g}")
     if args.max_batch < 1:
         raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -331,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         model_id=args.model_id,
         chunk_size=args.chunk_size,
         prefill_budget=args.prefill_budget,
+        gather_s=args.prefill_gather_ms / 1000,
         default_max_tokens=args.max_tokens,
         worker=worker,
         max_batch=args.max_batch,

@@ -182,6 +182,9 @@ class LockstepEngine(Engine):
         super().__init__(runner, codec, **kwargs)
         self.lockstep = lockstep
         self.yields_warm_up = False  # every rank runs the same warm-up steps, whole
+        # Admission waits on rank 0's requests in flight, which no other rank sees:
+        # every rank admits what the broadcast brings, at once.
+        self.gather_s = 0.0
         self._inbox: list[Job] = []
         self._next_id = 0
         # id -> (the request's own job, the engine's copy); cancelled flags cross

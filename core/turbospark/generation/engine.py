@@ -9,7 +9,9 @@ gives the same tokens, stats and reuse reasons either way.
 One :class:`Engine` runs on the runner's thread and owns the requests in
 flight. Each :meth:`Engine.step`:
 
-1. **admits** queued requests while fewer than ``max_batch`` rows are active.
+1. **admits** queued requests while fewer than ``max_batch`` rows are active
+   (a moment later when the server has more requests on their way in, so
+   that a burst prefills together: :meth:`Engine.expect`).
    The caller contract of SEMANTICS.md (:func:`turbospark.generation.request.acquire`)
    picks each request's session and explains the choice; the session is then
    checked out of the runner for the request's lifetime, so concurrent
@@ -91,6 +93,20 @@ Emit = Callable[[Chunk | Exception], None]
 # Told of every real request's end: its stats when it finished, None when it failed.
 Observer = Callable[["Job", GenerationStats | None], None]
 T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Arrival:
+    """A request the server has taken and is still preparing (its prompt being
+    rendered and tokenized): its job is on its way to :meth:`Engine.submit`.
+    :meth:`done` once it is submitted or given up; one never told expires
+    after the engine's ``gather_s``."""
+
+    engine: Engine
+    started: float = field(default_factory=time.perf_counter)
+
+    def done(self) -> None:
+        self.engine._arrived(self)
 
 
 @dataclass(eq=False)
@@ -393,17 +409,25 @@ class Engine:
         prefill_budget: int | None = None,
         observer: Observer | None = None,
         write_through: bool = True,
+        gather_s: float = 0.0,
     ) -> None:
         """*write_through*: flush the disk tier whenever a request's session is
         checked in (the server's rule: a reply sent is a session kept); a library
-        caller's runner writes sessions only when they leave memory."""
+        caller's runner writes sessions only when they leave memory.
+        *gather_s*: the longest a queued prompt is held for requests still on
+        their way in (:meth:`expect`; the server's ``--prefill-gather-ms``); 0
+        admits at once."""
+        if gather_s < 0:
+            raise ValueError(f"gather_s must be at least 0, got {gather_s}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.runner = runner
         self.codec = codec
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget
+        self.gather_s = gather_s
         self._queue: deque[Job] = deque()
+        self._coming: set[Arrival] = set()  # requests on their way in (expect)
         self._wake = threading.Condition()
         self._prefilling: list[_Row] = []
         self._solo: list[_Row] = []
@@ -439,6 +463,40 @@ class Engine:
         with self._wake:
             self._queue.append(job)
             self._wake.notify()
+
+    def expect(self) -> Arrival:
+        """Say a request is on its way in (its prompt still being rendered and
+        tokenized), until its :meth:`Arrival.done`. While any is, a prompt
+        already queued waits for it, at most ``gather_s``: requests that come in
+        a burst (chat clients whose replies ended on one step) then prefill in
+        one group, where admitting each at once prefills the first few alone
+        and the rest wait behind their forward."""
+        arrival = Arrival(self)
+        with self._wake:
+            self._coming.add(arrival)
+        return arrival
+
+    def _arrived(self, arrival: Arrival) -> None:
+        with self._wake:
+            if arrival in self._coming:
+                self._coming.discard(arrival)
+                self._wake.notify()
+
+    def _gather_left(self) -> float:
+        """Seconds the queued prompts wait yet for requests on their way in (0:
+        admit now). Held only while the wait can put them in one prefill group:
+        the family batches prefill, the batch has room for more, and the head
+        of the queue has waited less than ``gather_s``. Call holding ``_wake``."""
+        if not self._queue or not self._coming or self.gather_s <= 0 or self.warming:
+            return 0.0
+        now = time.perf_counter()
+        self._coming = {a for a in self._coming if now - a.started < self.gather_s}
+        queued = sum(1 + len(job.forks) for job in self._queue)
+        if not self._coming or self.active_rows + queued >= self.max_batch or not self._batches:
+            return 0.0
+        left = self.gather_s - (now - self._queue[0].submitted)
+        latest = max(self.gather_s - (now - a.started) for a in self._coming)
+        return max(0.0, min(left, latest))
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run *fn* on the runner thread between two steps (the loop owns that
@@ -515,8 +573,12 @@ class Engine:
                 continue
             if not busy:
                 with self._wake:
-                    if not self._queue and not self._calls:
-                        self._wake.wait(timeout=0.05)
+                    if not self._calls:
+                        held = self._gather_left()
+                        if held:
+                            self._wake.wait(timeout=held)
+                        elif not self._queue:
+                            self._wake.wait(timeout=0.05)
         self._run_calls()
 
     def stream(
@@ -552,6 +614,11 @@ class Engine:
                     self._fail_all(exc)
                     continue
                 if not busy and not out:
+                    with self._wake:
+                        held = self._gather_left()
+                        if held:  # queued behind a request on its way in (expect)
+                            self._wake.wait(timeout=held)
+                            continue
                     raise RuntimeError("the engine ran out of work before the request ended")
         finally:
             if not over:
@@ -701,7 +768,12 @@ class Engine:
 
     def _admit(self) -> None:
         """A job and its forks are admitted together, when their rows fit (or,
-        so that an n above ``max_batch`` still runs, when nothing else is active)."""
+        so that an n above ``max_batch`` still runs, when nothing else is active).
+        Nothing is admitted while requests on their way in are awaited
+        (:meth:`_gather_left`)."""
+        with self._wake:
+            if self._gather_left():
+                return
         while self._queue:
             with self._wake:
                 head = self._queue[0]

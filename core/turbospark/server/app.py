@@ -47,18 +47,26 @@ from turbospark.server.openapi import openapi_document
 from turbospark.server.response_store import ResponseStore, ResponseStoreLimits
 from turbospark.server.service import Service
 from turbospark.server.sessions import ROUTES as PAGE_ROUTES
-from turbospark.server.settings import ServerLimits
+from turbospark.server.settings import PREFILL_GATHER_S, ServerLimits
 from turbospark.server.window import ContextOverflow
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
 
 def new_engine(
-    runner: Runner, codec: TextCodec, max_batch: int, prefill_budget: int, lockstep: Lockstep | None
+    runner: Runner,
+    codec: TextCodec,
+    max_batch: int,
+    prefill_budget: int,
+    lockstep: Lockstep | None,
+    gather_s: float = PREFILL_GATHER_S,
 ) -> Engine:
-    """The server's engine; under ``serve --distributed`` every rank builds it here."""
+    """The server's engine; under ``serve --distributed`` every rank builds it here
+    (where admission never waits for requests on their way in: ``LockstepEngine``)."""
     if lockstep is None:
-        return Engine(runner, codec, max_batch=max_batch, prefill_budget=prefill_budget)
+        return Engine(
+            runner, codec, max_batch=max_batch, prefill_budget=prefill_budget, gather_s=gather_s
+        )
     return LockstepEngine(runner, codec, lockstep, max_batch=max_batch, prefill_budget=prefill_budget)  # fmt: skip
 
 
@@ -69,6 +77,7 @@ def create_app(
     model_id: str | None = None,
     chunk_size: int = 512,
     prefill_budget: int | None = None,
+    gather_s: float = PREFILL_GATHER_S,
     default_max_tokens: int | None = None,
     worker: RunnerWorker | None = None,
     limits: ServerLimits | None = None,
@@ -84,7 +93,9 @@ def create_app(
     (``runner.set_prefix_reuse``); ``turbospark serve`` turns it on. Up to
     *max_batch* requests decode together (:mod:`turbospark.generation.engine`); the rest
     wait in arrival order; each step prefills at most *prefill_budget* prompt
-    tokens in all (default: *chunk_size*). With *warm_up* prompt ids, the engine runs them
+    tokens in all (default: *chunk_size*), and a queued prompt waits at most
+    *gather_s* for requests whose prompts are still being prepared, so that a
+    burst prefills together (``Engine.expect``). With *warm_up* prompt ids, the engine runs them
     (alone and batched) as soon as it starts, and a request that arrives
     meanwhile cuts the warm-up short (``Engine.warm_up``); ``/health`` says
     ``warming`` until it ends. With *api_key*, conversations and the sessions view
@@ -112,7 +123,9 @@ def create_app(
         default_max_tokens=default_max_tokens,
         worker=worker,
         limits=limits or ServerLimits(),
-        engine=new_engine(runner, codec, max_batch, prefill_budget or chunk_size, lockstep),
+        engine=new_engine(
+            runner, codec, max_batch, prefill_budget or chunk_size, lockstep, gather_s
+        ),
         context_overflow=context_overflow,
     )
     disk = runner.session_disk

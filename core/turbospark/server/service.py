@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from turbospark.errors import TurbosparkError
-from turbospark.generation.engine import Engine
+from turbospark.generation.engine import Arrival, Engine
 from turbospark.generation.generate import (
     Chunk,
     Completion,
@@ -72,6 +73,9 @@ from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec
 
 R = TypeVar("R", bound=BaseModel)  # every request body has a ``model``
+# The request's announcement to the engine (Engine.expect), from when its prompt
+# is prepared until its jobs are submitted: both happen in the request's task.
+_ARRIVING: ContextVar[Arrival | None] = ContextVar("turbospark_arriving", default=None)
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
 GIL_SWITCH_INTERVAL_S = 0.0005  # see Service.start: the runner thread gets the GIL back fast
@@ -255,9 +259,14 @@ class Service:
         work = functools.partial(
             self._chat_prompt, body.messages, body.tools, body.chat_template_kwargs, room
         )
-        future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
-        prompt = await deadline.run(future, "while the prompt was tokenized")
-        grammar = await self.response_grammar(body.response_format, deadline, forced)
+        arrival = self._arriving()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+            prompt = await deadline.run(future, "while the prompt was tokenized")
+            grammar = await self.response_grammar(body.response_format, deadline, forced)
+        except BaseException:
+            arrival.done()
+            raise
         choices = draws(
             [prompt.ids],
             body,
@@ -384,8 +393,24 @@ class Service:
             work = functools.partial(self._completion_ids, prompt)
         else:
             work = functools.partial(self._chat_ids, prompt, tools, template_kwargs)
-        future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
-        return await deadline.run(future, "while the prompt was tokenized")
+        arrival = self._arriving()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+            return await deadline.run(future, "while the prompt was tokenized")
+        except BaseException:
+            arrival.done()
+            raise
+
+    def _arriving(self) -> Arrival:
+        """Tell the engine this request's jobs are coming (:meth:`Engine.expect`),
+        so that a burst of requests prefills together; :meth:`chunk_batches`
+        says when they are submitted."""
+        earlier = _ARRIVING.get()
+        if earlier is not None:  # a request that prepares several prompts
+            earlier.done()
+        arrival = self.engine.expect()
+        _ARRIVING.set(arrival)
+        return arrival
 
     def _chat_ids(
         self,
@@ -516,6 +541,10 @@ class Service:
         jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
         for job in leads(jobs):  # one prefill per prompt, its other choices forked
             self.engine.submit(job)
+        arrival = _ARRIVING.get()
+        if arrival is not None:
+            arrival.done()
+            _ARRIVING.set(None)
         running = len(jobs)
         # One timer for the whole generation puts the deadline's error in the
         # inbox, instead of a timeout armed around every chunk's wait.

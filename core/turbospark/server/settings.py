@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     import uvicorn
 
 MiB = 1024 * 1024
+# The longest a queued prompt waits for requests still being prepared (Engine.expect):
+# longer than templating a burst of chat prompts takes, shorter than the prefill
+# forward a split burst costs its later half.
+PREFILL_GATHER_S = 0.05
 
 
 class ServerLimits(BaseModel):
