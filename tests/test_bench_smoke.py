@@ -209,7 +209,8 @@ def test_server_step(bench: dict) -> None:
     assert out["decode_steps"] >= 6 and out["steps_per_batch"].get(2, 0) >= 1
     assert out["loop_cpu_ms_per_step"] > 0 and out["runner_cpu_ms_per_step"] > 0
     assert out["engine_step_ms"] > 0 and out["server_over_engine"] > 0
-    assert out["prefill_forwards"] >= 2 and out["decode_forwards"] >= out["full_steps"]
+    # The two clients' second turns prefill together (one group), or apart.
+    assert out["prefill_forwards"] >= 1 and out["decode_forwards"] >= out["full_steps"]
     assert out["completion_tok_s"] > 0 and set(out["time"]) >= {"prefill_s", "decode_full_s"}
     assert out["top_own_cpu_ms_loop"] and out["top_cumulative_cpu_ms_decode"]
     assert bench["server_step"].summary("gemma4", out)
