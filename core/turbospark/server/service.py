@@ -15,7 +15,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -259,14 +259,10 @@ class Service:
         work = functools.partial(
             self._chat_prompt, body.messages, body.tools, body.chat_template_kwargs, room
         )
-        arrival = self._arriving()
-        try:
+        with self._arriving():
             future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
             prompt = await deadline.run(future, "while the prompt was tokenized")
             grammar = await self.response_grammar(body.response_format, deadline, forced)
-        except BaseException:
-            arrival.done()
-            raise
         choices = draws(
             [prompt.ids],
             body,
@@ -393,24 +389,26 @@ class Service:
             work = functools.partial(self._completion_ids, prompt)
         else:
             work = functools.partial(self._chat_ids, prompt, tools, template_kwargs)
-        arrival = self._arriving()
-        try:
+        with self._arriving():
             future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
             return await deadline.run(future, "while the prompt was tokenized")
-        except BaseException:
-            arrival.done()
-            raise
 
-    def _arriving(self) -> Arrival:
-        """Tell the engine this request's jobs are coming (:meth:`Engine.expect`),
-        so that a burst of requests prefills together; :meth:`chunk_batches`
-        says when they are submitted."""
+    @contextlib.contextmanager
+    def _arriving(self) -> Iterator[None]:
+        """Tell the engine this request's jobs are coming (:meth:`Engine.expect`)
+        while the block prepares its prompt, so that a burst of requests
+        prefills together; :meth:`chunk_batches` says when they are submitted,
+        and a block that raises takes the announcement back."""
         earlier = _ARRIVING.get()
         if earlier is not None:  # a request that prepares several prompts
             earlier.done()
         arrival = self.engine.expect()
         _ARRIVING.set(arrival)
-        return arrival
+        try:
+            yield
+        except BaseException:
+            arrival.done()
+            raise
 
     def _chat_ids(
         self,
