@@ -41,18 +41,24 @@ def _slots(install: Path, wanted: int) -> int:
     return 1 if install.name.startswith("batch-qwen4_exp") else wanted
 
 
+def _reusing_runner(install: Path, slots: int) -> Runner:
+    """The runner a server opens on its worker thread: prefix reuse on."""
+    runner = Runner.open(install, context_length=CONTEXT, session_slots=_slots(install, slots))
+    runner.set_prefix_reuse(True)
+    return runner
+
+
 @pytest.fixture(scope="module")
 def server(install: Path, codec: TextCodec) -> Iterator[ThreadedServer]:
     worker = RunnerWorker()
 
-    slots = _slots(install, 4)
-
-    def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=CONTEXT, session_slots=slots)
-        runner.set_prefix_reuse(True)
-        return runner
-
-    app = create_app(worker.run(open_runner), codec, worker=worker, max_batch=3, warm_up=[0] * 9)
+    app = create_app(
+        worker.run(lambda: _reusing_runner(install, 4)),
+        codec,
+        worker=worker,
+        max_batch=3,
+        warm_up=[0] * 9,
+    )
     with ThreadedServer(app) as running:
         yield running
 
@@ -149,12 +155,9 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, 
 
     worker = RunnerWorker()
 
-    def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=CONTEXT, session_slots=_slots(install, 2))
-        runner.set_prefix_reuse(True)
-        return runner
-
-    service = create_app(worker.run(open_runner), codec, worker=worker, max_batch=2).state.service
+    service = create_app(
+        worker.run(lambda: _reusing_runner(install, 2)), codec, worker=worker, max_batch=2
+    ).state.service
     body = ChatCompletionRequest.model_validate(
         {"model": MODEL, "messages": [{"role": "user", "content": "about comets"}],
          "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -189,12 +192,13 @@ def test_every_request_takes_back_its_announcement(install, codec):
     request past the client's 10 s timeout."""
     worker = RunnerWorker()
 
-    def open_runner() -> Runner:
-        runner = Runner.open(install, context_length=CONTEXT, session_slots=_slots(install, 2))
-        runner.set_prefix_reuse(True)
-        return runner
-
-    app = create_app(worker.run(open_runner), codec, worker=worker, max_batch=2, gather_s=30.0)
+    app = create_app(
+        worker.run(lambda: _reusing_runner(install, 2)),
+        codec,
+        worker=worker,
+        max_batch=2,
+        gather_s=30.0,
+    )
     engine = app.state.service.engine
     with ThreadedServer(app) as running:
         api = openai.OpenAI(
