@@ -14,17 +14,19 @@
 #
 # Settings (environment): MLX_VERSION, MLX_LM_VERSION (default: the versions uv.lock pins);
 # GPU_EXTRA_WHEELS: more pure-Python wheels the image lacks (default: llguidance for constrained
-# decoding, prometheus-client for /metrics, gguf for GGUF imports, the openai SDK and the two
-# wheels it needs beyond httpx for the startup section's client, at uv.lock's version: newer ones
-# need a client library the image lacks), and pytest-xdist with execnet, so the GPU tests compile
-# their kernels on the machine's cores at once: `python3 -m pytest -n 12 tests/test_*_cuda.py`).
+# decoding, prometheus-client for /metrics, gguf for GGUF imports, the openai SDK for the startup
+# section's client with the wheels it needs beyond what the image has (its HTTP client, httpx2,
+# and that one's own), and pytest-xdist with execnet, so the GPU tests compile their kernels on
+# the machine's cores at once: `python3 -m pytest -n 12 tests/test_*_cuda.py`). The client's
+# chain (openai, httpx2, httpcore2) is taken at uv.lock's versions, the versions the tests ran; the
+# rest at the newest the device's Python takes (uv.lock's llguidance has no wheel for it).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 locked() { grep -A1 "^name = \"$1\"$" uv.lock | sed -n 's/^version = "\(.*\)"$/\1/p' | head -1; }
 MLX=${MLX_VERSION:-$(locked mlx)}
 MLXLM=${MLX_LM_VERSION:-$(locked mlx-lm)}
-EXTRA=${GPU_EXTRA_WHEELS-llguidance prometheus-client gguf openai distro jiter pytest-xdist execnet}
+EXTRA=${GPU_EXTRA_WHEELS-llguidance prometheus-client gguf openai distro jiter httpx2 httpcore2 truststore pytest-xdist execnet}
 rm -rf .gpu && mkdir -p .gpu/dl .gpu/part1 .gpu/part2
 plat=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
@@ -39,7 +41,9 @@ mv .gpu/dl/mlx-*.whl .gpu/dl/mlx_lm-*.whl .gpu/part2/
 # The image has numpy, safetensors, tokenizers, jinja2, pluggy, transformers and httpx, not these:
 # shellcheck disable=SC2086
 wheels -d .gpu/part2 pydantic pydantic-core annotated-types typing-inspection starlette uvicorn \
-  $(for name in $EXTRA; do [ "$name" = openai ] && echo "openai==$(locked openai)" || echo "$name"; done)
+  $(for name in $EXTRA; do
+      case $name in openai | httpx2 | httpcore2) echo "$name==$(locked "$name")" ;; *) echo "$name" ;; esac
+    done)
 basename "$cuda" > .gpu/part2/cuda-wheel-name
 cat > .gpu/part1/stash.sh <<'S'
 mkdir -p /root/gpu-stash && cp .gpu/part1/cuda.part.aa /root/gpu-stash/ && echo "stashed part 1"
