@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -187,9 +188,11 @@ def test_every_request_takes_back_its_announcement(install, codec):
     """A request tells the engine it is coming while its prompt is prepared
     (``Engine.expect``, so that a burst prefills together) and takes that back
     when its jobs are submitted, streamed or not, through the chat and the
-    completions routes, or when it is refused: none is left to hold later
-    prompts. With gathering at 30 s, one left behind would hold the next
-    request past the client's 10 s timeout."""
+    completions routes, or when it is refused (an over-long prompt, a
+    ``logit_bias`` outside the vocabulary); counting a prompt's tokens
+    announces nothing: none is left to hold later prompts. With gathering at
+    30 s, one left behind would hold the next request past the client's 10 s
+    timeout."""
     worker = RunnerWorker()
 
     app = create_app(
@@ -212,5 +215,13 @@ def test_every_request_takes_back_its_announcement(install, codec):
         too_long = [{"role": "user", "content": "comet " * CONTEXT}]
         with pytest.raises(openai.BadRequestError):
             api.chat.completions.create(model=MODEL, messages=too_long, max_tokens=3)
+        unknown_id = {str(codec.vocab_size + 7): 1.0}  # refused in its draws, after its prompt
+        with pytest.raises(openai.BadRequestError):
+            api.chat.completions.create(**chat, max_tokens=3, logit_bias=unknown_id)
+        assert engine._coming == set()
+        counter = anthropic.Anthropic(base_url=running.base_url, api_key="unused", max_retries=0)
+        counter.messages.count_tokens(model=MODEL, messages=chat["messages"])  # submits nothing
+        assert engine._coming == set()
+        api.chat.completions.create(**chat, max_tokens=3)
         wait_idle(running)
         assert engine._coming == set()

@@ -399,7 +399,9 @@ async def count_tokens(request: Request) -> Response:
     deadline = service.deadline(request)
     body = await service.parse(request, CountTokensRequest, deadline)
     chat = body.chat(not service.user_after_tool_results)
-    ids = await service.prompt_ids(chat.messages, deadline, chat.tools, chat.chat_template_kwargs)
+    ids = await service.prompt_ids(
+        chat.messages, deadline, chat.tools, chat.chat_template_kwargs, announce=False
+    )
     return JSONResponse({"input_tokens": len(ids)})
 
 

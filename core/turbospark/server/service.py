@@ -15,7 +15,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -79,6 +79,14 @@ _ARRIVING: ContextVar[Arrival | None] = ContextVar("turbospark_arriving", defaul
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks its client
 GIL_SWITCH_INTERVAL_S = 0.0005  # see Service.start: the runner thread gets the GIL back fast
+
+
+def _take_back() -> None:
+    """End this request's announcement to the engine, if it has one."""
+    arrival = _ARRIVING.get()
+    if arrival is not None:
+        arrival.done()
+        _ARRIVING.set(None)
 
 
 @dataclass(frozen=True)
@@ -259,10 +267,10 @@ class Service:
         work = functools.partial(
             self._chat_prompt, body.messages, body.tools, body.chat_template_kwargs, room
         )
-        with self._arriving():
-            future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
-            prompt = await deadline.run(future, "while the prompt was tokenized")
-            grammar = await self.response_grammar(body.response_format, deadline, forced)
+        self._announce()
+        future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+        prompt = await deadline.run(future, "while the prompt was tokenized")
+        grammar = await self.response_grammar(body.response_format, deadline, forced)
         choices = draws(
             [prompt.ids],
             body,
@@ -329,7 +337,11 @@ class Service:
         deadline = self.deadline(request)
         body = await self.parse(request, model, deadline)
         with self.admission.admit() as ticket:
-            return await handler(self, body, deadline, ticket, request)
+            try:
+                return await handler(self, body, deadline, ticket, request)
+            except BaseException:
+                _take_back()  # refused after its prompt was prepared, before submitting
+                raise
 
     def _grammar_compiler(self) -> GrammarCompiler:
         with self._grammar_lock:
@@ -383,32 +395,28 @@ class Service:
         deadline: Deadline,
         tools: list[Tool] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        announce: bool = True,
     ) -> list[int]:
-        """The prompt's ids, checked, rendered and tokenized on the text pool."""
+        """The prompt's ids, checked, rendered and tokenized on the text pool;
+        with *announce*, the engine is told a job is coming (:meth:`_announce`):
+        False where none will be, as when only counting tokens."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             work = functools.partial(self._completion_ids, prompt)
         else:
             work = functools.partial(self._chat_ids, prompt, tools, template_kwargs)
-        with self._arriving():
-            future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
-            return await deadline.run(future, "while the prompt was tokenized")
+        if announce:
+            self._announce()
+        future = asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+        return await deadline.run(future, "while the prompt was tokenized")
 
-    @contextlib.contextmanager
-    def _arriving(self) -> Iterator[None]:
+    def _announce(self) -> None:
         """Tell the engine this request's jobs are coming (:meth:`Engine.expect`)
-        while the block prepares its prompt, so that a burst of requests
-        prefills together; :meth:`chunk_batches` says when they are submitted,
-        and a block that raises takes the announcement back."""
-        earlier = _ARRIVING.get()
-        if earlier is not None:  # a request that prepares several prompts
-            earlier.done()
-        arrival = self.engine.expect()
-        _ARRIVING.set(arrival)
-        try:
-            yield
-        except BaseException:
-            arrival.done()
-            raise
+        while its prompt is prepared, so that a burst of requests prefills
+        together. :meth:`chunk_batches` takes the announcement back when the
+        jobs are submitted, :meth:`run` when the request fails or is refused
+        before that."""
+        _take_back()  # a request that prepares several prompts
+        _ARRIVING.set(self.engine.expect())
 
     def _chat_ids(
         self,
@@ -539,10 +547,7 @@ class Service:
         jobs = [draw.job(emitter(index)) for index, draw in enumerate(draws)]
         for job in leads(jobs):  # one prefill per prompt, its other choices forked
             self.engine.submit(job)
-        arrival = _ARRIVING.get()
-        if arrival is not None:
-            arrival.done()
-            _ARRIVING.set(None)
+        _take_back()
         running = len(jobs)
         # One timer for the whole generation puts the deadline's error in the
         # inbox, instead of a timeout armed around every chunk's wait.
