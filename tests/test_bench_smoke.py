@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             concurrency,
             constrain,
             dispatch,
+            encode_cost,
             forward,
             host_cost,
             interleaved,
@@ -58,6 +60,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "concurrency": concurrency,
         "constrain": constrain,
         "dispatch": dispatch,
+        "encode_cost": encode_cost,
         "forward": forward,
         "host_cost": host_cost,
         "interleaved": interleaved,
@@ -142,6 +145,13 @@ def test_dispatch(bench: dict) -> None:
     assert out["hook_overhead_us"] == pytest.approx(us["hook"] - us["direct"])
     assert out["runner_overhead_us"] == pytest.approx(us["runner"] - us["hook"])
     assert out["pluggy_call_us"] > 0 and out["plain_call_us"] > 0
+
+
+def test_encode_cost(bench: dict) -> None:
+    out = bench["encode_cost"].encode_cost((1, 4), 64, 96, n=4, reps=2, dtype=mx.float32)
+    assert set(out["rows"]) == {1, 4}
+    timings = [t for ops in out["rows"].values() for t in ops.values()] + [out["elementwise"]]
+    assert all(0 < t["encode_us"] <= t["wall_us"] for t in timings)
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
