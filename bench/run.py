@@ -546,6 +546,19 @@ def main(argv: list[str] | None = None) -> int:
         help="concurrency: repetitions of each level, for the ratio's spread (default: the plan's)",
     )
     parser.add_argument(
+        "--long-context-length",
+        type=int,
+        action="append",
+        metavar="TOKENS",
+        help="repeatable: the long_context section's prompt lengths (default: the plan's); "
+        "a GPU command that cannot run them all can run one",
+    )
+    parser.add_argument(
+        "--startup-reps",
+        type=int,
+        help="startup: cold launches of each server (default: the plan's)",
+    )
+    parser.add_argument(
         "--quantized-clients",
         type=int,
         action="append",
@@ -567,9 +580,20 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, quantized_sizes=tuple(args.quantized_size))
     if args.quantized_bits:
         plan = replace(plan, quantized_bits=tuple(args.quantized_bits))
-    for name in ("concurrency_turns", "concurrency_reply_tokens", "concurrency_reps"):
+    for name in (
+        "concurrency_turns",
+        "concurrency_reply_tokens",
+        "concurrency_reps",
+        "startup_reps",
+    ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if any(n < 1 for n in args.long_context_length or ()):
+        parser.error("--long-context-length must be at least 1 (a prompt of that many tokens)")
+    if args.long_context_length:
+        plan = replace(plan, long_context_lengths=tuple(args.long_context_length))
+    if args.startup_reps:
+        plan = replace(plan, startup_reps=args.startup_reps)
     if (
         args.concurrency_clients
         or args.append_replies

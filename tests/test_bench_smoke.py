@@ -451,6 +451,27 @@ def test_the_entry_point_writes_one_file_a_section(bench: dict, tmp_path: Path) 
     assert run.results_dir("cpu") == ROOT / "bench" / "results" / "cpu"
 
 
+def test_the_entry_point_narrows_long_context_and_startup(
+    bench: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--long-context-length`` (repeatable) and ``--startup-reps`` replace the
+    plan's; a length or a count below 1 is refused in one line."""
+    run, seen = bench["run"], {}
+    monkeypatch.setitem(
+        run.RUN, "long_context", lambda ctx, _: seen.update(lengths=ctx.plan.long_context_lengths)
+    )
+    monkeypatch.setitem(run.RUN, "startup", lambda ctx, _: seen.update(reps=ctx.plan.startup_reps))
+    argv = ["--device", "cpu", "--quick", "--family", "gemma4", "--out", str(tmp_path)]
+    argv += ["--only", "long_context", "--only", "startup"]
+    narrowed = ["--long-context-length", "48", "--long-context-length", "96", "--startup-reps", "1"]
+    assert run.main([*argv, *narrowed]) == 0
+    assert seen == {"lengths": (48, 96), "reps": 1}
+    for flag in (["--long-context-length", "0"], ["--startup-reps", "0"]):
+        with pytest.raises(SystemExit):
+            run.main([*argv, *flag])
+        assert "must be at least 1" in capsys.readouterr().err
+
+
 def test_committed_results_have_plain_names_and_a_machine() -> None:
     """Reference results: ``<section>_<family>.json`` (or ``<section>.json``) a device,
     each a section the entry point has, run on the machine it names."""
