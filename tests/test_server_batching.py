@@ -7,11 +7,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
+from starlette.applications import Starlette
 
 from turbospark import build_synthetic_install
 from turbospark.generation.generate import GenerationConfig, generate
@@ -49,17 +51,18 @@ def _reusing_runner(install: Path, slots: int) -> Runner:
     return runner
 
 
+def _reusing_app(install: Path, codec: TextCodec, slots: int, **settings: Any) -> Starlette:
+    """A server's app over :func:`_reusing_runner`, opened on its worker thread;
+    *settings* go to ``create_app``."""
+    worker = RunnerWorker()
+    return create_app(
+        worker.run(lambda: _reusing_runner(install, slots)), codec, worker=worker, **settings
+    )
+
+
 @pytest.fixture(scope="module")
 def server(install: Path, codec: TextCodec) -> Iterator[ThreadedServer]:
-    worker = RunnerWorker()
-
-    app = create_app(
-        worker.run(lambda: _reusing_runner(install, 4)),
-        codec,
-        worker=worker,
-        max_batch=3,
-        warm_up=[0] * 9,
-    )
+    app = _reusing_app(install, codec, 4, max_batch=3, warm_up=[0] * 9)
     with ThreadedServer(app) as running:
         yield running
 
@@ -154,11 +157,7 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, 
 
     from turbospark.server.schemas import ChatCompletionRequest
 
-    worker = RunnerWorker()
-
-    service = create_app(
-        worker.run(lambda: _reusing_runner(install, 2)), codec, worker=worker, max_batch=2
-    ).state.service
+    service = _reusing_app(install, codec, 2, max_batch=2).state.service
     body = ChatCompletionRequest.model_validate(
         {"model": MODEL, "messages": [{"role": "user", "content": "about comets"}],
          "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -193,15 +192,7 @@ def test_every_request_takes_back_its_announcement(install, codec):
     announces nothing: none is left to hold later prompts. With gathering at
     30 s, one left behind would hold the next request past the client's 10 s
     timeout."""
-    worker = RunnerWorker()
-
-    app = create_app(
-        worker.run(lambda: _reusing_runner(install, 2)),
-        codec,
-        worker=worker,
-        max_batch=2,
-        gather_s=30.0,
-    )
+    app = _reusing_app(install, codec, 2, max_batch=2, gather_s=30.0)
     engine = app.state.service.engine
     with ThreadedServer(app) as running:
         api = openai.OpenAI(
