@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -14,12 +16,14 @@ import httpx
 import openai
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 
 from turbospark import build_synthetic_install
 from turbospark.generation.generate import GenerationConfig, generate
 from turbospark.generation.runner import Runner
 from turbospark.server import ThreadedServer, create_app
-from turbospark.server.service import GIL_SWITCH_INTERVAL_S
+from turbospark.server.ollama import NdjsonStream
+from turbospark.server.service import GIL_SWITCH_INTERVAL_S, EventStream
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec, load_text
 
@@ -181,6 +185,37 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, 
     seen = lambda pairs: [(i, c.token, c.text, c.finish_reason) for i, c in pairs]  # noqa: E731
     assert seen(pair for batch in batches for pair in batch) == seen(alone)
     assert len(alone) == 13 and max(len(batch) for batch in batches) > 1
+
+
+@pytest.mark.parametrize("stream_type", [EventStream, NdjsonStream])
+def test_a_stream_whose_client_left_before_its_first_event_takes_back_its_announcement(
+    install, codec, stream_type
+):
+    """A streamed request's generator submits its jobs (and so takes back its
+    announcement) on its first event; when the client is gone before that,
+    the generator never runs, and the response's end takes the announcement
+    back and frees the queue place instead (each stream type the routes use)."""
+    service = _reusing_app(install, codec, 2, max_batch=2, gather_s=30.0).state.service
+
+    async def events() -> AsyncGenerator[str, None]:
+        yield "never sent"
+
+    async def gone(message: dict[str, Any]) -> None:
+        raise OSError("the client hung up")
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def served() -> None:
+        service._announce()
+        with service.admission.admit() as ticket:
+            stream = stream_type(events(), ticket.hand_over())
+        with contextlib.suppress(OSError, ClientDisconnect):
+            await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, gone)
+
+    asyncio.run(served())
+    assert service.engine._coming == set()
+    assert service.admission.active == 0
 
 
 def test_every_request_takes_back_its_announcement(install, codec):

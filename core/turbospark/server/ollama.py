@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbospark.errors import TurbosparkError
@@ -412,10 +412,7 @@ class NdjsonStream(EventStream):
     """Ollama's stream: newline-delimited JSON objects, with the queue place
     held and the generation cancelled as :class:`EventStream` does."""
 
-    def __init__(self, events: AsyncGenerator[str, None], ticket: Ticket) -> None:
-        StreamingResponse.__init__(self, events, media_type="application/x-ndjson")
-        self.events = events
-        self.ticket = ticket
+    media_type = "application/x-ndjson"
 
 
 async def _run(

@@ -608,12 +608,17 @@ class EventStream(StreamingResponse):
     """An SSE response that holds its request's queue place until it ends,
     however it ends (finished, failed, cancelled by a disconnect, or abandoned
     with a client that stopped reading): then its events' generator is closed,
-    which cancels the generation at the engine's next step."""
+    which cancels the generation at the engine's next step, and the request's
+    announcement to the engine is taken back, which its generator does only
+    once it submits (a client gone before the first event never runs it)."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, events: AsyncGenerator[str, None], ticket: Ticket) -> None:
-        super().__init__(events, media_type="text/event-stream")
+        super().__init__(events, media_type=self.media_type)
         self.events = events
         self.ticket = ticket
+        self.arrival = _ARRIVING.get()  # made in the handler's task, which prepared the prompt
         # Told, once the stream ends, whether it was sent whole (False: the client
         # left first); the metrics count the request then, not when it started.
         self.on_end: Callable[[bool], None] | None = None
@@ -628,6 +633,8 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.ticket.release()
+            if self.arrival is not None:
+                self.arrival.done()  # a second done (after submitting) changes nothing
             await self.events.aclose()
             if self.on_end is not None:
                 self.on_end(self._whole)
