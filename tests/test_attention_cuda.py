@@ -91,6 +91,25 @@ def test_kernel_equals_attention_in_float64(shape: tuple[int, ...], dtype: mx.Dt
     np.testing.assert_allclose(np.array(ops.astype(mx.float32)), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("max_splits", [1, 7, 64])
+def test_longer_chunks_equal_attention_in_float64(
+    max_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With at most *max_splits* chunks a head (``TURBOSPARK_ATTENTION_SPLITS``),
+    chunks grow past CHUNK keys and the result is the same attention: one chunk
+    of every key, chunks whose last one is short, and a long buffer."""
+    mx.set_default_device(mx.gpu)
+    monkeypatch.setattr(attention_cuda, "MAX_SPLITS", max_splits)
+    for shape in [(1, 2, 4, 512, 512, 2304, 0, 2176), (1, 1, 4, 64, 64, 40000, 5, 39000)]:
+        queries, keys, values, rows = _inputs(shape, mx.float32, seed=max_splits)
+        scale = shape[3] ** -0.5
+        assert attention_cuda.chunk_keys(shape[5]) > attention_cuda.CHUNK
+        got = attention_cuda.decode(queries, keys, values, rows, scale)
+        want = _reference(queries, keys, values, rows, scale)
+        tol = _tolerance(mx.float32)
+        np.testing.assert_allclose(np.array(got), want, rtol=tol, atol=tol)
+
+
 def test_the_trace_serves_every_position_and_reads_only_its_rows() -> None:
     """:data:`~turbospark.layers.cuda.attention.decode_step` traced at one
     position gives what the eager kernels give at others, bit for bit, with

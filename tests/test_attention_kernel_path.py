@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import (
     assert_states_close,
@@ -226,3 +228,20 @@ def test_only_a_lone_rows_step_takes_the_kernels(monkeypatch: pytest.MonkeyPatch
     assert not attention.takes_kernels(wide, mx.zeros((1, 1, 1, 512)), mx.zeros((1, 1, 1, 512)))
     bf16 = mx.zeros((1, 2, 1, 256), dtype=mx.bfloat16)
     assert not attention.takes_kernels(one, bf16, bf16)
+
+
+@given(capacity=st.integers(1, 1 << 20), max_splits=st.integers(1, 2048))
+def test_chunks_cover_the_buffers_in_at_most_max_splits(capacity: int, max_splits: int) -> None:
+    """The kernels' chunking (the partial kernel computes the same from its
+    keys' shape): chunks of at least CHUNK keys in CHUNK's steps cover the
+    buffers in at most MAX_SPLITS chunks, each holding a key, and stay CHUNK
+    wherever that fits."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_cuda, "MAX_SPLITS", max_splits)
+        chunk = attention_cuda.chunk_keys(capacity)
+    splits = -(-capacity // chunk)
+    assert chunk % attention_cuda.CHUNK == 0
+    assert splits <= max_splits
+    assert (splits - 1) * chunk < capacity <= splits * chunk
+    if capacity <= attention_cuda.CHUNK * max_splits:
+        assert chunk == attention_cuda.CHUNK

@@ -9,7 +9,11 @@ launches themselves), and on a long context the values' product runs as a
 split-N GEMM at 71 µs a call, where the bytes it reads take a microsecond or
 two (14 % of gemma4's device time in a trace on the H200).
 
-Here the keys are split into chunks of :data:`CHUNK` (flash decoding):
+Here the keys are split into chunks (flash decoding) of :func:`chunk_keys`
+keys: :data:`CHUNK` while the buffers hold at most :data:`MAX_SPLITS` of
+those, longer past it (at 32k keys, chunks of 32 write 16.8 MB of float32
+partials a global layer, and one merge block a head walks 1,024 of them;
+whether fewer, longer chunks decode faster there is what the knob measures):
 
 - :func:`decode`'s first kernel gives each block one row's key/value head
   and one chunk. Its warps walk the chunk's keys with every query head of
@@ -55,7 +59,13 @@ from turbospark.layers.cuda import reduce as reduce_cuda
 # TURBOSPARK_ATTENTION_KERNEL=0 keeps the matmul form on CUDA too (the
 # benchmarks' A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
 ENABLED = os.environ.get("TURBOSPARK_ATTENTION_KERNEL", "1") != "0"
-CHUNK = 32  # keys a block: a 2k context over two key/value heads is 128 blocks
+CHUNK = 32  # keys a block at least: a 2k context over two key/value heads is 128 blocks
+# Chunks a head at most (TURBOSPARK_ATTENTION_SPLITS, the benchmarks' A/B,
+# e.g. 256), read once at import: past CHUNK * MAX_SPLITS keys a chunk grows,
+# in steps of CHUNK, and a block walks more keys instead of a head writing
+# more partials. The default keeps chunks of CHUNK up to 32M keys: the
+# long-context rows were measured so, and no other setting has run on a GPU.
+MAX_SPLITS = int(os.environ.get("TURBOSPARK_ATTENTION_SPLITS", str(1 << 20)))
 WARPS = 4  # warps a block; each takes every WARPS-th key of the chunk
 # Registers a lane holds for the group's queries and their running outputs
 # (G * (D + Dv) / 32 floats); past this the kernel would spill, so the matmul
@@ -67,7 +77,9 @@ MERGE_THREADS = 1024  # threads a merge block: its value columns, times the grou
 # Inputs: queries (B, KVH * G, 1, D); keys (B, KVH, N, D) and values (B, KVH, N,
 # DV), a cache's whole buffers, each read through its strides; rows (2,) int32,
 # the buffer rows [start, stop) the query attends over. Outputs, float32, for
-# S = ceil(N / CHUNK) chunks of rows start.. (those past stop hold no key):
+# S = ceil(N / C) chunks of C = chunk_keys(N) rows from start (those past stop
+# hold no key; C is computed here from N as chunk_keys does, so it needs no
+# template of its own and a buffer's growth compiles nothing):
 # partial_out (B, KVH * G, S, DV), each chunk's softmax-weighted values not yet
 # divided by their weights' sum, and partial_stats (B, KVH * G, S, 2), the
 # chunk's max score and the sum of its weights relative to that max (-inf and
@@ -79,10 +91,13 @@ _PARTIAL = """
     __shared__ float s_sum[NW][G];
     __shared__ float s_out[NW][G][DV];
     const int kv_heads = keys_shape[1];
-    const int splits = (keys_shape[2] + CHUNK - 1) / CHUNK;
+    const int capacity = keys_shape[2];
+    const int least = (capacity + MAX_SPLITS - 1) / MAX_SPLITS;
+    const int chunk = max(CHUNK, (least + CHUNK - 1) / CHUNK * CHUNK);
+    const int splits = (capacity + chunk - 1) / chunk;
     const int split = blockIdx.x % splits;
-    const int first = rows[0] + split * CHUNK;
-    const int end = min(rows[1], first + CHUNK);
+    const int first = rows[0] + split * chunk;
+    const int end = min(rows[1], first + chunk);
     const int kvh = (blockIdx.x / splits) % kv_heads;
     const int b = blockIdx.x / splits / kv_heads;
     const int warp = threadIdx.x / 32;
@@ -218,6 +233,14 @@ _MERGE = """
 """
 
 
+def chunk_keys(capacity: int) -> int:
+    """Keys a chunk over buffers of *capacity* rows: :data:`CHUNK`, or the
+    least multiple of it that makes at most :data:`MAX_SPLITS` chunks (the
+    partial kernel computes the same from its keys' shape)."""
+    least = -(-capacity // MAX_SPLITS)
+    return max(CHUNK, -(-least // CHUNK) * CHUNK)
+
+
 def available() -> bool:
     """True where a decode step's attention takes these kernels (:func:`~turbospark.layers.fused.takes_cuda_kernels`)."""
     return fused.takes_cuda_kernels(ENABLED)
@@ -296,7 +319,7 @@ def decode(
     batch, heads, _, dim = queries.shape
     _, kv_heads, capacity, value_dim = values.shape
     group = heads // kv_heads
-    splits = -(-capacity // CHUNK)
+    splits = -(-capacity // chunk_keys(capacity))
     n_warps = warps(group, value_dim)
     partial_out, partial_stats = _partial_kernel(scale)(
         inputs=[queries, keys, values, rows],
@@ -307,6 +330,7 @@ def decode(
             ("G", group),
             ("NW", n_warps),
             ("CHUNK", CHUNK),
+            ("MAX_SPLITS", MAX_SPLITS),
             ("T", queries.dtype),
         ],
         grid=(batch * kv_heads * splits * n_warps * 32, 1, 1),
