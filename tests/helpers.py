@@ -267,3 +267,15 @@ def host_made_sizes(monkeypatch: object) -> list[int]:
 
     monkeypatch.setattr(attention_step, "owner_trace", traced)  # type: ignore[attr-defined]
     return sizes
+
+
+def assert_product_near(
+    got: mx.array, op: mx.array, exact: np.ndarray, bound: np.ndarray, op_bound: np.ndarray
+) -> None:
+    """A kernel's product *got* within *bound* of the float64 *exact* and within
+    *op_bound* of MLX's op *op*, elementwise (the largest excess in the message)."""
+    got64, op64 = (
+        np.array(a.astype(mx.float32), dtype=np.float64).reshape(exact.shape) for a in (got, op)
+    )
+    assert np.all(np.abs(got64 - exact) <= bound), np.max(np.abs(got64 - exact) - bound)
+    assert np.all(np.abs(got64 - op64) <= op_bound), np.max(np.abs(got64 - op64) - op_bound)

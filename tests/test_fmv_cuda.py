@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from helpers import assert_product_near
 from turbospark.layers.cuda import fmv as fmv_cuda
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
@@ -56,12 +57,7 @@ def _check(got: mx.array, x: mx.array, weight: mx.array) -> None:
     size = np.abs(x64) @ np.abs(w64).T
     bf16 = x.dtype == mx.bfloat16
     bound = 1e-6 * size + (2.0**-8 if bf16 else 0.0) * np.abs(exact)
-    got64, op64 = (
-        np.array(a.astype(mx.float32), dtype=np.float64).reshape(exact.shape) for a in (got, op)
-    )
-    assert np.all(np.abs(got64 - exact) <= bound), np.max(np.abs(got64 - exact) - bound)
-    op_bound = 2 * bound + (2.0**-8 if bf16 else 1e-5) * size
-    assert np.all(np.abs(got64 - op64) <= op_bound), np.max(np.abs(got64 - op64) - op_bound)
+    assert_product_near(got, op, exact, bound, 2 * bound + (2.0**-8 if bf16 else 1e-5) * size)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])

@@ -1,6 +1,6 @@
 """Which float products :func:`~turbospark.layers.stacked.matmul_t` hands the fmv kernel, on the CPU.
 
-On MLX's CUDA backend a float product of
+On MLX's CUDA backend, with ``TURBOSPARK_FMV_KERNEL=1``, a float product of
 :data:`~turbospark.layers.cuda.fmv.R_MIN` to
 :data:`~turbospark.layers.cuda.fmv.R_MAX` rows is the kernel
 (:func:`~turbospark.layers.cuda.fmv.fmv`); one row keeps MLX's gemv and more

@@ -101,10 +101,10 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
     product of a few rows (a decode step's) of an affine packing it fits is
     :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
-    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); a float product
-    of a few rows (a batched decode step's) is
-    :func:`~turbospark.layers.cuda.fmv.fmv`'s kernel, one kernel node where
-    MLX sets up a cuBLASLt call. :class:`PerModule` are each part's product,
+    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); with
+    ``TURBOSPARK_FMV_KERNEL=1``, a float product of a few rows (a batched
+    decode step's) is :func:`~turbospark.layers.cuda.fmv.fmv`'s kernel, one
+    kernel node where MLX sets up a cuBLASLt call. :class:`PerModule` are each part's product,
     concatenated."""
     if isinstance(weight_t, PerModule):
         return mx.concatenate([matmul_t(x, part) for part in weight_t.parts], axis=-1)
