@@ -104,8 +104,8 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); with
     ``TURBOSPARK_FMV_KERNEL=1``, a float product of a few rows (a batched
     decode step's) is :func:`~turbospark.layers.cuda.fmv.fmv`'s kernel, one
-    kernel node where MLX sets up a cuBLASLt call. :class:`PerModule` are each part's product,
-    concatenated."""
+    kernel node where MLX sets up a cuBLASLt call. :class:`PerModule` are
+    each part's product, concatenated."""
     if isinstance(weight_t, PerModule):
         return mx.concatenate([matmul_t(x, part) for part in weight_t.parts], axis=-1)
     if isinstance(weight_t, Packed):
