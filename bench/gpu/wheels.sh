@@ -23,6 +23,13 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
+# uv builds the project's wheels at the end: check for it before the downloads (CI's fallback form).
+if command -v uv >/dev/null 2>&1; then uv=(uv); elif python3 -m uv --version >/dev/null 2>&1; then
+  uv=(python3 -m uv)
+else
+  echo "bench/gpu/wheels.sh needs uv to build the project's wheels: python3 -m pip install uv" >&2
+  exit 1
+fi
 locked() { grep -A1 "^name = \"$1\"$" uv.lock | sed -n 's/^version = "\(.*\)"$/\1/p' | head -1; }
 MLX=${MLX_VERSION:-$(locked mlx)}
 MLXLM=${MLX_LM_VERSION:-$(locked mlx-lm)}
@@ -58,6 +65,6 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 S
 # The project's own packages as wheels (core, plugins), so their entry points exist there too.
-uv build -q --all-packages --wheel -o .gpu/part2/project >/dev/null
+"${uv[@]}" build -q --all-packages --wheel -o .gpu/part2/project >/dev/null
 rm -rf .gpu/dl
 du -sh .gpu/part1 .gpu/part2
