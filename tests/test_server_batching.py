@@ -218,6 +218,34 @@ def test_a_stream_whose_client_left_before_its_first_event_takes_back_its_announ
     assert service.admission.active == 0
 
 
+@pytest.mark.parametrize("stream_type", [EventStream, NdjsonStream])
+def test_a_stream_sent_whole_ends_cleanly(install, codec, stream_type):
+    """A stream sent to its end returns from the ASGI call (no error after its
+    last event, whether or not the metrics counter wrapped its route) and frees
+    its queue place."""
+    service = _reusing_app(install, codec, 2, max_batch=2).state.service
+    sent: list[dict[str, Any]] = []
+
+    async def events() -> AsyncGenerator[str, None]:
+        yield "one\n"
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def served() -> None:
+        with service.admission.admit() as ticket:
+            stream = stream_type(events(), ticket.hand_over())
+        await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(served())
+    assert next(m.get("body") for m in sent if m["type"] == "http.response.body") == b"one\n"
+    assert service.admission.active == 0
+
+
 def test_every_request_takes_back_its_announcement(install, codec):
     """A request tells the engine it is coming while its prompt is prepared
     (``Engine.expect``, so that a burst prefills together) and takes that back
