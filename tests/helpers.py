@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -279,3 +280,20 @@ def assert_product_near(
     )
     assert np.all(np.abs(got64 - exact) <= bound), np.max(np.abs(got64 - exact) - bound)
     assert np.all(np.abs(got64 - op64) <= op_bound), np.max(np.abs(got64 - op64) - op_bound)
+
+
+def recorded_kernel(
+    monkeypatch: Any, module: Any, entry: str, contract: Callable[..., mx.array]
+) -> list[tuple[int, ...]]:
+    """A kernel module made available as on CUDA, its *entry* replaced by a
+    recorder over *contract* (the kernel's contract in ops): the shapes of x
+    the kernel is handed, in order, as a CPU test's routing check reads them."""
+    shapes: list[tuple[int, ...]] = []
+
+    def recorder(x: mx.array, *args: Any) -> mx.array:
+        shapes.append(x.shape)
+        return contract(x, *args)
+
+    monkeypatch.setattr(module, "available", lambda: True)
+    monkeypatch.setattr(module, entry, recorder)
+    return shapes

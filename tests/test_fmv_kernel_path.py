@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import batched_greedy
+from helpers import batched_greedy, recorded_kernel
 from turbospark.generation.runner import Runner
 from turbospark.layers.cuda import fmv as fmv_cuda
 from turbospark.layers.stacked import Packed, gemm_add, matmul_t
@@ -33,15 +33,7 @@ WIDTH = 96
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The shapes of x the kernel was handed (its contract computing them),
     with the kernel available as on CUDA."""
-    shapes: list[tuple[int, ...]] = []
-
-    def recorder(x: mx.array, weight_t: mx.array) -> mx.array:
-        shapes.append(x.shape)
-        return fmv_cuda.fmv_ops(x, weight_t)
-
-    monkeypatch.setattr(fmv_cuda, "available", lambda: True)
-    monkeypatch.setattr(fmv_cuda, "fmv", recorder)
-    return shapes
+    return recorded_kernel(monkeypatch, fmv_cuda, "fmv", fmv_cuda.fmv_ops)
 
 
 def _weight_t(dtype: mx.Dtype = mx.float32, outputs: int = 40) -> mx.array:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from turbospark.generation.generate import GenerationConfig, generate
 from turbospark.generation.runner import Runner
 from turbospark.server import ThreadedServer, create_app
 from turbospark.server.ollama import NdjsonStream
-from turbospark.server.service import GIL_SWITCH_INTERVAL_S, EventStream
+from turbospark.server.service import GIL_SWITCH_INTERVAL_S, EventStream, Service
 from turbospark.server.worker import RunnerWorker
 from turbospark.text import TextCodec, load_text
 
@@ -187,6 +187,26 @@ def test_a_stream_that_fell_behind_gets_its_queued_chunks_in_one_batch(install, 
     assert len(alone) == 13 and max(len(batch) for batch in batches) > 1
 
 
+async def _send_stream(
+    service: Service,
+    stream_type: type[EventStream],
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+) -> None:
+    """A stream of one event (``"one\\n"``) made as a route makes it (its queue
+    place handed over) and served to *send*, with a client that never sends."""
+
+    async def events() -> AsyncGenerator[str, None]:
+        yield "one\n"
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    with service.admission.admit() as ticket:
+        stream = stream_type(events(), ticket.hand_over())
+    await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+
 @pytest.mark.parametrize("stream_type", [EventStream, NdjsonStream])
 def test_a_stream_whose_client_left_before_its_first_event_takes_back_its_announcement(
     install, codec, stream_type
@@ -197,21 +217,13 @@ def test_a_stream_whose_client_left_before_its_first_event_takes_back_its_announ
     back and frees the queue place instead (each stream type the routes use)."""
     service = _reusing_app(install, codec, 2, max_batch=2, gather_s=30.0).state.service
 
-    async def events() -> AsyncGenerator[str, None]:
-        yield "never sent"
-
     async def gone(message: dict[str, Any]) -> None:
         raise OSError("the client hung up")
 
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.disconnect"}
-
     async def served() -> None:
         service._announce()
-        with service.admission.admit() as ticket:
-            stream = stream_type(events(), ticket.hand_over())
         with contextlib.suppress(OSError, ClientDisconnect):
-            await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, gone)
+            await _send_stream(service, stream_type, gone)
 
     asyncio.run(served())
     assert service.engine._coming == set()
@@ -226,22 +238,10 @@ def test_a_stream_sent_whole_ends_cleanly(install, codec, stream_type):
     service = _reusing_app(install, codec, 2, max_batch=2).state.service
     sent: list[dict[str, Any]] = []
 
-    async def events() -> AsyncGenerator[str, None]:
-        yield "one\n"
-
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    async def receive() -> dict[str, Any]:
-        await asyncio.sleep(10)
-        return {"type": "http.disconnect"}
-
-    async def served() -> None:
-        with service.admission.admit() as ticket:
-            stream = stream_type(events(), ticket.hand_over())
-        await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
-
-    asyncio.run(served())
+    asyncio.run(_send_stream(service, stream_type, send))
     assert next(m.get("body") for m in sent if m["type"] == "http.response.body") == b"one\n"
     assert service.admission.active == 0
 
