@@ -12,9 +12,7 @@ Ops, each at ``--rows`` rows (a server's batch) over a ``--width`` x
 ``--outputs`` weight: ``matmul`` (``x @ w.T``), ``addmm`` (a product with a
 residual added, as a batched step's ``AddMM``), ``elementwise`` (one
 multiply); on CUDA also ``custom`` (a trivial ``mx.fast.cuda_kernel``, as our
-kernels are encoded) and, from two rows, ``fmv`` (our few-row product
-kernel, :mod:`turbospark.layers.cuda.fmv`, called eagerly: its build time
-includes the source MLX assembles per call, which a traced step pays once). Medians over ``--reps`` after three warm-ups.
+kernels are encoded). Medians over ``--reps`` after three warm-ups.
 
     python3 bench/encode_cost.py [--rows 1 2 4 8 16] [--n 100] [--json]
 """
@@ -34,8 +32,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
-
-from turbospark.layers.cuda import fmv as fmv_cuda
 
 Build = Callable[[], list[mx.array]]
 
@@ -63,7 +59,7 @@ def _copy_kernel() -> Any:
         name="turbospark_bench_copy",
         input_names=["a"],
         output_names=["o"],
-        source="const uint i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        source="const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
         "if (i < a_shape[0]) o[i] = a[i];",
     )
 
@@ -72,7 +68,6 @@ def encode_cost(
     rows: tuple[int, ...], width: int, outputs: int, n: int, reps: int, dtype: mx.Dtype
 ) -> dict[str, Any]:
     """Each op's :func:`timed` figures, by name and rows."""
-    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     weights = [mx.random.normal((outputs, width)).astype(dtype) for _ in range(4)]
     mx.eval(weights)
     out: dict[str, Any] = {"rows": {}}
@@ -88,14 +83,10 @@ def encode_cost(
                 reps,
             ),
         }
-        if cuda and fmv_cuda.fits(x, weights[0].T):
-            out["rows"][r]["fmv"] = timed(
-                lambda x=x: [fmv_cuda.fmv(x, weights[i % 4].T) for i in range(n)], n, reps
-            )
     a = mx.random.normal((outputs,)).astype(dtype)
     mx.eval(a)
     out["elementwise"] = timed(lambda: [a * float(i + 1) for i in range(n)], n, reps)
-    if cuda:
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
         kernel = _copy_kernel()
 
         def custom() -> list[mx.array]:

@@ -32,7 +32,6 @@ import pytest
 
 from helpers import GDN_DIMS, gdn_inputs
 from turbospark.layers.cuda import attention as attention_cuda
-from turbospark.layers.cuda import fmv as fmv_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda import heads as heads_cuda
 from turbospark.layers.cuda import norm as norm_cuda
@@ -63,7 +62,6 @@ BUILDERS = [
     gdn_cuda._kernel,
     gdn_cuda._decode_kernel,
     qmv_cuda._kernel,
-    fmv_cuda._kernel,
 ]
 
 
@@ -161,10 +159,6 @@ def _call_every_kernel(dtype: mx.Dtype) -> None:
         x = mx.zeros((rows, 1, width), dtype=dtype)
         assert qmv_cuda.takes(x, w, scales, biases, group_size, bits, "affine")
         qmv_cuda.qmv(x, w, scales, biases, group_size, bits, variant)
-    for rows, width in [(fmv_cuda.R_MIN, 2048), (fmv_cuda.R_MAX, 100)]:
-        x, weight = _zeros((rows, 1, width), (7, width), dtype=dtype)
-        assert fmv_cuda.takes(x, weight.T)
-        fmv_cuda.fmv(x, weight.T)
 
 
 @pytest.fixture
@@ -173,7 +167,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[tuple, dict[str, 
     for builder in BUILDERS:
         builder.cache_clear()
     monkeypatch.setattr(mx.fast, "cuda_kernel", _recorder(kernels))
-    for module in (norm_cuda, heads_cuda, steer_cuda, qmv_cuda, fmv_cuda):
+    for module in (norm_cuda, heads_cuda, steer_cuda, qmv_cuda):
         monkeypatch.setattr(module, "available", lambda: True)
     yield kernels
     for builder in BUILDERS:
@@ -227,7 +221,7 @@ def test_every_kernel_compiles_for_sm90(
     # and each join_norm form, attention scale and steering join is there.
     assert all(builder.cache_info().currsize for builder in BUILDERS)
     names = {name for name, _ in recorded}
-    assert len(names) == 8 + 2 + 3 + 1 + 3 + 2 + 1 + 1 + 1, sorted(names)
+    assert len(names) == 8 + 2 + 3 + 1 + 3 + 2 + 1 + 1, sorted(names)
     source = tmp_path / "kernels.cu"
     source.write_text(_translation_unit(list(recorded.values())))
     done = subprocess.run(

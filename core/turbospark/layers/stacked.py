@@ -45,7 +45,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark.layers import fused
-from turbospark.layers.cuda import fmv as fmv_cuda
 from turbospark.layers.cuda import qmv as qmv_cuda
 
 
@@ -101,11 +100,8 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
     product of a few rows (a decode step's) of an affine packing it fits is
     :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
-    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); with
-    ``TURBOSPARK_FMV_KERNEL=1``, a float product of a few rows (a batched
-    decode step's) is :func:`~turbospark.layers.cuda.fmv.fmv`'s kernel, one
-    kernel node where MLX sets up a cuBLASLt call. :class:`PerModule` are
-    each part's product, concatenated."""
+    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``). :class:`PerModule`
+    are each part's product, concatenated."""
     if isinstance(weight_t, PerModule):
         return mx.concatenate([matmul_t(x, part) for part in weight_t.parts], axis=-1)
     if isinstance(weight_t, Packed):
@@ -115,8 +111,6 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
         )
-    if fmv_cuda.takes(x, weight_t):
-        return fmv_cuda.fmv(x, weight_t)
     return x @ weight_t
 
 
@@ -273,18 +267,16 @@ def project(linear: nn.Module, x: mx.array, residual: mx.array | None = None) ->
     if "bias" in linear:
         out = gemm_add(linear["bias"], x, weight_t)
         return out if residual is None else residual + out
-    return matmul_t(x, weight_t) if residual is None else gemm_add(residual, x, weight_t)
+    return x @ weight_t if residual is None else gemm_add(residual, x, weight_t)
 
 
 def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     """``addend + x @ weight_t``, *addend* a bias ``(out,)`` or a residual
     shaped as the product, in the form each device runs fastest.
 
-    - A packed weight (:class:`Packed`), :class:`PerModule`, or a product the
-      few-row kernel takes (:func:`~turbospark.layers.cuda.fmv.takes`): the
-      product (:func:`matmul_t`), then the add (there is no quantized GEMM
-      with a C operand, and the kernel's add is one elementwise node where
-      cuBLASLt's call is a set-up per call).
+    - A packed weight (:class:`Packed`), or :class:`PerModule`: the product
+      (:func:`matmul_t`), then the add (there is no quantized GEMM with a C
+      operand).
 
     - Mostly one GEMM, ``addmm`` with *addend* as its C operand: one kernel
       where a matmul and an add were two.
@@ -303,7 +295,7 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
       an 8192 -> 2048 projection: 114 ms against 13 ms folded). CUDA's does not (the H200: the same
       time either way).
     """
-    if isinstance(weight_t, Packed | PerModule) or fmv_cuda.takes(x, weight_t):
+    if isinstance(weight_t, Packed | PerModule):
         return addend + matmul_t(x, weight_t)
     gpu = fused.builds_for_gpu()
     if gpu and x.size == x.shape[-1]:
