@@ -33,7 +33,7 @@ fi
 locked() { grep -A1 "^name = \"$1\"$" uv.lock | sed -n 's/^version = "\(.*\)"$/\1/p' | head -1; }
 MLX=${MLX_VERSION:-$(locked mlx)}
 MLXLM=${MLX_LM_VERSION:-$(locked mlx-lm)}
-EXTRA=${GPU_EXTRA_WHEELS-llguidance prometheus-client gguf openai distro jiter httpx2 httpcore2 truststore pytest-xdist execnet}
+EXTRA=${GPU_EXTRA_WHEELS-llguidance prometheus-client gguf openai distro jiter sniffio httpx2 httpcore2 truststore pytest-xdist execnet}
 rm -rf .gpu && mkdir -p .gpu/dl .gpu/part1 .gpu/part2
 plat=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)

@@ -11,9 +11,9 @@ two (14 % of gemma4's device time in a trace on the H200).
 
 Here the keys are split into chunks (flash decoding) of :func:`chunk_keys`
 keys: :data:`CHUNK` while the buffers hold at most :data:`MAX_SPLITS` of
-those, longer past it (at 32k keys, chunks of 32 write 16.8 MB of float32
-partials a global layer, and one merge block a head walks 1,024 of them;
-whether fewer, longer chunks decode faster there is what the knob measures):
+those, longer past it (at 32k keys, chunks of 32 would write 16.8 MB of
+float32 partials a global layer, and one merge block a head would walk 1,024
+of them):
 
 - :func:`decode`'s first kernel gives each block one row's key/value head
   and one chunk. Its warps walk the chunk's keys with every query head of
@@ -60,12 +60,12 @@ from turbospark.layers.cuda import reduce as reduce_cuda
 # benchmarks' A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
 ENABLED = os.environ.get("TURBOSPARK_ATTENTION_KERNEL", "1") != "0"
 CHUNK = 32  # keys a block at least: a 2k context over two key/value heads is 128 blocks
-# Chunks a head at most (TURBOSPARK_ATTENTION_SPLITS, the benchmarks' A/B,
-# e.g. 256), read once at import: past CHUNK * MAX_SPLITS keys a chunk grows,
-# in steps of CHUNK, and a block walks more keys instead of a head writing
-# more partials. The default keeps chunks of CHUNK up to 32M keys: the
-# long-context rows were measured so, and no other setting has run on a GPU.
-MAX_SPLITS = int(os.environ.get("TURBOSPARK_ATTENTION_SPLITS", str(1 << 20)))
+# Chunks a head at most (TURBOSPARK_ATTENTION_SPLITS, read once at import):
+# past CHUNK * MAX_SPLITS keys (8k) a chunk grows, in steps of CHUNK, and a
+# block walks more keys instead of a head writing more partials. At 32k keys
+# gemma4 `large` decoded ~20 % faster on an H100 with 256 (or 64) than with
+# chunks of 32 at every length (docs/CUDA.md).
+MAX_SPLITS = int(os.environ.get("TURBOSPARK_ATTENTION_SPLITS", "256"))
 WARPS = 4  # warps a block; each takes every WARPS-th key of the chunk
 # Registers a lane holds for the group's queries and their running outputs
 # (G * (D + Dv) / 32 floats); past this the kernel would spill, so the matmul
