@@ -64,7 +64,7 @@ CHUNK = 32  # keys a block at least: a 2k context over two key/value heads is 12
 # past CHUNK * MAX_SPLITS keys (8k) a chunk grows, in steps of CHUNK, and a
 # block walks more keys instead of a head writing more partials. At 32k keys
 # gemma4 `large` decoded ~20 % faster on an H100 with 256 (or 64) than with
-# chunks of 32 at every length (docs/CUDA.md).
+# chunks of 32 at every length (docs/PERFORMANCE.md, the long prompts).
 MAX_SPLITS = int(os.environ.get("TURBOSPARK_ATTENTION_SPLITS", "256"))
 WARPS = 4  # warps a block; each takes every WARPS-th key of the chunk
 # Registers a lane holds for the group's queries and their running outputs
