@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -268,32 +267,3 @@ def host_made_sizes(monkeypatch: object) -> list[int]:
 
     monkeypatch.setattr(attention_step, "owner_trace", traced)  # type: ignore[attr-defined]
     return sizes
-
-
-def assert_product_near(
-    got: mx.array, op: mx.array, exact: np.ndarray, bound: np.ndarray, op_bound: np.ndarray
-) -> None:
-    """A kernel's product *got* within *bound* of the float64 *exact* and within
-    *op_bound* of MLX's op *op*, elementwise (the largest excess in the message)."""
-    got64, op64 = (
-        np.array(a.astype(mx.float32), dtype=np.float64).reshape(exact.shape) for a in (got, op)
-    )
-    assert np.all(np.abs(got64 - exact) <= bound), np.max(np.abs(got64 - exact) - bound)
-    assert np.all(np.abs(got64 - op64) <= op_bound), np.max(np.abs(got64 - op64) - op_bound)
-
-
-def recorded_kernel(
-    monkeypatch: Any, module: Any, entry: str, contract: Callable[..., mx.array]
-) -> list[tuple[int, ...]]:
-    """A kernel module made available as on CUDA, its *entry* replaced by a
-    recorder over *contract* (the kernel's contract in ops): the shapes of x
-    the kernel is handed, in order, as a CPU test's routing check reads them."""
-    shapes: list[tuple[int, ...]] = []
-
-    def recorder(x: mx.array, *args: Any) -> mx.array:
-        shapes.append(x.shape)
-        return contract(x, *args)
-
-    monkeypatch.setattr(module, "available", lambda: True)
-    monkeypatch.setattr(module, entry, recorder)
-    return shapes

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import dequantize_model
 
-from helpers import chunks_and_steps, recorded_kernel
+from helpers import chunks_and_steps
 from turbospark.generation.runner import Runner
 from turbospark.layers.cuda import qmv as qmv_cuda
 from turbospark.layers.stacked import Packed, matmul_t
@@ -39,7 +39,15 @@ WIDTH = 256
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The shapes of x the kernel was handed (its contract computing them),
     with the kernel available as on CUDA."""
-    return recorded_kernel(monkeypatch, qmv_cuda, "qmv", qmv_cuda.qmv_ops)
+    shapes: list[tuple[int, ...]] = []
+
+    def recorder(x: mx.array, *args: object) -> mx.array:
+        shapes.append(x.shape)
+        return qmv_cuda.qmv_ops(x, *args)
+
+    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(qmv_cuda, "qmv", recorder)
+    return shapes
 
 
 def _packed(bits: int, group_size: int, mode: str = "affine", outputs: int = 40) -> Packed:
