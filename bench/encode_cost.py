@@ -11,8 +11,8 @@ capture). The wall time to the results, over *n*, says what the device adds.
 Ops, each at ``--rows`` rows (a server's batch) over a ``--width`` x
 ``--outputs`` weight: ``matmul`` (``x @ w.T``), ``addmm`` (a product with a
 residual added, as a batched step's ``AddMM``), ``elementwise`` (one
-multiply); on CUDA also ``custom`` (a trivial ``mx.fast.cuda_kernel``, as our
-kernels are encoded). Medians over ``--reps`` after three warm-ups.
+multiply); on CUDA also ``custom`` (a trivial kernel built and launched as
+ours are, :class:`turbospark.layers.cuda.kernel.Kernel`). Medians over ``--reps`` after three warm-ups.
 
     python3 bench/encode_cost.py [--rows 1 2 4 8 16] [--n 100] [--json]
 """
@@ -32,6 +32,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
+
+from turbospark.layers.cuda.kernel import Kernel
 
 Build = Callable[[], list[mx.array]]
 
@@ -54,8 +56,8 @@ def timed(build: Build, n: int, reps: int) -> dict[str, float]:
     return {"encode_us": statistics.median(encode), "wall_us": statistics.median(wall)}
 
 
-def _copy_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+def _copy_kernel() -> Kernel:
+    return Kernel(
         name="turbospark_bench_copy",
         input_names=["a"],
         output_names=["o"],

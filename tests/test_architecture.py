@@ -22,6 +22,7 @@ CORE = ROOT / "core" / "turbospark"
 # A module may import its own part and any part of a lower rank, never one of its rank or above.
 RANKS = {
     "errors": 0,
+    "paths": 0,
     "state": 1,
     "contract": 2,
     "text": 2,

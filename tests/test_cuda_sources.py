@@ -1,20 +1,15 @@
-"""Every hand-written CUDA kernel compiles for the H200 (sm_90), on a machine without a GPU.
+"""Every hand-written CUDA kernel compiles for the H100 and H200 (sm_90), on a machine without a GPU.
 
 The kernels run only on MLX's CUDA backend (``tests/test_*_cuda.py``, on the
 bench machine), so without this an edit to one goes untested until a device
 session, which is short and often spent. Here each kernel module's entry is
-called on the CPU with ``mx.fast.cuda_kernel`` replaced by a recorder. The
-recorder keeps what MLX would be given: the kernel's name, source, header,
-inputs' names and dtypes, and template. Each distinct kernel is then written
-out the way MLX's CUDA backend wraps a source: a ``__global__`` function
-whose inputs are typed pointers, each with ``_shape``, ``_strides`` and
-``_ndim`` beside it, under the kernel's template parameters, after its
-header. One translation unit holds them all, each kernel in its own
-namespace, and nvcc compiles it. Skipped where nvcc is absent.
-
-The wrapper is close to MLX's, not MLX's own, so this catches a source that
-does not compile (a typo, a missing header function, a type error), not a
-launch that fails. The GPU tests still decide correctness.
+called on the CPU with the compile step (:func:`turbospark.layers.cuda.kernel.cubin`)
+and MLX's launch replaced by recorders, which keep the very source NVRTC
+would compile. nvcc then compiles every one of them in one translation unit
+(the shared prelude once, each kernel in its own namespace), and NVRTC
+compiles each where its library is found (``TURBOSPARK_NVRTC`` names it
+here). This catches a source that does not compile (a typo, a missing header
+function, a type error), not a launch that fails: the GPU tests decide that.
 """
 
 from __future__ import annotations
@@ -34,20 +29,23 @@ from helpers import GDN_DIMS, gdn_inputs
 from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda import heads as heads_cuda
+from turbospark.layers.cuda import kernel as kernel_module
 from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.layers.cuda import nvrtc
 from turbospark.layers.cuda import qmv as qmv_cuda
 from turbospark.layers.cuda import steer as steer_cuda
 
 NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
 
-C_TYPES = {
-    mx.float32: "float",
-    mx.bfloat16: "__nv_bfloat16",
-    mx.float16: "__half",
-    mx.int32: "int32_t",
-    mx.uint32: "uint32_t",
-}
+
+def _has_nvrtc() -> bool:
+    try:
+        nvrtc.library()
+    except OSError:
+        return False
+    return bool(nvrtc.include_dirs())
+
+
 # qmv's variants (outputs a warp, unroll, shared x) compiled beside its default:
 # the extremes of each knob.
 QMV_VARIANTS = [(8, 4, False), (2, 1, True), (8, 2, True)]
@@ -63,41 +61,6 @@ BUILDERS = [
     gdn_cuda._decode_kernel,
     qmv_cuda._kernel,
 ]
-
-
-def _recorder(kernels: dict[tuple, dict[str, Any]]) -> Any:
-    """A stand-in for ``mx.fast.cuda_kernel`` whose kernels record each call
-    in *kernels* (by name and template) and return zeros of the outputs."""
-
-    def cuda_kernel(
-        name: str,
-        input_names: list[str],
-        output_names: list[str],
-        source: str,
-        header: str = "",
-        **_: Any,
-    ) -> Any:
-        def call(
-            inputs: list[mx.array],
-            template: list[tuple[str, Any]],
-            output_shapes: list[tuple[int, ...]],
-            output_dtypes: list[mx.Dtype],
-            **_: Any,
-        ) -> list[mx.array]:
-            key = (name, tuple((k, str(v)) for k, v in template))
-            kernels[key] = {
-                "name": name,
-                "source": source,
-                "header": header,
-                "inputs": list(zip(input_names, (x.dtype for x in inputs), strict=True)),
-                "outputs": list(zip(output_names, output_dtypes, strict=True)),
-                "template": template,
-            }
-            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-
-        return call
-
-    return cuda_kernel
 
 
 def _zeros(*shapes: tuple[int, ...], dtype: mx.Dtype) -> list[mx.array]:
@@ -162,80 +125,60 @@ def _call_every_kernel(dtype: mx.Dtype) -> None:
 
 
 @pytest.fixture
-def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[tuple, dict[str, Any]]]:
-    kernels: dict[tuple, dict[str, Any]] = {}
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Every distinct kernel source the entries build, by its function's
+    name; MLX's launch returns zeros of the outputs."""
+    kernels: dict[str, str] = {}
+
+    def cubin(name: str, source: str) -> bytes:
+        kernels[name] = source
+        return b""
+
+    def launch(*, output_shapes: list, output_dtypes: list, **_: Any) -> list[mx.array]:
+        return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
     for builder in BUILDERS:
         builder.cache_clear()
-    monkeypatch.setattr(mx.fast, "cuda_kernel", _recorder(kernels))
+    monkeypatch.setattr(kernel_module, "cubin", cubin)
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", launch)
     for module in (norm_cuda, heads_cuda, steer_cuda, qmv_cuda):
         monkeypatch.setattr(module, "available", lambda: True)
+    for dtype in (mx.float32, mx.bfloat16):
+        _call_every_kernel(dtype)
     yield kernels
     for builder in BUILDERS:
         builder.cache_clear()
 
 
-def _translation_unit(kernels: list[dict[str, Any]]) -> str:
-    """*kernels* as one .cu, each call's kernel in a namespace of its own (the
-    headers repeat) with its inputs' own types, as MLX builds one source a
-    template: its template instantiated once."""
-    parts = ["#include <cstdint>", "#include <cuda_bf16.h>", "#include <cuda_fp16.h>"]
-    for i, kernel in enumerate(kernels):
-        template = kernel["template"]
-        params = [
-            f"typename {k}"
-            if isinstance(v, mx.Dtype)
-            else f"bool {k}"
-            if isinstance(v, bool)
-            else f"int {k}"
-            for k, v in template
-        ]
-        args = [C_TYPES[v] if isinstance(v, mx.Dtype) else str(v).lower() for _, v in template]
-        signature = []
-        for name, dtype in kernel["inputs"]:
-            signature += [
-                f"const {C_TYPES[dtype]}* {name}",
-                f"const int32_t* {name}_shape",
-                f"const int64_t* {name}_strides",
-                f"int {name}_ndim",
-            ]
-        signature += [f"{C_TYPES[dtype]}* {name}" for name, dtype in kernel["outputs"]]
-        function = re.sub(r"\W", "_", kernel["name"])
-        parts += [
-            f"namespace k{i} {{",
-            kernel["header"],
-            f"template <{', '.join(params)}>" if params else "",
-            f"__global__ void {function}({', '.join(signature)}) {{\n{kernel['source']}\n}}",
-            f"void* keep = (void*)&{function}<{', '.join(args)}>;" if params else "",
-            "}",
-        ]
-    return "\n".join(parts) + "\n"
+def test_every_entry_builds_its_kernels(recorded: dict[str, str]) -> None:
+    # Every builder was reached (a kernel the calls miss is not compiled),
+    # and each join_norm form, attention scale and steering join is there.
+    assert all(builder.cache_info().currsize for builder in BUILDERS)
+    bases = {re.sub(r"_[0-9a-f]{16}$", "", name) for name in recorded}
+    assert len(bases) == 8 + 2 + 1 + 1 + 3 + 2 + 1 + 1, sorted(bases)
+    assert all(f'extern "C" __global__ void {name}(' in text for name, text in recorded.items())
 
 
 @pytest.mark.slow  # builds every kernel with nvcc: ~7 s on two cores
-def test_every_kernel_compiles_for_sm90(
-    recorded: dict[tuple, dict[str, Any]], tmp_path: Path
-) -> None:
-    for dtype in (mx.float32, mx.bfloat16):
-        _call_every_kernel(dtype)
-    # Every builder was reached (a kernel the calls above miss is not compiled),
-    # and each join_norm form, attention scale and steering join is there.
-    assert all(builder.cache_info().currsize for builder in BUILDERS)
-    names = {name for name, _ in recorded}
-    assert len(names) == 8 + 2 + 3 + 1 + 3 + 2 + 1 + 1, sorted(names)
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+def test_every_kernel_compiles_for_sm90_with_nvcc(recorded: dict[str, str], tmp_path: Path) -> None:
+    parts = [kernel_module.PRELUDE]
+    for i, text in enumerate(recorded.values()):
+        assert text.startswith(kernel_module.PRELUDE)
+        parts.append(f"namespace k{i} {{\n{text[len(kernel_module.PRELUDE) :]}}}\n")
     source = tmp_path / "kernels.cu"
-    source.write_text(_translation_unit(list(recorded.values())))
+    source.write_text("\n".join(parts))
     done = subprocess.run(
-        [
-            NVCC,
-            "-arch=sm_90",
-            "-std=c++17",
-            "-cubin",
-            "-o",
-            str(tmp_path / "kernels.cubin"),
-            str(source),
-        ],
+        [NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(tmp_path / "k.cubin"), str(source)],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert done.returncode == 0, "\n".join(errors[:20]) or done.stderr[-4000:]
+
+
+@pytest.mark.skipif(not _has_nvrtc(), reason="needs NVRTC (set TURBOSPARK_NVRTC to libnvrtc.so)")
+def test_every_kernel_compiles_for_sm90_with_nvrtc(recorded: dict[str, str]) -> None:
+    for name, text in recorded.items():
+        assert nvrtc.compile_cubin(text, name, "sm_90").startswith(b"\x7fELF"), name

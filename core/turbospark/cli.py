@@ -54,7 +54,7 @@ def keep_compiled_kernels() -> None:
         return
     from importlib.metadata import PackageNotFoundError, version
 
-    from turbospark.loading.sources import cache_root
+    from turbospark.paths import cache_root
 
     try:
         mlx = version("mlx")

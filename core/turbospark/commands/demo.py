@@ -132,7 +132,7 @@ def run_workload(
 
 def run(args: argparse.Namespace) -> int:
     from turbospark.generation.runner import Runner
-    from turbospark.loading.sources import cache_root
+    from turbospark.paths import cache_root
     from turbospark.text import load_text
 
     path = demo_install(args.family, args.cache_dir or cache_root())

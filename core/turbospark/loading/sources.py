@@ -57,6 +57,7 @@ from turbospark.loading.install import (
     sha256_file,
 )
 from turbospark.loading.plugins import FamilyRegistry, default_registry
+from turbospark.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,6 @@ class CheckpointRecord(BaseModel):
     format_version: Literal[1] = 1
     directory: str
     files: dict[str, RecordedFile]
-
-
-def cache_root() -> Path:
-    """``$TURBOSPARK_CACHE``, else ``$XDG_CACHE_HOME/turbospark``, else ``~/.cache/turbospark``."""
-    if explicit := os.environ.get("TURBOSPARK_CACHE"):
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "turbospark"
 
 
 def record_path(directory: Path) -> Path:

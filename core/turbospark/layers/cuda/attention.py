@@ -55,6 +55,7 @@ import mlx.core as mx
 
 from turbospark.layers import fused
 from turbospark.layers.cuda import reduce as reduce_cuda
+from turbospark.layers.cuda.kernel import Kernel
 
 # TURBOSPARK_ATTENTION_KERNEL=0 keeps the matmul form on CUDA too (the
 # benchmarks' A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
@@ -269,23 +270,20 @@ def takes_shape(group: int, dim: int, value_dim: int) -> bool:
 
 
 @functools.cache
-def _partial_kernel(scale: float) -> object:
+def _partial_kernel(scale: float) -> Kernel:
     literal = repr(float(scale))
-    suffix = "s" + literal.replace(".", "p").replace("-", "m")
-    return mx.fast.cuda_kernel(
-        # MLX caches a kernel by its name and template: the scale, a literal, is in the name.
-        name=f"turbospark_decode_attention_{suffix}",
+    return Kernel(
+        name="turbospark_decode_attention",
         input_names=["queries", "keys", "values", "rows"],
         output_names=["partial_out", "partial_stats"],
         source=f"    constexpr float SCALE = {literal}f;\n" + _PARTIAL,
         header=reduce_cuda.HEADER,
-        ensure_row_contiguous=False,
     )
 
 
 @functools.cache
-def _merge_kernel() -> object:
-    return mx.fast.cuda_kernel(
+def _merge_kernel() -> Kernel:
+    return Kernel(
         name="turbospark_decode_attention_merge",
         input_names=["partial_out", "partial_stats"],
         output_names=["out"],
@@ -323,7 +321,6 @@ def decode(
     n_warps = warps(group, value_dim)
     partial_out, partial_stats = _partial_kernel(scale)(
         inputs=[queries, keys, values, rows],
-        # The dtype is in the kernel's name (its cache key), not only in its signature.
         template=[
             ("D", dim),
             ("DV", value_dim),

@@ -58,6 +58,7 @@ import mlx.nn as nn
 
 from turbospark.layers import fused
 from turbospark.layers.cuda import reduce as reduce_cuda
+from turbospark.layers.cuda.kernel import Kernel
 from turbospark.layers.gated_delta.gates import causal_conv_with_tail, gated_rms_norm
 
 WARPS = 4  # warps per block: one block is WARPS rows of one value head's state
@@ -162,8 +163,8 @@ def available() -> bool:
 
 
 @functools.cache
-def _kernel(keep: bool) -> object:
-    return mx.fast.cuda_kernel(
+def _kernel(keep: bool) -> Kernel:
+    return Kernel(
         name="turbospark_gated_delta" + ("_keep" if keep else ""),
         input_names=["mixed", "proj", "rate", "state_in"],
         output_names=["out", "state", "states"] if keep else ["out", "state"],
@@ -196,7 +197,6 @@ def gated_delta(
     return tuple(
         _kernel(keep)(
             inputs=[mixed, proj, rate, state],
-            # The dtypes are in the kernel's name (its cache key), not only in its signature.
             template=[
                 ("HK", key_heads),
                 ("HV", value_heads),
@@ -331,9 +331,9 @@ def rows_per_warp(value_head_dim: int) -> int:
 
 
 @functools.cache
-def _decode_kernel(eps: float) -> object:
+def _decode_kernel(eps: float) -> Kernel:
     line, suffix = fused.eps_constant(eps)
-    return mx.fast.cuda_kernel(
+    return Kernel(
         name=f"turbospark_gdn_decode_{suffix}",
         input_names=["proj", "tail_in", "conv_w", "bias", "rate", "state_in", "norm_w"],
         output_names=["out", "state", "tail"],
@@ -385,7 +385,6 @@ def decode_mixer(
                 ("ROWS", rows),
                 ("Z_OFF", channels),
                 ("A_OFF", channels + value_heads * value_head_dim),
-                # Every input's dtype in the kernel's name (its cache key).
                 ("ProjT", proj.dtype),
                 ("ConvT", conv_weight.dtype),
                 ("BiasT", in_bias.dtype),

@@ -37,6 +37,7 @@ import mlx.core as mx
 from turbospark.layers import fused
 from turbospark.layers.attention import normed_heads
 from turbospark.layers.cuda import reduce as reduce_cuda
+from turbospark.layers.cuda.kernel import Kernel
 from turbospark.layers.rope import apply_rope
 
 # TURBOSPARK_HEADS_KERNEL=0 keeps the ops on CUDA too (the benchmarks' A/B, as
@@ -100,9 +101,9 @@ _STORE_ALL = """
 
 
 @functools.cache
-def _kernel(owner: bool, eps: float) -> object:
+def _kernel(owner: bool, eps: float) -> Kernel:
     eps_line, eps_name = fused.eps_constant(eps)
-    return mx.fast.cuda_kernel(
+    return Kernel(
         name=f"turbospark_heads_norm_rope_{'qkv' if owner else 'q'}_{eps_name}",
         input_names=["x", "weight", "offset", "freqs"],
         output_names=["queries", "keys", "values"] if owner else ["queries"],
@@ -175,7 +176,6 @@ def norm_rope(
     return tuple(
         _kernel(kv_heads > 0, eps)(
             inputs=[x, weight, start.astype(mx.int32), freqs.astype(mx.float32)],
-            # The dtype is in the kernel's name (its cache key), not only in its signature.
             template=[
                 ("D", dim),
                 ("N_IN", n_in),

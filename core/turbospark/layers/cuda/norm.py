@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from turbospark.layers import fused
 from turbospark.layers.cuda import reduce as reduce_cuda
+from turbospark.layers.cuda.kernel import Kernel
 
 # TURBOSPARK_NORM_KERNEL=0 keeps the ops forms on CUDA too (the benchmarks'
 # A/B, as TURBOSPARK_GDN_KERNEL), read once at import.
@@ -145,10 +146,10 @@ def _block(width: int) -> int:
 
 
 @functools.cache
-def _kernel(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> object:
+def _kernel(has_uw: bool, has_scale: bool, has_w: bool, eps: float) -> Kernel:
     flags = f"{int(has_uw)}{int(has_scale)}{int(has_w)}"
     inputs = ["h", "update"] + ["update_weight"] * has_uw + ["scale"] * has_scale
-    return mx.fast.cuda_kernel(
+    return Kernel(
         name=f"turbospark_join_norm_{flags}_{fused.eps_constant(eps)[1]}",
         input_names=[*inputs, *["weight"] * has_w],
         output_names=["joined", "normed"] if has_w else ["joined"],
@@ -190,7 +191,6 @@ def join_norm(
     block = _block(width)
     outs = _kernel(update_weight is not None, scale is not None, weight is not None, eps)(
         inputs=[h, update, *parts],
-        # The dtype is in the kernel's name (its cache key), not only in its signature.
         template=[("H", width), ("BLOCK", block), ("T", h.dtype)],
         grid=(h.size // width * block, 1, 1),
         threadgroup=(block, 1, 1),

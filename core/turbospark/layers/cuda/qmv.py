@@ -51,6 +51,7 @@ import mlx.core as mx
 
 from turbospark.layers import fused
 from turbospark.layers.cuda import reduce as reduce_cuda
+from turbospark.layers.cuda.kernel import Kernel
 
 # TURBOSPARK_QMV_KERNEL=0 keeps mx.quantized_matmul on CUDA too (the
 # benchmarks' A/B, as TURBOSPARK_NORM_KERNEL), read once at import.
@@ -335,8 +336,8 @@ _SOURCE = """
 
 
 @functools.cache
-def _kernel() -> object:
-    return mx.fast.cuda_kernel(
+def _kernel() -> Kernel:
+    return Kernel(
         name="turbospark_qmv",
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],

@@ -1,9 +1,9 @@
 """The warp and block reductions every CUDA kernel here shares, as one header.
 
 Each kernel module passes :data:`HEADER` (ahead of any header of its own) to
-``mx.fast.cuda_kernel``, so a sum is reduced the same way in the norms, the
-heads, the attention merge, the steering and the gated delta rule, and a fix
-to one is a fix to all of them.
+:class:`~turbospark.layers.cuda.kernel.Kernel`, so a sum is reduced the same
+way in the norms, the heads, the attention merge, the steering and the gated
+delta rule, and a fix to one is a fix to all of them.
 """
 
 HEADER = """

@@ -26,6 +26,7 @@ import functools
 import mlx.core as mx
 
 from turbospark.layers.cuda import reduce as reduce_cuda
+from turbospark.layers.cuda.kernel import Kernel
 
 THREADS = 256  # threads per block (one block per token row)
 
@@ -95,9 +96,9 @@ _JOINED = {
 
 
 @functools.cache
-def _kernel(join: int | None) -> object:
+def _kernel(join: int | None) -> Kernel:
     names, code = _JOINED[join]
-    return mx.fast.cuda_kernel(
+    return Kernel(
         name=f"turbospark_steer{join or ''}",
         input_names=names,
         output_names=["out"],
