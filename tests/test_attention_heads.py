@@ -140,6 +140,40 @@ def test_causal_blocks_are_the_whole_chunk(
     assert mx.allclose(got, want, atol=1e-6).item()
 
 
+def test_blocks_evaluated_one_at_a_time_are_the_blocks_queued_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a GPU's forward evaluates each block before queuing the next, the
+    output is the lazily chained blocks', bit for bit, one evaluation a block."""
+    from turbospark.layers import attention
+
+    q = mx.random.normal((1, HEADS, 9, DIM), key=mx.random.key(7))
+    buffer = mx.random.normal((1, 2, 30, 2 * DIM), key=mx.random.key(8))
+    keys, values = buffer[..., :DIM], buffer[..., DIM:]
+    monkeypatch.setattr(attention, "evaluates_blocks", lambda batch, length: False)
+    lazy = attention.causal_blocks(q, keys, values, 0.3, 2)
+    evaluated: list[tuple[int, ...]] = []
+    real_eval = mx.eval
+    monkeypatch.setattr(attention, "evaluates_blocks", lambda batch, length: True)
+    monkeypatch.setattr(mx, "eval", lambda *a: (evaluated.append(a[0].shape), real_eval(*a)))
+    one_at_a_time = attention.causal_blocks(q, keys, values, 0.3, 2)
+    monkeypatch.undo()
+    assert evaluated == [(1, HEADS, 2, DIM)] * 4 + [(1, HEADS, 1, DIM)]
+    assert mx.array_equal(one_at_a_time, lazy).item()
+
+
+def test_only_an_uncompiled_forward_on_a_gpu_evaluates_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from turbospark.layers import attention
+
+    assert not attention.evaluates_blocks(1, 512)  # the CPU holds one block at a time anyway
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert attention.evaluates_blocks(1, 512) and attention.evaluates_blocks(3, 2)
+    assert not attention.evaluates_blocks(1, 1)  # traced: a decode step, a verify pass
+    assert not attention.evaluates_blocks(1, fused.STEP_TOKENS)
+
+
 def test_a_chunk_within_the_bound_takes_the_op_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Within BLOCK_SCORES (every chat-sized prompt) nothing is blocked."""
     from turbospark.layers import attention
