@@ -63,7 +63,7 @@ def test_a_row_is_the_same_alone_and_batched_and_chunked() -> None:
     assert mx.array_equal(end, last)
 
 
-@pytest.mark.parametrize("module", ["gdn_cuda", "norm_cuda", "attention_cuda"])
+@pytest.mark.parametrize("module", ["gdn", "norm", "attention"])
 def test_available_follows_the_gpu_forms(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Turning the GPU forms off (how the tests get the reference forms on a GPU)
     turns each hand-written kernel off too."""
@@ -71,7 +71,7 @@ def test_available_follows_the_gpu_forms(module: str, monkeypatch: pytest.Monkey
 
     from turbospark.layers import fused
 
-    kernels = importlib.import_module(f"turbospark.layers.{module}")
+    kernels = importlib.import_module(f"turbospark.layers.cuda.{module}")
     mx.set_default_device(mx.gpu)
     assert kernels.available()
     monkeypatch.setattr(fused, "BUILD_FOR_GPU", False)

@@ -87,9 +87,11 @@ def _check(
     partial sums in bfloat16 (MLX's CUDA ``qmv``), so a bfloat16 ulp of the
     terms' sizes: loose, but a wrong scale, bias or value is far past it."""
     w, scales, biases = packed
-    op = qmv_cuda.qmv_ops(x, w, scales, biases, group_size, bits)
+    # MLX's op on rows (B, K): a one-dimensional x raised an IndexError on CUDA.
+    rows = x.reshape(-1, x.shape[-1])
+    op = qmv_cuda.qmv_ops(rows, w, scales, biases, group_size, bits).reshape(got.shape)
     assert got.shape == op.shape and got.dtype == op.dtype == x.dtype
-    x64 = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, x.shape[-1])
+    x64 = np.array(rows.astype(mx.float32), dtype=np.float64)
     scaled, bias = _terms64(w, scales, biases, group_size, bits)
     exact = x64 @ (scaled + bias).T
     size = np.abs(x64) @ (np.abs(scaled) + np.abs(bias)).T
@@ -162,7 +164,7 @@ def test_views_equal_their_copies(dtype: mx.Dtype) -> None:
 # multiple of any block's, a row shorter than a warp's pass, one group, a row
 # ending mid-pass (shared tiles ending mid-row at 3 rows), a row of two
 # shared tiles at one row, and 8 rows (a shared tile a pass).
-# Each variant is a kernel compiled per case (seconds each on the GPU), so
+# Each variant is a kernel of its own per case, and the cases multiply, so
 # here: every outputs-a-warp and staging at 4 passes, and every pass count at
 # the table's four outputs with x staged; tests/test_qmv_source.py holds every
 # combination equal bit for bit on the CPU.
