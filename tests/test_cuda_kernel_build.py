@@ -142,3 +142,9 @@ def test_nvrtc_missing_says_how_to_point_at_it(monkeypatch: pytest.MonkeyPatch) 
             nvrtc.library()
     finally:
         nvrtc.library.cache_clear()
+
+
+def test_no_cuda_headers_says_where_to_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvrtc, "include_dirs", lambda: ())
+    with pytest.raises(nvrtc.CompileError, match="CUDA_HOME"):
+        nvrtc.compile_cubin("", "k", "sm_90")

@@ -62,14 +62,15 @@ def version() -> tuple[int, int]:
 
 @functools.cache
 def include_dirs() -> tuple[str, ...]:
-    """Where ``cuda_bf16.h`` is (and CCCL beside MLX), as MLX's compiles look."""
+    """Where ``cuda_bf16.h`` is (and CCCL beside MLX), as MLX's compiles
+    look; none where no ``cuda_bf16.h`` is found."""
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     dirs = [Path(r) / "include" for r in roots if r]
     for entry in map(Path, sys.path):
         dirs += sorted(entry.glob("nvidia/*/include"))
     headers = [str(d) for d in dirs if (d / "cuda_bf16.h").exists()][:1]
     cccl = Path(mx.__file__).parent / "include" / "cccl"
-    return (*headers, *([str(cccl)] if cccl.is_dir() else []))
+    return () if not headers else (*headers, *([str(cccl)] if cccl.is_dir() else []))
 
 
 @functools.cache
@@ -90,6 +91,10 @@ def architecture() -> str:
 def compile_cubin(source: str, name: str, arch: str) -> bytes:
     """*source*'s cubin for *arch* (``sm_90``); :class:`CompileError` with
     NVRTC's log where it does not compile."""
+    if not include_dirs():
+        raise CompileError(
+            "cuda_bf16.h not found: set CUDA_HOME to the CUDA toolkit MLX's CUDA backend uses"
+        )
     nvrtc = library()
     program = ctypes.c_void_p()
     _check(
