@@ -16,7 +16,9 @@ kernel takes only pointers and scalars, so an input's ``x_shape`` and
 ``x_strides``, where the source names them, arrive as int scalars after the
 outputs and stand in local arrays of the same names. Every input is made
 row-contiguous before the launch (copied only where it is not), so its
-strides follow from its shape, which is known when the graph is built.
+strides follow from its shape, which is known when the graph is built. The
+shapes are then part of the launch, so a kernel here is never called inside
+``mx.compile(shapeless=True)``, whose replays would keep the traced ones.
 """
 
 from __future__ import annotations
