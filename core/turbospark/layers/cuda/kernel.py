@@ -70,8 +70,9 @@ _NAME = "__TURBOSPARK_KERNEL__"
 
 class Kernel:
     """``mx.fast.cuda_kernel``'s arguments and call, built as the module
-    docstring says. Called with the same keywords as MLX's kernels (no
-    ``ensure_row_contiguous``: every input is)."""
+    docstring says. Called with the keywords our kernels pass MLX's (no
+    ``ensure_row_contiguous``: every input is; no ``init_value``: every
+    kernel writes its outputs whole)."""
 
     def __init__(
         self,
@@ -150,7 +151,6 @@ class Kernel:
         grid: tuple[int, int, int],
         threadgroup: tuple[int, int, int],
         template: Sequence[tuple[str, TemplateValue]] = (),
-        init_value: float | None = None,
     ) -> list[mx.array]:
         signature = (
             tuple((x.dtype, x.ndim) for x in inputs),
@@ -176,7 +176,6 @@ class Kernel:
             scalars=scalars,
             grid=grid,
             threadgroup=threadgroup,
-            init_value=init_value,
             ensure_row_contiguous=True,
         )
 
