@@ -141,6 +141,34 @@ def test_a_row_is_the_same_alone_and_batched() -> None:
     assert mx.array_equal(alone, batched[1:2])
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_each_row_from_its_own_first_row(dtype: mx.Dtype) -> None:
+    """A batch's step (``left``: each row's first column past its padding):
+    each row equals attention in float64 over its own rows, and that row
+    alone with its rows as the pair, bit for bit; the padding never reaches
+    the output. Rows padded less than, as much as and more than the start,
+    one with a single key."""
+    mx.set_default_device(mx.gpu)
+    shape = (4, 2, 4, 256, 256, 512, 40, 300)
+    queries, keys, values, rows = _inputs(shape, dtype, seed=7)
+    left = mx.array([0, 40, 120, 299], dtype=mx.int32)
+    got = attention_cuda.decode_step(queries, keys, values, rows, 1.0, left)
+    padding = (mx.arange(512)[None] < left[:, None])[:, None, :, None]  # (B, 1, N, 1)
+    noisy = attention_cuda.decode(
+        queries, mx.where(padding, 1e3, keys), mx.where(padding, -1e3, values), rows, 1.0, left
+    )
+    assert mx.array_equal(noisy, got)
+    tol = _tolerance(dtype)
+    for b, first in enumerate(left.tolist()):
+        own = mx.array([max(40, first), 300], dtype=mx.int32)
+        one = (queries[b : b + 1], keys[b : b + 1], values[b : b + 1], own)
+        want = _reference(*one, 1.0)
+        np.testing.assert_allclose(
+            np.array(got[b : b + 1].astype(mx.float32)), want, rtol=tol, atol=tol
+        )
+        assert mx.array_equal(attention_cuda.decode(*one, 1.0), got[b : b + 1])
+
+
 # family: (dims, its DecoderLayer, the method that takes the layer traces)
 LAYER_TRACES = {
     "gemma4": ({"num_layers": 4, "sliding_window": 8}, gemma4_model.DecoderLayer, "_layer_step"),

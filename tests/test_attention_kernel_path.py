@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from helpers import (
     assert_states_close,
+    batched_greedy,
     chunks_and_steps,
     greedy_both_paths,
     host_made_sizes,
@@ -76,9 +77,9 @@ def _path(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> list[tuple[int, int]
     handed: list[tuple[int, int]] = []
 
     class Rows(attention_cuda.Rows):
-        def __init__(self, start: int, stop: int):
+        def __init__(self, start: int, stop: int, left: mx.array | None = None):
             handed.append((start, stop))
-            super().__init__(start, stop)
+            super().__init__(start, stop, left)
 
     monkeypatch.setattr(attention_cuda, "available", lambda: kernel)
     monkeypatch.setattr(attention_cuda, "Rows", Rows)
@@ -136,6 +137,33 @@ def test_steps_across_a_trim_and_a_grown_buffer(
     assert_states_close(got_state, ref_state, ATOL)
     if "gemma4" in install.name:
         assert any(start > 0 for start, _ in handed), "no windowed layer's rows started past 0"
+
+
+def test_batched_steps_equal_the_plain_path(install: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sessions of ragged lengths merged (left-padded), then batched
+    greedy steps past the buffers' first growth (the windowed layers drop the
+    columns no window reaches, so their rows start past 0, past the padding
+    or not): every step's logits; the kernels' path took each step's
+    attention with each row's first column."""
+    prompts = [PROMPT[:5], PROMPT, [3 + (5 * i) % 97 for i in range(21)]]
+    steps = 260  # the merged buffers hold the longest prompt and 256 more
+    runs, lefts = [], []
+
+    class Rows(attention_cuda.Rows):
+        def __init__(self, start: int, stop: int, left: mx.array | None = None):
+            lefts.append(None if left is None else left.tolist())
+            super().__init__(start, stop, left)
+
+    for kernel in (False, True):
+        _path(monkeypatch, kernel)
+        monkeypatch.setattr(attention_cuda, "Rows", Rows)
+        runner = _open(install, session_slots=3)
+        lefts.clear()  # the load's warm-up: a lone row's steps
+        runs.append(batched_greedy(runner, prompts, steps))
+    for i, (a, b) in enumerate(zip(runs[1], runs[0], strict=True)):
+        _close(a, b, f"step {i}")
+    assert len(lefts) >= steps and all(left is not None for left in lefts)
+    assert [32, 0, 16] in lefts  # the first step's padding before any column was dropped
 
 
 def test_greedy_output_equals_the_plain_path(

@@ -93,6 +93,9 @@ def _call_every_kernel(dtype: mx.Dtype) -> None:
     for kv_heads, group, dim in [(2, 4, 512), (2, 8, 256), (1, 4, 64)]:
         q, k, v = _zeros((1, kv_heads * group, 1, dim), *[(1, kv_heads, 300, dim)] * 2, dtype=dtype)
         attention_cuda.decode(q, k, v, mx.array([0, 290], dtype=mx.int32), dim**-0.5)
+        q, k, v = _zeros((3, kv_heads * group, 1, dim), *[(3, kv_heads, 300, dim)] * 2, dtype=dtype)
+        left = mx.array([0, 4, 9], dtype=mx.int32)  # a batch's: each row past its padding
+        attention_cuda.decode(q, k, v, mx.array([0, 290], dtype=mx.int32), dim**-0.5, left)
     for joined in (0, 1, 2):
         h, u, w, update = _zeros(*[(3, 1, 300)] * 4, dtype=dtype)
         coef = mx.zeros((3, 1, 3))
@@ -153,11 +156,12 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
 def test_every_entry_builds_its_kernels(recorded: dict[str, str]) -> None:
     # Every builder was reached (a kernel the calls miss is not compiled),
     # each join_norm form and steering join is there, and each attention
-    # scale (a literal in the source) is a kernel of its own in each dtype.
+    # scale (a literal in the source) is a kernel of its own in each dtype,
+    # alone and for a batch (each row past its padding).
     assert all(builder.cache_info().currsize for builder in BUILDERS)
     bases = [re.sub(r"_[0-9a-f]{16}$", "", name) for name in recorded]
     assert len(set(bases)) == 8 + 2 + 1 + 1 + 3 + 2 + 1 + 1, sorted(set(bases))
-    assert bases.count("turbospark_decode_attention") == 3 * 2
+    assert bases.count("turbospark_decode_attention") == 3 * 2 * 2
     assert all(f'extern "C" __global__ void {name}(' in text for name, text in recorded.items())
 
 

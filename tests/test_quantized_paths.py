@@ -157,9 +157,9 @@ def _kernels(stack: ExitStack, monkeypatch: pytest.MonkeyPatch) -> dict[str, int
     taken = {"attention": 0, "gated_delta": 0, "qmv": 0}
 
     class Rows(attention_cuda.Rows):
-        def __init__(self, start: int, stop: int):
+        def __init__(self, start: int, stop: int, left: mx.array | None = None):
             taken["attention"] += 1
-            super().__init__(start, stop)
+            super().__init__(start, stop, left)
 
     trace = gdn_step.step_trace
 

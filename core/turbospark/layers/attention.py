@@ -17,7 +17,7 @@ import numpy as np
 
 from turbospark.layers import fused
 from turbospark.layers.cuda import attention as attention_cuda
-from turbospark.state.kv import LayerKV, QuantizedRows, Rows
+from turbospark.state.kv import BatchLayerKV, LayerKV, QuantizedRows, Rows
 
 # What a layer attended: keys, values and the mask (or, for the CUDA kernels, the
 # whole buffers and the rows), which KV-shared layers attend over unchanged.
@@ -28,17 +28,24 @@ def cached_attention(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
-    kv: LayerKV,
+    kv: LayerKV | BatchLayerKV,
     scale: float,
 ) -> tuple[mx.array, Attended]:
-    """Append ``keys``/``values`` (``(1, kv_heads, L, dim)``) to *kv* and attend.
+    """Append ``keys``/``values`` (``(B, kv_heads, L, dim)``) to *kv* and attend.
 
-    Returns the output ``(1, heads, L, dim)`` and ``(keys, values, mask)`` as
+    Returns the output ``(B, heads, L, dim)`` and ``(keys, values, mask)`` as
     attended, so KV-sharing layers can reuse them unchanged.
     """
-    if isinstance(kv, LayerKV) and kv.quant is None and takes_kernels(queries, keys, values):
-        # A lone row's decode step on CUDA: the kernels read the whole buffers.
-        rows = attention_cuda.Rows(*kv.update(keys, values))
+    if (
+        isinstance(kv, LayerKV | BatchLayerKV)
+        and kv.quant is None
+        and takes_kernels(queries, keys, values)
+    ):
+        # A decode step on CUDA: the kernels read the whole buffers (a batch's
+        # rows each from its first past its padding).
+        bounds = kv.update(keys, values)
+        left = kv.first_rows() if isinstance(kv, BatchLayerKV) else None
+        rows = attention_cuda.Rows(*bounds, left)
         return attend(queries, kv.keys, kv.values, scale, rows), (kv.keys, kv.values, rows)
     keys, values, key_start = kv.update_and_fetch(keys, values)
     mask = kv.mask(queries.shape[2], key_start, keys.shape[2])
@@ -162,10 +169,10 @@ def attend(
     own work then dwarfs, keeps them off the device's memory. The CPU keeps
     the op (its fallback), which costs it no more.
 
-    A lone row's decode step on CUDA (:func:`takes_kernels`) comes with
-    :class:`~turbospark.layers.cuda.attention.Rows` for a mask and a cache's
-    whole buffers, and takes that module's kernels, traced once per buffer
-    size.
+    A decode step on CUDA (:func:`takes_kernels`; a lone row's or a
+    batch's) comes with :class:`~turbospark.layers.cuda.attention.Rows` for a
+    mask and a cache's whole buffers, and takes that module's kernels, traced
+    once per buffer size (and batch size).
 
     Where the op would fall back to holding every score at once
     (:func:`op_holds_scores`: the CPU, heads wider than cuDNN's), a
@@ -181,7 +188,7 @@ def attend(
         return quantized_attention(queries, keys, values, scale, mask)
     assert isinstance(keys, mx.array) and isinstance(values, mx.array)
     if isinstance(mask, attention_cuda.Rows):
-        return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale)
+        return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale, mask.left)
     batch, heads, length, _ = queries.shape
     if isinstance(mask, str) and length > 1 and op_holds_scores(queries, values):
         rows = BLOCK_SCORES // (batch * heads * keys.shape[2])

@@ -191,7 +191,8 @@ def kernel_rows(attended: tuple[Any, Any, Any] | None) -> attention_cuda.Rows | 
     runs them too."""
     if attended is None or not isinstance(attended[2], attention_cuda.Rows):
         return None
-    return attended[2]
+    rows = attended[2]
+    return rows if rows.left is None else None  # a batch's: the steps are a lone row's
 
 
 def cache_step(

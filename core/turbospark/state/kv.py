@@ -519,6 +519,15 @@ def padding_mask(left: tuple[int, ...], key_start: int, keys: int) -> mx.array:
     return (cols[None] >= mx.array(left)[:, None])[:, None, None, :]
 
 
+@lru_cache(maxsize=16)
+def first_rows(left: tuple[int, ...]) -> mx.array:
+    """:meth:`BatchLayerKV.first_rows` for rows padded by *left*: made once
+    while the batch's rows and padding stay the same (a host-made array of
+    more than eight bytes made every step would cost a page migration on
+    CUDA: :class:`~turbospark.layers.cuda.attention.Rows`)."""
+    return mx.array(left, dtype=mx.int32)
+
+
 class BatchLayerKV:
     """One attention layer's K/V for several sessions, left-padded (see the module)."""
 
@@ -603,10 +612,11 @@ class BatchLayerKV:
             _map(self.values, lambda a: a[:, :, :fill]), _zeros(self.values, batch, grow)
         )
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Rows, Rows, int]:
+    def update(self, keys: mx.array, values: mx.array) -> tuple[int, int]:
         """Append ``(B, heads, L, dim)`` for every row (quantized first, under a
-        quantized cache); return the visible columns and the index of the
-        first one (for :meth:`mask`)."""
+        quantized cache); return the buffer columns ``[start, stop)`` the new
+        queries attend over (each row past its padding too: :meth:`mask`,
+        :meth:`first_rows`)."""
         length = keys.shape[2]
         keys, values = quantize_rows(keys, self.quant), quantize_rows(values, self.quant)
         if self.keys is None or self.values is None:  # the first write of sessions merged fresh
@@ -619,7 +629,19 @@ class BatchLayerKV:
             self.values, (slice(None), slice(None), slice(self.fill, self.fill + length)), values
         )
         self.fill += length
-        start, fill = _visible_from(self.window, self.fill, length), self.fill
+        return _visible_from(self.window, self.fill, length), self.fill
+
+    def first_rows(self) -> mx.array:
+        """``(B,)`` int32 on the device: each row's first buffer column past
+        its padding, what the attention kernels read for a batch's step
+        (:class:`~turbospark.layers.cuda.attention.Rows`): one array for
+        every layer and step while the rows' padding stays the same."""
+        return first_rows(tuple(self.left))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Rows, Rows, int]:
+        """:meth:`update`, then the visible columns and the index of the
+        first one (for :meth:`mask`)."""
+        start, fill = self.update(keys, values)
         return (
             _map(self.keys, lambda a: a[:, :, start:fill]),
             _map(self.values, lambda a: a[:, :, start:fill]),

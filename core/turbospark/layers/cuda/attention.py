@@ -36,8 +36,12 @@ a custom kernel called outside a trace costs its own host time (MLX builds
 its whole source on each call), so :data:`decode_step` is traced once per
 buffer size and replayed (Gemma 4's layers call :func:`decode` inside traces
 of their own, which hold the rest of the layer too). Chunks past the last row hold no key and cost a
-block that exits. Only a lone row's step takes them; a batch's steps (left
-padding, a mask) keep the matmul form.
+block that exits. A batch's step (:class:`~turbospark.state.kv.BatchLayerKV`:
+rows right-aligned, left-padded) takes them too, with each row's first row
+past its padding (``left``) on the device: two kernels a layer where the
+matmul form takes a masked scores' product, a softmax and the values'
+product, each product a cuBLAS call that MLX captures into its CUDA graph
+(about 20 µs of host time each, against about 3 for one of these kernels).
 
 ``tests/test_attention_cuda.py`` checks the kernels against attention in
 float64 on a GPU. On the CPU a decode step keeps MLX's op; there
@@ -77,7 +81,9 @@ MERGE_THREADS = 1024  # threads a merge block: its value columns, times the grou
 
 # Inputs: queries (B, KVH * G, 1, D); keys (B, KVH, N, D) and values (B, KVH, N,
 # DV), a cache's whole buffers, each read through its strides; rows (2,) int32,
-# the buffer rows [start, stop) the query attends over. Outputs, float32, for
+# the buffer rows [start, stop) the query attends over; for a batch, left (B,)
+# int32, each row's first buffer row past its padding (a row attends from
+# max(start, left[b])). Outputs, float32, for
 # S = ceil(N / C) chunks of C = chunk_keys(N) rows from start (those past stop
 # hold no key; C is computed here from N as chunk_keys does, so it needs no
 # template of its own and a buffer's growth compiles nothing):
@@ -97,10 +103,10 @@ _PARTIAL = """
     const int chunk = max(CHUNK, (least + CHUNK - 1) / CHUNK * CHUNK);
     const int splits = (capacity + chunk - 1) / chunk;
     const int split = blockIdx.x % splits;
-    const int first = rows[0] + split * chunk;
-    const int end = min(rows[1], first + chunk);
     const int kvh = (blockIdx.x / splits) % kv_heads;
     const int b = blockIdx.x / splits / kv_heads;
+    const int first = FROM + split * chunk;
+    const int end = min(rows[1], first + chunk);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     float q[G][ND];
@@ -270,13 +276,16 @@ def takes_shape(group: int, dim: int, value_dim: int) -> bool:
 
 
 @functools.cache
-def _partial_kernel(scale: float) -> Kernel:
+def _partial_kernel(scale: float, per_row: bool) -> Kernel:
+    """The first kernel at *scale*; *per_row*: a batch's, whose rows each
+    start at their own first row too (``left``, past their padding)."""
     literal = repr(float(scale))
+    start = "max(rows[0], left[b])" if per_row else "rows[0]"
     return Kernel(
         name="turbospark_decode_attention",
-        input_names=["queries", "keys", "values", "rows"],
+        input_names=["queries", "keys", "values", "rows", *(["left"] if per_row else [])],
         output_names=["partial_out", "partial_stats"],
-        source=f"    constexpr float SCALE = {literal}f;\n" + _PARTIAL,
+        source=f"    constexpr float SCALE = {literal}f;\n" + _PARTIAL.replace("FROM", start),
         header=reduce_cuda.HEADER,
     )
 
@@ -297,30 +306,41 @@ class Rows:
     as :meth:`~turbospark.state.kv.LayerKV.update` gives them, on the device:
     the kernels' bounds, so a trace over a cache's whole buffers serves every
     position until the buffers grow. Stands where attention's mask goes in
-    what a layer attended (KV-shared layers attend over the same)."""
+    what a layer attended (KV-shared layers attend over the same). A batch's
+    (:meth:`~turbospark.state.kv.BatchLayerKV.update`) carries *left* too,
+    ``(B,)`` int32 on the device: each row's first buffer row past its
+    padding, made once while the batch's rows stay the same."""
 
-    def __init__(self, start: int, stop: int):
+    def __init__(self, start: int, stop: int, left: mx.array | None = None):
         # Two int32, eight bytes: MLX's CUDA allocator serves that from its
         # small pool; a larger array made on the host each step reuses a
         # buffer the GPU last touched, and writing it migrates the page back
         # (a third element cost a gemma4 step 8 x 138 µs on the H200).
         self.bounds = mx.array([start, stop], dtype=mx.int32)
+        self.left = left
 
 
 def decode(
-    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    scale: float,
+    left: mx.array | None = None,
 ) -> mx.array:
     """``(B, heads, 1, Dv)``: the attention of one query a row ``(B, heads,
     1, D)`` over rows ``rows[0]:rows[1]`` (an int32 pair on the device) of
     the buffers ``(B, kv_heads, N, D)`` and ``(B, kv_heads, N, Dv)`` (the
-    module docstring). Callers check :func:`available` and :func:`fits`."""
+    module docstring); with *left* ``(B,)`` int32, row ``b`` from
+    ``max(rows[0], left[b])`` (a batch's padding). Callers check
+    :func:`available` and :func:`fits`."""
     batch, heads, _, dim = queries.shape
     _, kv_heads, capacity, value_dim = values.shape
     group = heads // kv_heads
     splits = -(-capacity // chunk_keys(capacity))
     n_warps = warps(group, value_dim)
-    partial_out, partial_stats = _partial_kernel(scale)(
-        inputs=[queries, keys, values, rows],
+    partial_out, partial_stats = _partial_kernel(scale, left is not None)(
+        inputs=[queries, keys, values, rows, *([] if left is None else [left])],
         template=[
             ("D", dim),
             ("DV", value_dim),
@@ -355,14 +375,20 @@ def decode(
 
 
 def decode_ops(
-    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    scale: float,
+    left: mx.array | None = None,
 ) -> mx.array:
     """:func:`decode`'s contract in MLX ops (MLX's attention over the whole
-    buffers, masked to the rows *rows* names): the CPU tests' stand-in for
-    the kernels (``tests/test_attention_kernel_path.py``). Reads *rows* on
-    the device, as the kernels do, so it traces as they do."""
+    buffers, masked to the rows *rows* and *left* name): the CPU tests'
+    stand-in for the kernels (``tests/test_attention_kernel_path.py``). Reads
+    *rows* and *left* on the device, as the kernels do, so it traces as they do."""
     index = mx.arange(keys.shape[2])
-    visible = (index >= rows[0]) & (index < rows[1])
+    first = rows[0] if left is None else mx.maximum(rows[0], left)[:, None, None, None]
+    visible = (index >= first) & (index < rows[1])
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=visible)
 
 
