@@ -134,6 +134,23 @@ def test_a_cache_that_cannot_be_written_only_loses_the_keeping(
     assert compiles == ["k_1", "k_1"]
 
 
+def test_a_write_that_fails_partway_leaves_no_file_behind(
+    compiles: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A full disk: the cubin still comes back, the cache folder holds
+    nothing half-written, and the next call compiles again."""
+    monkeypatch.setenv("TURBOSPARK_CACHE", str(tmp_path))
+
+    def full(path: str, target: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kernel_module.os, "replace", full)
+    for _ in range(2):
+        assert kernel_module.cubin("k_1", "source one") == b"sm_90:k_1"
+    assert compiles == ["k_1", "k_1"]
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 def test_nvrtc_missing_says_how_to_point_at_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvrtc, "_candidates", lambda: ["/nowhere/libnvrtc.so"])
     nvrtc.library.cache_clear()

@@ -206,11 +206,14 @@ def cubin(name: str, source: str) -> bytes:
     if kept:
         return kept
     built = nvrtc.compile_cubin(source, name, nvrtc.architecture())
+    partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as out:
+            partial = out.name
             out.write(built)
-        os.replace(out.name, path)  # whole or absent, whatever process reads it
+        os.replace(partial, path)  # whole or absent, whatever process reads it
     except OSError:
-        pass
+        if partial is not None:  # a write that failed partway (a full disk)
+            Path(partial).unlink(missing_ok=True)
     return built
