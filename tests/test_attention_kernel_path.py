@@ -34,10 +34,13 @@ from helpers import (
     mtp_drafts_both_paths,
     state_arrays,
 )
+from turbospark.generation.engine import Engine, Job
+from turbospark.generation.generate import GenerationConfig
 from turbospark.generation.runner import Runner
 from turbospark.layers import attention
 from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import norm as norm_cuda
+from turbospark.text import load_text
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
 # MLX's attention over the same rows either way: only the path that hands them over differs.
@@ -164,6 +167,48 @@ def test_batched_steps_equal_the_plain_path(install: Path, monkeypatch: pytest.M
         _close(a, b, f"step {i}")
     assert len(lefts) >= steps and all(left is not None for left in lefts)
     assert [32, 0, 16] in lefts  # the first step's padding before any column was dropped
+
+
+def test_rows_joining_and_leaving_a_batch_equal_the_plain_path(
+    install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's batch as a server runs it: rows join a running batch
+    (its padding grows) and leave it (the rest keep theirs), greedy, token for
+    token against the plain path; batched steps took the kernels."""
+    prompts = [PROMPT[:7], PROMPT[:3], PROMPT, PROMPT[5:15], PROMPT[:2]]
+    arrivals, lengths = [0, 0, 1, 3, 4], [12, 5, 9, 1, 7]
+    runs, lefts = [], []
+
+    class Rows(attention_cuda.Rows):
+        def __init__(self, start: int, stop: int, left: mx.array | None = None):
+            lefts.append(left is not None)
+            super().__init__(start, stop, left)
+
+    for kernel in (False, True):
+        _path(monkeypatch, kernel)
+        monkeypatch.setattr(attention_cuda, "Rows", Rows)
+        codec = load_text(install)
+        engine = Engine(_open(install, session_slots=4), codec, max_batch=3, prefill_budget=4)
+        done: list[list[int | None]] = [[] for _ in prompts]
+        jobs = [
+            Job(
+                ids=list(prompt),
+                config=GenerationConfig(max_tokens=n, stop_token_ids=[], chunk_size=3),
+                emit=lambda item, got=got: got.append(getattr(item, "token", None)),
+            )
+            for prompt, n, got in zip(prompts, lengths, done, strict=True)
+        ]
+        for step in range(500):
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    engine.submit(jobs[i])
+            engine.step()
+            if step > max(arrivals) and engine.active_rows == 0 and engine.queue_depth == 0:
+                break
+        runs.append([[t for t in tokens if t is not None] for tokens in done])
+    assert runs[1] == runs[0]
+    assert [len(tokens) for tokens in runs[0]] == lengths
+    assert any(lefts), "no batched step took the kernels"
 
 
 def test_greedy_output_equals_the_plain_path(
