@@ -171,8 +171,10 @@ def attend(
 
     A decode step on CUDA (:func:`takes_kernels`; a lone row's or a
     batch's) comes with :class:`~turbospark.layers.cuda.attention.Rows` for a
-    mask and a cache's whole buffers, and takes that module's kernels, traced
-    once per buffer size (and batch size).
+    mask and a cache's whole buffers, and takes that module's kernels: a lone
+    row's traced once per buffer size; a batch's called as they are, since
+    its buffers' size follows each merge of rows (a trace kept per size would
+    pile up over a server's life).
 
     Where the op would fall back to holding every score at once
     (:func:`op_holds_scores`: the CPU, heads wider than cuDNN's), a
@@ -188,7 +190,9 @@ def attend(
         return quantized_attention(queries, keys, values, scale, mask)
     assert isinstance(keys, mx.array) and isinstance(values, mx.array)
     if isinstance(mask, attention_cuda.Rows):
-        return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale, mask.left)
+        if mask.left is None:
+            return attention_cuda.decode_step(queries, keys, values, mask.bounds, scale)
+        return attention_cuda.decode(queries, keys, values, mask.bounds, scale, mask.left)
     batch, heads, length, _ = queries.shape
     if isinstance(mask, str) and length > 1 and op_holds_scores(queries, values):
         rows = BLOCK_SCORES // (batch * heads * keys.shape[2])

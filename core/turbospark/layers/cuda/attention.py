@@ -32,16 +32,17 @@ roundings.
 The kernels take a :class:`~turbospark.state.kv.LayerKV`'s whole buffers and the
 rows the query attends over as an int32 pair on the device (:class:`Rows`),
 not the buffers sliced to those rows: every step's slice has a new shape, and
-a custom kernel called outside a trace costs its own host time (MLX builds
-its whole source on each call), so :data:`decode_step` is traced once per
-buffer size and replayed (Gemma 4's layers call :func:`decode` inside traces
-of their own, which hold the rest of the layer too). Chunks past the last row hold no key and cost a
+a lone row's :data:`decode_step` is traced once per buffer size and replayed
+(Gemma 4's layers call :func:`decode` inside traces of their own, which hold
+the rest of the layer too). Chunks past the last row hold no key and cost a
 block that exits. A batch's step (:class:`~turbospark.state.kv.BatchLayerKV`:
 rows right-aligned, left-padded) takes them too, with each row's first row
-past its padding (``left``) on the device: two kernels a layer where the
-matmul form takes a masked scores' product, a softmax and the values'
-product, each product a cuBLAS call that MLX captures into its CUDA graph
-(about 20 µs of host time each, against about 3 for one of these kernels).
+past its padding (``left``) on the device, and calls :func:`decode` as it is:
+a batch's buffers take its rows' width at each merge, so traces kept per size
+would pile up. Two kernels a layer, where the matmul form takes a masked
+scores' product, a softmax and the values' product, each product a cuBLAS
+call that MLX captures into its CUDA graph (about 20 µs of host time each,
+against about 3 for one of these kernels).
 
 ``tests/test_attention_cuda.py`` checks the kernels against attention in
 float64 on a GPU. On the CPU a decode step keeps MLX's op; there
@@ -392,8 +393,7 @@ def decode_ops(
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=visible)
 
 
-# Traced once per buffer size (a rung of the caches' growth ladder), then replayed:
-# MLX builds a custom kernel's whole source on every eager call, which cost a
-# gemma4 step 300 µs of host time over its 16 layers on the H200, more than
-# the launches it saved.
+# A lone row's, traced once per buffer size (a rung of the caches' growth ladder,
+# each traced at load), then replayed: one call a layer instead of the two
+# kernels' calls and their Python.
 decode_step = mx.compile(decode)
