@@ -152,7 +152,7 @@ def test_each_row_from_its_own_first_row(dtype: mx.Dtype) -> None:
     shape = (4, 2, 4, 256, 256, 512, 40, 300)
     queries, keys, values, rows = _inputs(shape, dtype, seed=7)
     left = mx.array([0, 40, 120, 299], dtype=mx.int32)
-    got = attention_cuda.decode_step(queries, keys, values, rows, 1.0, left)
+    got = attention_cuda.decode(queries, keys, values, rows, 1.0, left)  # a batch's call
     padding = (mx.arange(512)[None] < left[:, None])[:, None, :, None]  # (B, 1, N, 1)
     noisy = attention_cuda.decode(
         queries, mx.where(padding, 1e3, keys), mx.where(padding, -1e3, values), rows, 1.0, left

@@ -73,15 +73,18 @@ def _norm_forms(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setattr(norm_cuda, "join_norm", norm_cuda.join_norm_ops)
 
 
-def _path(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> list[tuple[int, int]]:
+Handed = list[tuple[int, int, list[int] | None]]
+
+
+def _path(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> Handed:
     """Take the kernels' path (with their ops) or the plain one; the rows each
     step's layers were handed to attend over (each K/V-owning layer's, in
-    order: KV-shared layers reuse them)."""
-    handed: list[tuple[int, int]] = []
+    order: KV-shared layers reuse them), with a batch's rows' first columns."""
+    handed: Handed = []
 
     class Rows(attention_cuda.Rows):
         def __init__(self, start: int, stop: int, left: mx.array | None = None):
-            handed.append((start, stop))
+            handed.append((start, stop, None if left is None else left.tolist()))
             super().__init__(start, stop, left)
 
     monkeypatch.setattr(attention_cuda, "available", lambda: kernel)
@@ -109,14 +112,13 @@ def test_chunks_and_steps_equal_the_plain_path(
     for kernel in (False, True):
         handed = _path(monkeypatch, kernel)
         runner = _open(install)
-        handed.clear()  # the load's warm-up: a scratch state's rows
         handed.clear()  # the load's warm-up (Runner.warm_up): a scratch state's rows
         runs.append(chunks_and_steps(runner, PROMPT))
     (ref_logits, ref_state), (got_logits, got_state) = runs
     for i, (a, b) in enumerate(zip(got_logits, ref_logits, strict=True)):
         _close(a, b, f"forward {i}'s logits")
     assert_states_close(got_state, ref_state, ATOL)
-    assert handed and all(stop - start <= len(PROMPT) + 3 for start, stop in handed)
+    assert handed and all(stop - start <= len(PROMPT) + 3 for start, stop, _ in handed)
 
 
 def test_steps_across_a_trim_and_a_grown_buffer(
@@ -139,7 +141,7 @@ def test_steps_across_a_trim_and_a_grown_buffer(
         _close(a, b, f"step {i}")
     assert_states_close(got_state, ref_state, ATOL)
     if "gemma4" in install.name:
-        assert any(start > 0 for start, _ in handed), "no windowed layer's rows started past 0"
+        assert any(start > 0 for start, _, _ in handed), "no windowed layer's rows started past 0"
 
 
 def test_batched_steps_equal_the_plain_path(install: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,21 +152,15 @@ def test_batched_steps_equal_the_plain_path(install: Path, monkeypatch: pytest.M
     attention with each row's first column."""
     prompts = [PROMPT[:5], PROMPT, [3 + (5 * i) % 97 for i in range(21)]]
     steps = 260  # the merged buffers hold the longest prompt and 256 more
-    runs, lefts = [], []
-
-    class Rows(attention_cuda.Rows):
-        def __init__(self, start: int, stop: int, left: mx.array | None = None):
-            lefts.append(None if left is None else left.tolist())
-            super().__init__(start, stop, left)
-
+    runs = []
     for kernel in (False, True):
-        _path(monkeypatch, kernel)
-        monkeypatch.setattr(attention_cuda, "Rows", Rows)
+        handed = _path(monkeypatch, kernel)
         runner = _open(install, session_slots=3)
-        lefts.clear()  # the load's warm-up: a lone row's steps
+        handed.clear()  # the load's warm-up: a lone row's steps
         runs.append(batched_greedy(runner, prompts, steps))
     for i, (a, b) in enumerate(zip(runs[1], runs[0], strict=True)):
         _close(a, b, f"step {i}")
+    lefts = [left for _, _, left in handed]
     assert len(lefts) >= steps and all(left is not None for left in lefts)
     assert [32, 0, 16] in lefts  # the first step's padding before any column was dropped
 
@@ -177,16 +173,9 @@ def test_rows_joining_and_leaving_a_batch_equal_the_plain_path(
     token against the plain path; batched steps took the kernels."""
     prompts = [PROMPT[:7], PROMPT[:3], PROMPT, PROMPT[5:15], PROMPT[:2]]
     arrivals, lengths = [0, 0, 1, 3, 4], [12, 5, 9, 1, 7]
-    runs, lefts = [], []
-
-    class Rows(attention_cuda.Rows):
-        def __init__(self, start: int, stop: int, left: mx.array | None = None):
-            lefts.append(left is not None)
-            super().__init__(start, stop, left)
-
+    runs = []
     for kernel in (False, True):
-        _path(monkeypatch, kernel)
-        monkeypatch.setattr(attention_cuda, "Rows", Rows)
+        handed = _path(monkeypatch, kernel)
         codec = load_text(install)
         engine = Engine(_open(install, session_slots=4), codec, max_batch=3, prefill_budget=4)
         done: list[list[int | None]] = [[] for _ in prompts]
@@ -208,7 +197,7 @@ def test_rows_joining_and_leaving_a_batch_equal_the_plain_path(
         runs.append([[t for t in tokens if t is not None] for tokens in done])
     assert runs[1] == runs[0]
     assert [len(tokens) for tokens in runs[0]] == lengths
-    assert any(lefts), "no batched step took the kernels"
+    assert any(left is not None for _, _, left in handed), "no batched step took the kernels"
 
 
 def test_greedy_output_equals_the_plain_path(
