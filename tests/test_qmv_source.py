@@ -2,17 +2,10 @@
 
 The kernel runs only on MLX's CUDA backend (``tests/test_qmv_cuda.py``, on a
 GPU), and ``tests/test_cuda_sources.py`` only compiles it; here its
-arithmetic is checked wherever a C++ compiler is. The kernel's header and
-body (:mod:`turbospark.layers.cuda.qmv`, after the shared reductions'
-header) are compiled unchanged under a few shims: each CUDA thread of a
-block is a fiber (``ucontext``) that the launcher resumes in turn,
-``__syncthreads`` and each warp shuffle yield to the next round (every
-thread reaches each of them, which the launcher checks: a thread that ends
-while others still wait is an error), ``__shared__`` is a function's static
-(blocks run one after another), and bfloat16 is its bits with
-round-to-nearest-even. Each variant's product is held to the exact product
-of the dequantized values in float64 and, bit for bit, to the one-output
-variant's: they add the same terms in the same order. Shapes: outputs not a
+arithmetic is checked wherever a C++ compiler is, its header and body run
+unchanged as C++ (``tests/cuda_on_cpu.py``). Each variant's product is held
+to the exact product of the dequantized values in float64 and, bit for bit,
+to the one-output variant's: they add the same terms in the same order. Shapes: outputs not a
 multiple of a block's, a row shorter than a warp's pass, a row ending
 mid-pass, shared tiles ending mid-row, one group, 1 to
 :data:`~turbospark.layers.cuda.qmv.R_MAX` rows, and x starting one element
@@ -23,104 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import shutil
-import subprocess
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from cuda_on_cpu import C_TYPES, CXX, SHIMS, bf16_bits, build, floats
 from turbospark.layers.cuda import qmv as qmv_cuda
 from turbospark.layers.cuda import reduce as reduce_cuda
 
-CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler (g++ or clang++)")
-
-# CUDA's names for what the kernel uses, on the CPU.
-SHIMS = r"""
-#if defined(__APPLE__)
-#define _XOPEN_SOURCE 700  // macOS declares the ucontext calls only under it
-#endif
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <ucontext.h>
-#include <vector>
-using std::size_t;
-#define __device__
-#define __global__
-#define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
-struct uint4 { uint32_t x, y, z, w; };
-struct float4 { float x, y, z, w; };
-struct dim3 { unsigned x = 0, y = 0, z = 0; };
-static dim3 threadIdx, blockIdx;
-inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-struct bf16 {
-    uint16_t bits;
-    bf16() = default;
-    explicit bf16(float f) {
-        uint32_t u; std::memcpy(&u, &f, 4);
-        bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // nearest, ties even
-    }
-    operator float() const { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
-};
-
-// The launcher: a block's threads as fibers, resumed in rounds.
-constexpr int MAX_THREADS = 256;  // a block's threads at most (qmv launches 128)
-static ucontext_t scheduler, fibers[MAX_THREADS];
-static bool finished[MAX_THREADS];
-static int current, block_threads;
-static float shuffled[2][MAX_THREADS];
-static int shuffles[MAX_THREADS];
-static void (*body)();
-static void yield() { swapcontext(&fibers[current], &scheduler); }
-inline void __syncthreads() { yield(); }
-// Double-buffered: a slot written in one round is read in the next, before
-// any thread can write that buffer again (two rounds on).
-inline float __shfl_xor_sync(unsigned, float value, int offset) {
-    const int me = current, parity = shuffles[me]++ & 1;
-    shuffled[parity][me] = value;
-    yield();
-    return shuffled[parity][(me & ~31) | ((me & 31) ^ offset)];
-}
-static void trampoline() { body(); finished[current] = true; }
-// Runs `grid` blocks of `threads`; false where a thread ended before another
-// reached a barrier (the kernel would deadlock or read stale lanes on a GPU).
-static bool launch(void (*kernel)(), int grid, int threads) {
-    static std::vector<char> stacks(static_cast<size_t>(MAX_THREADS) * 65536);
-    body = kernel;
-    block_threads = threads;
-    for (int b = 0; b < grid; ++b) {
-        blockIdx.x = b;
-        for (int t = 0; t < threads; ++t) {
-            getcontext(&fibers[t]);
-            fibers[t].uc_stack.ss_sp = stacks.data() + static_cast<size_t>(t) * 65536;
-            fibers[t].uc_stack.ss_size = 65536;
-            fibers[t].uc_link = &scheduler;
-            makecontext(&fibers[t], trampoline, 0);
-            finished[t] = false;
-            shuffles[t] = 0;
-        }
-        for (int done = 0; done < threads;) {
-            for (int t = 0; t < threads; ++t) {
-                current = t;
-                threadIdx.x = t;
-                swapcontext(&scheduler, &fibers[t]);
-            }
-            done = 0;
-            for (int t = 0; t < threads; ++t) done += finished[t];
-            if (done != 0 && done != threads) return false;
-        }
-    }
-    return true;
-}
-"""
-
-C_TYPES = {"float32": "float", "bfloat16": "bf16"}
 
 
 class Case(NamedTuple):
@@ -165,7 +71,6 @@ def _translation_unit() -> str:
     """The shims, the kernel's headers, its body as a template function over
     globals (the launcher's fibers take no arguments), and one entry a (case,
     variant)."""
-    assert qmv_cuda.WARPS * 32 <= 256, "raise the launcher's MAX_THREADS"
     parts = [SHIMS, reduce_cuda.HEADER, qmv_cuda._HEADER]
     parts.append(
         "template <typename T> struct Args { static const T *x, *scales, *biases; static T* y; };\n"
@@ -200,28 +105,7 @@ def _translation_unit() -> str:
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    folder = tmp_path_factory.mktemp("qmv_source")
-    source, built = folder / "qmv.cpp", folder / "qmv.so"
-    source.write_text(_translation_unit())
-    done = subprocess.run(
-        [CXX, "-std=c++17", "-O0", "-ffp-contract=off", "-Wno-unknown-pragmas",
-         "-Wno-deprecated-declarations", "-shared",
-         "-fPIC", "-o", str(built), str(source)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    return ctypes.CDLL(str(built))
-
-
-def _bf16_bits(values: np.ndarray) -> np.ndarray:
-    """Float32 values cut to bfloat16 (their top 16 bits), as those bits."""
-    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def _floats(bits_or_values: np.ndarray) -> np.ndarray:
-    if bits_or_values.dtype == np.uint16:
-        return (bits_or_values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return bits_or_values.astype(np.float64)
+    return build(_translation_unit(), tmp_path_factory.mktemp("qmv_source"), "qmv")
 
 
 def _inputs(case: Case) -> tuple[np.ndarray, ...]:
@@ -234,7 +118,7 @@ def _inputs(case: Case) -> tuple[np.ndarray, ...]:
     biases = rng.normal(size=groups).astype(np.float32) * 0.05
     x = rng.normal(size=(case.rows * case.width + 8,)).astype(np.float32)
     if case.dtype == "bfloat16":
-        scales, biases, x = (_bf16_bits(a) for a in (scales, biases, x))
+        scales, biases, x = (bf16_bits(a) for a in (scales, biases, x))
     return w.astype(np.uint32), scales, biases, x
 
 
@@ -249,9 +133,9 @@ def _float64(case: Case, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, 
         ],
         axis=-1,
     ).reshape(case.outputs, case.width)
-    scaled = np.repeat(_floats(scales), case.group_size, axis=1) * q
-    bias = np.repeat(_floats(biases), case.group_size, axis=1)
-    x64 = _floats(x)[case.offset : case.offset + case.rows * case.width].reshape(case.rows, -1)
+    scaled = np.repeat(floats(scales), case.group_size, axis=1) * q
+    bias = np.repeat(floats(biases), case.group_size, axis=1)
+    x64 = floats(x)[case.offset : case.offset + case.rows * case.width].reshape(case.rows, -1)
     return x64 @ (scaled + bias).T, np.abs(x64) @ (np.abs(scaled) + np.abs(bias)).T
 
 
@@ -279,7 +163,7 @@ def test_every_variant_equals_float64_and_one_output_a_warp(
     results = {v: _run(library, first + i, case, inputs) for i, v in enumerate(VARIANTS)}
     baseline = results[qmv_cuda.Variant(1, 1, False)]
     for variant, got in results.items():
-        got64 = _floats(got)
+        got64 = floats(got)
         assert np.all(np.abs(got64 - exact) <= bound), (variant, np.max(np.abs(got64 - exact) - bound))  # fmt: skip
         assert np.array_equal(got, baseline), f"variant {variant} differs from one output a warp"
 

@@ -45,7 +45,8 @@ call that MLX captures into its CUDA graph (about 20 µs of host time each,
 against about 3 for one of these kernels).
 
 ``tests/test_attention_cuda.py`` checks the kernels against attention in
-float64 on a GPU. On the CPU a decode step keeps MLX's op; there
+float64 on a GPU, and ``tests/test_attention_source.py`` runs their source as
+C++ on the CPU against the same. On the CPU a decode step keeps MLX's op; there
 :func:`decode_ops`, the contract in ops, stands in for the kernels, so the
 tests check how the layers hand them a cache's buffers and rows
 (``tests/test_attention_kernel_path.py``).
