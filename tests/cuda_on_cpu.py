@@ -4,8 +4,10 @@ A kernel's header and body are compiled unchanged under a few shims: each
 CUDA thread of a block is a fiber (``ucontext``) that the launcher resumes in
 turn; ``__syncthreads`` holds a thread until every thread of its block is at
 a barrier, and a warp shuffle holds a lane until its warp's 32 lanes are at
-one (warps may walk loops of different lengths, as on a GPU); a barrier or
-shuffle that some thread never reaches is an error; ``__shared__`` is a
+one (warps may walk loops of different lengths, as on a GPU), and so does a
+warp's MMA (``warp_mma``: ``mma.sync`` m16n8k16 computed from the lanes'
+fragments as PTX lays them out); a barrier, shuffle or MMA that some thread
+never reaches is an error; ``__shared__`` is a
 function's static (blocks run one after another), and bfloat16 is its bits
 with round-to-nearest-even. The tests that use it (``tests/test_qmv_source.py``,
 ``tests/test_attention_source.py``) hold a kernel to float64 and its variants
@@ -64,11 +66,14 @@ struct bf16 {
 // every thread of the block reaches one; a shuffle holds a lane until its
 // warp's 32 lanes reach one, then each takes its partner's value.
 constexpr int MAX_THREADS = 1024;  // a block's threads at most (CUDA's limit)
-enum State { RUNNING, AT_SHUFFLE, AT_BARRIER, DONE };
+enum State { RUNNING, AT_SHUFFLE, AT_MMA, AT_BARRIER, DONE };
 static ucontext_t scheduler, fibers[MAX_THREADS];
 static State state[MAX_THREADS];
 static float offered[MAX_THREADS], received[MAX_THREADS];
 static int offsets[MAX_THREADS];
+static uint32_t mma_a[MAX_THREADS][4], mma_b[MAX_THREADS][2];
+static float mma_c[MAX_THREADS][4];
+static bool mma_f16[MAX_THREADS];
 static int current;
 static void (*body)();
 static void wait_as(State why) { state[current] = why; swapcontext(&fibers[current], &scheduler); }
@@ -78,6 +83,57 @@ inline float __shfl_xor_sync(unsigned, float value, int offset) {
     offsets[current] = offset;
     wait_as(AT_SHUFFLE);
     return received[current];
+}
+// mma.sync.aligned.m16n8k16 (float32 C and D, bfloat16 or float16 A and B)
+// as a warp's collective: each lane hands in its fragments and gets its four
+// floats of D, laid out as PTX defines them (lane = 4 g + t: A rows g and
+// g + 8 at k 2t, 2t + 1 and 2t + 8, 2t + 9; B those k at column g; C and D
+// rows g and g + 8 at columns 2t, 2t + 1). Products are exact in float (at
+// most 11-bit significands); each output's sum runs over k in order.
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    if (exponent == 0) return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(mantissa), -24);
+    if (exponent == 31) return __uint_as_float(sign | 0x7F800000u | (mantissa << 13));
+    return __uint_as_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+inline float mma_element(uint32_t word, int half, bool f16) {
+    const uint16_t bits = static_cast<uint16_t>(half ? word >> 16 : word & 0xFFFFu);
+    return f16 ? half_to_float(bits) : __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+static void resolve_mma(int w) {
+    float a[16][16], b[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int lane = w + l, g = l / 4, t = l % 4;
+        const bool f16 = mma_f16[lane];
+        for (int e = 0; e < 2; ++e) {
+            a[g][2 * t + e] = mma_element(mma_a[lane][0], e, f16);
+            a[g + 8][2 * t + e] = mma_element(mma_a[lane][1], e, f16);
+            a[g][2 * t + 8 + e] = mma_element(mma_a[lane][2], e, f16);
+            a[g + 8][2 * t + 8 + e] = mma_element(mma_a[lane][3], e, f16);
+            b[2 * t + e][g] = mma_element(mma_b[lane][0], e, f16);
+            b[2 * t + 8 + e][g] = mma_element(mma_b[lane][1], e, f16);
+        }
+    }
+    float d[32][4];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        for (int e = 0; e < 4; ++e) {
+            const int row = g + 8 * (e / 2), column = 2 * t + e % 2;
+            float sum = mma_c[w + l][e];
+            for (int k = 0; k < 16; ++k) sum += a[row][k] * b[k][column];
+            d[l][e] = sum;
+        }
+    }
+    for (int l = 0; l < 32; ++l) std::memcpy(mma_c[w + l], d[l], sizeof d[l]);
+}
+inline void warp_mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1, bool f16) {
+    std::memcpy(mma_a[current], a, sizeof mma_a[current]);
+    mma_b[current][0] = b0;
+    mma_b[current][1] = b1;
+    std::memcpy(mma_c[current], c, sizeof mma_c[current]);
+    mma_f16[current] = f16;
+    wait_as(AT_MMA);
+    std::memcpy(c, mma_c[current], sizeof mma_c[current]);
 }
 static void trampoline() { body(); state[current] = DONE; }
 // Runs `grid` blocks of `threads` (a multiple of 32); false where the block
@@ -106,10 +162,18 @@ static bool launch(void (*kernel)(), int grid, int threads) {
                 moved = true;
             }
             for (int w = 0; w < threads; w += 32) {
-                bool all = true;
-                for (int l = w; l < w + 32; ++l) all = all && state[l] == AT_SHUFFLE;
-                if (!all) continue;
-                for (int l = w; l < w + 32; ++l) received[l] = offered[w | ((l & 31) ^ offsets[l])];
+                bool shuffle = true, mma = true;
+                for (int l = w; l < w + 32; ++l) {
+                    shuffle = shuffle && state[l] == AT_SHUFFLE;
+                    mma = mma && state[l] == AT_MMA;
+                }
+                if (shuffle) {
+                    for (int l = w; l < w + 32; ++l) received[l] = offered[w | ((l & 31) ^ offsets[l])];
+                } else if (mma) {
+                    resolve_mma(w);
+                } else {
+                    continue;
+                }
                 for (int l = w; l < w + 32; ++l) state[l] = RUNNING;
                 moved = true;
             }

@@ -27,6 +27,7 @@ import pytest
 
 from helpers import GDN_DIMS, gdn_inputs
 from turbospark.layers.cuda import attention as attention_cuda
+from turbospark.layers.cuda import fmv as fmv_cuda
 from turbospark.layers.cuda import gdn as gdn_cuda
 from turbospark.layers.cuda import heads as heads_cuda
 from turbospark.layers.cuda import kernel as kernel_module
@@ -60,6 +61,7 @@ BUILDERS = [
     gdn_cuda._kernel,
     gdn_cuda._decode_kernel,
     qmv_cuda._kernel,
+    fmv_cuda._kernel,
 ]
 
 
@@ -125,6 +127,15 @@ def _call_every_kernel(dtype: mx.Dtype) -> None:
         x = mx.zeros((rows, 1, width), dtype=dtype)
         assert qmv_cuda.takes(x, w, scales, biases, group_size, bits, "affine")
         qmv_cuda.qmv(x, w, scales, biases, group_size, bits, variant)
+    # fmv in both of its dtypes (whatever the loop's), without an addend, with
+    # a bias and with a residual, at one warp a block and at several.
+    for float_dtype, (rows, width, outputs) in itertools.product(
+        fmv_cuda.DTYPES, [(2, 64, 40), (16, 2048, 2048)]
+    ):
+        x, weight = _zeros((rows, 1, width), (outputs, width), dtype=float_dtype)
+        assert fmv_cuda.takes(x, weight.T)
+        for addend in (None, mx.zeros((outputs,), float_dtype), mx.zeros((rows, 1, outputs), float_dtype)):  # fmt: skip
+            fmv_cuda.fmv(x, weight.T, addend)
 
 
 @pytest.fixture
@@ -144,7 +155,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
         builder.cache_clear()
     monkeypatch.setattr(kernel_module, "cubin", cubin)
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", launch)
-    for module in (norm_cuda, heads_cuda, steer_cuda, qmv_cuda):
+    for module in (norm_cuda, heads_cuda, steer_cuda, qmv_cuda, fmv_cuda):
         monkeypatch.setattr(module, "available", lambda: True)
     for dtype in (mx.float32, mx.bfloat16):
         _call_every_kernel(dtype)
@@ -160,7 +171,7 @@ def test_every_entry_builds_its_kernels(recorded: dict[str, str]) -> None:
     # alone and for a batch (each row past its padding).
     assert all(builder.cache_info().currsize for builder in BUILDERS)
     bases = [re.sub(r"_[0-9a-f]{16}$", "", name) for name in recorded]
-    assert len(set(bases)) == 8 + 2 + 1 + 1 + 3 + 2 + 1 + 1, sorted(set(bases))
+    assert len(set(bases)) == 8 + 2 + 1 + 1 + 3 + 2 + 1 + 1 + 3, sorted(set(bases))
     assert bases.count("turbospark_decode_attention") == 3 * 2 * 2
     assert all(f'extern "C" __global__ void {name}(' in text for name, text in recorded.items())
 

@@ -45,6 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark.layers import fused
+from turbospark.layers.cuda import fmv as fmv_cuda
 from turbospark.layers.cuda import qmv as qmv_cuda
 
 
@@ -100,8 +101,11 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
     product of a few rows (a decode step's) of an affine packing it fits is
     :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
-    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``). :class:`PerModule`
-    are each part's product, concatenated."""
+    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); a float
+    product of 2 to 16 rows (a batched decode step's) is
+    :func:`~turbospark.layers.cuda.fmv.fmv`'s kernel, where MLX's goes to
+    cuBLASLt at about 20 µs of host time a call. :class:`PerModule` are each
+    part's product, concatenated."""
     if isinstance(weight_t, PerModule):
         return mx.concatenate([matmul_t(x, part) for part in weight_t.parts], axis=-1)
     if isinstance(weight_t, Packed):
@@ -111,6 +115,8 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
         )
+    if fmv_cuda.takes(x, weight_t):
+        return fmv_cuda.fmv(x, weight_t)
     return x @ weight_t
 
 
@@ -267,7 +273,7 @@ def project(linear: nn.Module, x: mx.array, residual: mx.array | None = None) ->
     if "bias" in linear:
         out = gemm_add(linear["bias"], x, weight_t)
         return out if residual is None else residual + out
-    return x @ weight_t if residual is None else gemm_add(residual, x, weight_t)
+    return matmul_t(x, weight_t) if residual is None else gemm_add(residual, x, weight_t)
 
 
 def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
@@ -277,6 +283,10 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     - A packed weight (:class:`Packed`), or :class:`PerModule`: the product
       (:func:`matmul_t`), then the add (there is no quantized GEMM with a C
       operand).
+    - On CUDA, a float product of 2 to 16 rows (a batched decode step's):
+      the few-row kernel (:func:`~turbospark.layers.cuda.fmv.fmv`), which
+      adds a bias or a residual itself (an addend that broadcasts otherwise
+      is added after it).
 
     - Mostly one GEMM, ``addmm`` with *addend* as its C operand: one kernel
       where a matmul and an add were two.
@@ -297,6 +307,10 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     """
     if isinstance(weight_t, Packed | PerModule):
         return addend + matmul_t(x, weight_t)
+    if fmv_cuda.takes(x, weight_t):
+        if _adds(addend, x, weight_t):
+            return fmv_cuda.fmv(x, weight_t, addend)
+        return addend + fmv_cuda.fmv(x, weight_t)
     gpu = fused.builds_for_gpu()
     if gpu and x.size == x.shape[-1]:
         return addend + x @ weight_t
@@ -305,3 +319,10 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
         return mx.addmm(addend, x, weight_t)
     rows = mx.addmm(addend.reshape(-1, addend.shape[-1]), x.reshape(-1, x.shape[-1]), weight_t)
     return rows.reshape(*lead, weight_t.shape[-1])
+
+
+def _adds(addend: mx.array, x: mx.array, weight_t: mx.array) -> bool:
+    """Whether the few-row kernel adds *addend* itself: a bias ``(N,)`` or a
+    residual shaped as the product, of the product's dtype."""
+    product = (*x.shape[:-1], weight_t.shape[-1])
+    return addend.dtype == x.dtype and (addend.shape == product[-1:] or addend.shape == product)
