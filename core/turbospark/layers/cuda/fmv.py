@@ -220,6 +220,7 @@ def takes(x: mx.array, weight_t: mx.array) -> bool:
     return available() and fits(x, weight_t)
 
 
+@functools.cache
 def split_for(outputs: int, width: int) -> int:
     """Warps a block for a product of *outputs* by *width*: the power of two
     that brings the product's warps nearest :data:`WARPS_WANTED` without
