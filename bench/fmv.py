@@ -16,12 +16,14 @@ The two sides' products must agree (the relative difference is reported)
 before either is timed. Whole decode steps are ``bench/step_cost.py`` with
 ``TURBOSPARK_FMV_KERNEL=0`` and ``1``.
 
-Run: ``python3 -m bench.fmv [--rows 2 8 16] [--json]``.
+Run: ``python3 -m bench.fmv [--rows 2 8 16] [--tiles 1 2 4] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 import sys
@@ -66,12 +68,13 @@ def _host_us(product: Any, x: mx.array, weight_t: mx.array) -> float:
     return statistics.median(spent[ENCODES // 4 :]) * 1e6
 
 
-def bench_fmv(rows_list: tuple[int, ...] = (2, 8, 16)) -> list[dict[str, Any]]:
-    """One row a (product, rows): each side's device and host µs, the
+def bench_fmv(
+    rows_list: tuple[int, ...] = (2, 8, 16), tiles_list: tuple[int, ...] = (fmv_cuda.TILES,)
+) -> list[dict[str, Any]]:
+    """One row a (product, rows, tiles): each side's device and host µs, the
     kernel's GB/s of weight, and the products' largest difference relative
     to the largest output."""
     mx.set_default_device(mx.gpu)
-    kernel = fmv_cuda.fmv
     theirs = fmv_cuda.fmv_ops
     results = []
     for name, (outputs, width) in SHAPES.items():
@@ -80,14 +83,21 @@ def bench_fmv(rows_list: tuple[int, ...] = (2, 8, 16)) -> list[dict[str, Any]]:
         count = max(2, -(-STREAM_BYTES // weight.nbytes))
         copies = [(weight + 0).T for _ in range(count)]  # each its own memory, read transposed
         mx.eval(copies)
-        for rows in rows_list:
+        for rows, tiles in itertools.product(rows_list, tiles_list):
             x = mx.random.normal((rows, 1, width), key=mx.random.key(rows)).astype(mx.bfloat16)
             mx.eval(x)
             if not fmv_cuda.fits(x, copies[0]):
                 raise SystemExit(f"the kernel does not take {name} at {rows} rows")
+            kernel = functools.partial(fmv_cuda.fmv, tiles=tiles)
             op = theirs(x, copies[0]).astype(mx.float32)
             difference = (mx.abs(kernel(x, copies[0]).astype(mx.float32) - op).max() / mx.abs(op).max()).item()  # fmt: skip
-            row = {"product": name, "outputs": outputs, "inputs": width, "rows": rows}
+            row = {
+                "product": name,
+                "outputs": outputs,
+                "inputs": width,
+                "rows": rows,
+                "tiles": tiles,
+            }
             for side, product in (("kernel", kernel), ("cublas", theirs)):
                 row[f"{side}_device_us"] = _stream_us(product, x, copies, 4 * count)
                 row[f"{side}_host_us"] = _host_us(product, x, copies[0])
@@ -100,16 +110,19 @@ def bench_fmv(rows_list: tuple[int, ...] = (2, 8, 16)) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 8, 16])
+    parser.add_argument(
+        "--tiles", type=int, nargs="+", default=[fmv_cuda.TILES], help="tiles of 8 outputs a warp"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = bench_fmv(tuple(args.rows))
+    results = bench_fmv(tuple(args.rows), tuple(args.tiles))
     if args.json:
         print(json.dumps(results))
         return
-    print(f"{'product':8} {'rows':>4} {'kernel µs':>10} {'cuBLAS µs':>10} {'host µs (k / c)':>16} {'GB/s':>6} {'diff':>8}")  # fmt: skip
+    print(f"{'product':8} {'rows':>4} {'tiles':>5} {'kernel µs':>10} {'cuBLAS µs':>10} {'host µs (k / c)':>16} {'GB/s':>6} {'diff':>8}")  # fmt: skip
     for r in results:
         print(
-            f"{r['product']:8} {r['rows']:>4} {r['kernel_device_us']:>10.1f} {r['cublas_device_us']:>10.1f}"
+            f"{r['product']:8} {r['rows']:>4} {r['tiles']:>5} {r['kernel_device_us']:>10.1f} {r['cublas_device_us']:>10.1f}"
             f" {r['kernel_host_us']:>7.1f} / {r['cublas_host_us']:<6.1f} {r['kernel_gb_s']:>6.0f}"
             f" {r['relative_difference']:>8.1e}"
         )

@@ -11,8 +11,8 @@ weight row must meet as the same terms of the same dot product. Each
 product is held to float64, with no addend, a bias and a residual; outputs
 past the last row or column stay unwritten. Shapes: 1 to 16 rows, outputs
 not a multiple of a block's 16, widths of one to several 32-value blocks
-a warp, a block's warps splitting the width unevenly, and x starting one
-element past a 16-byte boundary (the value-by-value loads). bfloat16, as a
+a warp, a block's warps splitting the width unevenly, 1, 2 and 4 tiles of
+outputs a warp, and x starting one element past a 16-byte boundary (the value-by-value loads). bfloat16, as a
 GPU's decode runs it. Skipped where no C++ compiler is found.
 """
 
@@ -43,10 +43,11 @@ class Case(NamedTuple):
     outputs: int
     add: int  # 0 none, 1 a bias, 2 a residual
     offset: int  # elements x starts past a 16-byte boundary
+    tiles: int = fmv_cuda.TILES
 
     @property
     def split(self) -> int:
-        return fmv_cuda.split_for(self.outputs, self.width)
+        return fmv_cuda.split_for(self.outputs, self.width, self.tiles)
 
 
 CASES = [
@@ -56,11 +57,13 @@ CASES = [
     Case(5, 128, 33, 2, 1),
     Case(1, 32, 8, 2, 0),
     Case(12, 2048, 20, 1, 0),
+    Case(7, 192, 50, 2, 0, tiles=1),
+    Case(16, 512, 70, 0, 1, tiles=4),
 ]
 
 
 def _ids(case: Case) -> str:
-    return f"r{case.rows}-k{case.width}-n{case.outputs}-add{case.add}-s{case.split}-o{case.offset}"
+    return f"r{case.rows}-k{case.width}-n{case.outputs}-add{case.add}-s{case.split}-t{case.tiles}-o{case.offset}"
 
 
 def _translation_unit() -> str:
@@ -74,14 +77,14 @@ def _translation_unit() -> str:
         body = fmv_cuda._kernel(case.add).body
         parts.append(
             f"void kernel_{i}() {{\n    using T = bf16;\n"
-            f"    constexpr int K = {case.width}, TILES = {fmv_cuda.TILES}, SPLIT = {case.split};\n"
+            f"    constexpr int K = {case.width}, TILES = {case.tiles}, SPLIT = {case.split};\n"
             f"{body}\n}}\n"
             f'extern "C" int run_{i}(const void* x_, const void* w_, const void* add_, void* y_) {{\n'
             f"    x = static_cast<const bf16*>(x_); w = static_cast<const bf16*>(w_);\n"
             f"    addend = static_cast<const bf16*>(add_); y = static_cast<bf16*>(y_);\n"
             f"    x_shape[0] = {case.rows}; x_shape[1] = {case.width};\n"
             f"    w_shape[0] = {case.outputs}; w_shape[1] = {case.width};\n"
-            f"    const int blocks = {-(-case.outputs // (8 * fmv_cuda.TILES))};\n"
+            f"    const int blocks = {-(-case.outputs // (8 * case.tiles))};\n"
             f"    return launch(kernel_{i}, blocks, {case.split * 32});\n}}\n"
         )
     return "\n".join(parts)

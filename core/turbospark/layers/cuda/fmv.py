@@ -63,7 +63,7 @@ def min_rows(text: str) -> int:
 
 R_MIN = min_rows(os.environ.get("TURBOSPARK_FMV_MIN_ROWS", "2"))
 DTYPES = (mx.bfloat16, mx.float16)  # the MMA's inputs
-TILES = 2  # tiles of 8 outputs a warp: 16 outputs a block
+TILES = 2  # tiles of 8 outputs a warp (16 outputs a block), unless a caller gives its own
 # Warps a product aims for (about 8 an H100 SM), its blocks splitting the width to get there.
 WARPS_WANTED = 1024
 MAX_SPLIT = 16  # warps a block at most
@@ -221,11 +221,11 @@ def takes(x: mx.array, weight_t: mx.array) -> bool:
 
 
 @functools.cache
-def split_for(outputs: int, width: int) -> int:
-    """Warps a block for a product of *outputs* by *width*: the power of two
-    that brings the product's warps nearest :data:`WARPS_WANTED` without
-    giving a warp less than one 32-value block."""
-    blocks = -(-outputs // (8 * TILES))
+def split_for(outputs: int, width: int, tiles: int = TILES) -> int:
+    """Warps a block for a product of *outputs* by *width* at *tiles* tiles a
+    warp: the power of two that brings the product's warps nearest
+    :data:`WARPS_WANTED` without giving a warp less than one 32-value block."""
+    blocks = -(-outputs // (8 * tiles))
     split = 1
     while split < MAX_SPLIT and blocks * split * 2 <= WARPS_WANTED and split * 2 <= width // 32:
         split *= 2
@@ -238,24 +238,26 @@ def fmv_ops(x: mx.array, weight_t: mx.array, addend: mx.array | None = None) -> 
     return x @ weight_t if addend is None else mx.addmm(addend, x, weight_t)
 
 
-def fmv(x: mx.array, weight_t: mx.array, addend: mx.array | None = None) -> mx.array:
+def fmv(
+    x: mx.array, weight_t: mx.array, addend: mx.array | None = None, tiles: int = TILES
+) -> mx.array:
     """:func:`fmv_ops` in one kernel; callers check :func:`takes`. The kernel
     reads the weight ``(N, K)`` row by row: ``weight_t`` is a transposed view
     of it (:func:`~turbospark.layers.stacked.transposed`), so ``weight_t.T``
-    is row-contiguous and passes uncopied."""
+    is row-contiguous and passes uncopied. *tiles* (tiles of 8 outputs a
+    warp) is the benchmark's knob (``bench/fmv.py --tiles``)."""
     width, outputs = weight_t.shape
     rows = x.size // width
-    flat_x = x.reshape(rows, width)
     add = 0
-    inputs = [flat_x, weight_t.T]
+    inputs = [x.reshape(rows, width), weight_t.T]
     if addend is not None:
         add = 1 if addend.ndim == 1 else 2
         inputs.append(addend if add == 1 else addend.reshape(rows, outputs))
-    split = split_for(outputs, width)
-    blocks = -(-outputs // (8 * TILES))
+    split = split_for(outputs, width, tiles)
+    blocks = -(-outputs // (8 * tiles))
     (y,) = _kernel(add)(
         inputs=inputs,
-        template=[("K", width), ("TILES", TILES), ("SPLIT", split), ("T", x.dtype)],
+        template=[("K", width), ("TILES", tiles), ("SPLIT", split), ("T", x.dtype)],
         grid=(blocks * split * 32, 1, 1),
         threadgroup=(split * 32, 1, 1),
         output_shapes=[(rows, outputs)],
