@@ -132,6 +132,18 @@ def test_the_min_rows_knob_is_read_at_import() -> None:
     assert last.startswith("ValueError: TURBOSPARK_FMV_MIN_ROWS='0'")
 
 
+@pytest.mark.parametrize(("arch", "has"), [("sm_70", False), ("sm_75", False), ("sm_80", True), ("sm_90", True), ("sm_120", True)])  # fmt: skip
+def test_only_gpus_with_bfloat16_mma_take_it(
+    arch: str, has: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fmv_cuda.nvrtc, "architecture", lambda: arch)
+    fmv_cuda.has_mma.cache_clear()
+    try:
+        assert fmv_cuda.has_mma() is has
+    finally:
+        fmv_cuda.has_mma.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("addend_shape", "handed"),
     [((OUTPUTS,), True), ((4, 1, OUTPUTS), True), ((1, OUTPUTS), False), ((4, 1, 1), False)],

@@ -41,6 +41,7 @@ import os
 import mlx.core as mx
 
 from turbospark.layers import fused
+from turbospark.layers.cuda import nvrtc
 from turbospark.layers.cuda.kernel import Kernel
 
 # TURBOSPARK_FMV_KERNEL=0 keeps MLX's matmul (cuBLASLt) on CUDA too (the
@@ -193,8 +194,17 @@ def _kernel(add: int) -> Kernel:
 
 
 def available() -> bool:
-    """True where the products take this kernel (:func:`~turbospark.layers.fused.takes_cuda_kernels`)."""
-    return fused.takes_cuda_kernels(ENABLED)
+    """True where the products take this kernel
+    (:func:`~turbospark.layers.fused.takes_cuda_kernels`) and the GPU has
+    its MMA (:func:`has_mma`)."""
+    return fused.takes_cuda_kernels(ENABLED) and has_mma()
+
+
+@functools.cache
+def has_mma() -> bool:
+    """Whether device 0 runs bfloat16 ``mma.sync`` (compute capability 8.0
+    and later: Ampere, Hopper, Blackwell); an older GPU keeps MLX's matmul."""
+    return int(nvrtc.architecture().removeprefix("sm_")) >= 80
 
 
 def fits(x: mx.array, weight_t: mx.array) -> bool:
