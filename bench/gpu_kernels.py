@@ -107,13 +107,19 @@ def install_stand_ins() -> None:
 
 
 def _decode_attention_stand_in(
-    queries: mx.array, keys: mx.array, values: mx.array, rows: mx.array, scale: float
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    rows: mx.array,
+    scale: float,
+    left: mx.array | None = None,
 ) -> mx.array:
-    """Two kernels, as :func:`turbospark.layers.cuda.attention.decode` is:
-    a Scan over the queries for the chunks' partial results, a second over
-    those for their merge. The keys and values are the cache's buffers
-    (evaluated with the state anyway) and the rows a leaf, so leaving them
-    out drops no kernel."""
+    """Two kernels, as :func:`turbospark.layers.cuda.attention.decode` is
+    (a lone row's or, with *left*, a batch's): a Scan over the queries for
+    the chunks' partial results, a second over those for their merge. The
+    keys and values are the cache's buffers (evaluated with the state
+    anyway) and the rows and first rows leaves, so leaving them out drops
+    no kernel."""
     partial = mx.cumsum(queries, axis=-1)
     return mx.cumsum(partial, axis=-1)[..., : values.shape[-1]]
 

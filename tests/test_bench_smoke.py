@@ -32,6 +32,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             dispatch,
             encode_cost,
             forward,
+            gpu_kernels,
             host_cost,
             interleaved,
             long_context,
@@ -62,6 +63,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "dispatch": dispatch,
         "encode_cost": encode_cost,
         "forward": forward,
+        "gpu_kernels": gpu_kernels,
         "host_cost": host_cost,
         "interleaved": interleaved,
         "long_context": long_context,
@@ -102,6 +104,16 @@ def test_forward(bench: dict, family: str) -> None:
     # Compiling fuses: fewer kernels per step than the same step uncompiled.
     assert out["step_cost"]["ours"]["kernels"] < out["step_cost"]["ours_uncompiled"]["kernels"]
     assert 0 < out["step_cost"]["ours"]["overlap"] < 1  # produce returned before its step ended
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_gpu_kernels_counts_each_pass(bench: dict, family: str) -> None:
+    """A lone row's step, a verify pass and a batched step (the stand-ins
+    taking each kernel's arguments, a batch's first rows included)."""
+    out = bench["gpu_kernels"].gpu_kernels(bench[family], batch=3)
+    for name in ("ours", "mlx_lm", "verify", "batched_decode"):
+        assert out[name]["kernels"] > 0, name
+    assert out["ours"]["kernels"] < out["ours_uncompiled"]["kernels"]
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
