@@ -9,24 +9,19 @@ MLX's matmul, ``tests/test_fmv_kernel_path.py`` checks which products
 product is held to float64 and to ``x @ w.T`` (``mx.addmm`` with an
 addend) on the same inputs: bfloat16 and float16, 2 to 16 rows, the
 families' widths and odd ones, a bias and a residual, x a view that starts
-anywhere, inside a compiled function; and a batched engine (its steps the
-kernel's) decodes what each row decodes alone.
+anywhere, inside a compiled function. (A batched engine's routing is
+checked on the CPU; greedy tokens of a random bfloat16 model are no test of
+it: near-tied logits flip with any change in summation order.)
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.generation.engine import Engine, Job
-from turbospark.generation.generate import GenerationConfig
-from turbospark.generation.runner import Runner
 from turbospark.layers.cuda import fmv as fmv_cuda
 from turbospark.layers.stacked import gemm_add, matmul_t
-from turbospark.text import load_text
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
@@ -37,8 +32,10 @@ ROWS = [2, 3, 8, 9, fmv_cuda.R_MAX]
 
 
 @pytest.fixture(autouse=True)
-def _gpu() -> None:
+def _gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU, with the kernel switched on (it is off by default)."""
     mx.set_default_device(mx.gpu)
+    monkeypatch.setattr(fmv_cuda, "ENABLED", True)
 
 
 def _inputs(rows: int, outputs: int, width: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
@@ -49,24 +46,31 @@ def _inputs(rows: int, outputs: int, width: int, dtype: mx.Dtype) -> tuple[mx.ar
     return x, w
 
 
-def _check(got: mx.array, x: mx.array, w: mx.array, addend: mx.array | None = None) -> None:
-    """*got* within float32 sums and one rounding of float64, and near MLX's."""
+def _check(
+    got: mx.array, x: mx.array, w: mx.array, addend: mx.array | None = None, mlx: bool = True
+) -> None:
+    """*got* within float32 sums and one rounding of float64, and (*mlx*)
+    near MLX's own product: ``addmm`` rounds the product before it adds the
+    addend, so that comparison allows a rounding of each."""
     x64 = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, x.shape[-1])
     w64 = np.array(w.astype(mx.float32), dtype=np.float64)
-    exact = x64 @ w64.T
+    product = x64 @ w64.T
+    exact = product
     if addend is not None:
-        exact = exact + np.array(addend.astype(mx.float32), dtype=np.float64).reshape(
+        exact = product + np.array(addend.astype(mx.float32), dtype=np.float64).reshape(
             -1, w.shape[0]
         )
     size = np.abs(x64) @ np.abs(w64).T
     unit = 2.0**-8 if x.dtype == mx.bfloat16 else 2.0**-11
     got64 = np.array(got.astype(mx.float32), dtype=np.float64).reshape(exact.shape)
-    assert np.all(np.abs(got64 - exact) <= 1e-5 * size + unit * np.abs(exact)), np.max(
-        np.abs(got64 - exact) - 1e-5 * size - unit * np.abs(exact)
-    )
+    bound = 1e-5 * size + unit * np.abs(exact)
+    assert np.all(np.abs(got64 - exact) <= bound), np.max(np.abs(got64 - exact) - bound)
+    if not mlx:
+        return
     theirs = (x @ w.T) if addend is None else mx.addmm(addend, x, w.T)
     theirs64 = np.array(theirs.astype(mx.float32), dtype=np.float64).reshape(exact.shape)
-    assert np.all(np.abs(got64 - theirs64) <= 1e-5 * size + 2 * unit * np.abs(exact))
+    bound = 1e-5 * size + 2 * unit * (np.abs(exact) + np.abs(product))
+    assert np.all(np.abs(got64 - theirs64) <= bound), np.max(np.abs(got64 - theirs64) - bound)
 
 
 @pytest.mark.parametrize("dtype", fmv_cuda.DTYPES, ids=str)
@@ -92,11 +96,13 @@ def test_adds_a_bias_or_a_residual(kind: str, dtype: mx.Dtype) -> None:
 
 def test_a_view_starting_anywhere() -> None:
     """x row-contiguous but one value past a 16-byte boundary (a view into a
-    larger buffer): the kernel's value-by-value loads."""
+    larger buffer): the kernel's value-by-value loads. Against float64 only:
+    MLX 0.32's own matmul of such a view fails on CUDA (cuBLASLt: not
+    supported, code 15)."""
     _, w = _inputs(4, 40, 2048, mx.bfloat16)
     flat = mx.random.normal((4 * 2048 + 1,), key=mx.random.key(9)).astype(mx.bfloat16)
     x = flat[1:].reshape(4, 1, 2048)
-    _check(matmul_t(x, w.T), x, w)
+    _check(matmul_t(x, w.T), x, w, mlx=False)
 
 
 def test_inside_a_compiled_function() -> None:
@@ -104,35 +110,3 @@ def test_inside_a_compiled_function() -> None:
     weight_t = w.T
     mx.eval(weight_t)
     _check(mx.compile(lambda a: matmul_t(a, weight_t))(x), x, w)
-
-
-def _engine_tokens(path: Path, max_batch: int) -> list[list[int]]:
-    runner = Runner.open(path, context_length=512, dtype="bfloat16", session_slots=4)
-    engine = Engine(runner, load_text(path), max_batch=max_batch, prefill_budget=64)
-    prompts = [[3 + (7 * i + r) % 90 for i in range(n)] for r, n in enumerate([9, 30, 17, 4])]
-    done: list[list[int]] = [[] for _ in prompts]
-    for prompt, got in zip(prompts, done, strict=True):
-        engine.submit(
-            Job(
-                ids=prompt,
-                config=GenerationConfig(max_tokens=24, stop_token_ids=[]),
-                emit=lambda item, got=got: got.append(getattr(item, "token", None)),
-            )
-        )
-    while engine.active_rows or engine.queue_depth:
-        engine.step()
-    return [[t for t in tokens if t is not None] for tokens in done]
-
-
-@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
-def test_a_batch_decodes_as_its_rows_alone(family: str, request: pytest.FixtureRequest) -> None:
-    """Greedy in bfloat16, four rows batched (their steps' products the
-    kernel's) against each alone (one row: MLX's gemv). The sums run in other
-    orders, so a token may differ where two logits tie within a rounding; the
-    first tokens agree, and most of the rest."""
-    path: Path = request.getfixturevalue(f"{family}_install")
-    alone = _engine_tokens(path, max_batch=1)
-    batched = _engine_tokens(path, max_batch=4)
-    agree = [sum(a == b for a, b in zip(p, k, strict=True)) for p, k in zip(alone, batched, strict=True)]  # fmt: skip
-    firsts = [p[:4] == k[:4] for p, k in zip(alone, batched, strict=True)]
-    assert all(firsts) and sum(agree) >= 0.75 * sum(map(len, alone)), (agree, alone, batched)

@@ -103,7 +103,7 @@ def test_packed_weights_are_not_its(taken: Taken) -> None:
 
 
 def test_unavailable_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU (and with TURBOSPARK_FMV_KERNEL=0 anywhere) nothing takes it."""
+    """On the CPU (and anywhere without TURBOSPARK_FMV_KERNEL=1) nothing takes it."""
     monkeypatch.setattr(fmv_cuda, "fmv", lambda *a: pytest.fail("took the kernel"))
     assert not fmv_cuda.available()
     x, weight_t = _x(4, 1), _weight_t()

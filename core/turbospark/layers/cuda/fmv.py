@@ -6,7 +6,9 @@ cuBLASLt, and encodes each such call by building its descriptors and asking
 cuBLASLt's heuristic for an algorithm anew: about 20 µs of host time a call
 (``bench/encode_cost.py``, docs/CUDA.md), against about 3 for one of our
 kernels, in a step that is bound by the host. A lone row's product is MLX's
-own gemv (one kernel node) and stays so.
+own gemv (one kernel node) and stays so. Off unless
+``TURBOSPARK_FMV_KERNEL=1``: measured on an H100 it saved that encoding but
+lost more to its calls' Python and its device time (:data:`ENABLED`).
 
 Here a warp computes :data:`TILES` tiles of 8 outputs for up to 16 rows with
 ``mma.sync`` (m16n8k16, float32 accumulators): the rows are the MMA's 16
@@ -44,9 +46,12 @@ from turbospark.layers import fused
 from turbospark.layers.cuda import nvrtc
 from turbospark.layers.cuda.kernel import Kernel
 
-# TURBOSPARK_FMV_KERNEL=0 keeps MLX's matmul (cuBLASLt) on CUDA too (the
-# benchmarks' A/B, as TURBOSPARK_QMV_KERNEL), read once at import.
-ENABLED = os.environ.get("TURBOSPARK_FMV_KERNEL", "1") != "0"
+# TURBOSPARK_FMV_KERNEL=1 takes the kernel (read once at import). Off by
+# default: on an H100 the 16-row gemma4 step spent 0.6 ms less in MLX's
+# evaluation with it, but 0.4 ms more building the graph (each eager call's
+# Python) and its products ran slower on the device than cuBLAS's, so the
+# step took 4.94 ms against 4.33 (docs/CUDA.md).
+ENABLED = os.environ.get("TURBOSPARK_FMV_KERNEL", "0") == "1"
 R_MAX = 16  # rows a product may have to take it: an MMA's
 # The fewest rows (TURBOSPARK_FMV_MIN_ROWS, read once at import): 2, so a
 # lone row's product stays MLX's gemv (one kernel node, no cuBLASLt); 1 is
