@@ -7,7 +7,8 @@ down) is timed both ways in bfloat16 at ``--rows`` rows, two figures each:
 
 - ``device_us``: a stream of products over enough copies of the weight to
   outgrow the L2 (each product reads its weight from memory, as a decode
-  step does), evaluated together, over its length; best of :data:`TRIALS`.
+  step does), evaluated together, over its length; best of
+  :data:`bench.qmv.TRIALS` (:func:`bench.qmv.stream_us`).
   Where the host encodes slower than the device runs, this is the host's.
 - ``host_us``: the host time to build and encode one product (its graph
   node and MLX's evaluation call), one product at a time, median.
@@ -36,25 +37,13 @@ if __package__ in (None, ""):
 
 import mlx.core as mx
 
+from bench.qmv import stream_us
 from turbospark.layers.cuda import fmv as fmv_cuda
 
 # (outputs, inputs) of the large gemma4 shape's products.
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 STREAM_BYTES = 512 * 2**20  # the weight copies a stream cycles through: ten times the L2
-TRIALS = 5
 ENCODES = 200  # products timed one at a time for the host's figure
-
-
-def _stream_us(product: Any, x: mx.array, copies: list[mx.array], length: int) -> float:
-    best = float("inf")
-    for _ in range(TRIALS + 1):  # the first builds and warms
-        outs = [product(x, copies[i % len(copies)]) for i in range(length)]
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best / length * 1e6
 
 
 def _host_us(product: Any, x: mx.array, weight_t: mx.array) -> float:
@@ -81,16 +70,16 @@ def bench_fmv(
         weight = mx.random.normal((outputs, width), key=mx.random.key(outputs)) * width**-0.5
         weight = weight.astype(mx.bfloat16)
         count = max(2, -(-STREAM_BYTES // weight.nbytes))
-        copies = [(weight + 0).T for _ in range(count)]  # each its own memory, read transposed
+        copies = [((weight + 0).T,) for _ in range(count)]  # each its own memory, read transposed
         mx.eval(copies)
         for rows, tiles in itertools.product(rows_list, tiles_list):
             x = mx.random.normal((rows, 1, width), key=mx.random.key(rows)).astype(mx.bfloat16)
             mx.eval(x)
-            if not fmv_cuda.fits(x, copies[0]):
+            if not fmv_cuda.fits(x, copies[0][0]):
                 raise SystemExit(f"the kernel does not take {name} at {rows} rows")
             kernel = functools.partial(fmv_cuda.fmv, tiles=tiles)
-            op = theirs(x, copies[0]).astype(mx.float32)
-            difference = (mx.abs(kernel(x, copies[0]).astype(mx.float32) - op).max() / mx.abs(op).max()).item()  # fmt: skip
+            op = theirs(x, copies[0][0]).astype(mx.float32)
+            difference = (mx.abs(kernel(x, copies[0][0]).astype(mx.float32) - op).max() / mx.abs(op).max()).item()  # fmt: skip
             row = {
                 "product": name,
                 "outputs": outputs,
@@ -99,8 +88,8 @@ def bench_fmv(
                 "tiles": tiles,
             }
             for side, product in (("kernel", kernel), ("cublas", theirs)):
-                row[f"{side}_device_us"] = _stream_us(product, x, copies, 4 * count)
-                row[f"{side}_host_us"] = _host_us(product, x, copies[0])
+                row[f"{side}_device_us"] = stream_us(product, x, copies, 4 * count)
+                row[f"{side}_host_us"] = _host_us(product, x, copies[0][0])
             row["kernel_gb_s"] = weight.nbytes / row["kernel_device_us"] / 1e3
             row["relative_difference"] = difference
             results.append(row)

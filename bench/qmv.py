@@ -74,7 +74,10 @@ def _copies(
     return copies
 
 
-def _stream_us(product: Callable[..., mx.array], x: mx.array, copies: list[tuple], length: int) -> float:  # fmt: skip
+def stream_us(product: Callable[..., mx.array], x: mx.array, copies: list[tuple], length: int) -> float:  # fmt: skip
+    """µs a product of a stream of *length* products of *x* by each of
+    *copies* in turn (``product(x, *copy)``), evaluated together; the best
+    of :data:`TRIALS`, after one that builds and warms."""
     best = float("inf")
     for _ in range(TRIALS + 1):  # the first builds and warms
         outs = [product(x, *copies[i % len(copies)]) for i in range(length)]
@@ -125,7 +128,7 @@ def bench_qmv(
                     raise SystemExit(f"the kernel does not take {name} at {bits} bits, {rows} rows")
                 op = qmv_cuda.qmv_ops(x, *copies[0], group_size, bits).astype(mx.float32)
                 scale = mx.abs(op).max().item()
-                op_us = _stream_us(
+                op_us = stream_us(
                     lambda a, w, s, b, n=bits: qmv_cuda.qmv_ops(a, w, s, b, group_size, n),
                     x, copies, length,
                 )  # fmt: skip
@@ -134,7 +137,7 @@ def bench_qmv(
                     chosen = variant or qmv_cuda.variant_for(bits, rows)
                     kernel = qmv_cuda.qmv(x, *copies[0], group_size, bits, chosen)
                     difference = mx.abs(kernel.astype(mx.float32) - op).max().item() / scale
-                    kernel_us = _stream_us(
+                    kernel_us = stream_us(
                         lambda a, w, s, b, n=bits, v=chosen: qmv_cuda.qmv(a, w, s, b, group_size, n, v),
                         x, copies, length,
                     )  # fmt: skip

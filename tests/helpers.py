@@ -16,6 +16,7 @@ import numpy as np
 
 from turbospark import MropePositions, Runner, build_synthetic_install
 from turbospark.generation.drafters import ReplayDrafter
+from turbospark.generation.engine import Engine, Job
 from turbospark.generation.generate import GenerationConfig, generate
 from turbospark.layers import attention_step
 from turbospark.layers.gated_delta.gates import log_decay, normalize_qk_heads
@@ -267,3 +268,34 @@ def host_made_sizes(monkeypatch: object) -> list[int]:
 
     monkeypatch.setattr(attention_step, "owner_trace", traced)  # type: ignore[attr-defined]
     return sizes
+
+
+def engine_arrivals(
+    runner: Runner,
+    path: Path,
+    prompts: Sequence[Sequence[int]],
+    arrivals: Sequence[int],
+    lengths: Sequence[int],
+) -> list[list[int]]:
+    """An engine's batch as a server runs it: prompt ``i`` submitted at step
+    ``arrivals[i]`` for ``lengths[i]`` greedy tokens (at most 3 rows, prefill
+    in chunks of 3 under a budget of 4), so rows join a running batch and
+    leave it; each prompt's tokens."""
+    engine = Engine(runner, load_text(path), max_batch=3, prefill_budget=4)
+    done: list[list[int | None]] = [[] for _ in prompts]
+    jobs = [
+        Job(
+            ids=list(prompt),
+            config=GenerationConfig(max_tokens=n, stop_token_ids=[], chunk_size=3),
+            emit=lambda item, got=got: got.append(getattr(item, "token", None)),
+        )
+        for prompt, n, got in zip(prompts, lengths, done, strict=True)
+    ]
+    for step in range(500):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                engine.submit(jobs[i])
+        engine.step()
+        if step > max(arrivals) and engine.active_rows == 0 and engine.queue_depth == 0:
+            break
+    return [[t for t in tokens if t is not None] for tokens in done]

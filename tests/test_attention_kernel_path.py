@@ -28,19 +28,17 @@ from helpers import (
     assert_states_close,
     batched_greedy,
     chunks_and_steps,
+    engine_arrivals,
     greedy_both_paths,
     host_made_sizes,
     kind_install,
     mtp_drafts_both_paths,
     state_arrays,
 )
-from turbospark.generation.engine import Engine, Job
-from turbospark.generation.generate import GenerationConfig
 from turbospark.generation.runner import Runner
 from turbospark.layers import attention
 from turbospark.layers.cuda import attention as attention_cuda
 from turbospark.layers.cuda import norm as norm_cuda
-from turbospark.text import load_text
 
 PROMPT = [3 + (7 * i) % 90 for i in range(37)]
 # MLX's attention over the same rows either way: only the path that hands them over differs.
@@ -176,25 +174,8 @@ def test_rows_joining_and_leaving_a_batch_equal_the_plain_path(
     runs = []
     for kernel in (False, True):
         handed = _path(monkeypatch, kernel)
-        codec = load_text(install)
-        engine = Engine(_open(install, session_slots=4), codec, max_batch=3, prefill_budget=4)
-        done: list[list[int | None]] = [[] for _ in prompts]
-        jobs = [
-            Job(
-                ids=list(prompt),
-                config=GenerationConfig(max_tokens=n, stop_token_ids=[], chunk_size=3),
-                emit=lambda item, got=got: got.append(getattr(item, "token", None)),
-            )
-            for prompt, n, got in zip(prompts, lengths, done, strict=True)
-        ]
-        for step in range(500):
-            for i, at in enumerate(arrivals):
-                if at == step:
-                    engine.submit(jobs[i])
-            engine.step()
-            if step > max(arrivals) and engine.active_rows == 0 and engine.queue_depth == 0:
-                break
-        runs.append([[t for t in tokens if t is not None] for tokens in done])
+        runner = _open(install, session_slots=4)
+        runs.append(engine_arrivals(runner, install, prompts, arrivals, lengths))
     assert runs[1] == runs[0]
     assert [len(tokens) for tokens in runs[0]] == lengths
     assert any(left is not None for _, _, left in handed), "no batched step took the kernels"

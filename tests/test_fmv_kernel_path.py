@@ -25,12 +25,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark.generation.engine import Engine, Job
-from turbospark.generation.generate import GenerationConfig
+from helpers import engine_arrivals
 from turbospark.generation.runner import Runner
 from turbospark.layers.cuda import fmv as fmv_cuda
 from turbospark.layers.stacked import Packed, gemm_add, matmul_t
-from turbospark.text import load_text
 
 WIDTH, OUTPUTS = 64, 40
 Taken = list[tuple[tuple[int, ...], tuple[int, ...] | None]]
@@ -181,24 +179,7 @@ def test_a_batched_engine_decodes_as_without_it(
             monkeypatch.setattr(fmv_cuda, "DTYPES", (*fmv_cuda.DTYPES, mx.float32))
             shapes = taken_by(monkeypatch)
         runner = Runner.open(path, context_length=256, dtype="float32", session_slots=4)
-        engine = Engine(runner, load_text(path), max_batch=3, prefill_budget=4)
-        done: list[list[int]] = [[] for _ in prompts]
-        jobs = [
-            Job(
-                ids=prompt,
-                config=GenerationConfig(max_tokens=n, stop_token_ids=[], chunk_size=3),
-                emit=lambda item, got=got: got.append(getattr(item, "token", None)),
-            )
-            for prompt, n, got in zip(prompts, lengths, done, strict=True)
-        ]
-        for step in range(500):
-            for i, at in enumerate(arrivals):
-                if at == step:
-                    engine.submit(jobs[i])
-            engine.step()
-            if step > max(arrivals) and engine.active_rows == 0 and engine.queue_depth == 0:
-                break
-        runs.append([[t for t in tokens if t is not None] for tokens in done])
+        runs.append(engine_arrivals(runner, path, prompts, arrivals, lengths))
         rows_handed.append({int(np.prod(shape[:-1])) for shape, _ in shapes})
     assert runs[1] == runs[0]
     assert [len(tokens) for tokens in runs[0]] == lengths

@@ -80,22 +80,19 @@ MAX_SPLIT = 16  # warps a block at most
 # 2t + 8) and the next k, its two B registers k (2t, 2t + 8) and the next at
 # column g, its four floats of C and D rows (g, g, g + 8, g + 8) at columns
 # 2t, 2t + 1. The pointer argument picks the dtype; it is not read.
-MMA_HEADER = """
-__device__ inline void mma(const __nv_bfloat16*, float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+_MMA = """
+__device__ inline void mma(const CTYPE*, float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ inline void mma(const __half*, float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "mma.sync.aligned.m16n8k16.row.col.f32.PTX.PTX.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 """
+MMA_HEADER = "".join(
+    _MMA.replace("CTYPE", ctype).replace("PTX", ptx)
+    for ctype, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16"))
+)
 
 # 16 bytes (8 values) at p as a uint4: one load where p is 16-byte aligned (a
 # view may start anywhere), else value by value; zeros where there is no row.
