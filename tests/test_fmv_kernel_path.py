@@ -43,6 +43,7 @@ def taken_by(monkeypatch: pytest.MonkeyPatch) -> Taken:
         shapes.append((x.shape, None if addend is None else addend.shape))
         return fmv_cuda.fmv_ops(x, weight_t, addend)
 
+    monkeypatch.setattr(fmv_cuda, "ENABLED", True)
     monkeypatch.setattr(fmv_cuda, "available", lambda: True)
     monkeypatch.setattr(fmv_cuda, "fmv", recorder)
     return shapes
@@ -101,10 +102,14 @@ def test_packed_weights_are_not_its(taken: Taken) -> None:
 
 
 def test_unavailable_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU (and anywhere without TURBOSPARK_FMV_KERNEL=1) nothing takes it."""
+    """Off by default (TURBOSPARK_FMV_KERNEL=1 takes it), and on the CPU
+    nothing takes it even switched on."""
     monkeypatch.setattr(fmv_cuda, "fmv", lambda *a: pytest.fail("took the kernel"))
-    assert not fmv_cuda.available()
+    assert not fmv_cuda.ENABLED and not fmv_cuda.available()
     x, weight_t = _x(4, 1), _weight_t()
+    assert mx.array_equal(matmul_t(x, weight_t), x @ weight_t).item()
+    monkeypatch.setattr(fmv_cuda, "ENABLED", True)
+    assert not fmv_cuda.available()
     assert mx.array_equal(matmul_t(x, weight_t), x @ weight_t).item()
 
 

@@ -101,11 +101,11 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
     product of a few rows (a decode step's) of an affine packing it fits is
     :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
-    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); a float
-    product of 2 to 16 rows (a batched decode step's) is
-    :func:`~turbospark.layers.cuda.fmv.fmv`'s kernel, where MLX's goes to
-    cuBLASLt at about 20 µs of host time a call. :class:`PerModule` are each
-    part's product, concatenated."""
+    4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); with
+    ``TURBOSPARK_FMV_KERNEL=1`` a float product of 2 to 16 rows (a batched
+    decode step's) is :func:`~turbospark.layers.cuda.fmv.fmv`'s kernel, where
+    MLX's goes to cuBLASLt (off by default: the step measured slower with
+    it). :class:`PerModule` are each part's product, concatenated."""
     if isinstance(weight_t, PerModule):
         return mx.concatenate([matmul_t(x, part) for part in weight_t.parts], axis=-1)
     if isinstance(weight_t, Packed):
@@ -115,7 +115,7 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
         )
-    if fmv_cuda.takes(x, weight_t):
+    if fmv_cuda.ENABLED and fmv_cuda.takes(x, weight_t):  # the switch first: every product asks
         return fmv_cuda.fmv(x, weight_t)
     return x @ weight_t
 
@@ -283,10 +283,10 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     - A packed weight (:class:`Packed`), or :class:`PerModule`: the product
       (:func:`matmul_t`), then the add (there is no quantized GEMM with a C
       operand).
-    - On CUDA, a float product of 2 to 16 rows (a batched decode step's):
-      the few-row kernel (:func:`~turbospark.layers.cuda.fmv.fmv`), which
-      adds a bias or a residual itself (an addend that broadcasts otherwise
-      is added after it).
+    - On CUDA with ``TURBOSPARK_FMV_KERNEL=1``, a float product of 2 to 16
+      rows (a batched decode step's): the few-row kernel
+      (:func:`~turbospark.layers.cuda.fmv.fmv`), which adds a bias or a
+      residual itself (an addend that broadcasts otherwise is added after it).
 
     - Mostly one GEMM, ``addmm`` with *addend* as its C operand: one kernel
       where a matmul and an add were two.
@@ -307,7 +307,7 @@ def gemm_add(addend: mx.array, x: mx.array, weight_t: WeightT) -> mx.array:
     """
     if isinstance(weight_t, Packed | PerModule):
         return addend + matmul_t(x, weight_t)
-    if fmv_cuda.takes(x, weight_t):
+    if fmv_cuda.ENABLED and fmv_cuda.takes(x, weight_t):
         if _adds(addend, x, weight_t):
             return fmv_cuda.fmv(x, weight_t, addend)
         return addend + fmv_cuda.fmv(x, weight_t)
