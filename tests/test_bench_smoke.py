@@ -29,6 +29,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             common,
             concurrency,
             constrain,
+            decode_reps,
             dispatch,
             encode_cost,
             forward,
@@ -60,6 +61,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "common": common,
         "concurrency": concurrency,
         "constrain": constrain,
+        "decode_reps": decode_reps,
         "dispatch": dispatch,
         "encode_cost": encode_cost,
         "forward": forward,
@@ -395,6 +397,20 @@ def test_long_context(bench: dict, family: str) -> None:
         assert row["peak_memory_ratio_vs_mlx_lm"] > 0 and row["decode_ratio_vs_mlx_lm"] > 0
     assert bench["long_context"].summary(out)
     assert bench["report"].figures("long_context", out)
+
+
+def test_decode_reps(bench: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each engine's repetitions decode the same ids; a count below one is refused by name."""
+    reps = bench["decode_reps"]
+    for engine in reps.ENGINES:
+        out = reps.decode_reps(
+            bench["gemma4"], engine, prompt_tokens=24, tokens=6, chunk=16, reps=2
+        )
+        assert len(out["tok_s"]) == 2 and all(rate > 0 for rate in out["tok_s"])
+        assert out["same_tokens"]
+    with pytest.raises(SystemExit):
+        reps.main([str(bench["gemma4"]), "--tokens", "0"])
+    assert "--tokens must be at least 1" in capsys.readouterr().err
 
 
 def test_experts(bench: dict, tmp_path: Path) -> None:

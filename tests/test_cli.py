@@ -178,6 +178,25 @@ def test_serve_sets_mlx_cache_limit_before_loading(mlx_cache_limit, capsys):
     assert "/nowhere: no such directory" in capsys.readouterr().err
 
 
+def test_serve_sets_cuda_graphs_before_loading(monkeypatch, capsys):
+    """``--cuda-graphs`` reaches MLX's variable before the model is looked
+    for (MLX reads it once, at its first launch); without it the variable
+    stays as the user left it."""
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "")  # recorded, so the test's value is undone
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    assert main(["serve", "/nowhere"]) == 2
+    assert "MLX_USE_CUDA_GRAPHS" not in os.environ
+    assert main(["serve", "/nowhere", "--cuda-graphs", "off"]) == 2
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
+    assert main(["serve", "/nowhere", "--cuda-graphs", "on"]) == 2
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "1"
+    assert "/nowhere: no such directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", "/nowhere", "--cuda-graphs", "maybe"])
+    assert excinfo.value.code == 2
+    assert "argument --cuda-graphs: invalid choice: 'maybe'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
