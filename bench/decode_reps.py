@@ -63,18 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions, after one warm-up")
     args = parser.parse_args(argv)
-    for flag in ("prompt_tokens", "tokens", "chunk", "reps"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    out = decode_reps(
-        args.path,
-        args.engine,
-        prompt_tokens=args.prompt_tokens,
-        tokens=args.tokens,
-        chunk=args.chunk,
-        reps=args.reps,
-    )
-    print(json.dumps(out))
+    counts = {name: getattr(args, name) for name in ("prompt_tokens", "tokens", "chunk", "reps")}
+    for name, value in counts.items():
+        if value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    print(json.dumps(decode_reps(args.path, args.engine, **counts)))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,9 @@ class Plan:
     long_context_size: str = "small"
     long_context_lengths: tuple[int, ...] = (1024, 4096)
     long_context_decode: int = 64
+    # Flags the concurrency section passes to `turbospark serve` after its own
+    # (an A/B of a server setting: --serve-arg=--cuda-graphs=off); in its result's settings.
+    serve_args: tuple[str, ...] = ()
 
 
 QUICK = Plan(
@@ -284,8 +287,9 @@ def _concurrency(ctx: Context, family: str) -> dict[str, Any]:
     from bench.concurrency import bench_concurrency
 
     path = ctx.install(family, ctx.plan.chat_size)
+    p = ctx.plan
     return bench_concurrency(
-        path, ctx.plan.concurrency, ctx.logs, cache_limit=ctx.plan.server_cache_limit
+        path, p.concurrency, ctx.logs, serve_args=p.serve_args, cache_limit=p.server_cache_limit
     )
 
 
@@ -559,6 +563,14 @@ def main(argv: list[str] | None = None) -> int:
         help="startup: cold launches of each server (default: the plan's)",
     )
     parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="repeatable: passed to our server in the concurrency section, after the bench's "
+        "own flags, and recorded in its settings (e.g. --serve-arg=--cuda-graphs=off)",
+    )
+    parser.add_argument(
         "--quantized-clients",
         type=int,
         action="append",
@@ -594,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, long_context_lengths=tuple(args.long_context_length))
     if args.startup_reps:
         plan = replace(plan, startup_reps=args.startup_reps)
+    if args.serve_arg:
+        plan = replace(plan, serve_args=tuple(args.serve_arg))
     if (
         args.concurrency_clients
         or args.append_replies

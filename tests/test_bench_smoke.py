@@ -479,21 +479,30 @@ def test_the_entry_point_writes_one_file_a_section(bench: dict, tmp_path: Path) 
     assert run.results_dir("cpu") == ROOT / "bench" / "results" / "cpu"
 
 
-def test_the_entry_point_narrows_long_context_and_startup(
+def test_the_entry_point_narrows_sections_and_passes_serve_args(
     bench: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--long-context-length`` (repeatable) and ``--startup-reps`` replace the
-    plan's; a length or a count below 1 is refused in one line."""
+    plan's, ``--serve-arg`` reaches the concurrency section's server; a length or
+    a count below 1 is refused in one line."""
     run, seen = bench["run"], {}
     monkeypatch.setitem(
         run.RUN, "long_context", lambda ctx, _: seen.update(lengths=ctx.plan.long_context_lengths)
     )
     monkeypatch.setitem(run.RUN, "startup", lambda ctx, _: seen.update(reps=ctx.plan.startup_reps))
+    monkeypatch.setitem(
+        run.RUN, "concurrency", lambda ctx, _: seen.update(serve_args=ctx.plan.serve_args)
+    )
     argv = ["--device", "cpu", "--quick", "--family", "gemma4", "--out", str(tmp_path)]
-    argv += ["--only", "long_context", "--only", "startup"]
+    argv += ["--only", "long_context", "--only", "startup", "--only", "concurrency"]
     narrowed = ["--long-context-length", "48", "--long-context-length", "96", "--startup-reps", "1"]
+    narrowed += ["--serve-arg=--cuda-graphs=off", "--serve-arg=--max-queue=9"]
     assert run.main([*argv, *narrowed]) == 0
-    assert seen == {"lengths": (48, 96), "reps": 1}
+    assert seen == {
+        "lengths": (48, 96),
+        "reps": 1,
+        "serve_args": ("--cuda-graphs=off", "--max-queue=9"),
+    }
     for flag in (["--long-context-length", "0"], ["--startup-reps", "0"]):
         with pytest.raises(SystemExit):
             run.main([*argv, *flag])
