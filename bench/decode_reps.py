@@ -37,8 +37,8 @@ def decode_reps(
     path: Path, engine: str, *, prompt_tokens: int, tokens: int, chunk: int, reps: int
 ) -> dict[str, Any]:
     """*reps* timed repetitions of *engine*'s library decode of *tokens* after
-    a prompt of *prompt_tokens*, after one untimed: tok/s each and the ids
-    decoded (every repetition decodes the same ones)."""
+    a prompt of *prompt_tokens*, after one untimed: tok/s each, and whether
+    every repetition decoded the same ids (greedy, the same prompt: they must)."""
     handle, _, prompt = opened(path, engine, prompt_tokens, prompt_tokens + tokens + 2)
     if engine == "ours":
         run = _ours_generate(handle, path, prompt, tokens, chunk)

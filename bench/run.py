@@ -286,8 +286,8 @@ def _serving(ctx: Context, family: str) -> dict[str, Any]:
 def _concurrency(ctx: Context, family: str) -> dict[str, Any]:
     from bench.concurrency import bench_concurrency
 
-    path = ctx.install(family, ctx.plan.chat_size)
     p = ctx.plan
+    path = ctx.install(family, p.chat_size)
     return bench_concurrency(
         path, p.concurrency, ctx.logs, serve_args=p.serve_args, cache_limit=p.server_cache_limit
     )

@@ -379,8 +379,7 @@ def run(args: argparse.Namespace) -> int:
     cache = "" if args.mlx_cache_limit is None else (
         f", MLX's buffer cache bounded to {args.mlx_cache_limit / (1 << 30):.3g} GiB"
     )  # fmt: skip
-    if args.cuda_graphs is not None:
-        cache += f", CUDA graphs {args.cuda_graphs}"
+    graphs = "" if args.cuda_graphs is None else f", CUDA graphs {args.cuda_graphs}"
     # The packing actually loaded (not the config's claim): what the tensors were read as.
     quantized = summary(quantization_of(runner.model))
     packing = runner.manifest.dtype + ("" if quantized is None else f", {quantized}")
@@ -388,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
         f"serving {args.model_id or runner.manifest.model_id} ({runner.manifest.family}, "
         f"{packing}, {source.describe()}) on "
         f"http://{args.host}:{args.port}/v1 with {runner.session_pool_size} session slot(s)"
-        f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch{cache}; "
+        f"{on_disk},{ranks} up to {args.max_batch} request(s) per batch{cache}{graphs}; "
         f"the page is at http://{args.host}:{args.port}/",
         flush=True,
     )
