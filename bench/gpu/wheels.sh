@@ -12,6 +12,9 @@
 # packages (built here as wheels, so their entry points and plugins exist there) into /tmp/site
 # and puts it first on PYTHONPATH. Rebuild after changing the project's code.
 #
+# GPU_ARCHS="90" (H100, H200) keeps only those architectures' device code in the CUDA wheel
+# (bench/gpu/prune.py: ~33 MB), which then goes whole in .gpu/part2: one command, no stash.
+#
 # Settings (environment): MLX_VERSION, MLX_LM_VERSION (default: the versions uv.lock pins);
 # GPU_EXTRA_WHEELS: more pure-Python wheels the image lacks (default: llguidance for constrained
 # decoding, prometheus-client for /metrics, gguf for GGUF imports, the openai SDK for the startup
@@ -42,8 +45,18 @@ wheels() { python3 -m pip download -q --no-deps --only-binary=:all: --python-ver
 wheels -d .gpu/dl "mlx==$MLX" "mlx-cuda-13==$MLX"
 python3 -m pip download -q --no-deps -d .gpu/dl "mlx-lm==$MLXLM" >/dev/null
 cuda=$(ls .gpu/dl/mlx_cuda_13-*.whl)
-split -b 46m "$cuda" .gpu/part1/cuda.part.  # two parts: .aa (part1), .ab (part2)
-mv .gpu/part1/cuda.part.ab .gpu/part2/
+if [ -n "${GPU_ARCHS-}" ]; then  # pruned to those architectures: whole, in part2
+  # shellcheck disable=SC2046
+  python3 bench/gpu/prune.py "$cuda" $(for arch in $GPU_ARCHS; do echo --keep "$arch"; done)
+  mv "$cuda" .gpu/part2/
+  echo 'echo "nothing to stash: the CUDA wheel is whole in .gpu/part2"' > .gpu/part1/stash.sh
+else
+  split -b 46m "$cuda" .gpu/part1/cuda.part.  # two parts: .aa (part1), .ab (part2)
+  mv .gpu/part1/cuda.part.ab .gpu/part2/
+  cat > .gpu/part1/stash.sh <<'S'
+mkdir -p /root/gpu-stash && cp .gpu/part1/cuda.part.aa /root/gpu-stash/ && echo "stashed part 1"
+S
+fi
 mv .gpu/dl/mlx-*.whl .gpu/dl/mlx_lm-*.whl .gpu/part2/
 # The image has numpy, safetensors, tokenizers, jinja2, pluggy, transformers and httpx, not these:
 # shellcheck disable=SC2086
@@ -52,15 +65,16 @@ wheels -d .gpu/part2 pydantic pydantic-core annotated-types typing-inspection st
       case $name in openai | httpx2 | httpcore2) echo "$name==$(locked "$name")" ;; *) echo "$name" ;; esac
     done)
 basename "$cuda" > .gpu/part2/cuda-wheel-name
-cat > .gpu/part1/stash.sh <<'S'
-mkdir -p /root/gpu-stash && cp .gpu/part1/cuda.part.aa /root/gpu-stash/ && echo "stashed part 1"
-S
 cat > .gpu/part2/install.sh <<'S'
 name=$(cat .gpu/part2/cuda-wheel-name)
-cat /root/gpu-stash/cuda.part.aa .gpu/part2/cuda.part.ab > "/tmp/$name" \
-  || { echo "part 1 missing: run .gpu/part1/stash.sh on this machine first"; return 1; }
+joined=()  # the two parts joined, where the wheel is not whole in part2 (GPU_ARCHS)
+if [ ! -f ".gpu/part2/$name" ]; then
+  cat /root/gpu-stash/cuda.part.aa .gpu/part2/cuda.part.ab > "/tmp/$name" \
+    || { echo "part 1 missing: run .gpu/part1/stash.sh on this machine first"; return 1; }
+  joined=("/tmp/$name")
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "/tmp/$name" .gpu/part2/*.whl .gpu/part2/project/*.whl || return 1
+  --target /tmp/site "${joined[@]}" .gpu/part2/*.whl .gpu/part2/project/*.whl || return 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 S
