@@ -110,18 +110,18 @@ def test_the_wheel_is_rewritten_with_its_record_line(tmp_path: Path) -> None:
     wheel = tmp_path / "mlx_cuda-0.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as out:
         out.writestr(prune.LIBRARY, library)
-        out.writestr("mlx/__init__.py", "")
+        out.writestr("mlx/include/mlx.h", "")
         out.writestr(
-            record_name, f"{prune.LIBRARY},sha256=stale,{len(library)}\nmlx/__init__.py,,\n"
+            record_name, f"{prune.LIBRARY},sha256=stale,{len(library)}\nmlx/include/mlx.h,,\n"
         )
     assert prune.main([str(wheel), "--keep", "90"]) == 0
     with zipfile.ZipFile(wheel) as pruned:
         data = pruned.read(prune.LIBRARY)
         record = pruned.read(record_name).decode().splitlines()
-        assert pruned.read("mlx/__init__.py") == b""
+        assert pruned.read("mlx/include/mlx.h") == b""
     assert [arch for arch, payload in _payloads(data) if any(payload)] == [90]
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    assert record == [f"{prune.LIBRARY},sha256={digest},{len(data)}", "mlx/__init__.py,,"]
+    assert record == [f"{prune.LIBRARY},sha256={digest},{len(data)}", "mlx/include/mlx.h,,"]
 
 
 def test_a_wheel_with_nothing_to_prune_is_refused_and_left_alone(
