@@ -68,18 +68,7 @@ def _elf(fatbin: bytes) -> bytearray:
 
 def _payloads(elf: bytes | bytearray) -> list[tuple[int, bytes]]:
     """Each entry's (architecture, payload), in order."""
-    start, size = prune.section(elf, prune.SECTION)
-    out, at = [], start
-    while at < start + size:
-        _, _, header, length = prune.CONTAINER.unpack_from(elf, at)
-        entry, last = at + header, at + header + length
-        while entry < last:
-            _, _, entry_header, payload = prune.ENTRY.unpack_from(elf, entry)
-            (arch,) = struct.unpack_from("<I", elf, entry + prune.ARCH_AT)
-            out.append((arch, bytes(elf[entry + entry_header : entry + entry_header + payload])))
-            entry += entry_header + payload
-        at = (last + 7) // 8 * 8
-    return out
+    return [(arch, bytes(elf[at : at + size])) for arch, at, size in prune.entries(elf)]
 
 
 def test_only_other_architectures_payloads_are_zeroed() -> None:

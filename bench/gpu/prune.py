@@ -25,7 +25,7 @@ import hashlib
 import struct
 import sys
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 LIBRARY = "mlx/lib/libmlx.so"
@@ -50,28 +50,34 @@ def section(elf: bytes | bytearray, name: bytes) -> tuple[int, int]:
     raise ValueError(f"no {name.decode()} section")
 
 
+def entries(elf: bytes | bytearray) -> Iterator[tuple[int, int, int]]:
+    """Every entry of the ELF's fatbin section: ``(architecture, offset of
+    its payload in the file, payload size)``, in order."""
+    start, size = section(elf, SECTION)
+    at, end = start, start + size
+    while at + CONTAINER.size <= end:
+        magic, _, header, length = CONTAINER.unpack_from(elf, at)
+        if magic != MAGIC:  # padding between containers (8-byte aligned)
+            at += 8
+            continue
+        entry, last = at + header, at + header + length
+        while entry < last:
+            _, _, entry_header, payload = ENTRY.unpack_from(elf, entry)
+            (arch,) = struct.unpack_from("<I", elf, entry + ARCH_AT)
+            yield arch, entry + entry_header, payload
+            entry += entry_header + payload
+        at = (last + 7) // 8 * 8
+
+
 def prune(elf: bytearray, keep: Iterable[int]) -> dict[int, int]:
     """Zero, in place, the payload of every fatbin entry whose architecture is
     not in *keep*; the bytes zeroed, by architecture."""
     keep = set(keep)
-    start, size = section(elf, SECTION)
     zeroed: dict[int, int] = {}
-    at, end = start, start + size
-    while at + CONTAINER.size <= end:
-        magic, _, header, entries = CONTAINER.unpack_from(elf, at)
-        if magic != MAGIC:  # padding between containers (8-byte aligned)
-            at += 8
-            continue
-        entry, last = at + header, at + header + entries
-        while entry < last:
-            _, _, entry_header, payload = ENTRY.unpack_from(elf, entry)
-            (arch,) = struct.unpack_from("<I", elf, entry + ARCH_AT)
-            if arch not in keep:
-                body = entry + entry_header
-                elf[body : body + payload] = bytes(payload)
-                zeroed[arch] = zeroed.get(arch, 0) + payload
-            entry += entry_header + payload
-        at = (last + 7) // 8 * 8
+    for arch, body, payload in entries(elf):
+        if arch not in keep:
+            elf[body : body + payload] = bytes(payload)
+            zeroed[arch] = zeroed.get(arch, 0) + payload
     return zeroed
 
 
