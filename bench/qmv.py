@@ -1,9 +1,10 @@
 """The qmv kernel against ``mx.quantized_matmul``, product by product, on a CUDA GPU.
 
 :mod:`turbospark.layers.cuda.qmv` replaces MLX's CUDA ``quantized_matmul``
-for a decode step's products of packed weights. Here each of the ~8B
-gemma4 shape's products (hidden 4096, MLP 14336, vocabulary 32768: q/k/v
-stacked, o, gate/up stacked, down, the head) is timed both ways at 4 and 8
+for a decode step's products of packed weights. Here each product of a
+gemma4 shape's sliding-window layers (q/k/v stacked, o, gate/up stacked,
+down) and its head, at the ~8B ``tp8b`` shape (hidden 4096, MLP 14336,
+vocabulary 32768) or the ~1B ``large`` one (``--size``), is timed both ways at 4 and 8
 bits (affine, groups of 64, mlx-lm's default), one bfloat16 row (or
 ``--rows``), and reported as µs a product and the GB/s of what it reads and
 writes (packed weight, scales, biases, x and y).
@@ -26,7 +27,7 @@ as a decode step spends them and ranks the variants per (bits, rows); a
 sweep ends with the :data:`~turbospark.layers.cuda.qmv.TABLE` of the
 fastest.
 
-Run: ``uv run python -m bench.qmv [--bits 4 8] [--rows 1 8] [--group-size 64]
+Run: ``uv run python -m bench.qmv [--size tp8b|large] [--bits 4 8] [--rows 1 8] [--group-size 64]
 [--sweep] [--outs 1 2 4 8] [--unroll 1 2 4 8] [--shared-x 0 1] [--json]``.
 """
 
@@ -45,17 +46,28 @@ if __package__ in (None, ""):
 
 import mlx.core as mx
 
+from bench.common import SIZES
 from turbospark.layers.cuda import qmv as qmv_cuda
 
-# (outputs, inputs) of the ~8B gemma4 shape's products.
-SHAPES = {
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "head": (32768, 4096),
-}
-LAYERS = 32  # the ~8B shape's decoder layers: each runs qkv, o, gate_up and down once a step
+SHAPE_SIZES = ("tp8b", "large")  # bench.common's gemma4 sizes a run may take
+
+
+def products(size: str) -> dict[str, tuple[int, int]]:
+    """(outputs, inputs) of a gemma4 size's products: a sliding-window
+    layer's q/k/v stacked, o, gate/up stacked and down, and the head."""
+    dims = SIZES["gemma4"][size]
+    hidden, head_dim = dims["hidden_size"], dims["head_dim"]
+    q, kv = dims["num_attention_heads"] * head_dim, dims["num_key_value_heads"] * head_dim
+    mlp = dims["intermediate_size"]
+    return {
+        "qkv": (q + 2 * kv, hidden),
+        "o": (hidden, q),
+        "gate_up": (2 * mlp, hidden),
+        "down": (hidden, mlp),
+        "head": (dims["vocab_size"], hidden),
+    }
+
+
 # A sweep's knobs where a run names none (--sweep) or only some of them.
 SWEEP = {"outs": list(qmv_cuda.OUTS), "unroll": [2, 4], "shared_x": [0, 1]}
 STREAM_BYTES = 512 * 2**20  # the weight copies a stream cycles through: ten times the L2
@@ -106,6 +118,7 @@ def variants(
 
 
 def bench_qmv(
+    size: str = "tp8b",
     bits_list: tuple[int, ...] = qmv_cuda.BITS,
     rows_list: tuple[int, ...] = (1,),
     group_size: int = 64,
@@ -117,7 +130,7 @@ def bench_qmv(
     mx.set_default_device(mx.gpu)
     results = []
     for bits in bits_list:
-        for name, (outputs, width) in SHAPES.items():
+        for name, (outputs, width) in products(size).items():
             one = outputs * width * bits // 8 + 2 * outputs * width // group_size * 2
             copies = _copies(outputs, width, bits, group_size, max(2, -(-STREAM_BYTES // one)))
             length = 4 * len(copies)
@@ -161,14 +174,16 @@ def bench_qmv(
     return results
 
 
-def step_us(results: list[dict[str, Any]]) -> dict[tuple[int, int, str], tuple[float, float]]:
-    """Each (bits, rows, variant)'s products as a decode step of the ~8B
-    shape spends them (:data:`LAYERS` times q/k/v, o, gate/up and down, then
-    the head once): the kernel's µs and the op's."""
+def step_us(
+    results: list[dict[str, Any]], layers: int
+) -> dict[tuple[int, int, str], tuple[float, float]]:
+    """Each (bits, rows, variant)'s products as a decode step spends them
+    (*layers* times q/k/v, o, gate/up and down, then the head once): the
+    kernel's µs and the op's."""
     steps: dict[tuple[int, int, str], tuple[float, float]] = {}
     for r in results:
         key = (r["bits"], r["rows"], r["variant"])
-        count = 1 if r["product"] == "head" else LAYERS
+        count = 1 if r["product"] == "head" else layers
         kernel, op = steps.get(key, (0.0, 0.0))
         steps[key] = (kernel + count * r["kernel_us"], op + count * r["op_us"])
     return steps
@@ -176,6 +191,9 @@ def step_us(results: list[dict[str, Any]]) -> dict[tuple[int, int, str], tuple[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--size", choices=SHAPE_SIZES, default="tp8b", help="the gemma4 shape whose products run"
+    )
     parser.add_argument("--bits", type=int, nargs="+", default=list(qmv_cuda.BITS))
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--group-size", type=int, default=64)
@@ -196,7 +214,7 @@ def main() -> None:
     swept = variants(args.outs, args.unroll, args.shared_x)
     if args.sweep and swept == [None]:
         swept = variants(SWEEP["outs"], None, None)
-    results = bench_qmv(tuple(args.bits), tuple(args.rows), args.group_size, swept)
+    results = bench_qmv(args.size, tuple(args.bits), tuple(args.rows), args.group_size, swept)
     if args.json:
         print(json.dumps(results))
         return
@@ -210,9 +228,10 @@ def main() -> None:
             f" {r['variant']:>7} {r['kernel_us']:>9.1f} {r['kernel_gb_s']:>6.0f} {r['op_us']:>7.1f}"
             f" {r['op_gb_s']:>5.0f} {r['speedup']:>5.2f}x {r['relative_difference']:.1e}"
         )
-    steps = step_us(results)
+    layers = SIZES["gemma4"][args.size]["num_layers"]
+    steps = step_us(results, layers)
     print(
-        f"\na decode step's products ({LAYERS} x (qkv + o + gate_up + down) + head), µs, fastest first"
+        f"\na decode step's products ({layers} x (qkv + o + gate_up + down) + head), µs, fastest first"
     )
     best: dict[tuple[int, int], str] = {}
     for bits, rows in sorted({(b, r) for b, r, _ in steps}):

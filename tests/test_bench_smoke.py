@@ -38,6 +38,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             interleaved,
             long_context,
             prefill_cost,
+            qmv,
             report,
             run,
             server_step,
@@ -70,6 +71,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "interleaved": interleaved,
         "long_context": long_context,
         "prefill_cost": prefill_cost,
+        "qmv": qmv,
         "serving": serving,
         "report": report,
         "run": run,
@@ -411,6 +413,25 @@ def test_decode_reps(bench: dict, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         reps.main([str(bench["gemma4"]), "--tokens", "0"])
     assert "--tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_qmv_products_follow_the_size(bench: dict) -> None:
+    """``tp8b``'s products are the ones docs/CUDA.md's sweep recorded; a
+    step's sum counts each layer's products *layers* times and the head once."""
+    qmv = bench["qmv"]
+    assert qmv.products("tp8b") == {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+        "head": (32768, 4096),
+    }
+    assert qmv.products("large")["o"] == (2048, 2048)
+    timed = [
+        {"bits": 8, "rows": 1, "variant": "1,4,1", "product": name, "kernel_us": 1.0, "op_us": 2.0}
+        for name in ("qkv", "head")
+    ]
+    assert qmv.step_us(timed, 16) == {(8, 1, "1,4,1"): (17.0, 34.0)}
 
 
 def test_experts(bench: dict, tmp_path: Path) -> None:
