@@ -26,7 +26,17 @@ from test_quantized_paths import _close, _kernels, _open, _quantized
 from turbospark import build_synthetic_install
 from turbospark.generation.runner import Runner
 from turbospark.layers import fused
-from turbospark.layers.stacked import PerModule, gemm_add, matmul_t, project, stacked, transposed
+from turbospark.layers import stacked as stacked_mod
+from turbospark.layers.stacked import (
+    CPU_DEQUANTIZE_ROWS,
+    Packed,
+    PerModule,
+    gemm_add,
+    matmul_t,
+    project,
+    stacked,
+    transposed,
+)
 
 
 class Block(nn.Module):
@@ -106,6 +116,21 @@ def test_transposed_follows_a_replaced_weight() -> None:
     assert mx.array_equal(project(linear, x), linear(x)).item()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 12])
+def test_project_reads_a_quantized_linear_as_packed(bias: bool, rows: int, tmp_path: Path) -> None:
+    """A plain ``nn.QuantizedLinear`` is read as :class:`Packed` too, so many
+    rows on the CPU take the float matmul of :func:`matmul_t`; the module's
+    result, with its bias and a residual, up to float32 rounding."""
+    linear = nn.QuantizedLinear(64, 24, bias=bias, group_size=32, bits=4)
+    x = mx.random.normal((1, rows, 64), key=mx.random.key(9))
+    residual = mx.random.normal((1, rows, 24), key=mx.random.key(10))
+    got = project(linear, x, residual)
+    labels = _graph_labels(got, tmp_path)
+    assert ("QuantizedMatmul" in labels) is (rows < CPU_DEQUANTIZE_ROWS)
+    assert mx.allclose(got, residual + linear(x), atol=1e-4).item()
+
+
 def test_project_calls_any_other_module() -> None:
     class Doubled(nn.Linear):  # a subclass stands for a sharded layer: its own __call__
         def __call__(self, x: mx.array) -> mx.array:
@@ -182,6 +207,39 @@ def test_gemm_add_is_the_sum_in_every_form(
         assert "AddMM" in labels and "Add" not in labels
     assert got.shape == (*lead, 8)
     assert mx.allclose(got, c + x @ weight_t, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("pieces", [1, 6])
+@pytest.mark.parametrize("packing", [(4, 32, "affine"), (8, 64, "affine"), (4, 32, "mxfp4")])
+@pytest.mark.parametrize("lead", [(1, 1), (1, 7), (1, 8), (16, 1), (2, 40)])
+def test_many_packed_rows_on_the_cpu_are_a_float_matmul(
+    lead: tuple[int, ...],
+    packing: tuple[int, int, str],
+    pieces: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At ``CPU_DEQUANTIZE_ROWS`` rows or more the packed product is a
+    ``Matmul`` of the dequantized weight (MLX's CPU quantized product walks
+    the weight once a row), its rows in pieces where the weight in float
+    would pass ``CPU_DEQUANTIZE_PIECE_BYTES`` (here 48 rows in pieces of 9,
+    the last of 3), below it ``QuantizedMatmul``; either equals MLX's
+    quantized product up to float32 rounding, in the activations' dtype."""
+    if pieces > 1:
+        monkeypatch.setattr(stacked_mod, "CPU_DEQUANTIZE_PIECE_BYTES", 9 * 64 * 4 + 7)
+    bits, group_size, mode = packing
+    weight = mx.random.normal((48, 64), key=mx.random.key(7))
+    x = mx.random.normal((*lead, 64), key=mx.random.key(8))
+    w, scales, *biases = mx.quantize(weight, group_size=group_size, bits=bits, mode=mode)
+    packed = Packed(w, scales, biases[0] if biases else None, group_size, bits, mode)
+    got = matmul_t(x, packed)
+    labels = _graph_labels(got, tmp_path)
+    many = x.size // 64 >= CPU_DEQUANTIZE_ROWS
+    assert ("QuantizedMatmul" in labels) is not many
+    assert labels.count("Matmul") == (pieces if many else 0)
+    want = mx.quantized_matmul(x, *packed[:3], transpose=True, group_size=group_size, bits=bits, mode=mode)  # fmt: skip
+    assert got.shape == (*lead, 48) and got.dtype == x.dtype
+    assert mx.allclose(got, want, atol=1e-4).item()
 
 
 class QuantizedBlock(nn.Module):

@@ -96,9 +96,53 @@ def readable(module: nn.Module) -> bool:
     return type(module) in READABLE
 
 
+# On the CPU MLX's quantized product walks the weight once a row (its time
+# grows with the rows: 1,019 ms for 256 rows of a 4-bit 2048 x 2048 weight),
+# while its float matmul is a BLAS GEMM (41 ms for the same rows with the
+# weight dequantized first); a product of at least this many rows takes the
+# second form. At 4 rows the two cost about the same.
+CPU_DEQUANTIZE_ROWS = 8
+# The float weight such a product holds at once: a weight's rows are
+# dequantized and multiplied this many bytes at a time, so a large model's
+# transient stays one piece, not a whole projection in float.
+CPU_DEQUANTIZE_PIECE_BYTES = 64 * 2**20
+
+
+def dequantizes(x: mx.array) -> bool:
+    """Whether a packed product of *x* dequantizes its weight for a float
+    matmul: on the CPU, for at least :data:`CPU_DEQUANTIZE_ROWS` rows (a
+    prefill chunk, a batched decode step of that many rows)."""
+    return mx.default_device() == mx.cpu and x.size // x.shape[-1] >= CPU_DEQUANTIZE_ROWS
+
+
+def _dequantized_product(x: mx.array, packed: Packed) -> mx.array:
+    """``x @ dequantize(packed).T`` in pieces of the weight's rows of at most
+    :data:`CPU_DEQUANTIZE_PIECE_BYTES` in *x*'s dtype, concatenated."""
+    w, scales, biases, group_size, bits, mode = packed
+    width = scales.shape[-1] * group_size
+    rows = max(1, CPU_DEQUANTIZE_PIECE_BYTES // (width * x.dtype.size))
+    pieces = [
+        x
+        @ mx.dequantize(
+            w[i : i + rows],
+            scales[i : i + rows],
+            None if biases is None else biases[i : i + rows],
+            group_size,
+            bits,
+            mode,
+            dtype=x.dtype,
+        ).T
+        for i in range(0, w.shape[0], rows)
+    ]
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
+
+
 def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
     """``x @ weight_t``: a float weight's matmul, or the packed weight's
-    ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On CUDA a
+    ``mx.quantized_matmul`` (what ``nn.QuantizedLinear`` runs). On the CPU a
+    product of many rows dequantizes the weight, in *x*'s dtype, and
+    multiplies it as a float one (:func:`dequantizes`): the weight in float
+    is held only while the product runs. On CUDA a
     product of a few rows (a decode step's) of an affine packing it fits is
     :func:`~turbospark.layers.cuda.qmv.qmv`'s kernel instead: MLX's reads a
     4-bit row at a fifth of the bandwidth (``docs/CUDA.md``); with
@@ -112,6 +156,8 @@ def matmul_t(x: mx.array, weight_t: WeightT) -> mx.array:
         w, scales, biases, group_size, bits, mode = weight_t
         if qmv_cuda.takes(x, w, scales, biases, group_size, bits, mode):
             return qmv_cuda.qmv(x, w, scales, biases, group_size, bits)
+        if dequantizes(x):
+            return _dequantized_product(x, weight_t)
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
         )
@@ -262,11 +308,13 @@ def transposed(linear: nn.Module) -> WeightT:
 
 
 def project(linear: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
-    """``linear(x)``, plus *residual* when given: for a plain ``nn.Linear`` its
-    own ops over :func:`transposed` (one node fewer), a bias or the residual
-    added by the GEMM itself (:func:`gemm_add`); any other module (sharded:
-    it sums the ranks' parts) is called, and the residual added after it."""
-    if type(linear) is not nn.Linear:
+    """``linear(x)``, plus *residual* when given: for a plain ``nn.Linear`` or
+    ``nn.QuantizedLinear`` its own ops over :func:`transposed` (one node
+    fewer; a packed weight's product in the form :func:`matmul_t` chooses for
+    the device and the rows), a bias or the residual added by the GEMM itself
+    (:func:`gemm_add`); any other module (sharded: it sums the ranks' parts)
+    is called, and the residual added after it."""
+    if not readable(linear):
         out = linear(x)
         return out if residual is None else residual + out
     weight_t = transposed(linear)
