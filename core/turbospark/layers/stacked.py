@@ -97,10 +97,10 @@ def readable(module: nn.Module) -> bool:
 
 
 # On the CPU MLX's quantized product walks the weight once a row (its time
-# grows with the rows: 1,019 ms for 256 rows of a 4-bit 2048 x 2048 weight),
-# while its float matmul is a BLAS GEMM (41 ms for the same rows with the
-# weight dequantized first); a product of at least this many rows takes the
-# second form. At 4 rows the two cost about the same.
+# grows with the rows), while its float matmul is a BLAS GEMM: a product of at
+# least this many rows (a prefill chunk, a batched decode step) dequantizes
+# the weight and takes the second form; a lone row keeps the first, which
+# reads fewer bytes. docs/PERFORMANCE.md has the quantized CPU rows.
 CPU_DEQUANTIZE_ROWS = 8
 # The float weight such a product holds at once: a weight's rows are
 # dequantized and multiplied this many bytes at a time, so a large model's
