@@ -194,8 +194,18 @@ _TP8B: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 128,
     },
 }
+_HOST_WIDTHS = (
+    "vocab_size", "hidden_size", "head_dim", "global_head_dim", "intermediate_size",
+    "linear_key_head_dim", "linear_value_head_dim",
+)  # fmt: skip
 for _family, _dims in _TP8B.items():
     SIZES[_family]["tp8b"] = _dims
+    # tp8b's layer layout at the host sizes' widths: on a GPU its decode step
+    # is what the host alone allows at that depth (its kernels are tiny).
+    SIZES[_family]["tp8b_host"] = {
+        **_dims,
+        **{k: v for k, v in _HOST[_family].items() if k in _HOST_WIDTHS},
+    }
 for _family, _dims in _HOST.items():
     SIZES[_family]["host"] = _dims
 for _family, _dims in _LARGE.items():

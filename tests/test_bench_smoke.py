@@ -434,6 +434,19 @@ def test_qmv_products_follow_the_size(bench: dict) -> None:
     assert qmv.step_us(timed, 16) == {(8, 1, "1,4,1"): (17.0, 34.0)}
 
 
+def test_host_sizes_keep_their_models_layout(bench: dict) -> None:
+    """A host size is its model's layer layout at tiny widths, so its GPU
+    decode is what the host allows at that depth: only widths differ."""
+    sizes, widths = bench["common"].SIZES, bench["common"]._HOST_WIDTHS
+    for family in ("gemma4", "qwen_gdn"):
+        model, host = sizes[family]["tp8b"], sizes[family]["tp8b_host"]
+        assert host.keys() == model.keys()
+        assert {k: v for k, v in host.items() if k not in widths} == {
+            k: v for k, v in model.items() if k not in widths
+        }
+        assert host["hidden_size"] < model["hidden_size"]
+
+
 def test_experts(bench: dict, tmp_path: Path) -> None:
     path = bench["common"].install("gemma4", "tiny_moe", "float32", tmp_path)
     sys.path.insert(0, str(ROOT))
