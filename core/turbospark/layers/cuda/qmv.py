@@ -84,13 +84,13 @@ UNROLLS = (1, 2, 4, 8)
 # The variant a product of these bits and at most these rows takes (the entry
 # with the fewest rows at or above the product's); products no entry covers
 # take DEFAULT, the one-output design measured first (``docs/CUDA.md``).
-# From ``python -m bench.qmv``'s sweep on an H100 (``docs/CUDA.md``), which
-# prints this table, except one row at 8 bits: there the whole decode of a
-# ~1B model (products of 2,048-3,072 outputs, whose four-output warps leave
-# an H100's SMs a few warps each) chose one output a warp.
+# From ``python -m bench.qmv``'s sweeps on H100s (``docs/CUDA.md``), which
+# print this table: four outputs a warp for 8 rows; for one row, one output a
+# warp, which a step's products of 2,048-4,096 outputs fill an H100's SMs
+# with (four outputs a warp leave them a few warps each).
 DEFAULT = Variant()
 TABLE: dict[tuple[int, int], Variant] = {
-    (4, 1): Variant(outs=4, unroll=4, shared_x=True),
+    (4, 1): Variant(outs=1, unroll=4, shared_x=True),
     (4, 8): Variant(outs=4, unroll=4, shared_x=True),
     (8, 1): Variant(outs=1, unroll=4, shared_x=True),
     (8, 8): Variant(outs=4, unroll=4, shared_x=True),
