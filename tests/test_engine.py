@@ -8,6 +8,8 @@ time on a fresh runner. Float32 on the CPU; temperature 0 unless said.
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from helpers import memory_in_use
 from turbospark import build_synthetic_install
 from turbospark.errors import TurbosparkError
-from turbospark.generation.engine import Engine, Job, _ragged_width
+from turbospark.generation.engine import WARM_UP_ROUNDS, Engine, Job, _ragged_width
 from turbospark.generation.generate import Chunk, GenerationConfig, generate
 from turbospark.generation.runner import Runner
 from turbospark.layers.fused import runs_compiled
@@ -710,10 +712,11 @@ def test_rows_decoding_in_a_batch_leave_no_second_copy_in_their_sessions(gemma4_
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
-def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, request):
+def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, request, caplog):
     """Compiled pieces that are not shapeless trace once per batch size: the
     warm-up runs the batched decode at each size up to ``max_batch`` before the
-    first real request, then forgets its sessions."""
+    first real request, then forgets its sessions. Its log line times each round."""
+    caplog.set_level(logging.INFO, logger="turbospark.generation.engine")
     install = request.getfixturevalue(f"{family}_install")
     runner = open_runner(install)
     engine = Engine(runner, load_text(install), max_batch=4, prefill_budget=16)
@@ -727,6 +730,10 @@ def test_warm_up_decodes_at_every_batch_size_and_leaves_no_session(family, reque
     engine._batch.step = step
     engine.warm_up([2, *range(5, 25)])
     assert set(sizes) == {1, 2, 3, 4}
+    timed = re.search(r"warmed up in [\d.]+ s \((.*)\)", caplog.text)
+    assert timed and [part.rsplit(" ", 2)[0] for part in timed[1].split(", ")] == list(
+        WARM_UP_ROUNDS
+    )
     assert not engine.warming and engine.active_rows == 0 and engine.queue_depth == 0
     assert all(session.position == 0 for session in runner.sessions())
 

@@ -88,6 +88,8 @@ from turbospark.state.components import State
 from turbospark.text import StopStrings, StreamDecoder, TextCodec
 
 log = logging.getLogger("turbospark.generation.engine")
+# Engine.warm_up's rounds, as its log names them.
+WARM_UP_ROUNDS = ("alone", "groups", "groups with history", "batch decode")
 
 Emit = Callable[[Chunk | Exception], None]
 # Told of every real request's end: its stats when it finished, None when it failed.
@@ -691,10 +693,11 @@ class Engine:
         ]
         self.warming = True
         started = time.perf_counter()
-        done = 0
+        done, spent = 0, []
         try:
             with self.runner.without_disk():  # its sessions are throwaway: never on disk
                 for round_ in rounds:
+                    round_started = time.perf_counter()
                     jobs = [
                         Job(
                             ids=prompt,
@@ -715,19 +718,26 @@ class Engine:
                     if any(job.cancelled.is_set() for job in jobs):
                         break
                     done += 1
+                    spent.append(time.perf_counter() - round_started)
                 self.runner.forget_sessions()
         finally:
             self.warming = False
         seconds = time.perf_counter() - started
+        # Each round's time, so a long first launch (kernels compiled on a GPU)
+        # shows which paths cost it.
+        each = ", ".join(
+            f"{name} {t:.1f} s" for name, t in zip(WARM_UP_ROUNDS[: len(spent)], spent, strict=True)
+        )
         if done == len(rounds):
-            log.info("warmed up in %.1f s", seconds)
+            log.info("warmed up in %.1f s (%s)", seconds, each)
         else:
             log.info(
                 "warm-up cut short after %.1f s (%d of %d rounds): a request came first; the "
-                "paths left unbuilt are built by the first requests that take them",
+                "paths left unbuilt are built by the first requests that take them%s",
                 seconds,
                 done,
                 len(rounds),
+                f" (done: {each})" if each else "",
             )
 
     def _request_waits(self) -> bool:
