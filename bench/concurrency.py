@@ -43,7 +43,8 @@ for tok/s and for TTFT p50 (< 1: we answer sooner). Before timing, each
 server answers one chat (its TTFT is ``first_request_ttft_s``: ours is sent
 once ``/health`` no longer says ``warming``, so after ``serve`` ran its own
 warm-up; mlx-lm's server has none; ``ready_s`` is each server's time from
-spawn to ready) and one burst of the
+spawn to ready, and ``warm_up`` our server's log line timing its warm-up's
+rounds) and one burst of the
 most clients with a few tokens each, so kernels for the batched shapes exist.
 Levels run in order; each level runs ``reps`` times on fresh conversations
 (a new seed each), alternating which server goes first, and reports the
@@ -69,7 +70,7 @@ if __package__ in (None, ""):
     # Run as a script: make the repository root importable so `bench.*` resolves.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serving import chat_request, running_server
+from bench.serving import chat_request, running_server, warm_up_line
 from bench.workload import ChatWorkload
 from turbospark.commands import byte_size
 
@@ -315,6 +316,7 @@ def bench_concurrency(
             )  # fmt: skip
             ready[kind] = time.perf_counter() - started
         result["ready_s"] = ready
+        result["warm_up"] = warm_up_line(log_dir / f"{path.name}-turbospark-concurrency.log")
         # The first request each server answers after start (ours warmed itself
         # up before accepting it), then a burst at the widest batch.
         first: dict[str, float] = {}

@@ -160,6 +160,20 @@ def running_server(
         yield base
 
 
+def warm_up_line(log: Path) -> str | None:
+    """Our server's warm-up line from its *log* (the time of each round, or
+    where a request cut it short), so a result says where a slow start went;
+    None where the log has none (mlx-lm's, or ``--no-warm-up``)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [
+        ln.split(": ", 2)[-1] for ln in lines if "warmed up in" in ln or "warm-up cut short" in ln
+    ]
+    return found[-1] if found else None
+
+
 # Sent to every server: mlx-lm's tokenizer passes ``enable_thinking`` itself (True
 # where the vocabulary has ``<think>``, as the synthetic Qwen one does) and ours
 # leaves the template its default, so a Qwen3.5-style template would render other

@@ -447,6 +447,27 @@ def test_host_sizes_keep_their_models_layout(bench: dict) -> None:
         assert host["hidden_size"] < model["hidden_size"]
 
 
+def test_warm_up_line_is_read_from_our_servers_log(tmp_path: Path) -> None:
+    """A concurrency result keeps our server's warm-up line (each round's
+    time); a log without one gives None."""
+    sys.path.insert(0, str(ROOT))
+    from bench.serving import warm_up_line
+
+    log = tmp_path / "serve.log"
+    log.write_text(
+        "INFO:     Started server process\n"
+        "INFO:     turbospark.generation.engine: warmed up in 2.5 s (alone 0.4 s, groups 0.6 s, "
+        "groups with history 0.5 s, batch decode 1.0 s)\n"
+    )
+    assert warm_up_line(log) == (
+        "warmed up in 2.5 s (alone 0.4 s, groups 0.6 s, groups with history 0.5 s, "
+        "batch decode 1.0 s)"
+    )
+    log.write_text("INFO: no warm-up here\n")
+    assert warm_up_line(log) is None
+    assert warm_up_line(tmp_path / "missing.log") is None
+
+
 def test_experts(bench: dict, tmp_path: Path) -> None:
     path = bench["common"].install("gemma4", "tiny_moe", "float32", tmp_path)
     sys.path.insert(0, str(ROOT))
