@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -352,6 +354,41 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# What nvidia-smi says of GPU 0 (its clocks, power, temperature and the
+# reasons it holds its clocks down: a driver before 535 names that field
+# ``clocks_throttle_reasons.active``), in this order.
+GPU_FIELDS = (
+    "clocks.sm",
+    "clocks.mem",
+    "power.draw",
+    "temperature.gpu",
+    "clocks_event_reasons.active",
+)
+_OLDER_REASONS = "clocks_throttle_reasons.active"
+
+
+def gpu_state() -> dict[str, str] | None:
+    """GPU 0's clocks, power and temperature now, as nvidia-smi reports them,
+    so a slow repetition can be told from a clock held down; None without
+    nvidia-smi (or where it fails)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    for reasons in (GPU_FIELDS[-1], _OLDER_REASONS):
+        query = ",".join((*GPU_FIELDS[:-1], reasons))
+        try:
+            out = subprocess.run(
+                [smi, "--id=0", f"--query-gpu={query}", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10, check=True,
+            )  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            continue
+        values = [v.strip() for v in out.stdout.strip().split(",")]
+        if len(values) == len(GPU_FIELDS):
+            return dict(zip(GPU_FIELDS, values, strict=True))
+    return None
+
+
 def machine() -> dict[str, Any]:
     """The record that makes a result comparable: where and how it ran."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
@@ -366,6 +403,7 @@ def machine() -> dict[str, Any]:
         "device_name": str(mx.device_info().get("device_name", "")),  # the GPU's model there
         "blas": blas_setting(),
         "load_average_at_start": [round(x, 2) for x in load],
+        "gpu_at_start": gpu_state(),
     }
 
 

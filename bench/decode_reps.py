@@ -11,7 +11,9 @@ The engine loads *path* (:func:`bench.forward.opened`), then each repetition
 prefills the same random prompt in chunks and greedy-decodes through its
 library loop (ours: ``stream_generate``; mlx-lm's: ``generate_step``), timed
 from the first decoded token; the first repetition warms up (traces, kernels
-compiled) and is left out.
+compiled) and is left out. On a GPU each repetition's clocks, power and
+temperature, read as it ended (:func:`bench.common.gpu_state`), come with
+it, so a slow one can be told from a clock held down.
 
 Run: ``python -m bench.decode_reps INSTALL [--engine ours|mlx_lm] [--prompt-tokens 2048]
 [--tokens 128] [--chunk 512] [--reps 3]``; prints one JSON line.
@@ -28,6 +30,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import gpu_state
 from bench.forward import _ours_generate, _theirs_generate, opened
 
 ENGINES = ("ours", "mlx_lm")
@@ -45,13 +48,19 @@ def decode_reps(
     else:
         run = _theirs_generate(handle, prompt, tokens, chunk)
     run()
-    samples = [run() for _ in range(reps)]
-    return {
+    samples, gpu = [], []
+    for _ in range(reps):
+        samples.append(run())
+        gpu.append(gpu_state())
+    out = {
         "engine": engine,
         "install": path.name,
         "tok_s": [round(tokens / s["decode_s"], 1) for s in samples],
         "same_tokens": all(s["tokens"] == samples[0]["tokens"] for s in samples),
     }
+    if any(gpu):  # each repetition's clocks, read as it ended
+        out["gpu"] = gpu
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

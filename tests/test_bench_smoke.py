@@ -10,6 +10,7 @@ leaves them out. The HTTP comparisons start two servers and are run by
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -466,6 +467,27 @@ def test_warm_up_line_is_read_from_our_servers_log(tmp_path: Path) -> None:
     log.write_text("INFO: no warm-up here\n")
     assert warm_up_line(log) is None
     assert warm_up_line(tmp_path / "missing.log") is None
+
+
+def test_gpu_state_reads_nvidia_smi_and_is_none_without_it(
+    bench: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result's GPU clocks come from nvidia-smi's query, field by field
+    (the older name of the clock-reasons field where the newer one is
+    refused); with no nvidia-smi there is none."""
+    common = bench["common"]
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *clocks_event_reasons*) exit 2;; esac\n'
+        "echo '1980 MHz, 2619 MHz, 312.5 W, 41, 0x0000000000000000'\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '')}")
+    values = ["1980 MHz", "2619 MHz", "312.5 W", "41", "0x0000000000000000"]
+    assert common.gpu_state() == dict(zip(common.GPU_FIELDS, values, strict=True))
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert common.gpu_state() is None
 
 
 def test_experts(bench: dict, tmp_path: Path) -> None:
