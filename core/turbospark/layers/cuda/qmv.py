@@ -86,8 +86,7 @@ UNROLLS = (1, 2, 4, 8)
 # take DEFAULT, the one-output design measured first (``docs/CUDA.md``).
 # From ``python -m bench.qmv``'s sweeps on H100s (``docs/CUDA.md``), which
 # print this table: four outputs a warp for 8 rows; for one row, one output a
-# warp, which a step's products of 2,048-4,096 outputs fill an H100's SMs
-# with (four outputs a warp leave them a few warps each).
+# warp, the faster at both the ~1B and the ~8B shape's products.
 DEFAULT = Variant()
 TABLE: dict[tuple[int, int], Variant] = {
     (4, 1): Variant(outs=1, unroll=4, shared_x=True),
