@@ -685,18 +685,26 @@ class Engine:
             [(5 + 3 * j) % vocab for j in range(span - uneven * (1 - k))] for k in range(len(fresh))
         ]
         alone = [(3 + 11 * j) % vocab for j in range(min(span, STEP_TOKENS))]
-        rounds = [
-            [(alone, 3)],
-            [(p, 2) for p in fresh],
-            [([*p, *extra], 2) for p, extra in zip(fresh, more, strict=True)],
-            first,
-        ]
+        rounds = dict(
+            zip(
+                WARM_UP_ROUNDS,
+                [
+                    [(alone, 3)],
+                    [(p, 2) for p in fresh],
+                    [([*p, *extra], 2) for p, extra in zip(fresh, more, strict=True)],
+                    first,
+                ],
+                strict=True,
+            )
+        )
         self.warming = True
         started = time.perf_counter()
-        done, spent = 0, []
+        # Each round run to its end, and its time: a long first launch
+        # (kernels compiled on a GPU) shows which paths cost it.
+        spent: list[str] = []
         try:
             with self.runner.without_disk():  # its sessions are throwaway: never on disk
-                for round_ in rounds:
+                for name, round_ in rounds.items():
                     round_started = time.perf_counter()
                     jobs = [
                         Job(
@@ -717,25 +725,20 @@ class Engine:
                                 job.cancelled.set()
                     if any(job.cancelled.is_set() for job in jobs):
                         break
-                    done += 1
-                    spent.append(time.perf_counter() - round_started)
+                    spent.append(f"{name} {time.perf_counter() - round_started:.1f} s")
                 self.runner.forget_sessions()
         finally:
             self.warming = False
         seconds = time.perf_counter() - started
-        # Each round's time, so a long first launch (kernels compiled on a GPU)
-        # shows which paths cost it.
-        each = ", ".join(
-            f"{name} {t:.1f} s" for name, t in zip(WARM_UP_ROUNDS[: len(spent)], spent, strict=True)
-        )
-        if done == len(rounds):
+        each = ", ".join(spent)
+        if len(spent) == len(rounds):
             log.info("warmed up in %.1f s (%s)", seconds, each)
         else:
             log.info(
                 "warm-up cut short after %.1f s (%d of %d rounds): a request came first; the "
                 "paths left unbuilt are built by the first requests that take them%s",
                 seconds,
-                done,
+                len(spent),
                 len(rounds),
                 f" (done: {each})" if each else "",
             )
