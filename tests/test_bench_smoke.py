@@ -33,6 +33,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             decode_reps,
             dispatch,
             encode_cost,
+            first_launch,
             forward,
             gpu_kernels,
             host_cost,
@@ -66,6 +67,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "decode_reps": decode_reps,
         "dispatch": dispatch,
         "encode_cost": encode_cost,
+        "first_launch": first_launch,
         "forward": forward,
         "gpu_kernels": gpu_kernels,
         "host_cost": host_cost,
@@ -414,6 +416,21 @@ def test_decode_reps(bench: dict, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         reps.main([str(bench["gemma4"]), "--tokens", "0"])
     assert "--tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_first_launch(bench: dict) -> None:
+    """An install's first run and its kept run, each in a fresh process over
+    its own caches: the open, the warm-up's phases (prefill, then decode from
+    a lone row up), and nothing compiled on the CPU; mlx-lm's load and generates."""
+    out = bench["first_launch"].first_launch({"float": bench["gemma4"]}, bench["gemma4"], 300)
+    assert list(out["float"]) == ["first", "kept"]
+    for row in out["float"].values():
+        assert 0 < row["open_s"] < row["process_s"] and row["warm_up_s"] > 0
+        phases = list(row["phases"])
+        assert phases[0] == "prefill" and "decode B=1" in phases
+        assert row["our_compiles"] == {"count": 0, "s": 0}
+        assert row["kernels"] == {"turbospark": 0, "mlx": 0}
+    assert out["mlx_lm"]["first_generate_s"] > 0 and out["mlx_lm"]["load_s"] > 0
 
 
 def test_qmv_products_follow_the_size(bench: dict) -> None:

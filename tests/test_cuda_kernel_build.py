@@ -7,6 +7,7 @@ kernel's source; the GPU tests run them.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ def compiles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     monkeypatch.setattr(nvrtc, "compile_cubin", compile_cubin)
     monkeypatch.setattr(nvrtc, "version", lambda: (13, 0))
     monkeypatch.setattr(nvrtc, "architecture", lambda: "sm_90")
+    monkeypatch.setattr(kernel_module, "_building", {})
     return done
 
 
@@ -149,6 +151,49 @@ def test_a_write_that_fails_partway_leaves_no_file_behind(
         assert kernel_module.cubin("k_1", "source one") == b"sm_90:k_1"
     assert compiles == ["k_1", "k_1"]
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_prebuild_compiles_what_no_process_kept_and_a_call_waits_for_it(
+    compiles: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started in the background, it compiles only the cubins not kept; a
+    call that needs one meanwhile waits for it (compiled once, not again),
+    and a second prebuild of the same sources starts nothing."""
+    assert kernel_module.cubin("kept", "source kept") == b"sm_90:kept"
+    gate = threading.Event()
+    compile_cubin = nvrtc.compile_cubin
+
+    def held(source: str, name: str, arch: str) -> bytes:
+        gate.wait(timeout=10)
+        return compile_cubin(source, name, arch)
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", held)
+    sources = [("kept", "source kept"), ("a", "source a"), ("b", "source b")]
+    assert kernel_module.prebuild(sources) == 2
+    assert kernel_module.prebuild(sources) == 0  # in flight
+    got: list[bytes] = []
+    waiter = threading.Thread(target=lambda: got.append(kernel_module.cubin("a", "source a")))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got  # waiting for the background compile
+    gate.set()
+    waiter.join(timeout=10)
+    assert got == [b"sm_90:a"]
+    assert kernel_module.cubin("b", "source b") == b"sm_90:b"
+    assert sorted(compiles) == ["a", "b", "kept"]
+    assert (kernel_module.cache_dir() / "b.cubin").read_bytes() == b"sm_90:b"
+
+
+def test_a_prebuilt_source_that_does_not_compile_fails_the_call_that_needs_it(
+    compiles: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(source: str, name: str, arch: str) -> bytes:
+        raise nvrtc.CompileError(f"{name} does not compile:\nerror: expected a ';'")
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", refuse)
+    assert kernel_module.prebuild([("bad", "source")]) == 1
+    with pytest.raises(nvrtc.CompileError, match="bad does not compile"):
+        kernel_module.cubin("bad", "source")
 
 
 def test_nvrtc_missing_says_how_to_point_at_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,8 +28,9 @@ import numpy as np
 import pytest
 from mlx_lm.utils import dequantize_model
 
-from helpers import chunks_and_steps
+from helpers import batched_greedy, chunks_and_steps
 from turbospark.generation.runner import Runner
+from turbospark.layers.cuda import kernel as kernel_module
 from turbospark.layers.cuda import qmv as qmv_cuda
 from turbospark.layers.stacked import Packed, matmul_t
 
@@ -47,6 +49,7 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 
     monkeypatch.setattr(qmv_cuda, "available", lambda: True)
     monkeypatch.setattr(qmv_cuda, "qmv", recorder)
+    monkeypatch.setattr(qmv_cuda, "prebuild", lambda model: 0)  # nothing compiles here
     return shapes
 
 
@@ -192,7 +195,11 @@ def test_the_variant_knob_is_read_at_import() -> None:
 
 
 def _quantized(path: Path) -> Runner:
-    runner = Runner.open(path, context_length=256, dtype="float32")
+    return _quantized_slots(path, 1)
+
+
+def _quantized_slots(path: Path, session_slots: int) -> Runner:
+    runner = Runner.open(path, context_length=256, dtype="float32", session_slots=session_slots)
     nn.quantize(
         runner.model, group_size=32, bits=4,
         class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
@@ -219,3 +226,43 @@ def test_a_quantized_models_decode_steps_take_it_and_chunks_do_not(
     want = chunks_and_steps(twin, prompt)[0]
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-4, err_msg=f"{i}")
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen_gdn"])
+def test_prebuild_starts_every_kernel_a_quantized_models_steps_compile(
+    family: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """:func:`~turbospark.layers.cuda.qmv.prebuild` starts the sources the
+    kernel's calls compile: a quantized model's decode steps, a lone row's and
+    a batch of three's, through the real wrapping (NVRTC and MLX's launch
+    replaced: the launch computes the contract), compile nothing it did not
+    start, and it starts each packing's 1 to R_MAX rows."""
+    path: Path = request.getfixturevalue(f"{family}_install")
+    runner = _quantized_slots(path, 3)
+    started: list[str] = []
+    compiled: list[str] = []
+
+    def launch(*, name: str, inputs: list[mx.array], **_: object) -> list[mx.array]:
+        x, w, scales, biases = inputs
+        bits = w.shape[1] * 32 // x.shape[-1]
+        return [qmv_cuda.qmv_ops(x, w, scales, biases, x.shape[-1] // scales.shape[1], bits)]
+
+    def prebuild(sources: Iterable[tuple[str, str]]) -> int:
+        started.extend(name for name, _ in sources)
+        return len(started)
+
+    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(kernel_module, "prebuild", prebuild)
+    monkeypatch.setattr(kernel_module, "cubin", lambda name, source: compiled.append(name) or b"")
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", launch)
+    packings = {
+        (m.weight.shape[1], m.group_size, m.bits)
+        for _, m in runner.model.named_modules()
+        if isinstance(m, nn.QuantizedLinear)
+    }
+    assert qmv_cuda.prebuild(runner.model) == len(packings) * qmv_cuda.R_MAX == len(set(started))
+    prompt = [3 + (7 * i) % 90 for i in range(30)]
+    chunks_and_steps(runner, prompt)
+    runner.reset()
+    batched_greedy(runner, [prompt[:9], prompt[:12], prompt[:20]], steps=2)
+    assert compiled and set(compiled) <= set(started)

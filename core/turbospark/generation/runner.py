@@ -47,6 +47,7 @@ from turbospark.generation.opening import (
     check_steering,
     to_dtype,
 )
+from turbospark.layers.cuda import qmv as qmv_cuda
 from turbospark.layers.fused import STEP_TOKENS
 from turbospark.layers.layer_step import kernels_available
 from turbospark.layers.sharding import check_same_install
@@ -254,6 +255,9 @@ class Runner:
         model = _loaded_model(
             pm, installed, path, manifest, compute_dtype, streams, group if distributed else None
         )
+        # Its packed products' kernels compile meanwhile, on a machine's first launch (the
+        # weights are read lazily, by the warm-up below).
+        qmv_cuda.prebuild(model)
         runner = cls(
             path=path,
             source=source,

@@ -27,7 +27,9 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -194,10 +196,46 @@ def cache_dir() -> Path:
     return cache_root() / "kernels" / f"turbospark-{nvrtc.architecture()}-nvrtc{major}.{minor}"
 
 
+# Cubins :func:`prebuild` is compiling, by name: a call that needs one waits for it.
+_building: dict[str, Future[bytes]] = {}
+_building_lock = threading.Lock()
+
+
 def cubin(name: str, source: str) -> bytes:
-    """The cubin of *source* (named *name*, which hashes it): read from
-    :func:`cache_dir` where an earlier process kept it, else compiled and
-    kept (a cache directory that cannot be written only loses the keeping)."""
+    """The cubin of *source* (named *name*, which hashes it): the one
+    :func:`prebuild` is compiling, else read from :func:`cache_dir` where an
+    earlier process kept it, else compiled and kept (a cache directory that
+    cannot be written only loses the keeping)."""
+    with _building_lock:
+        building = _building.get(name)
+    return building.result() if building is not None else _kept_or_compiled(name, source)
+
+
+def prebuild(sources: Iterable[tuple[str, str]]) -> int:
+    """Start compiling, in the background, the cubins of *sources* (``(name,
+    source)`` pairs, :meth:`Kernel.source`'s) that no process kept, on a
+    thread a core; returns how many. NVRTC compiles on the CPU, a fraction
+    of a second each, so a model whose steps need dozens of kernels (a
+    packed product's, one a width and row count) would otherwise compile
+    them one by one on the thread that builds the steps, on a machine's
+    first launch."""
+    with _building_lock:
+        missing = {
+            name: source
+            for name, source in sources
+            if name not in _building and not (cache_dir() / f"{name}.cubin").is_file()
+        }
+        if not missing:
+            return 0
+        nvrtc.architecture()  # the driver's answer, cached, before the threads ask
+        pool = ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1), "turbospark-nvrtc")
+        for name, source in missing.items():
+            _building[name] = pool.submit(_kept_or_compiled, name, source)
+        pool.shutdown(wait=False)
+    return len(missing)
+
+
+def _kept_or_compiled(name: str, source: str) -> bytes:
     path = cache_dir() / f"{name}.cubin"
     try:
         kept = path.read_bytes()

@@ -48,8 +48,10 @@ import os
 from typing import NamedTuple
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from turbospark.layers import fused
+from turbospark.layers.cuda import kernel
 from turbospark.layers.cuda import reduce as reduce_cuda
 from turbospark.layers.cuda.kernel import Kernel
 
@@ -336,6 +338,57 @@ _SOURCE = """
 """
 
 
+def _template(
+    width: int, group_size: int, bits: int, rows: int, variant: Variant, dtype: mx.Dtype
+) -> list[tuple[str, int | mx.Dtype]]:
+    outs, unroll, shared_x = variant
+    return [
+        ("K", width),
+        ("GS", group_size),
+        ("BITS", bits),
+        ("ROWS", rows),
+        ("WARPS", WARPS),
+        ("OUTS", outs),
+        ("UNROLL", unroll),
+        ("SHARED_X", int(shared_x)),
+        ("SHARED_FLOATS", SHARED_FLOATS),
+        ("T", dtype),
+    ]
+
+
+def prebuild(model: nn.Module) -> int:
+    """Start compiling, in the background (:func:`~turbospark.layers.cuda.kernel.prebuild`),
+    every kernel *model*'s packed products may take where :func:`available`:
+    each affine-packed linear's (and embedding's, a tied head's) width, group
+    and bits, at 1 to :data:`R_MAX` rows of its scales' dtype (a decode step's
+    rows, alone or batched). Returns how many were not kept already."""
+    if not available():
+        return 0
+    packings = {
+        (
+            module.weight.shape[1] * 32 // module.bits,
+            module.group_size,
+            module.bits,
+            module.scales.dtype,
+        )
+        for _, module in model.named_modules()
+        if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        and module.mode == "affine"
+        and module.bits in BITS
+        and module.group_size in GROUP_SIZES
+        and module.scales.dtype in DTYPES
+    }
+    return kernel.prebuild(
+        _kernel().source(
+            [(dtype, 2), (mx.uint32, 2), (dtype, 2), (dtype, 2)],
+            [dtype],
+            _template(width, group_size, bits, rows, variant_for(bits, rows), dtype),
+        )
+        for width, group_size, bits, dtype in sorted(packings, key=str)
+        for rows in range(1, R_MAX + 1)
+    )
+
+
 @functools.cache
 def _kernel() -> Kernel:
     return Kernel(
@@ -412,22 +465,11 @@ def qmv(
     (the benchmark's and tests' choice) defaults to :func:`variant_for`'s."""
     width, outputs = x.shape[-1], w.shape[0]
     rows = x.size // width
-    outs, unroll, shared_x = variant or variant_for(bits, rows)
-    blocks = -(-outputs // (WARPS * outs))
+    variant = variant or variant_for(bits, rows)
+    blocks = -(-outputs // (WARPS * variant.outs))
     (y,) = _kernel()(
         inputs=[x, w, scales, biases],
-        template=[
-            ("K", width),
-            ("GS", group_size),
-            ("BITS", bits),
-            ("ROWS", rows),
-            ("WARPS", WARPS),
-            ("OUTS", outs),
-            ("UNROLL", unroll),
-            ("SHARED_X", int(shared_x)),
-            ("SHARED_FLOATS", SHARED_FLOATS),
-            ("T", x.dtype),
-        ],
+        template=_template(width, group_size, bits, rows, variant, x.dtype),
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], outputs)],
