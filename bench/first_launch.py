@@ -13,8 +13,8 @@ phases and the decode phases by batch size. Per install, reported:
 - ``our_compiles``: our kernels NVRTC compiled (count, and seconds summed
   over the threads that compiled them, from before the open);
 - ``kernels``: the files each cache directory holds after the run
-  (``turbospark``: our cubins; ``mlx``: MLX's compiled modules), so two
-  installs' compile work can be told apart.
+  (``turbospark``: our cubins; ``mlx``: MLX's compiled modules, and
+  ``mlx_entries``, their names), so two installs' compile work can be told apart.
 
 Each install gets its own empty cache directories (``TURBOSPARK_CACHE`` and
 ``MLX_PTX_CACHE_DIR``) for its ``first`` run; its ``kept`` run reuses them.
@@ -120,12 +120,16 @@ def _mlx_lm_child(path: Path) -> dict[str, Any]:
     }
 
 
-def _files(root: Path) -> dict[str, int]:
-    """Files under each cache: ours (``kernels/turbospark-*``) and MLX's."""
+def _files(root: Path) -> dict[str, Any]:
+    """Files under each cache: ours (``kernels/turbospark-*``) and MLX's, and
+    the names of MLX's entries (a compiled module's names its ops), cut to
+    100 characters, so which of MLX's kernels an install compiled can be read."""
     ours = [p for d in (root / "kernels").glob("turbospark-*") for p in d.iterdir()]
+    mlx = root / "mlx"
     return {
         "turbospark": len(ours),
-        "mlx": sum(1 for p in (root / "mlx").rglob("*") if p.is_file()),
+        "mlx": sum(1 for p in mlx.rglob("*") if p.is_file()),
+        "mlx_entries": sorted(p.name[:100] for p in mlx.iterdir()) if mlx.is_dir() else [],
     }
 
 
@@ -194,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     for label, runs in result.items():
         for run, row in [("first", runs)] if label == "mlx_lm" else runs.items():
-            detail = ", ".join(f"{k} {v}" for k, v in row.items() if k != "phases")
+            shown = {k: v for k, v in row.items() if k != "phases"}
+            if "kernels" in shown:  # the entries' names are for --json
+                shown["kernels"] = {k: v for k, v in shown["kernels"].items() if k != "mlx_entries"}
+            detail = ", ".join(f"{k} {v}" for k, v in shown.items())
             print(f"{label} {run}: {detail}")
             if "phases" in row:
                 print(

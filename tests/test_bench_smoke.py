@@ -429,7 +429,7 @@ def test_first_launch(bench: dict) -> None:
         phases = list(row["phases"])
         assert phases[0] == "prefill" and "decode B=1" in phases
         assert row["our_compiles"] == {"count": 0, "s": 0}
-        assert row["kernels"] == {"turbospark": 0, "mlx": 0}
+        assert row["kernels"] == {"turbospark": 0, "mlx": 0, "mlx_entries": []}
     assert out["mlx_lm"]["first_generate_s"] > 0 and out["mlx_lm"]["load_s"] > 0
 
 
