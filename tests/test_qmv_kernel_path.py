@@ -194,11 +194,7 @@ def test_the_variant_knob_is_read_at_import() -> None:
     assert done.stderr.strip().splitlines()[-1].startswith("ValueError: qmv variant '5,2,1'")
 
 
-def _quantized(path: Path) -> Runner:
-    return _quantized_slots(path, 1)
-
-
-def _quantized_slots(path: Path, session_slots: int) -> Runner:
+def _quantized(path: Path, session_slots: int = 1) -> Runner:
     runner = Runner.open(path, context_length=256, dtype="float32", session_slots=session_slots)
     nn.quantize(
         runner.model, group_size=32, bits=4,
@@ -238,7 +234,7 @@ def test_prebuild_starts_every_kernel_a_quantized_models_steps_compile(
     replaced: the launch computes the contract), compile nothing it did not
     start, and it starts each packing's 1 to R_MAX rows."""
     path: Path = request.getfixturevalue(f"{family}_install")
-    runner = _quantized_slots(path, 3)
+    runner = _quantized(path, session_slots=3)
     started: list[str] = []
     compiled: list[str] = []
 

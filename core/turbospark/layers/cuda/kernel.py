@@ -219,15 +219,18 @@ def prebuild(sources: Iterable[tuple[str, str]]) -> int:
     packed product's, one a width and row count) would otherwise compile
     them one by one on the thread that builds the steps, on a machine's
     first launch."""
+    sources = dict(sources)
+    if not sources:
+        return 0
+    kept = cache_dir()  # asks NVRTC and the driver once, before the threads do
     with _building_lock:
         missing = {
             name: source
-            for name, source in sources
-            if name not in _building and not (cache_dir() / f"{name}.cubin").is_file()
+            for name, source in sources.items()
+            if name not in _building and not (kept / f"{name}.cubin").is_file()
         }
         if not missing:
             return 0
-        nvrtc.architecture()  # the driver's answer, cached, before the threads ask
         pool = ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1), "turbospark-nvrtc")
         for name, source in missing.items():
             _building[name] = pool.submit(_kept_or_compiled, name, source)

@@ -373,10 +373,7 @@ def prebuild(model: nn.Module) -> int:
         )
         for _, module in model.named_modules()
         if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
-        and module.mode == "affine"
-        and module.bits in BITS
-        and module.group_size in GROUP_SIZES
-        and module.scales.dtype in DTYPES
+        and _packing_fits(module.mode, module.bits, module.group_size, module.scales.dtype)
     }
     return kernel.prebuild(
         _kernel().source(
@@ -400,6 +397,12 @@ def _kernel() -> Kernel:
     )
 
 
+def _packing_fits(mode: str, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel takes this packing of activations of *dtype*: MLX's
+    affine one at a width and group size it splits evenly."""
+    return mode == "affine" and bits in BITS and group_size in GROUP_SIZES and dtype in DTYPES
+
+
 def fits(
     x: mx.array,
     w: mx.array,
@@ -412,7 +415,7 @@ def fits(
     """Whether the kernel computes this product: MLX's affine packing at a
     supported width and group size, x ``(..., K)`` of at most :data:`R_MAX`
     rows matching the packed rows, scales and biases of x's float dtype."""
-    if mode != "affine" or biases is None or bits not in BITS or group_size not in GROUP_SIZES:
+    if biases is None or not _packing_fits(mode, bits, group_size, x.dtype):
         return False
     width = x.shape[-1] if x.ndim else 0
     return (
@@ -422,7 +425,6 @@ def fits(
         and w.dtype == mx.uint32
         and w.shape[1] * 32 == width * bits
         and width % group_size == 0
-        and x.dtype in DTYPES
         and scales.dtype == biases.dtype == x.dtype
         and scales.shape == biases.shape == (w.shape[0], width // group_size)
     )
