@@ -433,6 +433,14 @@ def test_first_launch(bench: dict) -> None:
     assert out["mlx_lm"]["first_generate_s"] > 0 and out["mlx_lm"]["load_s"] > 0
 
 
+def test_first_launch_refuses_a_width_it_has_no_install_for(
+    bench: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        bench["first_launch"].main(["--bits", "3"])
+    assert "--bits takes 4, 8 or 0 (the float install)" in capsys.readouterr().err
+
+
 def test_qmv_products_follow_the_size(bench: dict) -> None:
     """``tp8b``'s products are the ones docs/CUDA.md's sweep recorded; a
     step's sum counts each layer's products *layers* times and the head once."""
